@@ -1,0 +1,1 @@
+"""CuPy path of the compression kernels (placeholder replaced by the CUDA work)."""
