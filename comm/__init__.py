@@ -1,2 +1,28 @@
-"""Collectives for compressed data-parallel training: backends and the compressed allreduce."""
+"""Collectives for compressed data-parallel training: backends and the compressed allreduce.
+
+Backends (:class:`Backend`): :class:`TorchBackend` (NCCL/Gloo via ``torch.distributed``),
+:class:`MPIBackend` (mpi4py), :class:`SingleProcessBackend`; :func:`get_backend` picks one.
+"""
 from .backend import Backend, CommStats, CompletedWork, SingleProcessBackend, Work  # noqa: F401
+from .compressed import (  # noqa: F401
+    CompressedAllreduce,
+    chunk_numel,
+    compressed_allreduce,
+    error_buffer_sizes,
+    server_valid_numel,
+    wire_bytes,
+)
+from .select import get_backend  # noqa: F401
+
+
+def __getattr__(name):
+    # backends whose dependencies are optional load on first use
+    if name == "TorchBackend":
+        from .torch_backend import TorchBackend
+
+        return TorchBackend
+    if name == "MPIBackend":
+        from .mpi_backend import MPIBackend
+
+        return MPIBackend
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

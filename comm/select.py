@@ -1,0 +1,69 @@
+"""``get_backend``: pick the collectives' backend from how the job was launched."""
+from __future__ import annotations
+
+import os
+
+from .backend import Backend, SingleProcessBackend
+
+# Environment variables that MPI launchers (mpiexec of MPICH/Open MPI/Intel MPI, srun with PMI)
+# set in every rank, with the number of ranks.
+_MPI_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS")
+
+
+def _launched_world_size() -> tuple[str, int] | None:
+    for var in ("WORLD_SIZE", *_MPI_SIZE_VARS):
+        value = os.environ.get(var)
+        if value and value.isdigit() and int(value) > 1:
+            return var, int(value)
+    return None
+
+
+def _mpi_launched() -> bool:
+    return any(os.environ.get(v, "").isdigit() and int(os.environ[v]) > 1 for v in _MPI_SIZE_VARS)
+
+
+def get_backend(kind: str = "auto", **kwargs) -> Backend:
+    """The backend for ``kind``: ``"torch"``, ``"mpi"``, ``"single"`` or ``"auto"``.
+
+    ``auto``: a :class:`TorchBackend` when ``torch.distributed`` is initialised; an
+    :class:`MPIBackend` when launched by ``mpiexec``/``srun`` with more than one rank; a
+    :class:`SingleProcessBackend` for a plain single-process run. A multi-rank launch that has
+    neither (``torchrun`` without ``init_process_group``, ``mpiexec`` without mpi4py) raises,
+    rather than training each rank alone. ``kwargs`` go to the backend's constructor.
+    """
+    if kind == "torch":
+        from .torch_backend import TorchBackend
+
+        return TorchBackend(**kwargs)
+    if kind == "mpi":
+        from .mpi_backend import MPIBackend
+
+        return MPIBackend(**kwargs)
+    if kind == "single":
+        return SingleProcessBackend()
+    if kind != "auto":
+        raise ValueError(f"backend kind must be 'auto', 'torch', 'mpi' or 'single', got {kind!r}")
+
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        from .torch_backend import TorchBackend
+
+        return TorchBackend(**kwargs)
+    if _mpi_launched():
+        try:
+            from .mpi_backend import MPIBackend
+        except ImportError as exc:
+            raise RuntimeError(
+                "launched under an MPI launcher but mpi4py is not importable: "
+                "pip install 'compressed-opt[mpi]', or initialise torch.distributed"
+            ) from exc
+        return MPIBackend(**kwargs)
+    launched = _launched_world_size()
+    if launched is not None:
+        var, size = launched
+        raise RuntimeError(
+            f"{var}={size} says this is one of {size} ranks, but torch.distributed is not "
+            "initialised: call torch.distributed.init_process_group() before creating the optimizer"
+        )
+    return SingleProcessBackend()

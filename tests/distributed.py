@@ -1,0 +1,83 @@
+"""Run a function on several Gloo ranks (spawned processes) with a timeout, for tests.
+
+Each run gets its own file store in a fresh temporary folder, so concurrent tests never share a
+port. ``fn(rank, world_size, *args)`` runs in every rank after ``init_process_group``; what it
+returns is pickled back. A rank that raises, dies or outlives ``timeout`` fails the run with the
+ranks' tracebacks, and every process is killed: a hang fails fast.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+import time
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def _rank_main(rank, world_size, store_path, out_dir, fn, args):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    result_path = os.path.join(out_dir, f"rank{rank}.pkl")
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
+        try:
+            value = ("ok", fn(rank, world_size, *args))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        value = ("error", traceback.format_exc())
+    with open(result_path + ".tmp", "wb") as f:
+        pickle.dump(value, f)
+    os.replace(result_path + ".tmp", result_path)
+
+
+class RanksFailed(AssertionError):
+    pass
+
+
+def spawn_ranks(fn, world_size: int, *args, timeout: float = 120.0):
+    """``[(status, value)]`` per rank: ``("ok", result)`` or ``("error", traceback)``. Fails
+    (``RanksFailed``) only when a rank hangs past ``timeout`` or dies without a word."""
+    with tempfile.TemporaryDirectory(prefix="co-ranks-") as tmp:
+        store = os.path.join(tmp, "store")
+        ctx = mp.get_context("spawn")
+        procs = [
+            ctx.Process(target=_rank_main, args=(r, world_size, store, tmp, fn, args), daemon=True)
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        outcomes, missing = [], []
+        for r in range(world_size):
+            path = os.path.join(tmp, f"rank{r}.pkl")
+            if not os.path.exists(path):
+                missing.append(f"rank {r} " + ("timed out" if r in hung else f"died (exit code {procs[r].exitcode})"))
+                continue
+            with open(path, "rb") as f:
+                outcomes.append(pickle.load(f))
+        if missing:
+            raise RanksFailed("; ".join(missing) + "".join(f"\n{v}" for s, v in outcomes if s == "error"))
+        return outcomes
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float = 120.0):
+    """Results of ``fn`` on ranks ``0..world_size-1``; fails with every rank's traceback if any
+    rank raised. ``fn`` must be importable (a module-level function of a test module)."""
+    outcomes = spawn_ranks(fn, world_size, *args, timeout=timeout)
+    errors = [f"rank {r} raised:\n{v}" for r, (s, v) in enumerate(outcomes) if s == "error"]
+    if errors:
+        raise RanksFailed("\n".join(errors))
+    return [v for _, v in outcomes]
