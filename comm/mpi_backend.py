@@ -175,7 +175,7 @@ class MPIBackend(Backend):
                 f"cuda_aware={self.cuda_aware})")
 
     # --- staging buffers ---------------------------------------------------------------------
-    def _take(self, dtype: torch.dtype, numel: int, device: torch.device) -> torch.Tensor:
+    def _take(self, dtype: torch.dtype, numel: int, device) -> torch.Tensor:
         """A staging buffer from the pool of its kind (pinned when it stages a CUDA tensor on the
         host: ``device`` is then ``cpu-pinned``)."""
         pool = self.workspace(("mpi-stage", dtype, numel, str(device)), list)

@@ -51,14 +51,15 @@ def get_backend(kind: str = "auto", **kwargs) -> Backend:
 
         return TorchBackend(**kwargs)
     if _mpi_launched():
+        from .mpi_backend import MPIBackend
+
         try:
-            from .mpi_backend import MPIBackend
+            return MPIBackend(**kwargs)
         except ImportError as exc:
             raise RuntimeError(
                 "launched under an MPI launcher but mpi4py is not importable: "
                 "pip install 'compressed-opt[mpi]', or initialise torch.distributed"
             ) from exc
-        return MPIBackend(**kwargs)
     launched = _launched_world_size()
     if launched is not None:
         var, size = launched
