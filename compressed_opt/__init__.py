@@ -1,4 +1,15 @@
-"""compressed-opt: communication-compressed optimizers for PyTorch data-parallel training."""
+"""compressed-opt: communication-compressed optimizers for PyTorch data-parallel training.
+
+Drop-in ``torch.optim`` replacements that warm up at full precision, then communicate 1-bit
+compressed momentum with error feedback: :class:`OnebitAdam`, :class:`OnebitLamb`,
+:class:`ZeroOneAdam`. Collectives go through :mod:`compressed_opt.comm` backends; the element-wise
+kernels live in :mod:`compressed_opt.cuda`.
+"""
 from compressed_opt import comm, cuda  # noqa: F401
+from compressed_opt.comm import compressed_allreduce, get_backend  # noqa: F401
+
+from .freeze import VarianceStabilityRule  # noqa: F401
+from .onebit_adam import OnebitAdam  # noqa: F401
 
 __version__ = "0.1.0"
+__all__ = ["OnebitAdam", "VarianceStabilityRule", "compressed_allreduce", "get_backend", "comm", "cuda"]

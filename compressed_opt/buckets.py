@@ -1,0 +1,77 @@
+"""Flat gradient buckets: parameters grouped into contiguous fp32 buffers, one collective each.
+
+A bucket holds parameters of one param group on one device, in reverse registration order (the
+order backward produces gradients), up to ``cap_bytes`` of fp32 each (a parameter larger than the
+cap gets a bucket of its own). Every rank builds the same buckets from the same parameters, so
+bucket ``i`` means the same elements everywhere. The optimizer state that takes part in
+collectives (momentum, variance, error buffers) lives in per-bucket flat buffers; the per-parameter
+tensors users see in ``optimizer.state`` are views into them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Bucket:
+    index: int
+    group_index: int
+    params: list[torch.Tensor]
+    offsets: list[int]
+    numel: int
+    device: torch.device
+    flats: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def flat(self, name: str) -> torch.Tensor:
+        """The fp32 buffer ``name`` of this bucket (zeros on first use)."""
+        buf = self.flats.get(name)
+        if buf is None:
+            buf = self.flats[name] = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
+        return buf
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Per-parameter views of a flat buffer, shaped like the parameters."""
+        return [flat[o : o + p.numel()].view_as(p) for p, o in zip(self.params, self.offsets)]
+
+    def gather_grads(self, out: torch.Tensor, inv_scale: float | None = None) -> None:
+        """``out`` <- this bucket's gradients (zeros where a parameter has none), times ``inv_scale``."""
+        have, views = [], []
+        for p, view in zip(self.params, self.views(out)):
+            if p.grad is None:
+                view.zero_()
+            else:
+                have.append(p.grad)
+                views.append(view)
+        if views:
+            torch._foreach_copy_(views, have)
+        if inv_scale is not None:
+            out.mul_(inv_scale)
+
+
+def build_buckets(param_groups: list[dict], cap_bytes: int) -> list[Bucket]:
+    buckets: list[Bucket] = []
+    for gi, group in enumerate(param_groups):
+        current: dict[torch.device, list[torch.Tensor]] = {}
+        sizes: dict[torch.device, int] = {}
+
+        def close(device):
+            params = current.pop(device, [])
+            sizes.pop(device, None)
+            if params:
+                offsets, total = [], 0
+                for p in params:
+                    offsets.append(total)
+                    total += p.numel()
+                buckets.append(Bucket(len(buckets), gi, params, offsets, total, device))
+
+        for p in reversed([p for p in group["params"] if p.requires_grad]):
+            dev = p.device
+            if current.get(dev) and sizes[dev] + 4 * p.numel() > cap_bytes:
+                close(dev)
+            current.setdefault(dev, []).append(p)
+            sizes[dev] = sizes.get(dev, 0) + 4 * p.numel()
+        for dev in list(current):
+            close(dev)
+    return buckets

@@ -1,0 +1,166 @@
+"""1-bit Adam (Tang et al., "1-bit Adam: Communication Efficient Large-Scale Training with Adam's
+Convergence Speed", ICML 2021).
+
+Warmup, steps ``1..freeze_step``: gradients averaged at full precision; the step is exactly AdamW::
+
+    m = b1 m + (1 - b1) g;   v = b2 v + (1 - b2) g^2
+    p <- p (1 - lr wd) - lr * (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)
+
+At the end of step ``freeze_step`` the variance is frozen: ``v_f = v / (1 - b2^freeze_step)``.
+Compression stage: no gradient allreduce. Each rank forms its local momentum
+``m_i = b1 m + (1 - b1) g_i`` and ``m = compressed_allreduce(m_i)`` (error feedback, identical on
+every rank); ``p <- p (1 - lr wd) - lr * (m / (1 - b1^t)) / (sqrt(v_f) + eps)``.
+
+Beyond the paper: a coordinate whose frozen variance is exactly 0 (it never received a gradient
+in warmup, e.g. the weight of an input that is always 0) is not moved by the momentum in the
+compression stage. 1-bit compression sends it ``+-scale`` like every other coordinate, and
+``scale / eps`` would blow it up (to inf, then NaN as ``inf * 0``); its denominator is ``inf``.
+
+``bias_correction=False`` reproduces DeepSpeed's update (no bias correction).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from compressed_opt.comm import compressed_allreduce
+
+from .freeze import VarianceStabilityRule, resolve_rule
+from .optimizer import CompressedOptimizer, bias_corrections
+from .validation import check_betas, check_nonneg_float, check_step_count
+
+logger = logging.getLogger("compressed_opt")
+
+
+class _FreezingAdam(CompressedOptimizer):
+    """Adam-family optimizers with one variance freeze: warmup, then compression."""
+
+    bucket_state_names = ("exp_avg", "exp_avg_sq")
+
+    def __init__(self, params, defaults, freeze_step, backend, bucket_cap_mb):
+        freeze_step = check_step_count("freeze_step", freeze_step, allow_auto=True, minimum=1) \
+            if not isinstance(freeze_step, VarianceStabilityRule) else freeze_step
+        self.freeze_rule = resolve_rule("freeze_step", freeze_step)
+        self.freeze_step = None if self.freeze_rule is not None else freeze_step
+        self.frozen = False
+        super().__init__(params, defaults, backend=backend, bucket_cap_mb=bucket_cap_mb)
+
+    def _validate_group(self, group):
+        check_nonneg_float("lr", group["lr"])
+        check_nonneg_float("eps", group["eps"])
+        check_nonneg_float("weight_decay", group["weight_decay"])
+        group["betas"] = check_betas(group["betas"])
+
+    @property
+    def compressing(self) -> bool:
+        return self.frozen
+
+    def _needs_average(self, step):
+        return not self.frozen
+
+    def _end_step(self, step):
+        if self.frozen:
+            return
+        if self.freeze_rule is None:
+            freeze = step >= self.freeze_step
+        else:
+            freeze = self._auto_decision(step)
+        if freeze:
+            self._freeze(step)
+
+    def _mean_bias_corrected_variance(self, step) -> float:
+        total = numel = 0.0
+        for b in self._buckets:
+            group = self.param_groups[b.group_index]
+            _, bc2 = bias_corrections(*group["betas"], step, group.get("bias_correction", True))
+            total += float(b.flat("exp_avg_sq").sum()) / (bc2 * bc2)
+            numel += b.numel
+        return total / max(numel, 1.0)
+
+    def _auto_decision(self, step) -> bool:
+        wants = self.freeze_rule.observe(step, self._mean_bias_corrected_variance(step))
+        if self.backend.world_size == 1:
+            return wants
+        device = self._buckets[0].device if self._buckets else torch.device("cpu")
+        flag = torch.tensor([1 if wants else 0], dtype=torch.int32, device=device)
+        self.backend.broadcast(flag, src=0)  # rank 0 decides for everyone
+        return bool(flag.item())
+
+    def _freeze(self, step):
+        self.frozen = True
+        self.freeze_step = step
+        self.reset_error_buffers()
+        logger.info("%s: variance frozen at the end of step %d; compression starts", type(self).__name__, step)
+
+    def frozen_denominator(self, bucket) -> torch.Tensor:
+        """``sqrt(v_f) + eps`` of the bucket (``inf`` where ``v_f == 0``), made once at the freeze
+        (or after a checkpoint load) from ``exp_avg_sq`` and the freeze step."""
+        denom = bucket.flats.get("frozen_denominator")
+        if denom is None:
+            group = self.param_groups[bucket.group_index]
+            _, bc2_sqrt = bias_corrections(*group["betas"], self.freeze_step, group.get("bias_correction", True))
+            v = bucket.flat("exp_avg_sq")
+            denom = torch.sqrt(v).div_(bc2_sqrt).add_(group["eps"]).masked_fill_(v == 0, float("inf"))
+            bucket.flats["frozen_denominator"] = denom
+        return denom
+
+    def _extra_state(self):
+        return {
+            "frozen": self.frozen,
+            "freeze_step": self.freeze_step,
+            "freeze_rule": None if self.freeze_rule is None else self.freeze_rule.state_dict(),
+        }
+
+    def _load_extra_state(self, extra):
+        self.frozen = bool(extra["frozen"])
+        self.freeze_step = extra["freeze_step"]
+        if extra.get("freeze_rule") is not None:
+            if self.freeze_rule is None:
+                self.freeze_rule = VarianceStabilityRule()
+            self.freeze_rule.load_state_dict(extra["freeze_rule"])
+
+    def _extra_signature(self):
+        rule = None if self.freeze_rule is None else self.freeze_rule.state_dict()
+        return (self.freeze_step, rule and (rule["window"], rule["rtol"], rule["min_step"], rule["max_step"]))
+
+
+class OnebitAdam(_FreezingAdam):
+    """1-bit Adam: AdamW during warmup, then 1-bit compressed momentum with a frozen variance.
+
+    Args:
+        params: parameters or param groups, as for ``torch.optim.AdamW``.
+        lr, betas, eps, weight_decay: as ``torch.optim.AdamW`` (decoupled weight decay).
+        freeze_step: warmup length in steps (>= 1), or ``"auto"`` to freeze when the variance has
+            stabilised (:class:`compressed_opt.freeze.VarianceStabilityRule`; pass an instance
+            to tune it). The step chosen is in ``optimizer.freeze_step`` and in checkpoints.
+        bias_correction: Adam's bias correction (``False``: DeepSpeed's update).
+        backend: a :class:`compressed_opt.comm.Backend`; ``None`` picks one
+            (:func:`compressed_opt.comm.get_backend`).
+        bucket_cap_mb: size cap of the flat buckets (one collective per bucket).
+    """
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, freeze_step=100000,
+                 *, bias_correction=True, backend=None, bucket_cap_mb=25.0):
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bool(bias_correction))
+        super().__init__(params, defaults, freeze_step, backend, bucket_cap_mb)
+
+    def _bucket_step(self, bucket, group, grad, step, averaged):
+        m, v = bucket.flat("exp_avg"), bucket.flat("exp_avg_sq")
+        beta1, beta2 = group["betas"]
+        lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+        bc1, bc2_sqrt = bias_corrections(beta1, beta2, step, group["bias_correction"])
+        direction = grad  # the gradient buffer is free after the moments: it takes m / denominator
+        if averaged:  # warmup: AdamW on the averaged gradient
+            m.lerp_(grad, 1 - beta1)
+            v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            torch.sqrt(v, out=direction).div_(bc2_sqrt).add_(eps)
+            torch.div(m, direction, out=direction)
+        else:  # compression stage: local momentum, then its compressed average
+            m.mul_(beta1).add_(grad, alpha=1 - beta1)
+            worker_error, server_error = self.error_buffers(bucket)
+            compressed_allreduce(m, worker_error, server_error, self.backend)
+            torch.div(m, self.frozen_denominator(bucket), out=direction)
+        if wd != 0:
+            torch._foreach_mul_(bucket.params, 1 - lr * wd)
+        torch._foreach_add_(bucket.params, bucket.views(direction), alpha=-lr / bc1)

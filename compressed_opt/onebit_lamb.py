@@ -1,0 +1,249 @@
+"""1-bit LAMB (Li et al., "1-bit LAMB: Communication Efficient Large-Scale Large-Batch Training
+with LAMB's Convergence Speed", 2021).
+
+Warmup, steps ``1..freeze_step``: LAMB on the gradient averaged at full precision. Per layer
+(parameter tensor) ``l``::
+
+    m = b1 m + (1 - b1) g;   v = b2 v + (1 - b2) g^2
+    u = m_hat / (sqrt(v_hat) + eps) + wd p            (m_hat = m / (1 - b1^t), v_hat likewise)
+    r = clip(||p|| / ||u||, min_coeff, max_coeff)      (1 when either norm is 0)
+    p <- p - lr r u
+
+and an exponential moving average of ``r`` with ``coeff_beta`` (from 0, bias-corrected like
+Adam's moments: ``r_ema / (1 - coeff_beta^n)`` after ``n`` updates).
+
+At the end of step ``freeze_step``: ``v`` is frozen (``v_f = v / (1 - b2^freeze_step)``), each
+layer's trust ratio is frozen (``r_f``: its bias-corrected EMA), and a fresh variance starts from
+``v_fresh = v``.
+
+Compression stage: no gradient allreduce. Each rank forms its local momentum
+``m_i = b1 m + (1 - b1) g_i`` and all the momenta of a bucket go through ONE compressed
+allreduce. Since one scale serves the whole buffer, each layer's momentum is multiplied by a
+fixed coefficient ``c_l = mean_k RMS(m_k) / RMS(m_l)`` (``k`` over the layers of the bucket, set
+from the momentum at the first compression step, identical on every rank) before the exchange and
+divided by it after. From the averaged momentum ``m_t`` the averaged gradient is reconstructed,
+``g~ = (m_t - b1 m_{t-1}) / (1 - b1)``, and ``v_fresh = b2 v_fresh + (1 - b2) g~^2``. Per layer::
+
+    factor = max_k (sqrt(v_f) + eps) / (sqrt(v_fresh_hat) + eps)
+    factor = clip(factor, factor_min, factor_max), then clip to
+             [(1 - factor_threshold) f_prev, (1 + factor_threshold) f_prev]   (f_prev starts at 1)
+    p <- p - lr r_f factor (m_hat / (sqrt(v_f) + eps) + wd p)
+
+With ``bias_correction=True`` (the default) ``m_hat = m / (1 - b1^t)`` and
+``v_fresh_hat = v_fresh / (1 - b2^t)``; ``False`` uses the raw moments everywhere (the paper's
+code). Unlike the paper's code, the factor is not blended towards 1 by the weight-decay share of
+the update.
+
+Per-layer scalars live in ``optimizer.state[p]`` as Python floats (so checkpoints keep them
+exactly): ``trust_ratio_ema``, ``trust_ratio_updates``, ``trust_ratio_frozen``,
+``scaling_coeff``, ``last_factor`` and ``lamb_coeff`` (the coefficient ``r`` or ``r_f factor``
+the last step applied).
+"""
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from compressed_opt.comm import compressed_allreduce
+
+from .onebit_adam import _FreezingAdam
+from .optimizer import bias_corrections
+from .validation import check_nonneg_float
+
+__all__ = ["OnebitLamb"]
+
+
+def _check_positive(name: str, value) -> float:
+    value = check_nonneg_float(name, value)
+    if value <= 0.0:
+        raise ValueError(f"Invalid {name}: {value} (must be > 0)")
+    return value
+
+
+class OnebitLamb(_FreezingAdam):
+    """1-bit LAMB: LAMB during warmup, then 1-bit compressed momentum with frozen variance and
+    trust ratios, rescaled per layer by the drift of a fresh variance estimate.
+
+    Args:
+        params: parameters or param groups, as for ``torch.optim.AdamW``.
+        lr, betas, eps, weight_decay: as LAMB (weight decay added to the update before the
+            trust ratio).
+        freeze_step: warmup length in steps (>= 1), or ``"auto"`` / a
+            :class:`compressed_opt.freeze.VarianceStabilityRule` (as :class:`OnebitAdam`).
+        max_coeff, min_coeff: the range of the warmup trust ratio (> 0, ``min <= max``).
+        coeff_beta: decay of the trust ratios' moving average, in ``[0, 1)``.
+        factor_max, factor_min: the range of the compression-stage variance factor
+            (> 0, ``min <= max``).
+        factor_threshold: the most the factor may change from one step to the next (relative, >= 0).
+        bias_correction: Adam's bias correction of the moments (``False``: the paper's code).
+        backend: a :class:`compressed_opt.comm.Backend`; ``None`` picks one.
+        bucket_cap_mb: size cap of the flat buckets (one collective per bucket).
+    """
+
+    bucket_state_names = ("exp_avg", "exp_avg_sq", "exp_avg_sq_fresh")
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, freeze_step=100000,
+                 *, max_coeff=10.0, min_coeff=0.01, coeff_beta=0.9, factor_max=4.0, factor_min=0.5,
+                 factor_threshold=0.1, bias_correction=True, backend=None, bucket_cap_mb=25.0):
+        defaults = dict(
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+            max_coeff=max_coeff, min_coeff=min_coeff, coeff_beta=coeff_beta,
+            factor_max=factor_max, factor_min=factor_min, factor_threshold=factor_threshold,
+            bias_correction=bool(bias_correction),
+        )
+        super().__init__(params, defaults, freeze_step, backend, bucket_cap_mb)
+
+    def _validate_group(self, group):
+        super()._validate_group(group)
+        for name in ("max_coeff", "min_coeff", "factor_max", "factor_min"):
+            group[name] = _check_positive(name, group[name])
+        if group["min_coeff"] > group["max_coeff"]:
+            raise ValueError(f"Invalid min_coeff: {group['min_coeff']} (must be <= max_coeff, {group['max_coeff']})")
+        if group["factor_min"] > group["factor_max"]:
+            raise ValueError(
+                f"Invalid factor_min: {group['factor_min']} (must be <= factor_max, {group['factor_max']})"
+            )
+        beta = check_nonneg_float("coeff_beta", group["coeff_beta"])
+        if beta >= 1.0:
+            raise ValueError(f"Invalid coeff_beta: {beta} (must be in [0, 1))")
+        group["coeff_beta"] = beta
+        group["factor_threshold"] = check_nonneg_float("factor_threshold", group["factor_threshold"])
+        if not isinstance(group["bias_correction"], (bool, numbers.Integral)):
+            raise TypeError(f"bias_correction must be a bool, got {type(group['bias_correction']).__name__}")
+
+    # --- stages ----------------------------------------------------------------------------------
+    def _freeze(self, step):
+        super()._freeze(step)
+        for b in self._buckets or ():
+            b.flat("exp_avg_sq_fresh").copy_(b.flat("exp_avg_sq"))
+            beta = self.param_groups[b.group_index]["coeff_beta"]
+            for p in b.params:
+                st = self.state[p]
+                st["trust_ratio_frozen"] = _debiased_ema(st, beta)
+                st["last_factor"] = 1.0
+                st.pop("scaling_coeff", None)  # set again from the momentum at the first compression step
+
+    def _bucket_step(self, bucket, group, grad, step, averaged):
+        if averaged:
+            self._lamb_step(bucket, group, grad, step)
+        else:
+            self._compressed_step(bucket, group, grad, step)
+
+    # --- warmup: LAMB on the averaged gradient ---------------------------------------------------
+    def _lamb_step(self, bucket, group, grad, step):
+        m, v = bucket.flat("exp_avg"), bucket.flat("exp_avg_sq")
+        beta1, beta2 = group["betas"]
+        lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]
+        bc1, bc2_sqrt = bias_corrections(beta1, beta2, step, group["bias_correction"])
+        m.lerp_(grad, 1 - beta1)
+        v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        update = grad  # the gradient buffer is free now: u = m_hat / (sqrt(v_hat) + eps) + wd p
+        torch.sqrt(v, out=update).div_(bc2_sqrt).add_(eps).mul_(bc1)
+        torch.div(m, update, out=update)
+        params, views = bucket.params, bucket.views(update)
+        if wd != 0:
+            torch._foreach_add_(views, params, alpha=wd)
+        ratios = self._trust_ratios(params, views, group["min_coeff"], group["max_coeff"])
+        beta = group["coeff_beta"]
+        for p, r in zip(params, ratios):
+            st = self.state[p]
+            st["trust_ratio_ema"] = beta * st.get("trust_ratio_ema", 0.0) + (1 - beta) * r
+            st["trust_ratio_updates"] = st.get("trust_ratio_updates", 0) + 1
+            st["lamb_coeff"] = r
+        torch._foreach_mul_(views, [-lr * r for r in ratios])
+        torch._foreach_add_(params, views)
+
+    @staticmethod
+    def _trust_ratios(params, updates, min_coeff, max_coeff) -> list[float]:
+        """``clip(||p|| / ||u||, min_coeff, max_coeff)`` per layer, 1 where a norm is 0."""
+        if not params:
+            return []
+        p_norm = torch.stack(torch._foreach_norm(params, 2, dtype=torch.float32))
+        u_norm = torch.stack(torch._foreach_norm(updates, 2, dtype=torch.float32))
+        ratio = torch.where((p_norm > 0) & (u_norm > 0), p_norm / u_norm, torch.full_like(p_norm, -1.0))
+        return [1.0 if r < 0 else min(max(r, min_coeff), max_coeff) for r in ratio.tolist()]
+
+    # --- compression stage -----------------------------------------------------------------------
+    def _scaling_coeffs(self, bucket, m) -> list[float]:
+        """Each layer's ``c_l = mean_k RMS(m_k) / RMS(m_l)`` (1 for an all-zero or empty layer),
+        set once from ``m`` (the averaged momentum, the same on every rank) and kept in state."""
+        states = [self.state[p] for p in bucket.params]
+        if any("scaling_coeff" not in st for st in states):
+            norms = torch.stack(torch._foreach_norm(bucket.views(m))).tolist()
+            rms = [n / math.sqrt(p.numel()) if p.numel() else 0.0 for n, p in zip(norms, bucket.params)]
+            layers = [r for r, p in zip(rms, bucket.params) if p.numel()]
+            mean = sum(layers) / len(layers) if layers else 0.0
+            for st, r in zip(states, rms):
+                st["scaling_coeff"] = mean / r if r > 0 and mean > 0 and math.isfinite(mean / r) else 1.0
+        return [st["scaling_coeff"] for st in states]
+
+    def _compressed_step(self, bucket, group, grad, step):
+        m, v_f, v_fresh = bucket.flat("exp_avg"), bucket.flat("exp_avg_sq"), bucket.flat("exp_avg_sq_fresh")
+        scratch = bucket.flat("lamb_scratch")  # working memory, not state
+        params = bucket.params
+        beta1, beta2 = group["betas"]
+        lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]
+        bc1, bc2_sqrt = bias_corrections(beta1, beta2, step, group["bias_correction"])
+        _, bc2f_sqrt = bias_corrections(beta1, beta2, self.freeze_step, group["bias_correction"])
+        coeffs = self._scaling_coeffs(bucket, m)
+
+        # m holds m_{t-1} (last step's average); the local momentum goes into the gradient buffer
+        torch.lerp(m, grad, 1 - beta1, out=grad)
+        momentum = grad
+        views = bucket.views(momentum)
+        torch._foreach_mul_(views, coeffs)
+        worker_error, server_error = self.error_buffers(bucket)
+        compressed_allreduce(momentum, worker_error, server_error, self.backend)
+        torch._foreach_div_(views, coeffs)
+
+        # g~ = (m_t - b1 m_{t-1}) / (1 - b1) into m; v_fresh; then m <- m_t
+        m.mul_(-beta1).add_(momentum).div_(1 - beta1)
+        v_fresh.mul_(beta2).addcmul_(m, m, value=1 - beta2)
+        m.copy_(momentum)
+
+        # per layer: max (sqrt(v_f) + eps) / (sqrt(v_fresh_hat) + eps)
+        denom = scratch
+        torch.sqrt(v_f, out=denom).div_(bc2f_sqrt).add_(eps)
+        ratio = grad
+        torch.sqrt(v_fresh, out=ratio).div_(bc2_sqrt).add_(eps)
+        torch.div(denom, ratio, out=ratio)
+        nonempty = [i for i, p in enumerate(params) if p.numel()]
+        maxima = bucket.views(ratio)
+        raw = [1.0] * len(params)
+        if nonempty:
+            found = torch.stack(torch._foreach_max([maxima[i] for i in nonempty])).tolist()
+            for i, f in zip(nonempty, found):
+                raw[i] = f
+
+        # u = m_hat / (sqrt(v_f) + eps) + wd p
+        update = grad
+        torch.div(m, denom.mul_(bc1), out=update)
+        views = bucket.views(update)
+        if wd != 0:
+            torch._foreach_add_(views, params, alpha=wd)
+
+        fmin, fmax, threshold = group["factor_min"], group["factor_max"], group["factor_threshold"]
+        scales = []
+        for p, f in zip(params, raw):
+            st = self.state[p]
+            last = st.get("last_factor", 1.0)
+            f = min(max(f, fmin), fmax)
+            f = min(max(f, last * (1.0 - threshold)), last * (1.0 + threshold))
+            st["last_factor"] = f
+            if "trust_ratio_frozen" not in st:  # a parameter added after the freeze
+                st["trust_ratio_frozen"] = _debiased_ema(st, group["coeff_beta"])
+            coeff = st["trust_ratio_frozen"] * f
+            st["lamb_coeff"] = coeff
+            scales.append(-lr * coeff)
+        torch._foreach_mul_(views, scales)
+        torch._foreach_add_(params, views)
+
+
+def _debiased_ema(st: dict, beta: float) -> float:
+    """The layer's trust-ratio EMA divided by ``1 - beta^n`` (1.0 before any update)."""
+    n = st.get("trust_ratio_updates", 0)
+    if n == 0:
+        return 1.0
+    return st.get("trust_ratio_ema", 0.0) / (1.0 - beta**n)

@@ -1,0 +1,324 @@
+"""The base of the compressed optimizers: buckets, gradient averaging, rank agreement, checkpoints.
+
+Subclasses implement the algorithm per bucket in :meth:`CompressedOptimizer._bucket_step`; this
+class owns everything around it, in the order of a step:
+
+1. closure (if any), buckets built or rebuilt (after ``add_param_group``);
+2. once, before the first step: every rank checks that all ranks have the same parameter shapes
+   and hyperparameters (an all-gather of a signature), raising on every rank if not;
+3. ``torch.amp.GradScaler``: the optimizer handles scaling itself (``_step_supports_amp_scaling``)
+   so that a non-finite gradient on *any* rank makes *every* rank skip the step (a one-element
+   all-reduce of the flags), where GradScaler alone would skip only on the overflowing rank and
+   leave the others waiting in a collective;
+4. per bucket: the rank's gradients copied (unscaled) into a flat fp32 buffer; if the algorithm
+   wants the full-precision average this step (:meth:`_needs_average`), one all-reduce per bucket,
+   all launched before the first is waited for; then ``_bucket_step``;
+5. ``_end_step``: stage changes (freezing), decided identically on every rank.
+
+The rest of the state a resumed run needs (stage, counters, error buffers) goes into
+``state_dict()["compressed_opt"]``.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import struct
+import warnings
+
+import torch
+from torch.optim import Optimizer
+
+from compressed_opt.comm import Backend, get_backend
+
+from .buckets import Bucket, build_buckets
+from .validation import check_nonneg_float
+
+logger = logging.getLogger("compressed_opt")
+
+_STATE_FORMAT = 1
+
+
+class CompressedOptimizer(Optimizer):
+    _step_supports_amp_scaling = True
+    #: per-bucket fp32 buffers shown per parameter in ``optimizer.state[p][name]``
+    bucket_state_names: tuple[str, ...] = ()
+
+    def __init__(self, params, defaults: dict, backend: Backend | None = None, bucket_cap_mb: float = 25.0):
+        self._buckets: list[Bucket] | None = None
+        super().__init__(params, defaults)
+        if backend is None:
+            backend = get_backend("auto")
+        if not isinstance(backend, Backend):
+            raise TypeError(f"backend must be a compressed_opt.comm.Backend or None, got {type(backend).__name__}")
+        self.backend = backend
+        cap = check_nonneg_float("bucket_cap_mb", bucket_cap_mb)
+        if cap == 0:
+            raise ValueError("Invalid bucket_cap_mb: 0 (must be > 0)")
+        self.bucket_cap_bytes = max(4, int(cap * 2**20))
+        self.global_step = 0
+        self._layout_key = None
+        self._ranks_checked = False
+        self._pending_bucket_state: list[dict] | None = None
+
+    # --- parameters and buckets ---------------------------------------------------------------
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        for p in group["params"]:
+            if p.is_complex():
+                raise TypeError(f"{type(self).__name__} does not support complex parameters (got {p.dtype})")
+            if not p.is_floating_point():
+                raise TypeError(f"{type(self).__name__} needs floating-point parameters, got {p.dtype}")
+        self._validate_group(group)
+        if self._buckets is not None:
+            self._ranks_checked = False  # new parameters: check the ranks agree again
+
+    def _validate_group(self, group: dict) -> None:
+        """Subclasses check a param group's hyperparameters (called for every group added)."""
+
+    @property
+    def buckets(self) -> list[Bucket]:
+        self._ensure_buckets()
+        return self._buckets
+
+    def _ensure_buckets(self) -> None:
+        key = tuple(tuple(id(p) for p in g["params"] if p.requires_grad) for g in self.param_groups)
+        if self._buckets is not None and key == self._layout_key:
+            return
+        rebuilt = self._buckets is not None
+        self._buckets = build_buckets(self.param_groups, self.bucket_cap_bytes)
+        self._layout_key = key
+        for b in self._buckets:
+            for name in self.bucket_state_names:
+                flat = b.flat(name)
+                for p, view in zip(b.params, b.views(flat)):
+                    old = self.state[p].get(name)
+                    if old is not None:
+                        view.copy_(old)
+                    self.state[p][name] = view
+        pending, self._pending_bucket_state = self._pending_bucket_state, None
+        if pending is not None:
+            self._restore_bucket_state(pending)
+        elif rebuilt and self.compressing:
+            warnings.warn(
+                "parameters changed during the compression stage: the error-feedback buffers "
+                "start again from zero",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+    def error_buffers(self, bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor]:
+        """The bucket's (worker_error, server_error), zero on first use."""
+        from compressed_opt.comm import error_buffer_sizes
+
+        if "worker_error" not in bucket.flats:
+            we, se = error_buffer_sizes(bucket.numel, self.backend.world_size)
+            bucket.flats["worker_error"] = torch.zeros(we, dtype=torch.float32, device=bucket.device)
+            bucket.flats["server_error"] = torch.zeros(se, dtype=torch.float32, device=bucket.device)
+        return bucket.flats["worker_error"], bucket.flats["server_error"]
+
+    def reset_error_buffers(self) -> None:
+        for b in self._buckets or ():
+            for name in ("worker_error", "server_error"):
+                if name in b.flats:
+                    b.flats[name].zero_()
+
+    # --- the algorithm's hooks -----------------------------------------------------------------
+    @property
+    def compressing(self) -> bool:
+        """Whether the optimizer is past its full-precision warmup."""
+        raise NotImplementedError
+
+    def _needs_average(self, step: int) -> bool:
+        """Whether step ``step`` (1-based) averages the gradients at full precision first."""
+        raise NotImplementedError
+
+    def _bucket_step(self, bucket: Bucket, group: dict, grad: torch.Tensor, step: int, averaged: bool) -> None:
+        raise NotImplementedError
+
+    def _end_step(self, step: int) -> None:
+        """After every bucket's update: stage changes. Must decide the same on every rank."""
+
+    def _extra_state(self) -> dict:
+        return {}
+
+    def _load_extra_state(self, extra: dict) -> None:
+        pass
+
+    # --- the step ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._ensure_buckets()
+        if not self._ranks_checked:
+            self._check_ranks_agree()
+            self._ranks_checked = True
+        inv_scale = self._amp_inverse_scale()
+        if inv_scale is False:  # a non-finite gradient on some rank: every rank skips
+            return loss
+        step = self.global_step + 1
+        averaged = self._needs_average(step)
+        grads = []
+        for b in self._buckets:
+            for p in b.params:
+                if p.grad is not None and (p.grad.is_sparse or p.grad.layout != torch.strided):
+                    raise TypeError(f"{type(self).__name__} does not support sparse gradients")
+            grad = b.flat("grad")
+            b.gather_grads(grad, inv_scale)
+            work = self.backend.all_reduce(grad, op="avg", async_op=True) if averaged else None
+            grads.append((b, grad, work))
+        for b, grad, work in grads:
+            if work is not None:
+                work.wait()
+            self._bucket_step(b, self.param_groups[b.group_index], grad, step, averaged)
+        self.global_step = step
+        self._end_step(step)
+        return loss
+
+    def _amp_inverse_scale(self):
+        """``None`` without GradScaler; ``False`` when some rank found inf/NaN; else 1/scale."""
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is None:
+            return None
+        flag = found_inf.detach().reshape(-1)[:1].float().cpu() if found_inf.numel() else torch.zeros(1)
+        device = self._buckets[0].device if self._buckets else torch.device("cpu")
+        flag = flag.to(device)
+        self.backend.all_reduce(flag, op="sum")
+        if flag.item() > 0:
+            return False
+        grad_scale = getattr(self, "grad_scale", None)
+        return None if grad_scale is None else 1.0 / float(grad_scale)
+
+    # --- every rank the same -------------------------------------------------------------------
+    def _signature(self) -> list[int]:
+        shapes = hashlib.sha256()
+        hparams = hashlib.sha256()
+        n_params = total = 0
+        for b in self._buckets:
+            for p in b.params:
+                shapes.update(repr((b.index, b.group_index, tuple(p.shape), str(p.dtype))).encode())
+                n_params += 1
+                total += p.numel()
+        for g in self.param_groups:
+            hparams.update(repr(sorted((k, v) for k, v in g.items() if k != "params" and _plain(v))).encode())
+        hparams.update(repr(self._extra_signature()).encode())
+        as_ints = lambda h: list(struct.unpack("<qq", h.digest()[:16]))  # noqa: E731
+        return as_ints(shapes) + as_ints(hparams) + [n_params, total]
+
+    def _extra_signature(self) -> tuple:
+        return ()
+
+    def _check_ranks_agree(self) -> None:
+        world = self.backend.world_size
+        if world == 1:
+            return
+        mine = torch.tensor(self._signature(), dtype=torch.int64)
+        device = self._buckets[0].device if self._buckets else torch.device("cpu")
+        everyone = torch.empty(world * mine.numel(), dtype=torch.int64, device=device)
+        self.backend.all_gather(everyone, mine.to(device))
+        rows = everyone.view(world, -1).cpu().tolist()
+        problems = []
+        for r, row in enumerate(rows[1:], start=1):
+            if row[:2] != rows[0][:2] or row[4:] != rows[0][4:]:
+                problems.append(
+                    f"rank {r} has {row[4]} parameters / {row[5]} elements in buckets unlike rank 0's "
+                    f"{rows[0][4]} / {rows[0][5]} (parameter shapes, dtypes or order differ)"
+                )
+            if row[2:4] != rows[0][2:4]:
+                problems.append(f"rank {r}'s hyperparameters differ from rank 0's")
+        if problems:
+            raise ValueError(
+                f"{type(self).__name__}: the ranks disagree, so their collectives would not match: "
+                + "; ".join(problems)
+                + ". Build the model and optimizer identically on every rank."
+            )
+
+    # --- checkpoints ---------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        sd = super().state_dict()
+        buckets = []
+        for b in self._buckets or ():
+            entry = {"numel": b.numel}
+            for name in ("worker_error", "server_error"):
+                if name in b.flats:
+                    entry[name] = b.flats[name]
+            buckets.append(entry)
+        sd["compressed_opt"] = {
+            "format": _STATE_FORMAT,
+            "algorithm": type(self).__name__,
+            "global_step": self.global_step,
+            "rank": self.backend.rank,
+            "world_size": self.backend.world_size,
+            "buckets": buckets,
+            **self._extra_state(),
+        }
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        extra = state_dict.get("compressed_opt")
+        if extra is None:
+            raise ValueError(
+                f"this state dict has no 'compressed_opt' entry: it was not saved by a "
+                f"{type(self).__name__} (to start from another optimizer's state, load its "
+                "parameters and let this optimizer warm up)"
+            )
+        if extra.get("algorithm") != type(self).__name__:
+            raise ValueError(f"state dict of {extra.get('algorithm')} given to {type(self).__name__}")
+        plain = {k: v for k, v in state_dict.items() if k != "compressed_opt"}
+        originals = {k: dict(v) for k, v in plain.get("state", {}).items()}
+        super().load_state_dict(plain)
+        # torch casts floating state to each parameter's dtype; our buffers stay fp32
+        index_to_param = [p for g in self.param_groups for p in g["params"]]
+        for idx, saved in originals.items():
+            p = index_to_param[int(idx)]
+            for name in self.bucket_state_names:
+                if name in saved:
+                    self.state[p][name] = saved[name].to(device=p.device, dtype=torch.float32).clone()
+        self.global_step = int(extra["global_step"])
+        self._load_extra_state(extra)
+        self._buckets = None
+        self._layout_key = None
+        self._ranks_checked = False
+        same_layout = extra["world_size"] == self.backend.world_size and extra["rank"] == self.backend.rank
+        if same_layout:
+            self._pending_bucket_state = list(extra["buckets"])
+        else:
+            has_errors = any("worker_error" in e for e in extra["buckets"])
+            if has_errors:
+                warnings.warn(
+                    f"{type(self).__name__}: checkpoint of rank {extra['rank']} of {extra['world_size']} loaded on "
+                    f"rank {self.backend.rank} of {self.backend.world_size}: the error-feedback buffers "
+                    "(worker and server error) were reset to zero; momentum, variance and stage were kept",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+
+    def _restore_bucket_state(self, saved: list[dict]) -> None:
+        if len(saved) != len(self._buckets) or any(s["numel"] != b.numel for s, b in zip(saved, self._buckets)):
+            warnings.warn(
+                "the checkpoint's buckets do not match this optimizer's (different parameters or "
+                "bucket_cap_mb): the error-feedback buffers were reset to zero",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return
+        for s, b in zip(saved, self._buckets):
+            if "worker_error" in s:
+                we, se = self.error_buffers(b)
+                we.copy_(s["worker_error"])
+                se.copy_(s["server_error"])
+
+
+def _plain(value) -> bool:
+    return isinstance(value, (int, float, str, bool, tuple, type(None)))
+
+
+def bias_corrections(beta1: float, beta2: float, step: int, enabled: bool) -> tuple[float, float]:
+    """``(1 - beta1^t, sqrt(1 - beta2^t))``, or ``(1, 1)`` without bias correction."""
+    if not enabled:
+        return 1.0, 1.0
+    return 1.0 - beta1**step, math.sqrt(1.0 - beta2**step)

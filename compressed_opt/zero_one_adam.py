@@ -1,0 +1,372 @@
+"""0/1 Adam (Lu et al., "Maximizing Communication Efficiency for Large-scale Training via 0/1
+Adam", ICLR 2023).
+
+1-bit Adam (:mod:`compressed_opt.onebit_adam`) still sends 1 bit per element every step and
+needs a full-precision warmup to freeze the variance. 0/1 Adam removes both costs:
+
+**Phase A** (steps ``1..var_freeze_step``): the variance ``v`` is refreshed only on steps with
+``t % var_interval == 0``, from the full-precision average gradient ``g``; every other step the
+gradient goes through the 1-bit compressed allreduce (error feedback, DESIGN 2.2) and only ``m``
+is updated::
+
+    refresh step:     m = b1 m + (1 - b1) g;    v = b2 v + (1 - b2) g^2     (g: fp32 average)
+    compressed step:  m = b1 m + (1 - b1) C(g)                               (C: 1-bit average)
+    every step:       p <- p (1 - lr wd) - lr * (m / (1 - b1^t)) / (sqrt(v / (1 - b2^r)) + eps)
+
+``var_interval`` starts at 1 and doubles after every ``var_update_scaler`` refreshes, so the
+full-precision steps thin out geometrically (1, 2, ..., then every 2nd, every 4th step, ...).
+
+*Bias correction with sparse refreshes.* ``m`` is updated every step, so its correction is the
+usual ``1 - b1^t``. ``v`` is an EMA of only the ``r`` refreshes made so far (``r`` counts this
+step's refresh), ``v = (1 - b2) sum_k b2^(r-k) g_k^2``, so its unbiased correction is
+``1 - b2^r``, not ``1 - b2^t`` (which would treat the skipped steps as zero gradients and
+overshoot ``v_hat`` by up to a factor ``(1 - b2^t) / (1 - b2^r)``). ``bias_correction=False``
+uses neither (DeepSpeed's update: plain Adam without correction).
+
+**Phase B** (after ``var_freeze_step``): ``v`` is frozen. At the switch, ``m`` and ``v`` become
+their bias-corrected values (``m / (1 - b1^T)``, ``v / (1 - b2^r)``; unchanged without bias
+correction): an EMA of unbiased inputs started from an unbiased value stays unbiased, so phase
+B runs the paper's uncorrected rules. Ranks take *local* steps without any communication::
+
+    m = b1 m + (1 - b1) g_local;    u = m / (sqrt(v) + eps)
+    p <- p (1 - lr wd) - lr u;      acc += lr u;    lr_sum += lr
+
+and every ``local_step_interval`` steps synchronise: undo the local steps, average
+``acc * (sqrt(v) + eps)`` (= ``sum lr m``) with the 1-bit compressed allreduce into ``y``, then
+``m = y / lr_sum`` and ``p <- p_sync D - y / (sqrt(v) + eps)``, where ``p_sync`` is the
+parameters at the previous synchronisation and ``D = prod (1 - lr wd)`` over the interval's
+steps (decoupled weight decay of the synchronised parameters); ``acc``, ``lr_sum`` and ``D``
+restart. ``local_step_interval`` starts at 1 and doubles every ``local_step_scaler`` phase-B steps,
+up to ``local_step_clipper``. The error buffers are reset when phase B begins (they then carry
+the error of ``acc``, not of gradients).
+
+"Undo the local steps" restores ``p_sync`` from a copy (the per-bucket fp32 buffer
+``sync_params``) instead of computing ``p + acc``: float addition does not undo exactly, and the
+ranks' local steps differ, so ``p + acc`` would leave each rank's parameters a few ulps apart,
+drifting further with every interval. From the copy, every rank computes the same update from
+the same numbers: right after each synchronisation the parameters are bitwise identical on all
+ranks. Between synchronisations they differ (by design): evaluate or save the model right
+after a synchronising step (``optimizer.last_step_kind == "sync"``), or on one rank.
+
+A param group whose ``lr`` summed to 0 over an interval moved nothing and has no momentum to
+recover (``y / 0``): its buckets skip that synchronisation's communication.
+
+``var_freeze_step="auto"`` (or a :class:`~compressed_opt.freeze.VarianceStabilityRule`) ends phase
+A once the variance has stabilised: the rule observes the mean of ``v_hat`` after each refresh
+(so its window counts refreshes), rank 0 decides and broadcasts; the step chosen is logged, is
+``optimizer.var_freeze_step`` and goes into checkpoints, with every counter of both schedules.
+"""
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from compressed_opt.comm import compressed_allreduce
+
+from .freeze import VarianceStabilityRule, resolve_rule
+from .optimizer import CompressedOptimizer
+from .validation import check_betas, check_nonneg_float, check_step_count
+
+logger = logging.getLogger("compressed_opt")
+
+#: what the last ``step()`` did: full-precision variance refresh, 1-bit gradient average (phase
+#: A), local step without communication, or local step + synchronisation (phase B)
+STEP_KINDS = ("refresh", "compressed", "local", "sync")
+
+
+# --- the math, on flat buffers -------------------------------------------------------------------
+def _momentum_(m: torch.Tensor, grad: torch.Tensor, beta1: float) -> None:
+    """``m = b1 m + (1 - b1) g``."""
+    m.lerp_(grad, 1 - beta1)
+
+
+def _variance_(v: torch.Tensor, grad: torch.Tensor, beta2: float) -> None:
+    """``v = b2 v + (1 - b2) g^2``."""
+    v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+
+
+def _denominator(v: torch.Tensor, out: torch.Tensor, eps: float, bc2: float = 1.0) -> torch.Tensor:
+    """``sqrt(v / bc2) + eps`` into ``out``."""
+    torch.sqrt(v, out=out)
+    if bc2 != 1.0:
+        out.div_(math.sqrt(bc2))
+    return out.add_(eps)
+
+
+class ZeroOneAdam(CompressedOptimizer):
+    """0/1 Adam: sparse variance refreshes with 1-bit gradients, then a frozen variance with
+    local steps and 1-bit synchronisations at growing intervals.
+
+    Args:
+        params: parameters or param groups, as for ``torch.optim.AdamW``.
+        lr, betas, eps, weight_decay: as ``torch.optim.AdamW`` (decoupled weight decay).
+        var_freeze_step: the last step of phase A (an int >= 1), or ``"auto"`` to end it when the
+            variance has stabilised (pass a :class:`~compressed_opt.freeze.VarianceStabilityRule`
+            to tune the rule). The step chosen is ``optimizer.var_freeze_step``.
+        var_update_scaler: refreshes between doublings of ``var_interval`` (>= 1).
+        local_step_scaler: phase-B steps between doublings of ``local_step_interval`` (>= 1).
+        local_step_clipper: the largest ``local_step_interval`` (>= 1).
+        bias_correction: Adam's bias correction, adapted to sparse refreshes (see the module
+            doc); ``False``: DeepSpeed's update, without correction.
+        backend: a :class:`compressed_opt.comm.Backend`; ``None`` picks one
+            (:func:`compressed_opt.comm.get_backend`).
+        bucket_cap_mb: size cap of the flat buckets (one collective per bucket).
+
+    Per-parameter state (views of per-bucket fp32 buffers): ``exp_avg``, ``exp_avg_sq``,
+    ``momentum_accumulator`` (``acc``) and ``sync_params`` (the parameters at the last
+    synchronisation). Progress: ``phase`` ("A"/"B"), ``var_interval``, ``local_step_interval``,
+    ``last_step_kind``.
+    """
+
+    bucket_state_names = ("exp_avg", "exp_avg_sq", "momentum_accumulator", "sync_params")
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *,
+                 var_freeze_step=100000, var_update_scaler=16, local_step_scaler=32678, local_step_clipper=16,
+                 bias_correction=True, backend=None, bucket_cap_mb=25.0):
+        if not isinstance(var_freeze_step, VarianceStabilityRule):
+            var_freeze_step = check_step_count("var_freeze_step", var_freeze_step, allow_auto=True, minimum=1)
+        self.var_update_scaler = check_step_count("var_update_scaler", var_update_scaler, minimum=1)
+        self.local_step_scaler = check_step_count("local_step_scaler", local_step_scaler, minimum=1)
+        self.local_step_clipper = check_step_count("local_step_clipper", local_step_clipper, minimum=1)
+        self.freeze_rule = resolve_rule("var_freeze_step", var_freeze_step)
+        #: the last step of phase A: as given, or (``"auto"``) ``None`` until the rule decides
+        self.var_freeze_step = None if self.freeze_rule is not None else var_freeze_step
+        self._configured_freeze = "auto" if self.freeze_rule is not None else var_freeze_step
+        self.frozen = False  # phase B
+        self.var_interval = 1
+        self.var_counter = 0  # refreshes since var_interval last doubled
+        self.var_refreshes = 0  # refreshes in all: the variance's bias correction
+        self.local_step_interval = 1
+        self.local_step_counter = 0  # phase-B steps since local_step_interval last doubled
+        self.steps_since_sync = 0
+        self._lr_sums: list[float] = []  # per param group, over the current interval
+        self._decays: list[float] = []  # per param group: prod (1 - lr wd) over the interval
+        self.last_step_kind: str | None = None
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
+        super().__init__(params, defaults, backend=backend, bucket_cap_mb=bucket_cap_mb)
+
+    def _validate_group(self, group):
+        check_nonneg_float("lr", group["lr"])
+        check_nonneg_float("eps", group["eps"])
+        check_nonneg_float("weight_decay", group["weight_decay"])
+        group["betas"] = check_betas(group["betas"])
+        if not isinstance(group["bias_correction"], bool):
+            raise TypeError(f"bias_correction must be a bool, got {group['bias_correction']!r}")
+
+    # --- progress ------------------------------------------------------------------------------
+    @property
+    def phase(self) -> str:
+        return "B" if self.frozen else "A"
+
+    @property
+    def compressing(self) -> bool:
+        return self.frozen or self.var_interval > 1
+
+    def _needs_average(self, step):
+        return not self.frozen and step % self.var_interval == 0
+
+    def _group_lists(self) -> tuple[list[float], list[float]]:
+        missing = len(self.param_groups) - len(self._lr_sums)
+        if missing > 0:
+            self._lr_sums.extend([0.0] * missing)
+            self._decays.extend([1.0] * missing)
+        return self._lr_sums, self._decays
+
+    def _syncs_now(self) -> bool:
+        return self.steps_since_sync + 1 >= self.local_step_interval
+
+    # --- the step ------------------------------------------------------------------------------
+    def _bucket_step(self, bucket, group, grad, step, averaged):
+        if self.frozen:
+            self._local_step(bucket, group, grad)
+        else:
+            self._phase_a_step(bucket, group, grad, step, averaged)
+
+    def _phase_a_step(self, bucket, group, grad, step, refresh):
+        m, v = bucket.flat("exp_avg"), bucket.flat("exp_avg_sq")
+        beta1, beta2 = group["betas"]
+        lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]
+        if refresh:  # grad is the full-precision average
+            _momentum_(m, grad, beta1)
+            _variance_(v, grad, beta2)
+        else:
+            worker_error, server_error = self.error_buffers(bucket)
+            compressed_allreduce(grad, worker_error, server_error, self.backend)
+            _momentum_(m, grad, beta1)
+        bc1 = bc2 = 1.0
+        if group["bias_correction"]:
+            refreshes = self.var_refreshes + (1 if refresh else 0)
+            bc1, bc2 = 1.0 - beta1**step, 1.0 - beta2**refreshes
+        direction = _denominator(v, grad, eps, bc2)  # the gradient buffer is free: reuse it
+        torch.div(m, direction, out=direction)
+        if wd != 0:
+            torch._foreach_mul_(bucket.params, 1 - lr * wd)
+        torch._foreach_add_(bucket.params, bucket.views(direction), alpha=-lr / bc1)
+
+    def _local_step(self, bucket, group, grad):
+        m, v = bucket.flat("exp_avg"), bucket.flat("exp_avg_sq")
+        acc, anchor = bucket.flat("momentum_accumulator"), bucket.flat("sync_params")
+        beta1 = group["betas"][0]
+        lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]
+        _momentum_(m, grad, beta1)
+        denom = _denominator(v, grad, eps)  # frozen v_hat; the gradient buffer is free
+        acc.addcdiv_(m, denom, value=lr)  # acc += lr * m / (sqrt(v) + eps)
+        if not self._syncs_now():
+            direction = torch.div(m, denom, out=denom)
+            if wd != 0:
+                torch._foreach_mul_(bucket.params, 1 - lr * wd)
+            torch._foreach_add_(bucket.params, bucket.views(direction), alpha=-lr)
+            return
+        lr_sums, decays = self._group_lists()
+        lr_sum = lr_sums[bucket.group_index] + lr
+        decay = decays[bucket.group_index] * (1 - lr * wd)
+        if lr_sum > 0:
+            # y = average of acc * (sqrt(v) + eps) = sum lr m, identical on every rank
+            acc.mul_(denom)
+            worker_error, server_error = self.error_buffers(bucket)
+            compressed_allreduce(acc, worker_error, server_error, self.backend)
+            torch.div(acc, lr_sum, out=m)
+            acc.div_(denom)
+            if decay != 1.0:
+                anchor.mul_(decay)
+            anchor.sub_(acc)
+        # p = p_sync D - y / (sqrt(v) + eps): the same numbers on every rank (lr_sum == 0: p_sync)
+        torch._foreach_copy_(bucket.params, bucket.views(anchor))
+        acc.zero_()
+
+    def _end_step(self, step):
+        if self.frozen:
+            self._end_local_step()
+            return
+        refreshed = step % self.var_interval == 0
+        self.last_step_kind = "refresh" if refreshed else "compressed"
+        if refreshed:
+            self.var_refreshes += 1
+            self.var_counter += 1
+            if self.var_counter >= self.var_update_scaler:
+                self.var_counter = 0
+                self.var_interval *= 2
+        if self.freeze_rule is None:
+            freeze = step >= self.var_freeze_step
+        elif step >= self.freeze_rule.max_step:
+            freeze = True
+        elif refreshed:
+            freeze = self._auto_decision(step)
+        else:
+            freeze = False
+        if freeze:
+            self._freeze(step)
+
+    def _end_local_step(self):
+        lr_sums, decays = self._group_lists()
+        if self._syncs_now():
+            self.last_step_kind = "sync"
+            self.steps_since_sync = 0
+            lr_sums[:] = [0.0] * len(lr_sums)
+            decays[:] = [1.0] * len(decays)
+        else:
+            self.last_step_kind = "local"
+            self.steps_since_sync += 1
+            for i, group in enumerate(self.param_groups):
+                lr = float(group["lr"])
+                lr_sums[i] += lr
+                decays[i] *= 1 - lr * group["weight_decay"]
+        self.local_step_counter += 1
+        if self.local_step_counter >= self.local_step_scaler:
+            self.local_step_counter = 0
+            self.local_step_interval = min(2 * self.local_step_interval, self.local_step_clipper)
+
+    # --- phase A -> phase B --------------------------------------------------------------------
+    def _mean_variance(self) -> float:
+        """Mean over all elements of the bias-corrected variance (what the auto rule watches)."""
+        total = numel = 0.0
+        for b in self._buckets:
+            beta2 = self.param_groups[b.group_index]["betas"][1]
+            total += float(b.flat("exp_avg_sq").sum()) / (1.0 - beta2**self.var_refreshes)
+            numel += b.numel
+        return total / max(numel, 1.0)
+
+    def _auto_decision(self, step) -> bool:
+        wants = self.freeze_rule.observe(step, self._mean_variance())
+        if self.backend.world_size == 1:
+            return wants
+        device = self._buckets[0].device if self._buckets else torch.device("cpu")
+        flag = torch.tensor([1 if wants else 0], dtype=torch.int32, device=device)
+        self.backend.broadcast(flag, src=0)  # rank 0 decides for everyone
+        return bool(flag.item())
+
+    def _freeze(self, step):
+        for b in self._buckets:
+            group = self.param_groups[b.group_index]
+            if group["bias_correction"]:
+                beta1, beta2 = group["betas"]
+                b.flat("exp_avg").div_(1.0 - beta1**step)
+                b.flat("exp_avg_sq").div_(1.0 - beta2**self.var_refreshes)
+            b.flat("momentum_accumulator").zero_()
+            torch._foreach_copy_(b.views(b.flat("sync_params")), b.params)
+        self.reset_error_buffers()
+        self.frozen = True
+        self.var_freeze_step = step
+        self.steps_since_sync = 0
+        self.local_step_interval = 1
+        self.local_step_counter = 0
+        self._lr_sums = [0.0] * len(self.param_groups)
+        self._decays = [1.0] * len(self.param_groups)
+        logger.info(
+            "%s: variance frozen at the end of step %d (%d refreshes, var_interval %d); local steps start",
+            type(self).__name__, step, self.var_refreshes, self.var_interval,
+        )
+
+    def _ensure_buckets(self):
+        # parameters added during phase B: their sync_params start from their current values
+        fresh = []
+        if self.frozen:
+            fresh = [p for g in self.param_groups for p in g["params"]
+                     if p.requires_grad and "sync_params" not in self.state.get(p, {})]
+        super()._ensure_buckets()
+        for p in fresh:
+            self.state[p]["sync_params"].copy_(p)
+
+    # --- checkpoints and rank agreement --------------------------------------------------------
+    def _extra_state(self):
+        lr_sums, decays = self._group_lists()
+        return {
+            "frozen": self.frozen,
+            "var_freeze_step": self.var_freeze_step,
+            "freeze_rule": None if self.freeze_rule is None else self.freeze_rule.state_dict(),
+            "var_interval": self.var_interval,
+            "var_counter": self.var_counter,
+            "var_refreshes": self.var_refreshes,
+            "local_step_interval": self.local_step_interval,
+            "local_step_counter": self.local_step_counter,
+            "steps_since_sync": self.steps_since_sync,
+            "lr_sums": list(lr_sums),
+            "decays": list(decays),
+            "last_step_kind": self.last_step_kind,
+        }
+
+    def _load_extra_state(self, extra):
+        self.frozen = bool(extra["frozen"])
+        self.var_freeze_step = extra["var_freeze_step"]
+        if extra.get("freeze_rule") is not None:
+            if self.freeze_rule is None:
+                self.freeze_rule = VarianceStabilityRule()
+            self.freeze_rule.load_state_dict(extra["freeze_rule"])
+        for name in ("var_interval", "var_counter", "var_refreshes", "local_step_interval",
+                     "local_step_counter", "steps_since_sync"):
+            setattr(self, name, int(extra[name]))
+        self._lr_sums = [float(x) for x in extra["lr_sums"]]
+        self._decays = [float(x) for x in extra["decays"]]
+        self.last_step_kind = extra.get("last_step_kind")
+
+    def _extra_signature(self):
+        rule = None if self.freeze_rule is None else self.freeze_rule.state_dict()
+        return (
+            self._configured_freeze,
+            rule and (rule["window"], rule["rtol"], rule["min_step"], rule["max_step"]),
+            self.var_update_scaler,
+            self.local_step_scaler,
+            self.local_step_clipper,
+        )

@@ -1,0 +1,46 @@
+"""A real small task for optimizer tests: scikit-learn's bundled digits (8x8 images, 10 classes;
+shipped with the package, nothing downloaded), an MLP, and a data-parallel training loop in which
+every rank sees a different shard of each batch."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def digits(dtype=torch.float32):
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    x = torch.tensor(data.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(data.target, dtype=torch.long)
+    return x.to(dtype), y
+
+
+def mlp(seed: int = 0, hidden: int = 64, dtype=torch.float32) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(64, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, 10)).to(dtype)
+
+
+def shard_batches(rank: int, world: int, steps: int, batch: int = 64, seed: int = 1):
+    """For each step, this rank's part of a global batch of ``batch * world`` examples."""
+    x, y = digits()
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        idx = torch.randint(0, x.shape[0], (batch * world,), generator=g)
+        mine = idx[rank * batch : (rank + 1) * batch]
+        yield x[mine], y[mine]
+
+
+def full_loss(model: nn.Module) -> float:
+    x, y = digits()
+    with torch.no_grad():
+        return nn.functional.cross_entropy(model(x.to(next(model.parameters()).dtype)).float(), y).item()
+
+
+def train(model, optimizer, rank, world, steps, batch=64, seed=1):
+    """Train on this rank's shards; the losses (full data set) at the end."""
+    for x, y in shard_batches(rank, world, steps, batch, seed):
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x.to(next(model.parameters()).dtype)).float(), y).backward()
+        optimizer.step()
+    return full_loss(model)

@@ -1,0 +1,386 @@
+"""OnebitAdam: AdamW in warmup, the compression stage against a reference of the same math,
+convergence on a real task, checkpoints, and the ordinary things PyTorch code does to optimizers."""
+import copy
+import io
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from allreduce_reference import simulate
+from compressed_opt import OnebitAdam, VarianceStabilityRule
+from compressed_opt.comm import SingleProcessBackend, chunk_numel, get_backend
+from distributed import run_ranks, spawn_ranks
+from optim_tasks import digits, full_loss, mlp, shard_batches, train
+
+HP = dict(lr=3e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
+
+
+def gaussian_batches(rank, world, steps, batch=32):
+    """Synthetic shards: every input coordinate varies, so no coordinate has a near-zero
+    variance whose 1/sqrt(v) would amplify float rounding in a comparison."""
+    g = torch.Generator().manual_seed(7)
+    teacher = torch.randn(64, 10, generator=g)
+    for _ in range(steps):
+        x = torch.randn(world * batch, 64, generator=g)
+        y = (x @ teacher).argmax(1)
+        yield x[rank * batch : (rank + 1) * batch], y[rank * batch : (rank + 1) * batch]
+
+
+def global_batches(world, steps):
+    shards = [list(gaussian_batches(r, world, steps)) for r in range(world)]
+    return [[shards[r][s] for r in range(world)] for s in range(steps)]
+
+
+def rank_grads(model, xs_ys):
+    """Per-rank gradients of the same model on each rank's shard."""
+    out = []
+    for x, y in xs_ys:
+        model.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        out.append([p.grad.clone() for p in model.parameters()])
+    return out
+
+
+# --- multi-rank runs (one spawn each, several checks) --------------------------------------
+def _warmup_and_compression(rank, world, steps, freeze_step):
+    model = mlp()
+    opt = OnebitAdam(model.parameters(), freeze_step=freeze_step, **HP)
+    snapshots = []
+    for x, y in gaussian_batches(rank, world, steps):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        snapshots.append([p.detach().clone() for p in model.parameters()])
+    stats = opt.backend.stats.snapshot()
+    return snapshots, stats, opt.frozen
+
+
+def reference_run(world, steps, freeze_step):
+    """AdamW on the averaged gradient for the warmup, then the compression stage by hand."""
+    model = mlp()
+    params = list(model.parameters())
+    ref = torch.optim.AdamW(params, **HP)
+    flat_order = list(reversed(params))  # one bucket, reverse registration order
+    n = sum(p.numel() for p in params)
+    m = torch.zeros(n)
+    we = [torch.zeros(n) for _ in range(world)]
+    se = [torch.zeros(chunk_numel(n, world)) for _ in range(world)]
+    b1, b2 = HP["betas"]
+    snapshots = []
+    for t, batches in enumerate(global_batches(world, steps), start=1):
+        grads = rank_grads(model, batches)
+        if t <= freeze_step:
+            for p, *gs in zip(params, *grads):
+                p.grad = sum(gs) / world
+            ref.step()
+            if t == freeze_step:
+                m = torch.cat([ref.state[p]["exp_avg"].reshape(-1) for p in flat_order])
+                v_f = torch.cat([ref.state[p]["exp_avg_sq"].reshape(-1) for p in flat_order]) / (1 - b2**t)
+        else:
+            local = [b1 * m + (1 - b1) * torch.cat([g[i].reshape(-1) for i in reversed(range(len(params)))]) for g in grads]
+            m = simulate(local, we, se)
+            direction = (m / (1 - b1**t)) / (v_f.sqrt() + HP["eps"])
+            direction[v_f == 0] = 0  # coordinates that never had a gradient stay put
+            with torch.no_grad():
+                offset = 0
+                for p in flat_order:
+                    p.mul_(1 - HP["lr"] * HP["weight_decay"])
+                    p.sub_(HP["lr"] * direction[offset : offset + p.numel()].view_as(p))
+                    offset += p.numel()
+        snapshots.append([p.detach().clone() for p in params])
+    return snapshots
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world", [2, 3])
+def test_warmup_is_adamw_and_compression_matches_reference(world):
+    steps, freeze = 8, 4
+    results = run_ranks(_warmup_and_compression, world, steps, freeze)
+    ref = reference_run(world, steps, freeze)
+    for snaps, _, frozen in results:
+        assert frozen
+        warm = max((a - b).abs().max().item() for s in range(freeze) for a, b in zip(snaps[s], ref[s]))
+        assert warm < 1e-6, f"warmup differs from AdamW by {warm}"
+        comp = max(((a - b).abs() / (b.abs() + 1e-3)).max().item() for s in range(freeze, steps) for a, b in zip(snaps[s], ref[s]))
+        assert comp < 1e-4, f"compression stage differs from the reference by {comp} (relative)"
+        for s in range(steps):  # every rank holds the same parameters
+            assert all(torch.equal(a, b) for a, b in zip(snaps[s], results[0][0][s]))
+    # the compression stage sends no full-precision gradients: all-reduce only in warmup
+    stats = results[0][1]
+    assert stats["calls"]["all_reduce"] == freeze
+    assert stats["calls"]["all_to_all"] == steps - freeze
+
+
+def _convergence(rank, world, steps, freeze_step, lr):
+    """Final full-data loss of OnebitAdam and of the same optimizer never leaving warmup (AdamW
+    on the averaged gradient), on the same batches."""
+    losses = []
+    for freeze in (freeze_step, 10**9):
+        model = mlp()
+        losses.append(train(model, OnebitAdam(model.parameters(), lr=lr, freeze_step=freeze), rank, world, steps))
+    return losses
+
+
+@pytest.mark.multiprocess
+def test_converges_like_adamw_on_digits():
+    results = run_ranks(_convergence, 2, 150, 40, 1e-3)
+    assert results[0] == results[1]
+    onebit, adamw = results[0]
+    assert onebit < 0.5, "did not learn"
+    assert onebit / adamw < 1.05, f"final loss {onebit:.4f} vs AdamW {adamw:.4f}"
+
+
+def _resume(rank, world, total, stop_at, freeze):
+    def fresh():
+        model = mlp()
+        return model, OnebitAdam(model.parameters(), freeze_step=freeze, **HP)
+
+    batches = list(shard_batches(rank, world, total))
+
+    def run(model, opt, part):
+        for x, y in part:
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+
+    model, opt = fresh()
+    run(model, opt, batches)
+    uninterrupted = [p.detach().clone() for p in model.parameters()]
+
+    model, opt = fresh()
+    run(model, opt, batches[:stop_at])
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+    model, opt = fresh()
+    model.load_state_dict(ckpt["model"])
+    opt.load_state_dict(ckpt["opt"])
+    run(model, opt, batches[stop_at:])
+    resumed = [p.detach().clone() for p in model.parameters()]
+    return max((a - b).abs().max().item() for a, b in zip(uninterrupted, resumed)), ckpt["opt"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("stop_at", [3, 7])  # before the freeze, and in the compression stage
+def test_resume_is_bit_exact(stop_at):
+    results = run_ranks(_resume, 2, 10, stop_at, 4)
+    for diff, _ in results:
+        assert diff == 0.0
+    if stop_at == 7:
+        saved = results[1][1]["compressed_opt"]
+        assert saved["rank"] == 1 and saved["frozen"] and saved["buckets"][0]["worker_error"].abs().sum() > 0
+
+
+def test_checkpoint_from_another_world_size_resets_error_buffers_with_a_warning():
+    _, ckpt = run_ranks(_resume, 2, 10, 7, 4)[0]
+    model = mlp()
+    opt = OnebitAdam(model.parameters(), freeze_step=4, **HP)
+    with pytest.warns(RuntimeWarning, match="error-feedback buffers .* were reset to zero"):
+        opt.load_state_dict(ckpt)
+    assert opt.frozen and opt.global_step == 7
+    x, y = digits()
+    nn.functional.cross_entropy(model(x[:32]), y[:32]).backward()
+    opt.step()
+    assert opt.global_step == 8
+
+
+def _amp_overflow_on_one_rank(rank, world):
+    model = mlp()
+    opt = OnebitAdam(model.parameters(), freeze_step=3, **HP)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    steps_taken = []
+    for step, (x, y) in enumerate(shard_batches(rank, world, 8)):
+        opt.zero_grad()
+        scaler.scale(nn.functional.cross_entropy(model(x), y)).backward()
+        if step in (2, 5) and rank == 1:
+            next(model.parameters()).grad[0, 0] = float("inf")
+        before = opt.global_step
+        scaler.step(opt)
+        scaler.update()
+        steps_taken.append(opt.global_step - before)
+    return steps_taken, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.multiprocess
+def test_grad_scaler_overflow_on_one_rank_skips_the_step_everywhere():
+    results = run_ranks(_amp_overflow_on_one_rank, 2, timeout=90)
+    for taken, _ in results:
+        assert taken == [1, 1, 0, 1, 1, 0, 1, 1]
+    assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1]))
+
+
+def _unused_parameters_and_groups(rank, world):
+    torch.manual_seed(0)
+    trunk, head_a, head_b = nn.Linear(64, 32), nn.Linear(32, 10), nn.Linear(32, 10)
+    opt = OnebitAdam(
+        [{"params": trunk.parameters()}, {"params": head_a.parameters(), "lr": 1e-3}],
+        freeze_step=2, **HP,
+    )
+    opt.add_param_group({"params": head_b.parameters(), "weight_decay": 0.0})
+    for step, (x, y) in enumerate(shard_batches(rank, world, 5)):
+        opt.zero_grad(set_to_none=True)
+        head = head_a if (rank + step) % 2 == 0 else head_b  # each rank uses a different head
+        nn.functional.cross_entropy(head(torch.tanh(trunk(x))), y).backward()
+        opt.step()
+    return [p.detach().clone() for m in (trunk, head_a, head_b) for p in m.parameters()]
+
+
+@pytest.mark.multiprocess
+def test_parameters_without_gradients_on_some_ranks_and_param_groups():
+    results = run_ranks(_unused_parameters_and_groups, 2)
+    assert all(torch.equal(a, b) for a, b in zip(results[0], results[1]))
+
+
+def _disagreeing_shapes(rank, world):
+    model = nn.Linear(8, 4 if rank == 0 else 5)
+    opt = OnebitAdam(model.parameters(), freeze_step=2)
+    model(torch.ones(1, 8)).sum().backward()
+    opt.step()
+
+
+def _disagreeing_lr(rank, world):
+    model = nn.Linear(8, 4)
+    opt = OnebitAdam(model.parameters(), lr=1e-3 * (rank + 1), freeze_step=2)
+    model(torch.ones(1, 8)).sum().backward()
+    opt.step()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("fn, message", [(_disagreeing_shapes, "parameter shapes"), (_disagreeing_lr, "hyperparameters differ")])
+def test_ranks_that_disagree_raise_on_every_rank(fn, message):
+    for status, value in spawn_ranks(fn, 2, timeout=60):
+        assert status == "error" and message in value
+
+
+def _auto_freeze(rank, world):
+    model = mlp()
+    rule = VarianceStabilityRule(window=5, rtol=0.05, min_step=10, max_step=60)
+    opt = OnebitAdam(model.parameters(), lr=1e-3, freeze_step=rule)
+    for x, y in shard_batches(rank, world, 70):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return opt.freeze_step, opt.state_dict()["compressed_opt"]["freeze_step"]
+
+
+@pytest.mark.multiprocess
+def test_auto_freeze_picks_the_same_step_on_every_rank():
+    results = run_ranks(_auto_freeze, 2)
+    assert results[0] == results[1]
+    step, saved = results[0]
+    assert 10 <= step <= 60 and saved == step
+
+
+# --- single process ------------------------------------------------------------------------
+def _step(model, opt, x, y):
+    opt.zero_grad()
+    nn.functional.cross_entropy(model(x).float(), y).backward()
+    opt.step()
+
+
+def test_closure_lr_scheduler_and_betas_scheduler():
+    model = mlp()
+    opt = OnebitAdam(model.parameters(), lr=1e-2, freeze_step=3)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=10, cycle_momentum=True)
+    x, y = digits()
+    losses = []
+    for _ in range(10):
+        def closure():
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(model(x[:128]), y[:128])
+            loss.backward()
+            return loss
+        losses.append(opt.step(closure).item())
+        sched.step()
+    assert losses[-1] < losses[0]
+    assert opt.param_groups[0]["betas"][0] != 0.9  # the scheduler moved beta1 and we read it
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_parameters(dtype):
+    model = mlp(dtype=dtype)
+    opt = OnebitAdam(model.parameters(), lr=3e-3, freeze_step=10)
+    x, y = digits()
+    start = full_loss(model)
+    for i in range(40):
+        _step(model, opt, x[i * 32 : (i + 1) * 32].to(dtype), y[i * 32 : (i + 1) * 32])
+    assert all(p.dtype == dtype for p in model.parameters())
+    assert all(s["exp_avg"].dtype == torch.float32 for s in opt.state.values())
+    assert full_loss(model) < start
+
+
+def test_torch_compile_model():
+    model = mlp()
+    compiled = torch.compile(model, backend="aot_eager")
+    opt = OnebitAdam(compiled.parameters(), lr=3e-3, freeze_step=3)
+    x, y = digits()
+    start = full_loss(model)
+    for i in range(8):
+        _step(compiled, opt, x[i * 64 : (i + 1) * 64], y[i * 64 : (i + 1) * 64])
+    assert opt.frozen and full_loss(model) < start
+
+
+def test_zero_grad_keeps_or_drops_gradients():
+    model = nn.Linear(4, 2)
+    opt = OnebitAdam(model.parameters(), freeze_step=1)
+    model(torch.ones(1, 4)).sum().backward()
+    opt.zero_grad(set_to_none=False)
+    assert model.weight.grad is not None and not model.weight.grad.any()
+    opt.zero_grad()
+    assert model.weight.grad is None
+
+
+def test_state_is_visible_per_parameter_and_loads_with_weights_only():
+    model = mlp()
+    opt = OnebitAdam(model.parameters(), freeze_step=2)
+    x, y = digits()
+    for _ in range(3):
+        _step(model, opt, x[:64], y[:64])
+    for p in model.parameters():
+        assert opt.state[p]["exp_avg"].shape == p.shape
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=True)
+    assert loaded["compressed_opt"]["frozen"] and loaded["compressed_opt"]["global_step"] == 3
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        (dict(lr=-1.0), ValueError, "Invalid lr"),
+        (dict(eps=-1e-8), ValueError, "Invalid eps"),
+        (dict(weight_decay=-0.1), ValueError, "Invalid weight_decay"),
+        (dict(betas=(1.0, 0.999)), ValueError, "beta parameter at index 0"),
+        (dict(betas=(0.9, -0.1)), ValueError, "beta parameter at index 1"),
+        (dict(betas=0.9), TypeError, "betas must be a pair"),
+        (dict(freeze_step=-3), ValueError, "Invalid freeze_step"),
+        (dict(freeze_step=0), ValueError, "Invalid freeze_step"),
+        (dict(freeze_step="soon"), TypeError, "freeze_step must be an int or 'auto'"),
+        (dict(bucket_cap_mb=0), ValueError, "bucket_cap_mb"),
+        (dict(backend="nccl"), TypeError, "backend must be"),
+    ],
+)
+def test_bad_arguments_name_the_argument(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        OnebitAdam(nn.Linear(2, 2).parameters(), **kwargs)
+
+
+def test_sparse_and_complex_are_rejected():
+    emb = nn.Embedding(10, 3, sparse=True)
+    opt = OnebitAdam(emb.parameters(), freeze_step=1)
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(TypeError, match="sparse gradients"):
+        opt.step()
+    with pytest.raises(TypeError, match="complex parameters"):
+        OnebitAdam([nn.Parameter(torch.zeros(2, dtype=torch.complex64))])
+
+
+def test_single_process_backend_by_default_and_the_auto_string():
+    opt = OnebitAdam(nn.Linear(2, 2).parameters(), freeze_step="auto")
+    assert isinstance(opt.backend, SingleProcessBackend)
+    assert isinstance(opt.freeze_rule, VarianceStabilityRule) and opt.freeze_step is None
