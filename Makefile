@@ -20,10 +20,10 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 test: $(STAMP)
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q -p no:cacheprovider
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -P -m pytest -q -p no:cacheprovider
 
 demo: $(STAMP)
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) benchmarks/comm_bandwidth.py --launch 2 --sizes-mb 1,4,16,64
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -P benchmarks/comm_bandwidth.py --launch 2 --sizes-mb 1,4,16,64
 
 clean:
 	rm -rf $(VENV) build *.egg-info

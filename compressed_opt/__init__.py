@@ -8,8 +8,21 @@ kernels live in :mod:`compressed_opt.cuda`.
 from compressed_opt import comm, cuda  # noqa: F401
 from compressed_opt.comm import compressed_allreduce, get_backend  # noqa: F401
 
+from .deepspeed_compat import from_deepspeed_config  # noqa: F401
 from .freeze import VarianceStabilityRule  # noqa: F401
 from .onebit_adam import OnebitAdam  # noqa: F401
+from .onebit_lamb import OnebitLamb  # noqa: F401
+from .zero_one_adam import ZeroOneAdam  # noqa: F401
 
 __version__ = "0.1.0"
-__all__ = ["OnebitAdam", "VarianceStabilityRule", "compressed_allreduce", "get_backend", "comm", "cuda"]
+__all__ = [
+    "OnebitAdam",
+    "OnebitLamb",
+    "ZeroOneAdam",
+    "VarianceStabilityRule",
+    "from_deepspeed_config",
+    "compressed_allreduce",
+    "get_backend",
+    "comm",
+    "cuda",
+]
