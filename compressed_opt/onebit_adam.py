@@ -38,13 +38,14 @@ class _FreezingAdam(CompressedOptimizer):
 
     bucket_state_names = ("exp_avg", "exp_avg_sq")
 
-    def __init__(self, params, defaults, freeze_step, backend, bucket_cap_mb):
+    def __init__(self, params, defaults, freeze_step, backend, bucket_cap_mb, overlap=True, accumulation_steps=1):
         freeze_step = check_step_count("freeze_step", freeze_step, allow_auto=True, minimum=1) \
             if not isinstance(freeze_step, VarianceStabilityRule) else freeze_step
         self.freeze_rule = resolve_rule("freeze_step", freeze_step)
         self.freeze_step = None if self.freeze_rule is not None else freeze_step
         self.frozen = False
-        super().__init__(params, defaults, backend=backend, bucket_cap_mb=bucket_cap_mb)
+        super().__init__(params, defaults, backend=backend, bucket_cap_mb=bucket_cap_mb,
+                         overlap=overlap, accumulation_steps=accumulation_steps)
 
     def _validate_group(self, group):
         check_nonneg_float("lr", group["lr"])
@@ -138,12 +139,25 @@ class OnebitAdam(_FreezingAdam):
         backend: a :class:`compressed_opt.comm.Backend`; ``None`` picks one
             (:func:`compressed_opt.comm.get_backend`).
         bucket_cap_mb: size cap of the flat buckets (one collective per bucket).
+        overlap: launch each bucket's communication from backward as soon as its gradients are
+            ready (``False``: everything in ``step()``).
+        accumulation_steps: backward passes per ``step()`` (gradient accumulation without
+            ``no_sync()``); communication happens once, after the last.
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, freeze_step=100000,
-                 *, bias_correction=True, backend=None, bucket_cap_mb=25.0):
+                 *, bias_correction=True, backend=None, bucket_cap_mb=25.0, overlap=True, accumulation_steps=1):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bool(bias_correction))
-        super().__init__(params, defaults, freeze_step, backend, bucket_cap_mb)
+        super().__init__(params, defaults, freeze_step, backend, bucket_cap_mb, overlap, accumulation_steps)
+
+    def _bucket_communicate(self, bucket, group, grad, step):
+        """Compression stage: local momentum ``m_i = b1 m + (1 - b1) g_i``, then its compressed
+        average over the ranks, in place."""
+        m = bucket.flat("exp_avg")
+        beta1 = group["betas"][0]
+        m.mul_(beta1).add_(grad, alpha=1 - beta1)
+        worker_error, server_error = self.error_buffers(bucket)
+        compressed_allreduce(m, worker_error, server_error, self.backend)
 
     def _bucket_step(self, bucket, group, grad, step, averaged):
         m, v = bucket.flat("exp_avg"), bucket.flat("exp_avg_sq")
@@ -156,10 +170,7 @@ class OnebitAdam(_FreezingAdam):
             v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
             torch.sqrt(v, out=direction).div_(bc2_sqrt).add_(eps)
             torch.div(m, direction, out=direction)
-        else:  # compression stage: local momentum, then its compressed average
-            m.mul_(beta1).add_(grad, alpha=1 - beta1)
-            worker_error, server_error = self.error_buffers(bucket)
-            compressed_allreduce(m, worker_error, server_error, self.backend)
+        else:  # compression stage: m is already the compressed average (_bucket_communicate)
             torch.div(m, self.frozen_denominator(bucket), out=direction)
         if wd != 0:
             torch._foreach_mul_(bucket.params, 1 - lr * wd)

@@ -10,9 +10,13 @@ class owns everything around it, in the order of a step:
    so that a non-finite gradient on *any* rank makes *every* rank skip the step (a one-element
    all-reduce of the flags), where GradScaler alone would skip only on the overflowing rank and
    leave the others waiting in a collective;
-4. per bucket: the rank's gradients copied (unscaled) into a flat fp32 buffer; if the algorithm
-   wants the full-precision average this step (:meth:`_needs_average`), one all-reduce per bucket,
-   all launched before the first is waited for; then ``_bucket_step``;
+4. per bucket, *communication*: the rank's gradients copied into a flat fp32 buffer; if the
+   algorithm wants the full-precision average this step (:meth:`_needs_average`), one all-reduce
+   per bucket, else the algorithm's own exchange (:meth:`_bucket_communicate`, e.g. 1-bit Adam's
+   momentum update and compressed allreduce). With ``overlap=True`` (the default) this runs during
+   backward, launched by hooks as soon as a bucket's gradients are complete
+   (:mod:`compressed_opt.overlap`), and ``step()`` only waits for what is still in flight;
+   then, per bucket, the *update* (:meth:`_bucket_step`);
 5. ``_end_step``: stage changes (freezing), decided identically on every rank.
 
 The rest of the state a resumed run needs (stage, counters, error buffers) goes into
@@ -32,7 +36,8 @@ from torch.optim import Optimizer
 from compressed_opt.comm import Backend, get_backend
 
 from .buckets import Bucket, build_buckets
-from .validation import check_nonneg_float
+from .overlap import BucketLauncher
+from .validation import check_nonneg_float, check_step_count
 
 logger = logging.getLogger("compressed_opt")
 
@@ -44,7 +49,8 @@ class CompressedOptimizer(Optimizer):
     #: per-bucket fp32 buffers shown per parameter in ``optimizer.state[p][name]``
     bucket_state_names: tuple[str, ...] = ()
 
-    def __init__(self, params, defaults: dict, backend: Backend | None = None, bucket_cap_mb: float = 25.0):
+    def __init__(self, params, defaults: dict, backend: Backend | None = None, bucket_cap_mb: float = 25.0,
+                 overlap: bool = True, accumulation_steps: int = 1):
         self._buckets: list[Bucket] | None = None
         super().__init__(params, defaults)
         if backend is None:
@@ -60,6 +66,13 @@ class CompressedOptimizer(Optimizer):
         self._layout_key = None
         self._ranks_checked = False
         self._pending_bucket_state: list[dict] | None = None
+        if not isinstance(overlap, bool):
+            raise TypeError(f"overlap must be True or False, got {overlap!r}")
+        self.overlap = overlap
+        self.accumulation_steps = check_step_count("accumulation_steps", accumulation_steps, minimum=1)
+        self._launcher = BucketLauncher(self._communicate_bucket, self.accumulation_steps)
+        self._scaler_seen = False
+        self._gather_inv_scale: float | None = None  # 1/scale of a GradScaler, applied when gathering
 
     # --- parameters and buckets ---------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
@@ -97,6 +110,7 @@ class CompressedOptimizer(Optimizer):
                     if old is not None:
                         view.copy_(old)
                     self.state[p][name] = view
+        self._launcher.attach(self._buckets, hooks=self.overlap)
         pending, self._pending_bucket_state = self._pending_bucket_state, None
         if pending is not None:
             self._restore_bucket_state(pending)
@@ -134,7 +148,15 @@ class CompressedOptimizer(Optimizer):
         """Whether step ``step`` (1-based) averages the gradients at full precision first."""
         raise NotImplementedError
 
+    def _bucket_communicate(self, bucket: Bucket, group: dict, grad: torch.Tensor, step: int) -> None:
+        """The algorithm's exchange for a step that does not average gradients at full precision,
+        run as soon as the bucket's gradients are ready (possibly on the communication thread,
+        during backward). It must not read the learning rate (schedulers change it after
+        ``step()``, not before). By default there is none here: ``_bucket_step`` communicates."""
+
     def _bucket_step(self, bucket: Bucket, group: dict, grad: torch.Tensor, step: int, averaged: bool) -> None:
+        """The update of the bucket's parameters; ``grad`` holds the averaged gradient (when
+        ``averaged``) or this rank's gradient, after ``_bucket_communicate``."""
         raise NotImplementedError
 
     def _end_step(self, step: int) -> None:
@@ -147,6 +169,29 @@ class CompressedOptimizer(Optimizer):
         pass
 
     # --- the step ------------------------------------------------------------------------------
+    def no_sync(self):
+        """Context manager: backward passes inside accumulate gradients without communicating
+        (gradient accumulation, as ``DistributedDataParallel.no_sync``); the next backward
+        outside communicates them all."""
+        return self._launcher.suspended()
+
+    def _communicate_bucket(self, bucket: Bucket) -> None:
+        step = self.global_step + 1
+        grad = bucket.flat("grad")
+        bucket.gather_grads(grad, self._gather_inv_scale)
+        if self._needs_average(step):
+            self.backend.all_reduce(grad, op="avg")
+        else:
+            self._bucket_communicate(bucket, self.param_groups[bucket.group_index], grad, step)
+
+    def _arm_launcher(self) -> None:
+        """Whether the coming backward may launch communication: after the ranks were checked,
+        and not for a compression-stage step under a GradScaler (that exchange changes state, so
+        it waits until every rank knows whether the step is skipped)."""
+        upcoming = self.global_step + 1
+        deferred = self._scaler_seen and not self._needs_average(upcoming)
+        self._launcher.enabled = self.overlap and self._ranks_checked and not deferred
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -155,43 +200,53 @@ class CompressedOptimizer(Optimizer):
                 loss = closure()
         self._ensure_buckets()
         if not self._ranks_checked:
+            for b in self._buckets:
+                for p in b.params:
+                    if p.grad is not None and p.grad.layout != torch.strided:
+                        raise TypeError(f"{type(self).__name__} does not support sparse gradients")
             self._check_ranks_agree()
             self._ranks_checked = True
-        inv_scale = self._amp_inverse_scale()
-        if inv_scale is False:  # a non-finite gradient on some rank: every rank skips
-            return loss
         step = self.global_step + 1
         averaged = self._needs_average(step)
-        grads = []
+        launched = self._launcher.wait()
+        todo = [i for i in range(len(self._buckets)) if i not in launched]
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is not None:
+            self._scaler_seen = True
+            grad_scale = getattr(self, "grad_scale", None)
+            inv_scale = None if grad_scale is None else 1.0 / float(grad_scale)
+            # backward gathered with the previous step's scale; a rank whose scale changed since
+            # must gather again, and then every rank must (the collectives have to match)
+            stale = bool(launched) and inv_scale != self._gather_inv_scale
+            skip, redo = self._agree_on_scaler(found_inf, stale)
+            self._gather_inv_scale = inv_scale
+            if skip:  # a non-finite gradient on some rank: every rank skips the step
+                self._launcher.reset()
+                self._arm_launcher()
+                return loss
+            if redo:
+                todo = list(range(len(self._buckets)))
+        try:
+            self._launcher.run_inline(todo)
+        finally:
+            self._launcher.reset()
         for b in self._buckets:
-            for p in b.params:
-                if p.grad is not None and (p.grad.is_sparse or p.grad.layout != torch.strided):
-                    raise TypeError(f"{type(self).__name__} does not support sparse gradients")
-            grad = b.flat("grad")
-            b.gather_grads(grad, inv_scale)
-            work = self.backend.all_reduce(grad, op="avg", async_op=True) if averaged else None
-            grads.append((b, grad, work))
-        for b, grad, work in grads:
-            if work is not None:
-                work.wait()
-            self._bucket_step(b, self.param_groups[b.group_index], grad, step, averaged)
+            self._bucket_step(b, self.param_groups[b.group_index], b.flat("grad"), step, averaged)
         self.global_step = step
         self._end_step(step)
+        self._arm_launcher()
         return loss
 
-    def _amp_inverse_scale(self):
-        """``None`` without GradScaler; ``False`` when some rank found inf/NaN; else 1/scale."""
-        found_inf = getattr(self, "found_inf", None)
-        if found_inf is None:
-            return None
-        flag = found_inf.detach().reshape(-1)[:1].float().cpu() if found_inf.numel() else torch.zeros(1)
+    def _agree_on_scaler(self, found_inf: torch.Tensor, stale: bool) -> tuple[bool, bool]:
+        """One 2-element all-reduce: (some rank found inf/NaN, some rank must gather again)."""
         device = self._buckets[0].device if self._buckets else torch.device("cpu")
-        flag = flag.to(device)
-        self.backend.all_reduce(flag, op="sum")
-        if flag.item() > 0:
-            return False
-        grad_scale = getattr(self, "grad_scale", None)
-        return None if grad_scale is None else 1.0 / float(grad_scale)
+        flags = torch.zeros(2, dtype=torch.float32, device=device)
+        if found_inf.numel():
+            flags[0] = found_inf.detach().reshape(-1)[0].float().to(device)
+        flags[1] = float(stale)
+        self.backend.all_reduce(flags, op="sum")
+        skip, redo = flags.tolist()
+        return skip > 0, redo > 0
 
     # --- every rank the same -------------------------------------------------------------------
     def _signature(self) -> list[int]:
@@ -283,6 +338,7 @@ class CompressedOptimizer(Optimizer):
         self._buckets = None
         self._layout_key = None
         self._ranks_checked = False
+        self._launcher.enabled = False
         same_layout = extra["world_size"] == self.backend.world_size and extra["rank"] == self.backend.rank
         if same_layout:
             self._pending_bucket_state = list(extra["buckets"])

@@ -1,0 +1,80 @@
+"""Bucketed communication launched from backward: same results as the synchronous path, launched
+before step(), gradient accumulation that communicates once per step."""
+import pytest
+import torch
+from torch import nn
+
+from compressed_opt import OnebitAdam
+from distributed import run_ranks, spawn_ranks
+from optim_tasks import shard_batches
+
+
+def deep_mlp(seed=0):
+    torch.manual_seed(seed)
+    layers = []
+    for _ in range(8):
+        layers += [nn.Linear(64, 64), nn.Tanh()]
+    return nn.Sequential(*layers, nn.Linear(64, 10))
+
+
+def _train(rank, world, overlap, steps=8, freeze=4, accumulate=1, mode="plain"):
+    model = deep_mlp()
+    kwargs = dict(lr=2e-3, freeze_step=freeze, bucket_cap_mb=0.02, overlap=overlap)
+    if mode == "accumulation_steps":
+        kwargs["accumulation_steps"] = accumulate
+    opt = OnebitAdam(model.parameters(), **kwargs)
+    launched_before_step = []
+    for x, y in shard_batches(rank, world, steps, batch=32 * accumulate):
+        opt.zero_grad()
+        micro = list(zip(x.chunk(accumulate), y.chunk(accumulate)))
+        for i, (mx, my) in enumerate(micro):
+            loss = nn.functional.cross_entropy(model(mx), my) / accumulate
+            if mode == "no_sync" and i < len(micro) - 1:
+                with opt.no_sync():
+                    loss.backward()
+            else:
+                loss.backward()
+        launched_before_step.append(opt._launcher.launched)
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()], launched_before_step, len(opt.buckets)
+
+
+@pytest.mark.multiprocess
+def test_overlapped_equals_synchronous_and_launches_during_backward():
+    overlapped = run_ranks(_train, 2, True)
+    synchronous = run_ranks(_train, 2, False)
+    params, launched, n_buckets = overlapped[0]
+    assert n_buckets >= 8
+    assert launched[0] == 0  # the first step checks the ranks agree first
+    assert all(n == n_buckets for n in launched[1:]), launched
+    assert synchronous[0][1] == [0] * 8
+    for rank in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(overlapped[rank][0], synchronous[rank][0]))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("mode", ["no_sync", "accumulation_steps"])
+def test_gradient_accumulation_communicates_once_per_step(mode):
+    accumulated = run_ranks(_train, 2, True, 6, 3, 3, mode)
+    reference = run_ranks(_train, 2, False, 6, 3, 3, "no_sync")  # synchronous: nothing during backward
+    params, launched, n_buckets = accumulated[0]
+    assert all(n == n_buckets for n in launched[1:])
+    for a, b in zip(params, reference[0][0]):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def _accumulate_without_no_sync(rank, world):
+    model = deep_mlp()
+    opt = OnebitAdam(model.parameters(), freeze_step=4, bucket_cap_mb=0.02)
+    for step, (x, y) in enumerate(shard_batches(rank, world, 3)):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        if step == 2:
+            nn.functional.cross_entropy(model(x), y).backward()  # a second backward, unannounced
+        opt.step()
+
+
+@pytest.mark.multiprocess
+def test_unannounced_accumulation_raises_instead_of_sending_partial_gradients():
+    for status, value in spawn_ranks(_accumulate_without_no_sync, 2, timeout=60):
+        assert status == "error" and "no_sync" in value and "accumulation_steps" in value
