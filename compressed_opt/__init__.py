@@ -8,6 +8,7 @@ kernels live in :mod:`compressed_opt.cuda`.
 from compressed_opt import comm, cuda  # noqa: F401
 from compressed_opt.comm import compressed_allreduce, get_backend  # noqa: F401
 
+from .ddp import register_ddp_comm_hook  # noqa: F401
 from .deepspeed_compat import from_deepspeed_config  # noqa: F401
 from .freeze import VarianceStabilityRule  # noqa: F401
 from .onebit_adam import OnebitAdam  # noqa: F401
@@ -21,6 +22,7 @@ __all__ = [
     "ZeroOneAdam",
     "VarianceStabilityRule",
     "from_deepspeed_config",
+    "register_ddp_comm_hook",
     "compressed_allreduce",
     "get_backend",
     "comm",

@@ -159,6 +159,29 @@ class OnebitAdam(_FreezingAdam):
         worker_error, server_error = self.error_buffers(bucket)
         compressed_allreduce(m, worker_error, server_error, self.backend)
 
+    def ddp_exchange(self, bucket_index, params, grads, buffer):
+        """Under DDP: ``buffer`` <- compressed average of the local momenta of DDP's bucket."""
+        by_beta: dict[float, tuple[list, list]] = {}
+        for p, g in zip(params, grads):
+            beta1 = self._group_of(p)["betas"][0]
+            ms, gs = by_beta.setdefault(beta1, ([], []))
+            ms.append(self.state[p]["exp_avg"])
+            gs.append(g)
+        for beta1, (ms, gs) in by_beta.items():
+            torch._foreach_lerp_(gs, ms, beta1)  # g + b1 (m - g) = b1 m + (1 - b1) g
+        worker_error, server_error = self.ddp_error_buffers(bucket_index, buffer.numel(), buffer.device)
+        compressed_allreduce(buffer, worker_error, server_error, self.backend)
+        return True
+
+    def _bucket_receive(self, bucket, group, grad, step):
+        bucket.flat("exp_avg").copy_(grad)
+
+    def _group_of(self, param):
+        groups = getattr(self, "_param_to_group", None)
+        if groups is None or param not in groups:
+            self._param_to_group = groups = {p: g for g in self.param_groups for p in g["params"]}
+        return groups[param]
+
     def _bucket_step(self, bucket, group, grad, step, averaged):
         m, v = bucket.flat("exp_avg"), bucket.flat("exp_avg_sq")
         beta1, beta2 = group["betas"]

@@ -34,6 +34,14 @@ With ``bias_correction=True`` (the default) ``m_hat = m / (1 - b1^t)`` and
 code). Unlike the paper's code, the factor is not blended towards 1 by the weight-decay share of
 the update.
 
+As in :class:`OnebitAdam`, coordinates whose frozen variance is exactly 0 (weights fed by an
+always-zero input, unused embedding rows) get no momentum step in the compression stage (their
+``sqrt(v_f) + eps`` counts as infinite) and take no part in the factor's maximum: 1-bit
+compression cannot send a 0, and ``scale / eps`` would throw them far away.
+
+The exchange (local momentum, scaling, compressed allreduce) is ``_bucket_communicate``, so with
+``overlap=True`` it runs during backward; ``step()`` does the rest.
+
 Per-layer scalars live in ``optimizer.state[p]`` as Python floats (so checkpoints keep them
 exactly): ``trust_ratio_ema``, ``trust_ratio_updates``, ``trust_ratio_frozen``,
 ``scaling_coeff``, ``last_factor`` and ``lamb_coeff`` (the coefficient ``r`` or ``r_f factor``
@@ -80,20 +88,25 @@ class OnebitLamb(_FreezingAdam):
         bias_correction: Adam's bias correction of the moments (``False``: the paper's code).
         backend: a :class:`compressed_opt.comm.Backend`; ``None`` picks one.
         bucket_cap_mb: size cap of the flat buckets (one collective per bucket).
+        overlap: launch each bucket's communication from backward as soon as its gradients are
+            ready (``False``: everything in ``step()``).
+        accumulation_steps: backward passes per ``step()`` (gradient accumulation without
+            ``no_sync()``); communication happens once, after the last.
     """
 
     bucket_state_names = ("exp_avg", "exp_avg_sq", "exp_avg_sq_fresh")
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, freeze_step=100000,
                  *, max_coeff=10.0, min_coeff=0.01, coeff_beta=0.9, factor_max=4.0, factor_min=0.5,
-                 factor_threshold=0.1, bias_correction=True, backend=None, bucket_cap_mb=25.0):
+                 factor_threshold=0.1, bias_correction=True, backend=None, bucket_cap_mb=25.0, overlap=True,
+                 accumulation_steps=1):
         defaults = dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
             max_coeff=max_coeff, min_coeff=min_coeff, coeff_beta=coeff_beta,
             factor_max=factor_max, factor_min=factor_min, factor_threshold=factor_threshold,
             bias_correction=bool(bias_correction),
         )
-        super().__init__(params, defaults, freeze_step, backend, bucket_cap_mb)
+        super().__init__(params, defaults, freeze_step, backend, bucket_cap_mb, overlap, accumulation_steps)
 
     def _validate_group(self, group):
         super()._validate_group(group)
@@ -160,8 +173,8 @@ class OnebitLamb(_FreezingAdam):
         """``clip(||p|| / ||u||, min_coeff, max_coeff)`` per layer, 1 where a norm is 0."""
         if not params:
             return []
-        p_norm = torch.stack(torch._foreach_norm(params, 2, dtype=torch.float32))
-        u_norm = torch.stack(torch._foreach_norm(updates, 2, dtype=torch.float32))
+        p_norm = torch.stack(_norms(params))
+        u_norm = torch.stack(_norms(updates))
         ratio = torch.where((p_norm > 0) & (u_norm > 0), p_norm / u_norm, torch.full_like(p_norm, -1.0))
         return [1.0 if r < 0 else min(max(r, min_coeff), max_coeff) for r in ratio.tolist()]
 
@@ -171,7 +184,7 @@ class OnebitLamb(_FreezingAdam):
         set once from ``m`` (the averaged momentum, the same on every rank) and kept in state."""
         states = [self.state[p] for p in bucket.params]
         if any("scaling_coeff" not in st for st in states):
-            norms = torch.stack(torch._foreach_norm(bucket.views(m))).tolist()
+            norms = torch.stack(_norms(bucket.views(m))).tolist()
             rms = [n / math.sqrt(p.numel()) if p.numel() else 0.0 for n, p in zip(norms, bucket.params)]
             layers = [r for r, p in zip(rms, bucket.params) if p.numel()]
             mean = sum(layers) / len(layers) if layers else 0.0
@@ -179,53 +192,48 @@ class OnebitLamb(_FreezingAdam):
                 st["scaling_coeff"] = mean / r if r > 0 and mean > 0 and math.isfinite(mean / r) else 1.0
         return [st["scaling_coeff"] for st in states]
 
-    def _compressed_step(self, bucket, group, grad, step):
-        m, v_f, v_fresh = bucket.flat("exp_avg"), bucket.flat("exp_avg_sq"), bucket.flat("exp_avg_sq_fresh")
-        scratch = bucket.flat("lamb_scratch")  # working memory, not state
+    def _bucket_communicate(self, bucket, group, grad, step):
+        """Compression stage, as soon as the bucket's gradients are ready: the local momentum
+        ``b1 m + (1 - b1) g_i`` into the gradient buffer (``m`` keeps ``m_{t-1}``, needed to
+        reconstruct the gradient), scaled per layer by ``c_l``, compressed-allreduced, unscaled."""
+        m = bucket.flat("exp_avg")
+        beta1 = group["betas"][0]
+        coeffs = self._scaling_coeffs(bucket, m)
+        torch.lerp(m, grad, 1 - beta1, out=grad)
+        views = bucket.views(grad)
+        torch._foreach_mul_(views, coeffs)
+        worker_error, server_error = self.error_buffers(bucket)
+        compressed_allreduce(grad, worker_error, server_error, self.backend)
+        torch._foreach_div_(views, coeffs)
+
+    def _compressed_step(self, bucket, group, momentum, step):
+        """``momentum`` holds ``m_t`` (the compressed average), ``exp_avg`` still ``m_{t-1}``."""
+        m, v_fresh = bucket.flat("exp_avg"), bucket.flat("exp_avg_sq_fresh")
+        denom = self.frozen_denominator(bucket)  # sqrt(v_f) + eps, inf where v_f == 0
         params = bucket.params
         beta1, beta2 = group["betas"]
         lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]
         bc1, bc2_sqrt = bias_corrections(beta1, beta2, step, group["bias_correction"])
-        _, bc2f_sqrt = bias_corrections(beta1, beta2, self.freeze_step, group["bias_correction"])
-        coeffs = self._scaling_coeffs(bucket, m)
 
-        # m holds m_{t-1} (last step's average); the local momentum goes into the gradient buffer
-        torch.lerp(m, grad, 1 - beta1, out=grad)
-        momentum = grad
-        views = bucket.views(momentum)
-        torch._foreach_mul_(views, coeffs)
-        worker_error, server_error = self.error_buffers(bucket)
-        compressed_allreduce(momentum, worker_error, server_error, self.backend)
-        torch._foreach_div_(views, coeffs)
-
-        # g~ = (m_t - b1 m_{t-1}) / (1 - b1) into m; v_fresh; then m <- m_t
-        m.mul_(-beta1).add_(momentum).div_(1 - beta1)
-        v_fresh.mul_(beta2).addcmul_(m, m, value=1 - beta2)
+        # v_fresh <- b2 v_fresh + (1 - b2) g~^2,  g~ = (m_t - b1 m_{t-1}) / (1 - b1); then m <- m_t
+        torch.add(momentum, m, alpha=-beta1, out=m)
+        v_fresh.mul_(beta2).addcmul_(m, m, value=(1 - beta2) / (1 - beta1) ** 2)
         m.copy_(momentum)
 
-        # per layer: max (sqrt(v_f) + eps) / (sqrt(v_fresh_hat) + eps)
-        denom = scratch
-        torch.sqrt(v_f, out=denom).div_(bc2f_sqrt).add_(eps)
-        ratio = grad
+        # per layer: max (sqrt(v_f) + eps) / (sqrt(v_fresh_hat) + eps), over the coordinates that
+        # move (v_f > 0: the others have an infinite frozen denominator and stay where they are)
+        ratio = momentum  # free now: m has it
         torch.sqrt(v_fresh, out=ratio).div_(bc2_sqrt).add_(eps)
-        torch.div(denom, ratio, out=ratio)
+        torch.div(denom, ratio, out=ratio).nan_to_num_(nan=0.0, posinf=0.0)
         nonempty = [i for i, p in enumerate(params) if p.numel()]
-        maxima = bucket.views(ratio)
         raw = [1.0] * len(params)
         if nonempty:
-            found = torch.stack(torch._foreach_max([maxima[i] for i in nonempty])).tolist()
-            for i, f in zip(nonempty, found):
+            views = bucket.views(ratio)
+            for i, f in zip(nonempty, torch.stack(_maxima([views[i] for i in nonempty])).tolist()):
                 raw[i] = f
 
-        # u = m_hat / (sqrt(v_f) + eps) + wd p
-        update = grad
-        torch.div(m, denom.mul_(bc1), out=update)
-        views = bucket.views(update)
-        if wd != 0:
-            torch._foreach_add_(views, params, alpha=wd)
-
         fmin, fmax, threshold = group["factor_min"], group["factor_max"], group["factor_threshold"]
-        scales = []
+        coeffs = []
         for p, f in zip(params, raw):
             st = self.state[p]
             last = st.get("last_factor", 1.0)
@@ -234,11 +242,31 @@ class OnebitLamb(_FreezingAdam):
             st["last_factor"] = f
             if "trust_ratio_frozen" not in st:  # a parameter added after the freeze
                 st["trust_ratio_frozen"] = _debiased_ema(st, group["coeff_beta"])
-            coeff = st["trust_ratio_frozen"] * f
-            st["lamb_coeff"] = coeff
-            scales.append(-lr * coeff)
-        torch._foreach_mul_(views, scales)
+            st["lamb_coeff"] = coeff = st["trust_ratio_frozen"] * f
+            coeffs.append(coeff)
+
+        # p <- p - lr coeff (m_hat / (sqrt(v_f) + eps) + wd p)
+        update = ratio
+        torch.div(m, denom, out=update)
+        if wd != 0:
+            torch._foreach_mul_(params, [1.0 - lr * c * wd for c in coeffs])
+        views = bucket.views(update)
+        torch._foreach_mul_(views, [-lr * c / bc1 for c in coeffs])
         torch._foreach_add_(params, views)
+
+
+def _norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """L2 norms in fp32: one fused kernel for fp32 tensors, one per tensor otherwise."""
+    if all(t.dtype == torch.float32 for t in tensors):
+        return list(torch._foreach_norm(tensors))
+    return [torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors]
+
+
+def _maxima(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each (non-empty) tensor's maximum; fused where torch has ``_foreach_max`` (2.4+)."""
+    if hasattr(torch, "_foreach_max"):
+        return list(torch._foreach_max(tensors))
+    return [t.max() for t in tensors]
 
 
 def _debiased_ema(st: dict, beta: float) -> float:

@@ -73,17 +73,23 @@ class CompressedOptimizer(Optimizer):
         self._launcher = BucketLauncher(self._communicate_bucket, self.accumulation_steps)
         self._scaler_seen = False
         self._gather_inv_scale: float | None = None  # 1/scale of a GradScaler, applied when gathering
+        self._ddp = None  # a compressed_opt.ddp.DDPHookState once a DDP hook drives the exchange
+        self._ddp_errors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     # --- parameters and buckets ---------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        for p in group["params"]:
-            if p.is_complex():
-                raise TypeError(f"{type(self).__name__} does not support complex parameters (got {p.dtype})")
-            if not p.is_floating_point():
-                raise TypeError(f"{type(self).__name__} needs floating-point parameters, got {p.dtype}")
-        self._validate_group(group)
+        try:
+            for p in group["params"]:
+                if p.is_complex():
+                    raise TypeError(f"{type(self).__name__} does not support complex parameters (got {p.dtype})")
+                if not p.is_floating_point():
+                    raise TypeError(f"{type(self).__name__} needs floating-point parameters, got {p.dtype}")
+            self._validate_group(group)
+        except (TypeError, ValueError):
+            self.param_groups.pop()  # a rejected group must not stay behind
+            raise
         if self._buckets is not None:
             self._ranks_checked = False  # new parameters: check the ranks agree again
 
@@ -154,6 +160,34 @@ class CompressedOptimizer(Optimizer):
         during backward). It must not read the learning rate (schedulers change it after
         ``step()``, not before). By default there is none here: ``_bucket_step`` communicates."""
 
+    def ddp_exchange(self, bucket_index: int, params, grads, buffer: torch.Tensor) -> bool:
+        """Under DDP: the compression-stage exchange for one DDP bucket, inside the comm hook.
+        ``buffer`` holds the bucket's local gradients (``grads`` are views into it, matching
+        ``params``); on return it must hold what ``_bucket_receive`` expects in ``p.grad``.
+        ``False``: this algorithm exchanges in ``step()`` instead."""
+        return False
+
+    def _bucket_receive(self, bucket: Bucket, group: dict, grad: torch.Tensor, step: int) -> None:
+        """Under DDP, after ``ddp_exchange``: ``grad`` holds what the hook produced."""
+        raise NotImplementedError
+
+    def ddp_error_buffers(self, bucket_index: int, numel: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Error-feedback buffers of DDP bucket ``bucket_index`` (zeros when new or resized)."""
+        from compressed_opt.comm import error_buffer_sizes
+
+        we_n, se_n = error_buffer_sizes(numel, self.backend.world_size)
+        bufs = self._ddp_errors.get(bucket_index)
+        if bufs is None or bufs[0].numel() != we_n or bufs[0].device != torch.device(device):
+            bufs = (torch.zeros(we_n, device=device), torch.zeros(se_n, device=device))
+            self._ddp_errors[bucket_index] = bufs
+        return bufs
+
+    def _attach_ddp(self, state) -> None:
+        self._ddp = state
+        self.overlap = False  # DDP's reducer launches the communication
+        self._launcher.detach()
+        self._launcher.enabled = False
+
     def _bucket_step(self, bucket: Bucket, group: dict, grad: torch.Tensor, step: int, averaged: bool) -> None:
         """The update of the bucket's parameters; ``grad`` holds the averaged gradient (when
         ``averaged``) or this rank's gradient, after ``_bucket_communicate``."""
@@ -179,7 +213,12 @@ class CompressedOptimizer(Optimizer):
         step = self.global_step + 1
         grad = bucket.flat("grad")
         bucket.gather_grads(grad, self._gather_inv_scale)
-        if self._needs_average(step):
+        group = self.param_groups[bucket.group_index]
+        if self._ddp is not None and self._needs_average(step):
+            return  # DDP's hook averaged the gradients
+        if self._ddp is not None and self._ddp.exchanged_step == step:
+            self._bucket_receive(bucket, group, grad, step)  # the hook exchanged already
+        elif self._needs_average(step):
             self.backend.all_reduce(grad, op="avg")
         else:
             self._bucket_communicate(bucket, self.param_groups[bucket.group_index], grad, step)
@@ -309,6 +348,7 @@ class CompressedOptimizer(Optimizer):
             "rank": self.backend.rank,
             "world_size": self.backend.world_size,
             "buckets": buckets,
+            "ddp_errors": {i: {"worker_error": w, "server_error": e} for i, (w, e) in self._ddp_errors.items()},
             **self._extra_state(),
         }
         return sd
@@ -342,6 +382,9 @@ class CompressedOptimizer(Optimizer):
         same_layout = extra["world_size"] == self.backend.world_size and extra["rank"] == self.backend.rank
         if same_layout:
             self._pending_bucket_state = list(extra["buckets"])
+            self._ddp_errors = {
+                int(i): (e["worker_error"].clone(), e["server_error"].clone()) for i, e in extra.get("ddp_errors", {}).items()
+            }
         else:
             has_errors = any("worker_error" in e for e in extra["buckets"])
             if has_errors:

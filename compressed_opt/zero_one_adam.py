@@ -112,19 +112,32 @@ class ZeroOneAdam(CompressedOptimizer):
             doc); ``False``: DeepSpeed's update, without correction.
         backend: a :class:`compressed_opt.comm.Backend`; ``None`` picks one
             (:func:`compressed_opt.comm.get_backend`).
-        bucket_cap_mb: size cap of the flat buckets (one collective per bucket).
+        bucket_cap_mb: size cap of the flat buckets (one collective per bucket). One bucket has
+            one compression scale: see the note below.
+        overlap: launch each bucket's phase-A communication (full-precision or 1-bit gradient
+            average) from backward as soon as its gradients are ready (``False``: everything in
+            ``step()``). Phase-B synchronisations run in ``step()``: they need the step's lr.
+        accumulation_steps: backward passes per ``step()`` (gradient accumulation without
+            ``no_sync()``); communication happens once, after the last.
 
     Per-parameter state (views of per-bucket fp32 buffers): ``exp_avg``, ``exp_avg_sq``,
     ``momentum_accumulator`` (``acc``) and ``sync_params`` (the parameters at the last
     synchronisation). Progress: ``phase`` ("A"/"B"), ``var_interval``, ``local_step_interval``,
     ``last_step_kind``.
+
+    Note: a bucket is compressed with one scale (its RMS, DESIGN 2.1). Elements whose gradients are
+    small against that RMS but whose ``v`` is smaller still get 1-bit noise divided by
+    ``sqrt(v) + eps``: where a gradient is always exactly zero (``v = 0``), e.g. weights of an
+    input that is always zero, the parameter drifts by about ``lr * scale / eps`` per step
+    (harmless to the loss when the input really is always zero). Smaller buckets (down to one per
+    parameter, as DeepSpeed compressed per tensor) keep the scales closer to each layer's own.
     """
 
     bucket_state_names = ("exp_avg", "exp_avg_sq", "momentum_accumulator", "sync_params")
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *,
                  var_freeze_step=100000, var_update_scaler=16, local_step_scaler=32678, local_step_clipper=16,
-                 bias_correction=True, backend=None, bucket_cap_mb=25.0):
+                 bias_correction=True, backend=None, bucket_cap_mb=25.0, overlap=True, accumulation_steps=1):
         if not isinstance(var_freeze_step, VarianceStabilityRule):
             var_freeze_step = check_step_count("var_freeze_step", var_freeze_step, allow_auto=True, minimum=1)
         self.var_update_scaler = check_step_count("var_update_scaler", var_update_scaler, minimum=1)
@@ -145,7 +158,8 @@ class ZeroOneAdam(CompressedOptimizer):
         self._decays: list[float] = []  # per param group: prod (1 - lr wd) over the interval
         self.last_step_kind: str | None = None
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
-        super().__init__(params, defaults, backend=backend, bucket_cap_mb=bucket_cap_mb)
+        super().__init__(params, defaults, backend=backend, bucket_cap_mb=bucket_cap_mb,
+                         overlap=overlap, accumulation_steps=accumulation_steps)
 
     def _validate_group(self, group):
         check_nonneg_float("lr", group["lr"])
@@ -178,6 +192,13 @@ class ZeroOneAdam(CompressedOptimizer):
         return self.steps_since_sync + 1 >= self.local_step_interval
 
     # --- the step ------------------------------------------------------------------------------
+    def _bucket_communicate(self, bucket, group, grad, step):
+        """Phase A, a step without variance refresh: ``grad`` becomes the 1-bit compressed average
+        of the ranks' gradients (phase B communicates only in ``_local_step``, which needs lr)."""
+        if not self.frozen:
+            worker_error, server_error = self.error_buffers(bucket)
+            compressed_allreduce(grad, worker_error, server_error, self.backend)
+
     def _bucket_step(self, bucket, group, grad, step, averaged):
         if self.frozen:
             self._local_step(bucket, group, grad)
@@ -188,13 +209,10 @@ class ZeroOneAdam(CompressedOptimizer):
         m, v = bucket.flat("exp_avg"), bucket.flat("exp_avg_sq")
         beta1, beta2 = group["betas"]
         lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]
-        if refresh:  # grad is the full-precision average
-            _momentum_(m, grad, beta1)
+        # grad is the full-precision average (refresh) or the 1-bit average (_bucket_communicate)
+        _momentum_(m, grad, beta1)
+        if refresh:
             _variance_(v, grad, beta2)
-        else:
-            worker_error, server_error = self.error_buffers(bucket)
-            compressed_allreduce(grad, worker_error, server_error, self.backend)
-            _momentum_(m, grad, beta1)
         bc1 = bc2 = 1.0
         if group["bias_correction"]:
             refreshes = self.var_refreshes + (1 if refresh else 0)

@@ -384,3 +384,10 @@ def test_single_process_backend_by_default_and_the_auto_string():
     opt = OnebitAdam(nn.Linear(2, 2).parameters(), freeze_step="auto")
     assert isinstance(opt.backend, SingleProcessBackend)
     assert isinstance(opt.freeze_rule, VarianceStabilityRule) and opt.freeze_step is None
+
+
+def test_rejected_param_group_is_not_kept():
+    opt = OnebitAdam(nn.Linear(2, 2).parameters(), freeze_step=1)
+    with pytest.raises(ValueError, match="Invalid lr"):
+        opt.add_param_group({"params": nn.Linear(2, 2).parameters(), "lr": -1.0})
+    assert len(opt.param_groups) == 1

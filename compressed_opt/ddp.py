@@ -1,0 +1,79 @@
+"""Run a compressed optimizer under ``DistributedDataParallel``: a communication hook driven by
+the optimizer's stage, so DDP's reducer (its buckets, its overlap with backward) carries the
+exchange and DDP sends no other gradient traffic.
+
+* Full-precision steps (warmup): the hook averages DDP's gradient bucket (one all-reduce, the
+  same as DDP's default), and ``step()`` uses the averaged gradients without communicating again.
+* Compression stage: for optimizers that can exchange inside the hook (:class:`OnebitAdam`), the
+  hook forms the local momentum ``m_i = b1 m + (1 - b1) g_i`` of the bucket's parameters, runs the
+  1-bit compressed allreduce on it, and hands DDP the averaged momentum, which ``step()`` takes as
+  the new momentum. For the others (and under a ``GradScaler``, whose skip decision must come
+  first) the hook passes the local gradients through untouched and ``step()`` runs the
+  optimizer's own compressed exchange. Either way no full-precision gradient is sent.
+
+The error-feedback buffers of the hook's exchanges are kept per DDP bucket, and saved in the
+optimizer's state dict.
+"""
+import torch
+import torch.distributed as dist
+
+from compressed_opt.comm.backend import nbytes
+
+from .optimizer import CompressedOptimizer
+
+
+class DDPHookState:
+    """What the hook needs: the optimizer, the process group, and which step it exchanged for."""
+
+    def __init__(self, optimizer: CompressedOptimizer, process_group=None):
+        self.optimizer = optimizer
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        self.exchanged_step = -1
+
+
+def _average(state: DDPHookState, buffer: torch.Tensor):
+    state.optimizer.backend.stats.record("all_reduce", 2 * (state.world_size - 1) / state.world_size * nbytes(buffer))
+    fut = dist.all_reduce(buffer, group=state.process_group, async_op=True).get_future()
+    world = state.world_size
+
+    def divide(f):
+        return f.value()[0].div_(world)
+
+    return fut.then(divide)
+
+
+def _done(value: torch.Tensor):
+    fut = torch.futures.Future()
+    fut.set_result(value)
+    return fut
+
+
+def compressed_comm_hook(state: DDPHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    opt = state.optimizer
+    step = opt.global_step + 1
+    buffer = bucket.buffer()
+    if opt._needs_average(step):
+        return _average(state, buffer)
+    if opt._scaler_seen or not opt.ddp_exchange(bucket.index(), bucket.parameters(), bucket.gradients(), buffer):
+        return _done(buffer)  # local gradients; step() runs the optimizer's own exchange
+    state.exchanged_step = step
+    return _done(buffer)
+
+
+def register_ddp_comm_hook(ddp_model, optimizer, process_group=None) -> DDPHookState:
+    """Let ``ddp_model``'s reducer carry ``optimizer``'s exchanges (see the module docstring).
+
+    Call once, before the first backward. The optimizer then leaves the full-precision averaging
+    to DDP and stops launching its own bucket communication.
+    """
+    if not isinstance(optimizer, CompressedOptimizer):
+        raise TypeError(f"optimizer must be a compressed_opt optimizer, got {type(optimizer).__name__}")
+    if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
+        raise TypeError(f"ddp_model must be a DistributedDataParallel module, got {type(ddp_model).__name__}")
+    if dist.get_world_size(process_group) != optimizer.backend.world_size:
+        raise ValueError("the DDP process group and the optimizer's backend have different world sizes")
+    state = DDPHookState(optimizer, process_group)
+    optimizer._attach_ddp(state)
+    ddp_model.register_comm_hook(state, compressed_comm_hook)
+    return state

@@ -1,0 +1,68 @@
+"""Compressed optimizers under DistributedDataParallel, with the stage-driven comm hook."""
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from compressed_opt import OnebitAdam, OnebitLamb, register_ddp_comm_hook
+from distributed import run_ranks
+from optim_tasks import full_loss, mlp, shard_batches
+
+from test_onebit_adam import HP, gaussian_batches, reference_run
+
+
+def _ddp_run(rank, world, optimizer_name, steps, freeze, batches="gaussian", lr=None):
+    model = mlp()
+    ddp = DDP(model)
+    kwargs = dict(HP) if lr is None else dict(lr=lr)
+    cls = {"adam": OnebitAdam, "lamb": OnebitLamb}[optimizer_name]
+    opt = cls(ddp.parameters(), freeze_step=freeze, **kwargs)
+    register_ddp_comm_hook(ddp, opt)
+    data = gaussian_batches(rank, world, steps) if batches == "gaussian" else shard_batches(rank, world, steps)
+    snaps = []
+    for x, y in data:
+        opt.zero_grad()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+        snaps.append([p.detach().clone() for p in model.parameters()])
+    return snaps, opt.backend.stats.snapshot(), full_loss(model)
+
+
+@pytest.mark.multiprocess
+def test_onebit_adam_under_ddp_hook():
+    steps, freeze = 8, 4
+    results = run_ranks(_ddp_run, 2, "adam", steps, freeze)
+    ref = reference_run(2, steps, freeze)
+    for snaps, stats, _ in results:
+        warm = max((a - b).abs().max().item() for s in range(freeze) for a, b in zip(snaps[s], ref[s]))
+        assert warm < 1e-6, f"warmup under DDP differs from AdamW by {warm}"
+    for s in range(steps):
+        assert all(torch.equal(a, b) for a, b in zip(results[0][0][s], results[1][0][s]))
+    stats = results[0][1]["calls"]
+    # DDP's single 25 MB bucket: one full-precision all-reduce per warmup step, then only 1-bit
+    assert stats["all_reduce"] == freeze
+    assert stats["all_to_all"] == steps - freeze
+
+
+def _ddp_convergence(rank, world):
+    out = {}
+    for freeze in (40, 10**9):
+        _, _, loss = _ddp_run(rank, world, "adam", 150, freeze, batches="digits", lr=1e-3)
+        out[freeze] = loss
+    return out
+
+
+@pytest.mark.multiprocess
+def test_ddp_hook_converges_like_adamw():
+    results = run_ranks(_ddp_convergence, 2)
+    assert results[0] == results[1]
+    onebit, adamw = results[0][40], results[0][10**9]
+    assert onebit / adamw < 1.05, (onebit, adamw)
+
+
+@pytest.mark.multiprocess
+def test_lamb_under_ddp_exchanges_in_step():
+    results = run_ranks(_ddp_run, 2, "lamb", 6, 3)
+    for s in range(6):
+        assert all(torch.equal(a, b) for a, b in zip(results[0][0][s], results[1][0][s]))
+    assert results[0][1]["calls"]["all_reduce"] == 3 and results[0][1]["calls"]["all_to_all"] == 3
