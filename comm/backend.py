@@ -6,8 +6,8 @@ is in ``output``; with ``True`` it returns a :class:`Work` whose ``wait()`` does
 handle life cycle: launch, do other work, ``wait()`` before reading the result).
 
 Each backend counts the bytes it sends (:class:`CommStats`), by the usual algorithms' per-rank
-volume: ring allreduce ``2 (N-1)/N * bytes``; allgather ``(N-1) * input bytes``; all-to-all
-``(N-1)/N * input bytes``; broadcast ``bytes`` (pipelined). Benchmarks report these beside the
+volume: ring allreduce ``2 (N-1)/N * bytes``; allgather ``(N-1) * input bytes``; all-to-all and
+reduce-scatter ``(N-1)/N * input bytes``; broadcast ``bytes`` (pipelined). Benchmarks report these beside the
 bytes counted on the wire.
 """
 from __future__ import annotations
@@ -157,6 +157,22 @@ class Backend(abc.ABC):
         self.stats.record("all_to_all", (n - 1) / n * nbytes(input))
         return self._finish(self._all_to_all(output, input, async_op), async_op)
 
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", async_op: bool = False) -> Work:
+        """``output`` (``input.numel() / world_size`` elements) gets chunk ``rank`` of the sum
+        (``op="sum"``) or mean (``op="avg"``) over ranks of ``input``."""
+        check_flat("input", input)
+        check_flat("output", output)
+        if op not in ("sum", "avg"):
+            raise ValueError(f"op must be 'sum' or 'avg', got {op!r}")
+        if output.numel() * self.world_size != input.numel() or output.dtype != input.dtype:
+            raise ValueError(
+                f"reduce_scatter needs an output of input.numel() / world_size elements of the input's dtype, "
+                f"got {output.numel()} {output.dtype} for {input.numel()} {input.dtype} on {self.world_size} ranks"
+            )
+        n = self.world_size
+        self.stats.record("reduce_scatter", (n - 1) / n * nbytes(input))
+        return self._finish(self._reduce_scatter(output, input, op, async_op), async_op)
+
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> Work:
         """In place: every rank's ``tensor`` becomes rank ``src``'s."""
         check_flat("tensor", tensor)
@@ -187,6 +203,9 @@ class Backend(abc.ABC):
     def _all_to_all(self, output, input, async_op) -> Work | None: ...
 
     @abc.abstractmethod
+    def _reduce_scatter(self, output, input, op, async_op) -> Work | None: ...
+
+    @abc.abstractmethod
     def _broadcast(self, tensor, src, async_op) -> Work | None: ...
 
     @abc.abstractmethod
@@ -209,6 +228,9 @@ class SingleProcessBackend(Backend):
         output.copy_(input)
 
     def _all_to_all(self, output, input, async_op):
+        output.copy_(input)
+
+    def _reduce_scatter(self, output, input, op, async_op):
         output.copy_(input)
 
     def _broadcast(self, tensor, src, async_op):

@@ -233,6 +233,25 @@ class MPIBackend(Backend):
 
         return MPIWork(request, then, (tensor, buf, data))
 
+    def _reduce_scatter(self, output, input, op, async_op):
+        MPI = self._mpi
+        if input.dtype not in self._reduce_types or not input.dtype.is_floating_point:
+            raise TypeError(f"MPIBackend.reduce_scatter supports float32/float64 tensors, got {input.dtype}")
+        send, send_at = self._staged(input, input.dtype, copy_in=True)
+        recv, recv_at = self._staged(output, output.dtype, copy_in=False)
+        self._sync_device(send, recv)
+        mpi_type = self._reduce_types[input.dtype]
+        sdata, rdata = _byte_buffer(send), _byte_buffer(recv)
+        request = self.comm.Ireduce_scatter_block([sdata, mpi_type], [rdata, mpi_type], MPI.SUM)
+        copy_back = self._copy_back(output, recv, recv_at, send, send_at)
+
+        def then():
+            if op == "avg":
+                recv.div_(self.world_size)
+            copy_back()
+
+        return MPIWork(request, then, (input, output, sdata, rdata))
+
     def _all_gather(self, output, input, async_op):
         MPI = self._mpi
         send, send_at = self._staged(input, input.dtype, copy_in=True)

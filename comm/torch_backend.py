@@ -5,8 +5,9 @@ import torch.distributed as dist
 
 from .backend import Backend, ThenWork, Work
 
-# torch >= 2.13 renamed all_gather_into_tensor to all_gather_single
+# torch >= 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class TorchBackend(Backend):
@@ -43,6 +44,15 @@ class TorchBackend(Backend):
 
     def _all_to_all(self, output, input, async_op) -> Work | None:
         return dist.all_to_all_single(output, input, group=self.group, async_op=async_op)
+
+    def _reduce_scatter(self, output, input, op, async_op) -> Work | None:
+        work = _reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+        if op == "avg":
+            scale = 1.0 / self.world_size
+            if async_op:
+                return ThenWork(work, lambda: output.mul_(scale))
+            output.mul_(scale)
+        return work
 
     def _broadcast(self, tensor, src, async_op) -> Work | None:
         global_src = dist.get_global_rank(self.group, src) if self.group is not None else src

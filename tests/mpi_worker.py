@@ -20,6 +20,7 @@ import time
 import traceback
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tests' reference helpers
 
 import torch  # noqa: E402
 
@@ -236,6 +237,69 @@ def case_plumbing(be):
     w = forced.all_reduce(torch.ones(3), async_op=True)
     expect(isinstance(w, MPIWork), f"async_op=True returned {type(w).__name__}")
     w.wait()
+
+
+@case
+def case_reduce_scatter(be):
+    r, n = be.rank, be.world_size
+    for async_op in (False, True):
+        for op in ("sum", "avg"):
+            x = torch.arange(4 * n, dtype=torch.float32) * (r + 1)
+            out = torch.empty(4)
+            done(be.reduce_scatter(out, x, op, async_op=async_op), async_op)
+            want = torch.arange(4 * n, dtype=torch.float32)[4 * r : 4 * r + 4] * (n * (n + 1) // 2)
+            expect_equal(out, want / n if op == "avg" else want, f"reduce_scatter {op} async={async_op}")
+
+
+@case
+def case_compressed_allreduce(be):
+    """The compressed allreduce on MPI against the single-process reference (tests/)."""
+    from allreduce_reference import simulate
+    from compressed_opt.comm import chunk_numel, compressed_allreduce, error_buffer_sizes
+
+    n = be.world_size
+    for numel in (0, 1, 33, 1000, 65_549):
+        we_n, se_n = error_buffer_sizes(numel, n)
+        we, se = torch.zeros(we_n), torch.zeros(se_n)
+        ref_we = [torch.zeros(numel) for _ in range(n)]
+        ref_se = [torch.zeros(chunk_numel(numel, n)) for _ in range(n)]
+        for step in range(3):
+            inputs = [torch.randn(numel, generator=torch.Generator().manual_seed(97 * step + 13 * k)) + k for k in range(n)]
+            got = compressed_allreduce(inputs[be.rank].clone(), we, se, be)
+            want = simulate(inputs, ref_we, ref_se)
+            close = torch.isclose(got, want, rtol=1e-4, atol=1e-6)
+            expect(close.sum().item() >= numel - max(2, numel // 1000), f"numel {numel} step {step}: {close.float().mean()}")
+            gathered = torch.empty(n * numel)
+            be.all_gather(gathered, got)
+            expect(all(torch.equal(c, got) for c in gathered.view(n, numel)) if numel else True,
+                   "compressed_allreduce results differ between ranks")
+
+
+@case
+def case_onebit_adam(be):
+    """OnebitAdam on the MPI backend: warmup equals AdamW, every rank holds the same parameters."""
+    from torch import nn
+
+    from compressed_opt import OnebitAdam
+    from test_onebit_adam import HP, gaussian_batches, reference_run
+    from optim_tasks import mlp
+
+    steps, freeze = 6, 3
+    model = mlp()
+    opt = OnebitAdam(model.parameters(), freeze_step=freeze, backend=be, **HP)
+    ref = reference_run(be.world_size, steps, freeze)
+    for s, (x, y) in enumerate(gaussian_batches(be.rank, be.world_size, steps)):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        everyone = torch.empty(be.world_size * flat.numel())
+        be.all_gather(everyone, flat)
+        expect(all(torch.equal(c, flat) for c in everyone.view(be.world_size, -1)), f"ranks differ after step {s + 1}")
+        want = torch.cat([p.reshape(-1) for p in ref[s]])
+        tol = 1e-5 if s < freeze else 1e-4
+        err = ((flat - want).abs() / (want.abs() + 1e-3)).max().item()
+        expect(err < tol, f"step {s + 1}: differs from the reference by {err}")
 
 
 def main(argv=None) -> int:
