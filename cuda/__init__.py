@@ -54,6 +54,7 @@ def packed_numel(numel: int) -> int:
 
 
 _warned_fallback = False
+_warned_cuda_fallback = False
 
 
 def kernel_path(device: torch.device) -> str:
@@ -61,7 +62,22 @@ def kernel_path(device: torch.device) -> str:
     if os.environ.get("COMPRESSED_OPT_KERNELS") == "reference":
         return "reference"
     if device.type == "cuda":
-        return "cuda"
+        from . import gpu
+
+        if gpu.is_available(device):
+            return "cuda"
+        global _warned_cuda_fallback
+        if not _warned_cuda_fallback:
+            _warned_cuda_fallback = True
+            warnings.warn(
+                "compressed_opt: the CuPy compression kernels cannot run here (CuPy missing, or "
+                "it cannot use this GPU); using the slower PyTorch reference implementation on "
+                "CUDA tensors. Install CuPy with pip install 'compressed-opt[cuda12]' (or "
+                "'compressed-opt[cuda13]', matching your CUDA driver).",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return "reference"
     if device.type != "cpu":
         return "reference"
     from . import cpu
