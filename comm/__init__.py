@@ -9,6 +9,8 @@ from .compressed import (  # noqa: F401
     chunk_numel,
     compressed_allreduce,
     error_buffer_sizes,
+    expand_result_rows,
+    result_rows,
     server_valid_numel,
     wire_bytes,
 )

@@ -121,6 +121,10 @@ class Backend(abc.ABC):
             self._workspaces.popitem(last=False)
         return value
 
+    def find_workspace(self, key: Hashable) -> object | None:
+        """The object stored under ``key``, or ``None`` (nothing is made)."""
+        return self._workspaces.get(key)
+
     # --- collectives ---------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False) -> Work:
         """In place: ``tensor`` becomes the sum (``op="sum"``) or mean (``op="avg"``) over ranks."""

@@ -136,9 +136,7 @@ class CompressedAllreduce:
         backend.all_gather(self.gathered, self.server_row)
 
         # 5. decompress the concatenation of the server chunks
-        rows = self.gathered.view(world, 4 + self.row_bytes)
-        server_scales = rows[:, 0:4].contiguous().view(torch.float32).view(world)
-        kernels.decompress_(rows[:, 4:], server_scales, x)
+        expand_result_rows(self.gathered, self.numel, world, x)
         if x is not flat:
             tensor.copy_(x.view(tensor.shape))
         return tensor
@@ -186,3 +184,23 @@ def compressed_allreduce(
     key = ("compressed_allreduce", tensor.numel(), tensor.device)
     plan = backend.workspace(key, lambda: CompressedAllreduce(tensor.numel(), backend, tensor.device))
     return plan(tensor, worker_error, server_error)
+
+
+def result_rows(numel: int, backend: Backend, device) -> torch.Tensor:
+    """The result of the last :func:`compressed_allreduce` of ``numel`` elements on ``backend``
+    as it travelled: ``world_size`` rows of ``[fp32 scale | sign bits]``, about ``numel/8``
+    bytes in all. A view of a reused buffer: copy it to keep it. :func:`expand_result_rows`
+    turns it back into the result, exactly."""
+    plan = backend.find_workspace(("compressed_allreduce", numel, torch.device(device)))
+    if plan is None:
+        raise RuntimeError(f"no compressed_allreduce of {numel} elements ran on this backend")
+    return plan.gathered
+
+
+def expand_result_rows(rows: torch.Tensor, numel: int, world_size: int, out: torch.Tensor) -> torch.Tensor:
+    """``out`` (fp32, ``numel``) <- the compressed allreduce result that ``rows`` encode."""
+    row_bytes = chunk_numel(numel, world_size) // 8
+    framed = rows.view(world_size, 4 + row_bytes)
+    scales = framed[:, 0:4].contiguous().view(torch.float32).view(world_size)
+    kernels.decompress_(framed[:, 4:], scales, out)
+    return out

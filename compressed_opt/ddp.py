@@ -71,6 +71,8 @@ def register_ddp_comm_hook(ddp_model, optimizer, process_group=None) -> DDPHookS
         raise TypeError(f"optimizer must be a compressed_opt optimizer, got {type(optimizer).__name__}")
     if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
         raise TypeError(f"ddp_model must be a DistributedDataParallel module, got {type(ddp_model).__name__}")
+    if getattr(optimizer, "zero_stage", 0):
+        raise ValueError("a ZeRO-sharded optimizer (zero_stage > 0) runs standalone, not under a DDP hook")
     if dist.get_world_size(process_group) != optimizer.backend.world_size:
         raise ValueError("the DDP process group and the optimizer's backend have different world sizes")
     state = DDPHookState(optimizer, process_group)

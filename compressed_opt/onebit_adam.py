@@ -26,6 +26,7 @@ import torch
 
 from compressed_opt.comm import compressed_allreduce
 
+from . import zero
 from .freeze import VarianceStabilityRule, resolve_rule
 from .optimizer import CompressedOptimizer, bias_corrections
 from .validation import check_betas, check_nonneg_float, check_step_count
@@ -75,8 +76,13 @@ class _FreezingAdam(CompressedOptimizer):
         for b in self._buckets:
             group = self.param_groups[b.group_index]
             _, bc2 = bias_corrections(*group["betas"], step, group.get("bias_correction", True))
-            total += float(b.flat("exp_avg_sq").sum()) / (bc2 * bc2)
-            numel += b.numel
+            if getattr(self, "zero_stage", 0):  # rank 0 decides from its own chunk
+                v = b.flats.get("exp_avg_sq_shard")
+                v = v if v is not None else torch.zeros(0)
+            else:
+                v = b.flat("exp_avg_sq")
+            total += float(v.sum()) / (bc2 * bc2)
+            numel += v.numel()
         return total / max(numel, 1.0)
 
     def _auto_decision(self, step) -> bool:
@@ -143,16 +149,60 @@ class OnebitAdam(_FreezingAdam):
             ready (``False``: everything in ``step()``).
         accumulation_steps: backward passes per ``step()`` (gradient accumulation without
             ``no_sync()``); communication happens once, after the last.
+        zero_stage: 0, or 1 / 2 to shard the optimizer state ZeRO-style by the compressed
+            allreduce's server chunks (:mod:`compressed_opt.zero`; 2 also reduce-scatters the
+            warmup gradients). Checkpoints then hold this rank's shards: save one per rank and
+            resume on the same world size.
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, freeze_step=100000,
-                 *, bias_correction=True, backend=None, bucket_cap_mb=25.0, overlap=True, accumulation_steps=1):
+                 *, bias_correction=True, backend=None, bucket_cap_mb=25.0, overlap=True, accumulation_steps=1,
+                 zero_stage=0):
+        if zero_stage not in (0, 1, 2) or isinstance(zero_stage, bool):
+            raise ValueError(f"Invalid zero_stage: {zero_stage!r} (must be 0, 1 or 2)")
+        self.zero_stage = zero_stage
+        if zero_stage:
+            self.bucket_state_names = ()  # sharded: no per-parameter views of whole buffers
+            self.saved_bucket_buffers = ("exp_avg_shard", "exp_avg_sq_shard", "exp_avg", "frozen_denominator",
+                                         "momentum_rows")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bool(bias_correction))
         super().__init__(params, defaults, freeze_step, backend, bucket_cap_mb, overlap, accumulation_steps)
+
+    # --- ZeRO: the hooks of the base class, sharded (compressed_opt.zero) ---------------------
+    def _grad_buffer(self, bucket):
+        return zero.grad_buffer(self, bucket) if self.zero_stage else super()._grad_buffer(bucket)
+
+    def _gather(self, bucket, grad, step):
+        if self.zero_stage and self.frozen:  # the local momentum is formed from p.grad directly
+            zero.local_momentum(self, bucket, grad, self.param_groups[bucket.group_index]["betas"][0])
+        else:
+            super()._gather(bucket, grad, step)
+
+    def _average(self, bucket, grad):
+        zero.average(self, bucket, grad) if self.zero_stage else super()._average(bucket, grad)
+
+    def _freeze(self, step):
+        super()._freeze(step)
+        if self.zero_stage:
+            for b in self._buckets:
+                zero.freeze(self, b)
+
+    def _load_extra_state(self, extra):
+        if self.zero_stage and (extra["world_size"] != self.backend.world_size or extra["rank"] != self.backend.rank):
+            raise ValueError(
+                f"this ZeRO checkpoint holds the shards of rank {extra['rank']} of {extra['world_size']}; "
+                f"it cannot be loaded on rank {self.backend.rank} of {self.backend.world_size}. Resume with "
+                "the same world size, each rank loading its own file (or train with zero_stage=0 to move "
+                "between world sizes)"
+            )
+        super()._load_extra_state(extra)
 
     def _bucket_communicate(self, bucket, group, grad, step):
         """Compression stage: local momentum ``m_i = b1 m + (1 - b1) g_i``, then its compressed
         average over the ranks, in place."""
+        if self.zero_stage:
+            zero.exchange(self, bucket, grad)  # grad holds m_i already (_gather)
+            return
         m = bucket.flat("exp_avg")
         beta1 = group["betas"][0]
         m.mul_(beta1).add_(grad, alpha=1 - beta1)
@@ -183,12 +233,18 @@ class OnebitAdam(_FreezingAdam):
         return groups[param]
 
     def _bucket_step(self, bucket, group, grad, step, averaged):
-        m, v = bucket.flat("exp_avg"), bucket.flat("exp_avg_sq")
+        if self.zero_stage and averaged:
+            zero.warmup_update(self, bucket, group, grad, step)
+            return
         beta1, beta2 = group["betas"]
         lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
         bc1, bc2_sqrt = bias_corrections(beta1, beta2, step, group["bias_correction"])
         direction = grad  # the gradient buffer is free after the moments: it takes m / denominator
-        if averaged:  # warmup: AdamW on the averaged gradient
+        # (ZeRO: grad holds the averaged momentum itself, see _bucket_communicate)
+        m = grad if self.zero_stage else bucket.flat("exp_avg")
+        if averaged:
+            # warmup: AdamW on the averaged gradient
+            v = bucket.flat("exp_avg_sq")
             m.lerp_(grad, 1 - beta1)
             v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
             torch.sqrt(v, out=direction).div_(bc2_sqrt).add_(eps)

@@ -48,6 +48,8 @@ class CompressedOptimizer(Optimizer):
     _step_supports_amp_scaling = True
     #: per-bucket fp32 buffers shown per parameter in ``optimizer.state[p][name]``
     bucket_state_names: tuple[str, ...] = ()
+    #: further per-bucket buffers (any size) saved in ``state_dict()["compressed_opt"]["buckets"]``
+    saved_bucket_buffers: tuple[str, ...] = ()
 
     def __init__(self, params, defaults: dict, backend: Backend | None = None, bucket_cap_mb: float = 25.0,
                  overlap: bool = True, accumulation_steps: int = 1):
@@ -138,6 +140,16 @@ class CompressedOptimizer(Optimizer):
             bucket.flats["server_error"] = torch.zeros(se, dtype=torch.float32, device=bucket.device)
         return bucket.flats["worker_error"], bucket.flats["server_error"]
 
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds (bucket buffers that are not workspace, plus
+        per-parameter state that is not a view of them): what ZeRO sharding reduces."""
+        total = 0
+        for b in self._buckets or ():
+            total += sum(t.numel() * t.element_size() for name, t in b.flats.items() if name not in self.scratch_names)
+        for w, e in self._ddp_errors.values():
+            total += (w.numel() + e.numel()) * 4
+        return total
+
     def reset_error_buffers(self) -> None:
         for b in self._buckets or ():
             for name in ("worker_error", "server_error"):
@@ -209,17 +221,32 @@ class CompressedOptimizer(Optimizer):
         outside communicates them all."""
         return self._launcher.suspended()
 
+    #: bucket buffers that are workspace, not state (not saved, not counted in state_bytes)
+    scratch_names = frozenset({"grad", "grad_padded", "grad_shard", "update_shard"})
+
+    def _grad_buffer(self, bucket: Bucket) -> torch.Tensor:
+        """The bucket's flat fp32 gradient workspace."""
+        return bucket.flat("grad")
+
+    def _gather(self, bucket: Bucket, grad: torch.Tensor, step: int) -> None:
+        """``grad`` <- this rank's gradients of the bucket (unscaled)."""
+        bucket.gather_grads(grad, self._gather_inv_scale)
+
+    def _average(self, bucket: Bucket, grad: torch.Tensor) -> None:
+        """The full-precision gradient average of a bucket (one collective)."""
+        self.backend.all_reduce(grad, op="avg")
+
     def _communicate_bucket(self, bucket: Bucket) -> None:
         step = self.global_step + 1
-        grad = bucket.flat("grad")
-        bucket.gather_grads(grad, self._gather_inv_scale)
+        grad = self._grad_buffer(bucket)
+        self._gather(bucket, grad, step)
         group = self.param_groups[bucket.group_index]
         if self._ddp is not None and self._needs_average(step):
             return  # DDP's hook averaged the gradients
         if self._ddp is not None and self._ddp.exchanged_step == step:
             self._bucket_receive(bucket, group, grad, step)  # the hook exchanged already
         elif self._needs_average(step):
-            self.backend.all_reduce(grad, op="avg")
+            self._average(bucket, grad)
         else:
             self._bucket_communicate(bucket, self.param_groups[bucket.group_index], grad, step)
 
@@ -270,7 +297,7 @@ class CompressedOptimizer(Optimizer):
         finally:
             self._launcher.reset()
         for b in self._buckets:
-            self._bucket_step(b, self.param_groups[b.group_index], b.flat("grad"), step, averaged)
+            self._bucket_step(b, self.param_groups[b.group_index], self._grad_buffer(b), step, averaged)
         self.global_step = step
         self._end_step(step)
         self._arm_launcher()
@@ -337,7 +364,7 @@ class CompressedOptimizer(Optimizer):
         buckets = []
         for b in self._buckets or ():
             entry = {"numel": b.numel}
-            for name in ("worker_error", "server_error"):
+            for name in ("worker_error", "server_error", *self.saved_bucket_buffers):
                 if name in b.flats:
                     entry[name] = b.flats[name]
             buckets.append(entry)
@@ -410,6 +437,9 @@ class CompressedOptimizer(Optimizer):
                 we, se = self.error_buffers(b)
                 we.copy_(s["worker_error"])
                 se.copy_(s["server_error"])
+            for name in self.saved_bucket_buffers:
+                if name in s:
+                    b.flats[name] = s[name].to(b.device).clone()
 
 
 def _plain(value) -> bool:
