@@ -23,8 +23,8 @@ the parameters stay identical without any full-precision traffic.
 
 Per-rank state, fp32 parameters, ``n`` elements, ``N`` ranks (bytes): stage 0 warmup ``8n``
 (``m``, ``v``); ZeRO warmup ``8n/N``; stage 0 compression ``16n + 4n/N`` (``m``, ``v``, the
-frozen denominator, the worker error, the server error); ZeRO compression ``8n + 12n/N + n/8``
-(denominator, worker error, server error, ``v_j``, the momentum rows).
+frozen denominator, the worker error, the server error); ZeRO compression ``8n + 4n/N + n/8``
+(denominator, worker error, server error, the momentum rows).
 """
 from __future__ import annotations
 
@@ -112,7 +112,8 @@ def freeze(opt, bucket: Bucket) -> None:
     v = padded[:n]
     denom = torch.sqrt(v).div_(bc2_sqrt).add_(group["eps"]).masked_fill_(v == 0, float("inf"))
     bucket.flats["frozen_denominator"] = denom
-    del bucket.flats["exp_avg_shard"]  # the momentum lives on whole, then as 1-bit rows
+    # the momentum lives on whole, then as 1-bit rows; the variance only as the denominator
+    del bucket.flats["exp_avg_shard"], bucket.flats["exp_avg_sq_shard"]
 
 
 def local_momentum(opt, bucket: Bucket, x: torch.Tensor, beta1: float) -> None:
