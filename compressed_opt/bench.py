@@ -74,6 +74,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import textwrap
 import threading
 import time
 import traceback
@@ -433,6 +434,7 @@ def _build(method: dict, model: nn.Module, cfg: dict, device: torch.device):
     if name == "onebit_adam":
         opt = compressed_opt.OnebitAdam(model.parameters(), freeze_step=cfg["freeze_step"], **common)
     elif name == "onebit_lamb":
+        common["lr"] = cfg["lamb_lr"]  # LAMB scales each layer's step by ||p|| / ||update||
         opt = compressed_opt.OnebitLamb(model.parameters(), freeze_step=cfg["freeze_step"], **common)
     else:
         opt = compressed_opt.ZeroOneAdam(model.parameters(), var_freeze_step=cfg["freeze_step"], **common)
@@ -526,8 +528,9 @@ def train_method(method: dict, cfg: dict, device: torch.device, progress_path: s
     steps = cfg["steps"]
     dist.barrier()
     for step in range(1, steps + 1):
+        lr = lr_at(step, cfg) * (cfg["lamb_lr"] / cfg["lr"] if method["name"] == "onebit_lamb" else 1.0)
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, cfg)
+            group["lr"] = lr
         x, y = data.train_batch(step)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         stage = stage_of()
@@ -916,11 +919,16 @@ def run_link(spec: str, cfg: dict, tmp: str, display: _Display, index: int, tota
         except BaseException as e:  # noqa: BLE001 - reported below
             box["error"] = e
 
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    while thread.is_alive():
-        display.show(_progress_text(index, total, spec, prog, started) + f" [link {cfg['link']}]")
-        thread.join(timeout=0.2)
+    for attempt in range(2):  # a link that could not be set up is tried once more
+        box.clear()
+        thread = threading.Thread(target=target, daemon=True)
+        thread.start()
+        while thread.is_alive():
+            display.show(_progress_text(index, total, spec, prog, started) + f" [link {cfg['link']}]")
+            thread.join(timeout=0.2)
+        if not isinstance(box.get("error"), slowlink.SlowLinkError):
+            break
+        display.done(f"[{index}/{total}] {spec}: the slow link failed ({box['error']}); trying once more")
     if "error" in box:
         return {"spec": spec, "status": "failed", "error": f"slow link: {box['error']}",
                 "elapsed_s": time.monotonic() - started}
@@ -1171,7 +1179,7 @@ def plot(entries: list[dict], comparison: dict, path: str, title: str) -> str | 
     for ax in axes.flat:
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
-    fig.suptitle(title, fontsize=10)
+    fig.suptitle(textwrap.fill(title, 130), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
@@ -1212,6 +1220,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=200, help="training steps, the same for every method (default 200)")
     p.add_argument("--freeze-step", type=int, help="warmup steps of ours and PowerSGD's start (default steps/4)")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
+    p.add_argument("--lamb-lr", type=float, default=2e-2,
+                   help="peak learning rate of onebit_lamb (default 2e-2: LAMB's trust ratio scales each layer's "
+                        "step by ||p||/||update||, so it takes a larger lr than Adam)")
     p.add_argument("--lr-warmup", type=int, help="linear learning-rate warmup steps (default steps/10)")
     p.add_argument("--betas", default="0.9,0.99", help="Adam betas (default 0.9,0.99)")
     p.add_argument("--eps", type=float, default=1e-8)
@@ -1290,6 +1301,7 @@ def make_config(args) -> dict:
         "steps": args.steps,
         "freeze_step": freeze,
         "lr": args.lr,
+        "lamb_lr": args.lamb_lr,
         "lr_warmup": args.lr_warmup if args.lr_warmup is not None else max(1, args.steps // 10),
         "betas": betas,
         "eps": args.eps,
@@ -1352,7 +1364,11 @@ def main(argv=None) -> int:
               f"{model['d_model']}, {model['n_heads']} heads), batch {cfg['batch']} x {cfg['seq_len']} bytes per rank, "
               f"{cfg['steps']} steps (warmup {cfg['freeze_step']}), {where}, {cfg['device']}, "
               f"{cfg['threads']} thread(s) per rank")
-    print(header, flush=True)
+    leader = cfg["mode"] != "torchrun" or os.environ.get("RANK") == "0"
+    if leader:
+        print(header, flush=True)
+    else:
+        display.enabled = False
     started = time.monotonic()
     if cfg["mode"] == "torchrun":
         entries = run_in_process(specs, cfg, display)
@@ -1366,6 +1382,7 @@ def main(argv=None) -> int:
                     entry = run_link(spec, cfg, tmp, display, i, len(specs), slowlink)
                 else:
                     entry = run_local(spec, cfg, tmp, display, i, len(specs))
+            entry["load_average_after"] = os.getloadavg() if hasattr(os, "getloadavg") else None
             status = "ok" if entry["status"] == "ok" else f"FAILED ({entry['error']})"
             display.done(f"[{i}/{len(specs)}] {spec}: {status} in {entry['elapsed_s']:.0f} s")
             entries.append(entry)

@@ -161,6 +161,7 @@ class OnebitAdam(_FreezingAdam):
         if zero_stage not in (0, 1, 2) or isinstance(zero_stage, bool):
             raise ValueError(f"Invalid zero_stage: {zero_stage!r} (must be 0, 1 or 2)")
         self.zero_stage = zero_stage
+        self._ddp_scratch: dict[str, torch.Tensor] = {}
         if zero_stage:
             self.bucket_state_names = ()  # sharded: no per-parameter views of whole buffers
             self.saved_bucket_buffers = ("exp_avg_shard", "exp_avg_sq_shard", "exp_avg", "frozen_denominator",
@@ -210,17 +211,31 @@ class OnebitAdam(_FreezingAdam):
         compressed_allreduce(m, worker_error, server_error, self.backend)
 
     def ddp_exchange(self, bucket_index, params, grads, buffer):
-        """Under DDP: ``buffer`` <- compressed average of the local momenta of DDP's bucket."""
+        """Under DDP: ``buffer`` <- compressed average of the local momenta of DDP's bucket.
+
+        The exchange runs on the bucket's parameters in the optimizer's own (canonical) order,
+        not DDP's, which DDP rebuilds after its first iteration: the result and the error buffers
+        then depend only on which parameters the bucket holds, so a resumed run repeats them."""
+        order = sorted(range(len(params)), key=lambda i: self.param_index(params[i]))
+        key = ",".join(str(self.param_index(params[i])) for i in order)
+        scratch = self._ddp_scratch.get(key)
+        if scratch is None or scratch.device != buffer.device:
+            scratch = self._ddp_scratch[key] = torch.empty(buffer.numel(), dtype=torch.float32, device=buffer.device)
+        views, offset = [], 0
+        for i in order:
+            views.append(scratch[offset : offset + params[i].numel()].view_as(params[i]))
+            offset += params[i].numel()
+        torch._foreach_copy_(views, [grads[i] for i in order])
         by_beta: dict[float, tuple[list, list]] = {}
-        for p, g in zip(params, grads):
-            beta1 = self._group_of(p)["betas"][0]
-            ms, gs = by_beta.setdefault(beta1, ([], []))
-            ms.append(self.state[p]["exp_avg"])
-            gs.append(g)
+        for i, view in zip(order, views):
+            ms, gs = by_beta.setdefault(self._group_of(params[i])["betas"][0], ([], []))
+            ms.append(self.state[params[i]]["exp_avg"])
+            gs.append(view)
         for beta1, (ms, gs) in by_beta.items():
             torch._foreach_lerp_(gs, ms, beta1)  # g + b1 (m - g) = b1 m + (1 - b1) g
-        worker_error, server_error = self.ddp_error_buffers(bucket_index, buffer.numel(), buffer.device)
-        compressed_allreduce(buffer, worker_error, server_error, self.backend)
+        worker_error, server_error = self.ddp_error_buffers(key, scratch.numel(), scratch.device)
+        compressed_allreduce(scratch, worker_error, server_error, self.backend)
+        torch._foreach_copy_([grads[i] for i in order], views)
         return True
 
     def _bucket_receive(self, bucket, group, grad, step):

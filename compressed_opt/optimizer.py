@@ -76,7 +76,7 @@ class CompressedOptimizer(Optimizer):
         self._scaler_seen = False
         self._gather_inv_scale: float | None = None  # 1/scale of a GradScaler, applied when gathering
         self._ddp = None  # a compressed_opt.ddp.DDPHookState once a DDP hook drives the exchange
-        self._ddp_errors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._ddp_errors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     # --- parameters and buckets ---------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
@@ -183,16 +183,25 @@ class CompressedOptimizer(Optimizer):
         """Under DDP, after ``ddp_exchange``: ``grad`` holds what the hook produced."""
         raise NotImplementedError
 
-    def ddp_error_buffers(self, bucket_index: int, numel: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Error-feedback buffers of DDP bucket ``bucket_index`` (zeros when new or resized)."""
+    def ddp_error_buffers(self, key: str, numel: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Error-feedback buffers of a DDP bucket, by ``key`` (its parameters' indices in the
+        canonical order, so a bucket DDP rebuilds with the same parameters keeps them); zeros
+        when new or resized."""
         from compressed_opt.comm import error_buffer_sizes
 
         we_n, se_n = error_buffer_sizes(numel, self.backend.world_size)
-        bufs = self._ddp_errors.get(bucket_index)
+        bufs = self._ddp_errors.get(key)
         if bufs is None or bufs[0].numel() != we_n or bufs[0].device != torch.device(device):
             bufs = (torch.zeros(we_n, device=device), torch.zeros(se_n, device=device))
-            self._ddp_errors[bucket_index] = bufs
+            self._ddp_errors[key] = bufs
         return bufs
+
+    def param_index(self, param) -> int:
+        """A parameter's index in ``state_dict()`` order (all groups' params, in order)."""
+        index = getattr(self, "_param_indices", None)
+        if index is None or param not in index:
+            self._param_indices = index = {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        return index[param]
 
     def _attach_ddp(self, state) -> None:
         self._ddp = state
@@ -410,7 +419,7 @@ class CompressedOptimizer(Optimizer):
         if same_layout:
             self._pending_bucket_state = list(extra["buckets"])
             self._ddp_errors = {
-                int(i): (e["worker_error"].clone(), e["server_error"].clone()) for i, e in extra.get("ddp_errors", {}).items()
+                str(k): (e["worker_error"].clone(), e["server_error"].clone()) for k, e in extra.get("ddp_errors", {}).items()
             }
         else:
             has_errors = any("worker_error" in e for e in extra["buckets"])

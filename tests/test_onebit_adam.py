@@ -114,52 +114,79 @@ def test_warmup_is_adamw_and_compression_matches_reference(world):
     assert stats["calls"]["all_to_all"] == steps - freeze
 
 
+MODES = ("overlap", "sync", "zero1", "zero2", "ddp")
+
+
+def make_optimizer(model, mode, **kwargs):
+    """OnebitAdam in one of the modes (returns the module to call and the optimizer)."""
+    net = model
+    kwargs.setdefault("overlap", mode != "sync")
+    kwargs.setdefault("zero_stage", {"zero1": 1, "zero2": 2}.get(mode, 0))
+    if mode == "ddp":
+        from compressed_opt import register_ddp_comm_hook
+
+        net = nn.parallel.DistributedDataParallel(model)
+        opt = OnebitAdam(net.parameters(), **kwargs)
+        register_ddp_comm_hook(net, opt)
+    else:
+        opt = OnebitAdam(model.parameters(), **kwargs)
+    return net, opt
+
+
 def _convergence(rank, world, steps, freeze_step, lr):
-    """Final full-data loss of OnebitAdam and of the same optimizer never leaving warmup (AdamW
-    on the averaged gradient), on the same batches."""
-    losses = []
-    for freeze in (freeze_step, 10**9):
+    """Final full-data loss of OnebitAdam in every mode, and of the same optimizer never leaving
+    warmup (AdamW on the averaged gradient), on the same batches."""
+    losses = {}
+    for mode in (*MODES, "adamw"):
         model = mlp()
-        losses.append(train(model, OnebitAdam(model.parameters(), lr=lr, freeze_step=freeze), rank, world, steps))
+        freeze = 10**9 if mode == "adamw" else freeze_step
+        net, opt = make_optimizer(model, "overlap" if mode == "adamw" else mode, lr=lr, freeze_step=freeze)
+        for x, y in shard_batches(rank, world, steps):
+            opt.zero_grad()
+            nn.functional.cross_entropy(net(x), y).backward()
+            opt.step()
+        losses[mode] = full_loss(model)
     return losses
 
 
 @pytest.mark.multiprocess
-def test_converges_like_adamw_on_digits():
-    results = run_ranks(_convergence, 2, 150, 40, 1e-3)
+def test_converges_like_adamw_on_digits_in_every_mode():
+    results = run_ranks(_convergence, 2, 150, 40, 1e-3, timeout=240)
     assert results[0] == results[1]
-    onebit, adamw = results[0]
-    assert onebit < 0.5, "did not learn"
-    assert onebit / adamw < 1.05, f"final loss {onebit:.4f} vs AdamW {adamw:.4f}"
+    losses = results[0]
+    assert losses["adamw"] < 0.5, "did not learn"
+    for mode in MODES:
+        assert losses[mode] / losses["adamw"] < 1.05, f"{mode}: final loss {losses[mode]:.4f} vs AdamW {losses['adamw']:.4f}"
 
 
-def _resume(rank, world, total, stop_at, freeze):
+def _resume(rank, world, total, stop_at, freeze, mode="overlap"):
     def fresh():
         model = mlp()
-        return model, OnebitAdam(model.parameters(), freeze_step=freeze, **HP)
+        net, opt = make_optimizer(model, mode, freeze_step=freeze, **HP)
+        return model, net, opt
 
     batches = list(shard_batches(rank, world, total))
 
-    def run(model, opt, part):
+    def run(net, opt, part):
         for x, y in part:
             opt.zero_grad()
-            nn.functional.cross_entropy(model(x), y).backward()
+            nn.functional.cross_entropy(net(x), y).backward()
             opt.step()
 
-    model, opt = fresh()
-    run(model, opt, batches)
+    model, net, opt = fresh()
+    run(net, opt, batches)
     uninterrupted = [p.detach().clone() for p in model.parameters()]
 
-    model, opt = fresh()
-    run(model, opt, batches[:stop_at])
+    model, net, opt = fresh()
+    run(net, opt, batches[:stop_at])
     buf = io.BytesIO()
     torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
     buf.seek(0)
     ckpt = torch.load(buf, weights_only=True)
-    model, opt = fresh()
+    model, net, opt = fresh()
     model.load_state_dict(ckpt["model"])
     opt.load_state_dict(ckpt["opt"])
-    run(model, opt, batches[stop_at:])
+    run(net, opt, batches[stop_at:])
     resumed = [p.detach().clone() for p in model.parameters()]
     return max((a - b).abs().max().item() for a, b in zip(uninterrupted, resumed)), ckpt["opt"]
 
@@ -173,6 +200,16 @@ def test_resume_is_bit_exact(stop_at):
     if stop_at == 7:
         saved = results[1][1]["compressed_opt"]
         assert saved["rank"] == 1 and saved["frozen"] and saved["buckets"][0]["worker_error"].abs().sum() > 0
+
+
+def _resume_every_mode(rank, world):
+    return {mode: _resume(rank, world, 9, 6, 4, mode)[0] for mode in MODES}
+
+
+@pytest.mark.multiprocess
+def test_resume_is_bit_exact_in_every_mode():
+    for diffs in run_ranks(_resume_every_mode, 2, timeout=240):
+        assert diffs == {mode: 0.0 for mode in MODES}
 
 
 def test_checkpoint_from_another_world_size_resets_error_buffers_with_a_warning():
