@@ -87,6 +87,13 @@ def _variance_(v: torch.Tensor, grad: torch.Tensor, beta2: float) -> None:
     v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
 
 
+def _no_variance_no_move_(t: torch.Tensor, v: torch.Tensor) -> None:
+    """``t = 0`` where ``v == 0``: a coordinate that never had a gradient on a refresh step is
+    not moved. 1-bit compression gives it ``+-scale`` like every coordinate, and divided by
+    ``eps`` that would blow it up (see OnebitAdam's frozen denominator)."""
+    t.masked_fill_(v == 0, 0.0)
+
+
 def _denominator(v: torch.Tensor, out: torch.Tensor, eps: float, bc2: float = 1.0) -> torch.Tensor:
     """``sqrt(v / bc2) + eps`` into ``out``."""
     torch.sqrt(v, out=out)
@@ -213,6 +220,7 @@ class ZeroOneAdam(CompressedOptimizer):
         _momentum_(m, grad, beta1)
         if refresh:
             _variance_(v, grad, beta2)
+        _no_variance_no_move_(m, v)
         bc1 = bc2 = 1.0
         if group["bias_correction"]:
             refreshes = self.var_refreshes + (1 if refresh else 0)
@@ -229,6 +237,7 @@ class ZeroOneAdam(CompressedOptimizer):
         beta1 = group["betas"][0]
         lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]
         _momentum_(m, grad, beta1)
+        _no_variance_no_move_(m, v)
         denom = _denominator(v, grad, eps)  # frozen v_hat; the gradient buffer is free
         acc.addcdiv_(m, denom, value=lr)  # acc += lr * m / (sqrt(v) + eps)
         if not self._syncs_now():
@@ -245,6 +254,7 @@ class ZeroOneAdam(CompressedOptimizer):
             acc.mul_(denom)
             worker_error, server_error = self.error_buffers(bucket)
             compressed_allreduce(acc, worker_error, server_error, self.backend)
+            _no_variance_no_move_(acc, v)
             torch.div(acc, lr_sum, out=m)
             acc.div_(denom)
             if decay != 1.0:

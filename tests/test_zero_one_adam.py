@@ -468,3 +468,23 @@ def test_defaults_and_auto_accepted():
     assert opt.phase == "A" and opt.var_interval == 1 and opt.local_step_interval == 1
     auto = ZeroOneAdam(nn.Linear(2, 2).parameters(), var_freeze_step="auto", backend=SingleProcessBackend())
     assert auto.var_freeze_step is None and isinstance(auto.freeze_rule, VarianceStabilityRule)
+
+
+def test_coordinates_without_gradient_stay_put():
+    """Weights of an input that is always 0 get no gradient: 1-bit noise over eps must not move
+    them (in phase A, local steps and syncs)."""
+    from compressed_opt import ZeroOneAdam
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(4, 3)
+    start = layer.weight.detach().clone()
+    opt = ZeroOneAdam(layer.parameters(), lr=1e-2, var_freeze_step=6, var_update_scaler=2,
+                      local_step_scaler=2, local_step_clipper=4)
+    for _ in range(20):
+        x = torch.randn(8, 4)
+        x[:, 0] = 0.0  # feature 0 is always zero
+        opt.zero_grad()
+        layer(x).pow(2).mean().backward()
+        opt.step()
+    assert torch.equal(layer.weight[:, 0], start[:, 0])
+    assert torch.isfinite(layer.weight).all() and not torch.equal(layer.weight[:, 1:], start[:, 1:])
