@@ -302,6 +302,62 @@ def case_onebit_adam(be):
         expect(err < tol, f"step {s + 1}: differs from the reference by {err}")
 
 
+@case
+def case_optimizer_modes(be):
+    """On MPI: convergence on digits like AdamW, and bit-exact resume, for OnebitAdam overlapped,
+    synchronous and ZeRO-2, and ZeroOneAdam / OnebitLamb resume."""
+    import io
+
+    from torch import nn
+
+    from compressed_opt import OnebitAdam, OnebitLamb, ZeroOneAdam
+    from optim_tasks import full_loss, mlp, shard_batches
+
+    r, n = be.rank, be.world_size
+    makers = {
+        "overlap": lambda m, **k: OnebitAdam(m.parameters(), backend=be, **k),
+        "sync": lambda m, **k: OnebitAdam(m.parameters(), backend=be, overlap=False, **k),
+        "zero2": lambda m, **k: OnebitAdam(m.parameters(), backend=be, zero_stage=2, **k),
+    }
+
+    def train(opt, model, batches):
+        for x, y in batches:
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+
+    batches = list(shard_batches(r, n, 150))
+    baseline = mlp()
+    train(OnebitAdam(baseline.parameters(), backend=be, lr=1e-3, freeze_step=10**9), baseline, batches)
+    for name, make in makers.items():
+        model = mlp()
+        train(make(model, lr=1e-3, freeze_step=40), model, batches)
+        ratio = full_loss(model) / full_loss(baseline)
+        expect(ratio < 1.05, f"{name}: final loss {ratio:.3f}x AdamW's")
+
+    resumable = dict(makers, zero_one=lambda m, **k: ZeroOneAdam(m.parameters(), backend=be, lr=1e-3,
+                                                                  var_freeze_step=4, local_step_clipper=2),
+                     lamb=lambda m, **k: OnebitLamb(m.parameters(), backend=be, lr=1e-3, freeze_step=4))
+    for name, make in resumable.items():
+        part = batches[:9]
+        model = mlp()
+        train(make(model, lr=1e-3, freeze_step=4), model, part)
+        expected = [p.detach().clone() for p in model.parameters()]
+        model = mlp()
+        opt = make(model, lr=1e-3, freeze_step=4)
+        train(opt, model, part[:6])
+        buf = io.BytesIO()
+        torch.save({"m": model.state_dict(), "o": opt.state_dict()}, buf)
+        buf.seek(0)
+        ckpt = torch.load(buf, weights_only=True)
+        model = mlp()
+        opt = make(model, lr=1e-3, freeze_step=4)
+        model.load_state_dict(ckpt["m"])
+        opt.load_state_dict(ckpt["o"])
+        train(opt, model, part[6:])
+        expect(all(torch.equal(a, b) for a, b in zip(expected, model.parameters())), f"{name}: resume not bit-exact")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("cases", nargs="+", help=f"'all' or some of: {', '.join(CASES)}")
