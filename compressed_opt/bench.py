@@ -403,7 +403,7 @@ def _build(method: dict, model: nn.Module, cfg: dict, device: torch.device):
 
     name = method["name"]
     hp = dict(lr=cfg["lr"], betas=tuple(cfg["betas"]), eps=cfg["eps"], weight_decay=cfg["weight_decay"])
-    ddp_kwargs = dict(bucket_cap_mb=cfg["bucket_mb"])
+    ddp_kwargs = dict(bucket_cap_mb=cfg["ddp_bucket_mb"])
     if device.type == "cuda":
         ddp_kwargs["device_ids"] = [device.index]
     if name.startswith("ddp_"):
@@ -492,10 +492,9 @@ class _Progress:
 
 
 def _inject(cfg: dict, method: dict, rank: int, world: int, step: int) -> None:
-    spec = cfg.get("inject_failure")
-    if not spec or spec["method"] not in (method["spec"], method["name"]):
-        return
-    if rank != world - 1 or step != spec["step"]:
+    """Testing (``--inject-failure``): the last rank crashes or hangs at the given step."""
+    spec = next((f for f in cfg.get("inject_failure") or () if f["method"] in (method["spec"], method["name"])), None)
+    if spec is None or rank != world - 1 or step != spec["step"]:
         return
     if spec["mode"] == "crash":
         raise RuntimeError(f"injected failure (--inject-failure) on rank {rank} at step {step}")
@@ -1227,7 +1226,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--betas", default="0.9,0.99", help="Adam betas (default 0.9,0.99)")
     p.add_argument("--eps", type=float, default=1e-8)
     p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument("--bucket-mb", type=float, default=25.0, help="bucket cap of DDP and ours (default 25)")
+    p.add_argument("--bucket-mb", type=float, default=25.0,
+                   help="ours: bucket_cap_mb (one collective and one compression scale per bucket; default 25)")
+    p.add_argument("--ddp-bucket-mb", type=float, default=25.0, help="DDP's bucket_cap_mb (default 25)")
     p.add_argument("--powersgd-rank", type=int, default=4, help="PowerSGD matrix approximation rank (default 4)")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                    help="ours: communicate during backward (default) or in step()")
@@ -1247,8 +1248,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--method-timeout", type=float, default=900.0,
                    help="seconds before a method's ranks are killed and it is reported failed (default 900)")
     p.add_argument("--grace", type=float, default=5.0, help="seconds the other ranks get after one fails (default 5)")
-    p.add_argument("--inject-failure", metavar="METHOD:crash|hang[:STEP]",
-                   help="testing: make the last rank of METHOD crash or hang at STEP (default 3)")
+    p.add_argument("--inject-failure", metavar="METHOD:crash|hang[:STEP]", action="append",
+                   help="testing: make the last rank of METHOD crash or hang at STEP (default 3); repeatable")
     p.add_argument("--out-dir", default="results", help="where NAME.json and NAME.png go (default ./results)")
     p.add_argument("--name", help="file name stem (default train-MODEL-LINK)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
@@ -1277,12 +1278,12 @@ def make_config(args) -> dict:
     betas = [float(b) for b in args.betas.split(",")]
     if len(betas) != 2:
         raise SystemExit("--betas takes two numbers, e.g. 0.9,0.99")
-    inject = None
-    if args.inject_failure:
-        parts = args.inject_failure.split(":")
-        if len(parts) not in (2, 3) or parts[1] not in ("crash", "hang"):
+    inject = []
+    for text in args.inject_failure or ():
+        parts = text.split(":")
+        if len(parts) not in (2, 3) or parts[1] not in ("crash", "hang") or not parts[-1]:
             raise SystemExit("--inject-failure takes METHOD:crash or METHOD:hang, optionally :STEP")
-        inject = {"method": parts[0], "mode": parts[1], "step": int(parts[2]) if len(parts) == 3 else 3}
+        inject.append({"method": parts[0], "mode": parts[1], "step": int(parts[2]) if len(parts) == 3 else 3})
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ and args.launch is None and not args.link
     if args.link:
         if args.launch not in (None, 2):
@@ -1307,6 +1308,7 @@ def make_config(args) -> dict:
         "eps": args.eps,
         "weight_decay": args.weight_decay,
         "bucket_mb": args.bucket_mb,
+        "ddp_bucket_mb": args.ddp_bucket_mb,
         "powersgd_rank": args.powersgd_rank,
         "overlap": args.overlap,
         "ddp_hook": args.ddp_hook,

@@ -29,7 +29,7 @@ from compressed_opt.comm import compressed_allreduce
 from . import zero
 from .freeze import VarianceStabilityRule, resolve_rule
 from .optimizer import CompressedOptimizer, bias_corrections
-from .validation import check_betas, check_nonneg_float, check_step_count
+from .validation import check_adam_group, check_step_count
 
 logger = logging.getLogger("compressed_opt")
 
@@ -49,10 +49,7 @@ class _FreezingAdam(CompressedOptimizer):
                          overlap=overlap, accumulation_steps=accumulation_steps)
 
     def _validate_group(self, group):
-        check_nonneg_float("lr", group["lr"])
-        check_nonneg_float("eps", group["eps"])
-        check_nonneg_float("weight_decay", group["weight_decay"])
-        group["betas"] = check_betas(group["betas"])
+        check_adam_group(group)
 
     @property
     def compressing(self) -> bool:
@@ -86,13 +83,7 @@ class _FreezingAdam(CompressedOptimizer):
         return total / max(numel, 1.0)
 
     def _auto_decision(self, step) -> bool:
-        wants = self.freeze_rule.observe(step, self._mean_bias_corrected_variance(step))
-        if self.backend.world_size == 1:
-            return wants
-        device = self._buckets[0].device if self._buckets else torch.device("cpu")
-        flag = torch.tensor([1 if wants else 0], dtype=torch.int32, device=device)
-        self.backend.broadcast(flag, src=0)  # rank 0 decides for everyone
-        return bool(flag.item())
+        return self.rank0_decides(self.freeze_rule.observe(step, self._mean_bias_corrected_variance(step)))
 
     def _freeze(self, step):
         self.frozen = True

@@ -324,6 +324,16 @@ class CompressedOptimizer(Optimizer):
         return skip > 0, redo > 0
 
     # --- every rank the same -------------------------------------------------------------------
+    def rank0_decides(self, wants: bool) -> bool:
+        """Rank 0's ``wants``, on every rank (a one-element broadcast): for decisions computed
+        from floats that might differ between ranks in the last bit, such as an auto freeze."""
+        if self.backend.world_size == 1:
+            return wants
+        device = self._buckets[0].device if self._buckets else torch.device("cpu")
+        flag = torch.tensor([1 if wants else 0], dtype=torch.int32, device=device)
+        self.backend.broadcast(flag, src=0)
+        return bool(flag.item())
+
     def _signature(self) -> list[int]:
         shapes = hashlib.sha256()
         hparams = hashlib.sha256()

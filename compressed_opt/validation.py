@@ -44,3 +44,11 @@ def check_range(name: str, value, low: float, high: float) -> float:
     if not low <= value <= high:
         raise ValueError(f"Invalid {name}: {value} (must be in [{low}, {high}])")
     return value
+
+
+def check_adam_group(group: dict) -> None:
+    """AdamW's hyperparameters of a param group (``betas`` normalised to a float pair)."""
+    check_nonneg_float("lr", group["lr"])
+    check_nonneg_float("eps", group["eps"])
+    check_nonneg_float("weight_decay", group["weight_decay"])
+    group["betas"] = check_betas(group["betas"])

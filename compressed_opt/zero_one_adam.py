@@ -67,7 +67,7 @@ from compressed_opt.comm import compressed_allreduce
 
 from .freeze import VarianceStabilityRule, resolve_rule
 from .optimizer import CompressedOptimizer
-from .validation import check_betas, check_nonneg_float, check_step_count
+from .validation import check_adam_group, check_step_count
 
 logger = logging.getLogger("compressed_opt")
 
@@ -169,10 +169,7 @@ class ZeroOneAdam(CompressedOptimizer):
                          overlap=overlap, accumulation_steps=accumulation_steps)
 
     def _validate_group(self, group):
-        check_nonneg_float("lr", group["lr"])
-        check_nonneg_float("eps", group["eps"])
-        check_nonneg_float("weight_decay", group["weight_decay"])
-        group["betas"] = check_betas(group["betas"])
+        check_adam_group(group)
         if not isinstance(group["bias_correction"], bool):
             raise TypeError(f"bias_correction must be a bool, got {group['bias_correction']!r}")
 
@@ -317,13 +314,7 @@ class ZeroOneAdam(CompressedOptimizer):
         return total / max(numel, 1.0)
 
     def _auto_decision(self, step) -> bool:
-        wants = self.freeze_rule.observe(step, self._mean_variance())
-        if self.backend.world_size == 1:
-            return wants
-        device = self._buckets[0].device if self._buckets else torch.device("cpu")
-        flag = torch.tensor([1 if wants else 0], dtype=torch.int32, device=device)
-        self.backend.broadcast(flag, src=0)  # rank 0 decides for everyone
-        return bool(flag.item())
+        return self.rank0_decides(self.freeze_rule.observe(step, self._mean_variance()))
 
     def _freeze(self, step):
         for b in self._buckets:

@@ -164,7 +164,7 @@ def case_broadcast(be):
 
 @case
 def case_barrier(be):
-    r, n = be.rank, be.world_size
+    r = be.rank
     be.barrier()
     if r == 0:
         time.sleep(0.3)
@@ -178,7 +178,7 @@ def case_barrier(be):
 # --- byte accounting, errors, plumbing --------------------------------------------------------------
 @case
 def case_stats(be):
-    r, n = be.rank, be.world_size
+    n = be.world_size
     be.stats.reset()
     be.all_reduce(torch.ones(1000))  # 4000 bytes
     be.all_reduce(torch.ones(1000, dtype=torch.bfloat16), async_op=True).wait()  # 2000 bytes

@@ -1,9 +1,6 @@
 """OnebitAdam: AdamW in warmup, the compression stage against a reference of the same math,
 convergence on a real task, checkpoints, and the ordinary things PyTorch code does to optimizers."""
-import copy
 import io
-import math
-import warnings
 
 import pytest
 import torch
@@ -11,9 +8,9 @@ from torch import nn
 
 from allreduce_reference import simulate
 from compressed_opt import OnebitAdam, VarianceStabilityRule
-from compressed_opt.comm import SingleProcessBackend, chunk_numel, get_backend
+from compressed_opt.comm import SingleProcessBackend, chunk_numel
 from distributed import run_ranks, spawn_ranks
-from optim_tasks import digits, full_loss, mlp, shard_batches, train
+from optim_tasks import digits, full_loss, mlp, shard_batches
 
 HP = dict(lr=3e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
 

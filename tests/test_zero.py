@@ -100,11 +100,7 @@ def _load_on_other_rank(rank, world):
         opt.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
-    theirs = [None, None]
     sd = opt.state_dict()
-    buf = io.BytesIO()
-    torch.save(sd, buf)
-    payload = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
     # swap checkpoints between the ranks by the file system of the test
     import os, tempfile  # noqa: E401
     path = os.path.join(tempfile.gettempdir(), f"zero_swap_{os.getppid()}_{rank}.pt")
