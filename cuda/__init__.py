@@ -3,10 +3,13 @@
 Three kernels carry all element-wise work of the compressed allreduce (DESIGN 2.1, 2.2); each
 works in place on flat, contiguous buffers that the caller owns and reuses:
 
-``compress_(x, error, packed, scale_out)``
+``compress_(x, error, packed, scale_out, finish=True)``
     ``u = x + error`` (``x=None`` means ``x = 0``); ``s = ||u|| / sqrt(n)``; ``packed`` gets the
     bits ``[u >= 0]``; ``error <- u - s (2b - 1)``; ``scale_out`` (one fp32 element) gets ``s``.
-``average_compress_(chunks, scales, error, packed, scale_out)``
+    With ``finish=False`` only the first pass runs: ``packed`` and ``scale_out`` are final and
+    ``error`` holds ``u``; :func:`finish_` (the second pass) completes it later, e.g. while the
+    bits are on the wire.
+``average_compress_(chunks, scales, error, packed, scale_out, finish=True)``
     the server side: ``z = error + (1/N) sum_i scales[i] (2 chunks[i] - 1)``, then compress ``z``
     with ``error`` as above. ``chunks`` is ``uint8 [N, row_bytes]``; ``error`` holds the chunk's
     valid elements (at most ``8 * row_bytes``).
@@ -40,6 +43,7 @@ from . import reference
 
 __all__ = [
     "compress_",
+    "finish_",
     "average_compress_",
     "decompress_",
     "packed_numel",
@@ -120,7 +124,7 @@ def _check_flat(name: str, t: torch.Tensor, dtype: torch.dtype, device: torch.de
         raise ValueError(f"{name} must be contiguous")
 
 
-def compress_(x, error, packed, scale_out) -> None:
+def compress_(x, error, packed, scale_out, finish: bool = True) -> None:
     device = error.device
     _check_flat("error", error, torch.float32, device)
     if x is not None:
@@ -133,10 +137,10 @@ def compress_(x, error, packed, scale_out) -> None:
         raise ValueError(f"packed needs {packed_numel(error.numel())} bytes, has {packed.numel()}")
     if scale_out.numel() != 1:
         raise ValueError("scale_out must have exactly one element")
-    _impl(device).compress_(x, error, packed, scale_out)
+    _impl(device).compress_(x, error, packed, scale_out, finish)
 
 
-def average_compress_(chunks, scales, error, packed, scale_out) -> None:
+def average_compress_(chunks, scales, error, packed, scale_out, finish: bool = True) -> None:
     device = error.device
     for name, t, dtype in (
         ("chunks", chunks, torch.uint8),
@@ -155,7 +159,16 @@ def average_compress_(chunks, scales, error, packed, scale_out) -> None:
         raise ValueError("error must fit in one row of chunks and packed must be one row long")
     if scale_out.numel() != 1:
         raise ValueError("scale_out must have exactly one element")
-    _impl(device).average_compress_(chunks, scales, error, packed, scale_out)
+    _impl(device).average_compress_(chunks, scales, error, packed, scale_out, finish)
+
+
+def finish_(error, scale_out) -> None:
+    """The second pass of a compression started with ``finish=False``: ``error`` holds ``u``;
+    ``error <- u - s (2 [u >= 0] - 1)`` with ``s = scale_out``."""
+    device = error.device
+    _check_flat("error", error, torch.float32, device)
+    _check_flat("scale_out", scale_out, torch.float32, device)
+    _impl(device).finish_(error, scale_out)
 
 
 def decompress_(packed, scales, out) -> None:

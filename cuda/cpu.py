@@ -90,29 +90,36 @@ def library() -> ctypes.CDLL | None:
     return None
 
 
-def _finish(lib, error: torch.Tensor, sumsq: float, n: int, scale_out: torch.Tensor) -> None:
+def _scale(sumsq: float, n: int, scale_out: torch.Tensor) -> None:
     scale_out.fill_(math.sqrt(sumsq / n) if n else 0.0)
+
+
+def finish_(error, scale_out):
     # pass 2 uses the fp32 scale that is sent, so that error == u - C(u) exactly
-    lib.co_subtract_decompressed(error.data_ptr(), ctypes.c_float(scale_out.item()), n)
+    library().co_subtract_decompressed(error.data_ptr(), ctypes.c_float(scale_out.item()), error.numel())
 
 
-def compress_(x, error, packed, scale_out):
+def compress_(x, error, packed, scale_out, finish=True):
     lib = library()
     n = error.numel()
     sumsq = lib.co_compensate_pack(
         None if x is None else x.data_ptr(), error.data_ptr(), packed.data_ptr(), n, packed.numel()
     )
-    _finish(lib, error, sumsq, n, scale_out)
+    _scale(sumsq, n, scale_out)
+    if finish:
+        finish_(error, scale_out)
 
 
-def average_compress_(chunks, scales, error, packed, scale_out):
+def average_compress_(chunks, scales, error, packed, scale_out, finish=True):
     lib = library()
     world, row_bytes = chunks.shape
     n = error.numel()
     sumsq = lib.co_average_compensate_pack(
         chunks.data_ptr(), scales.data_ptr(), world, row_bytes, error.data_ptr(), packed.data_ptr(), n
     )
-    _finish(lib, error, sumsq, n, scale_out)
+    _scale(sumsq, n, scale_out)
+    if finish:
+        finish_(error, scale_out)
 
 
 def decompress_(packed, scales, out):

@@ -159,17 +159,17 @@ def _ptr(t) -> int:
     return 0 if t is None else t.data_ptr()
 
 
-def compress_(x, error, packed, scale_out):
+def compress_(x, error, packed, scale_out, finish=True):
     kernels, stream = _context(error.device)
     partials, ticket = kernels.workspace(stream)
     plan = compress_plan(
         _ptr(x), error.data_ptr(), packed.data_ptr(), scale_out.data_ptr(), error.numel(),
         packed.numel(), partials, ticket, kernels.resident,
     )
-    kernels.run(plan, stream)
+    kernels.run(plan if finish else plan[:1], stream)
 
 
-def average_compress_(chunks, scales, error, packed, scale_out):
+def average_compress_(chunks, scales, error, packed, scale_out, finish=True):
     kernels, stream = _context(error.device)
     partials, ticket = kernels.workspace(stream)
     world, row_bytes = chunks.shape
@@ -177,7 +177,13 @@ def average_compress_(chunks, scales, error, packed, scale_out):
         chunks.data_ptr(), scales.data_ptr(), world, row_bytes, error.data_ptr(), packed.data_ptr(),
         error.numel(), scale_out.data_ptr(), partials, ticket, kernels.resident,
     )
-    kernels.run(plan, stream)
+    kernels.run(plan if finish else plan[:1], stream)
+
+
+def finish_(error, scale_out):
+    """Pass 2 alone (after a ``finish=False`` compression)."""
+    kernels, stream = _context(error.device)
+    kernels.run(subtract_plan(error.data_ptr(), scale_out.data_ptr(), error.numel(), kernels.resident), stream)
 
 
 def decompress_(packed, scales, out):

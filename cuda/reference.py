@@ -36,26 +36,30 @@ def _scale(u: torch.Tensor) -> torch.Tensor:
     return (torch.linalg.vector_norm(u.double()) / u.numel() ** 0.5).float()
 
 
-def _compress_in_place(u: torch.Tensor, packed: torch.Tensor, scale_out: torch.Tensor) -> None:
-    scale = _scale(u)
-    bits = u >= 0
-    packed.copy_(pack_bits(bits, packed.numel()))
-    scale_out.copy_(scale.reshape(scale_out.shape))
-    u.sub_(torch.where(bits, scale, -scale))
+def _compress_in_place(u: torch.Tensor, packed: torch.Tensor, scale_out: torch.Tensor, finish: bool) -> None:
+    packed.copy_(pack_bits(u >= 0, packed.numel()))
+    scale_out.copy_(_scale(u).reshape(scale_out.shape))
+    if finish:
+        finish_(u, scale_out)
 
 
-def compress_(x, error, packed, scale_out):
+def finish_(error, scale_out):
+    scale = scale_out.reshape(())
+    error.sub_(torch.where(error >= 0, scale, -scale))
+
+
+def compress_(x, error, packed, scale_out, finish=True):
     if x is not None:
         error.add_(x)
-    _compress_in_place(error, packed, scale_out)
+    _compress_in_place(error, packed, scale_out, finish)
 
 
-def average_compress_(chunks, scales, error, packed, scale_out):
+def average_compress_(chunks, scales, error, packed, scale_out, finish=True):
     world = chunks.shape[0]
     n = error.numel()
     signs = unpack_bits(chunks).view(world, -1)[:, :n].float() * 2 - 1
     error.add_(((scales.view(world, 1) / world) * signs).sum(dim=0))
-    _compress_in_place(error, packed, scale_out)
+    _compress_in_place(error, packed, scale_out, finish)
 
 
 def decompress_(packed, scales, out):

@@ -202,3 +202,19 @@ def test_get_backend_without_process_group(monkeypatch):
         get_backend("auto")
     with pytest.raises(ValueError, match="backend kind"):
         get_backend("nccl2")
+
+
+@pytest.mark.multiprocess
+def test_large_buffers_travel_in_concurrent_pieces():
+    numel, steps = (4 << 20) + 13, 2
+    results = run_ranks(_allreduce_steps, 2, [numel], steps, torch.float32, timeout=180)
+    ref_outs, ref_we, ref_se = _reference_steps(2, numel, steps, torch.float32)
+    for rank in range(2):
+        outs, worker_error, server_error = results[rank][numel]
+        assert torch.equal(outs[-1], results[0][numel][0][-1])
+        assert_matches_reference(outs[-1], ref_outs[-1])
+        assert_matches_reference(worker_error, ref_we[rank])
+        assert_matches_reference(server_error, ref_se[rank])
+    stats = results[0]["stats"]
+    assert stats["calls"]["all_to_all"] == 2 * steps  # 2 x 256 KiB of bits per rank: 2 pieces
+    assert stats["total_bytes"] == steps * wire_bytes(numel, 2)

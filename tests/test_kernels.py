@@ -136,3 +136,31 @@ def test_kernels_reject_bad_buffers():
 def test_reference_is_forced_by_environment(monkeypatch):
     monkeypatch.setenv("COMPRESSED_OPT_KERNELS", "reference")
     assert kernels.kernel_path(torch.device("cpu")) == "reference"
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("n", [0, 5, 1000, 4099])
+def test_split_compression_equals_one_call(path, n):
+    """compress_(finish=False) + finish_ (what the allreduce runs around its collectives) gives
+    the same bits, scale and error as one compress_, on the worker and the server side."""
+    impl = _impl(path)
+    g = torch.Generator().manual_seed(n)
+    x, e = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    out = []
+    for finish in (True, False):
+        err, packed, scale = e.clone(), torch.empty(kernels.packed_numel(n) + 1, dtype=torch.uint8), torch.empty(1)
+        impl.compress_(x, err, packed, scale, finish)
+        if not finish:
+            impl.finish_(err, scale)
+        out.append((err, packed, scale))
+    assert all(torch.equal(a, b) for a, b in zip(*out))
+    chunks = torch.randint(0, 256, (3, -(-n // 8) + 1), dtype=torch.uint8, generator=g)
+    scales = torch.rand(3, generator=g)
+    out = []
+    for finish in (True, False):
+        err, packed, scale = e.clone(), torch.empty(chunks.shape[1], dtype=torch.uint8), torch.empty(1)
+        impl.average_compress_(chunks, scales, err, packed, scale, finish)
+        if not finish:
+            impl.finish_(err, scale)
+        out.append((err, packed, scale))
+    assert all(torch.equal(a, b) for a, b in zip(*out))

@@ -1,0 +1,583 @@
+"""Run a command as 2 ranks joined by a slow, private link, and count the bytes on that link.
+
+Each rank runs in its own network namespace; the two namespaces are joined by a veth pair (a
+virtual Ethernet cable) whose two ends are rate-limited with a ``tc tbf`` qdisc (both
+directions: a full-duplex link of ``rate``). ``rate=None`` (``--rate none``) leaves the veth
+unlimited. The namespaces, the link and its private ``10.x.y.{1,2}/30`` addresses exist only for
+the run: they are made with names unique to the run and deleted afterwards, whatever happens
+(normal exit, failure, timeout, Ctrl-C, SIGTERM). Namespaces left by a run that was killed with
+SIGKILL are deleted by the next run (their names carry the pid that made them).
+
+Wire bytes are *counted*: the veth's ``tx_bytes``/``rx_bytes`` counters of each namespace are
+read before the ranks start and after they end (``tx_bytes`` counts Ethernet frames: payload,
+TCP/IP/Ethernet headers, ACKs, connection setup). A rank can also read its own interface's
+counters while it runs (``/sys/class/net/$SLOWLINK_IFNAME/statistics/tx_bytes``; ``sysfs``
+inside ``ip netns exec`` shows the namespace's own interfaces), which is how
+``benchmarks/wire_bytes.py`` isolates single calls.
+
+Modes:
+
+* ``torch`` (default): runs ``cmd`` twice, rank ``r`` in namespace ``r``, with ``RANK``,
+  ``WORLD_SIZE=2``, ``LOCAL_RANK`` (= ``RANK``: the ranks share this machine's devices),
+  ``MASTER_ADDR`` (rank 0's veth address), ``MASTER_PORT``, and ``GLOO_SOCKET_IFNAME`` /
+  ``NCCL_SOCKET_IFNAME`` / ``TP_SOCKET_IFNAME`` set to the veth, so a ``torchrun``-style script
+  with ``init_process_group(init_method="env://")`` talks over the veth.
+* ``mpi``: MPICH's ``mpiexec -launcher manual`` runs in namespace 0 and prints the command of each
+  host's proxy; each proxy is started in its own namespace, so no ssh is needed. ``cmd`` is the
+  rank command (e.g. ``python script.py --backend mpi``). ``UCX_TLS=tcp,self`` and
+  ``UCX_NET_DEVICES`` make MPICH (ch4:ucx) use TCP over the veth: without them UCX would use
+  shared memory between the two ranks, which share the machine, and bypass the link.
+  Only MPICH's Hydra is supported (Open MPI has no manual launcher).
+
+Both veth ends have the same name (``slink``; they are in different namespaces), so one value of
+``GLOO_SOCKET_IFNAME``/``UCX_NET_DEVICES`` serves both ranks. Needs root (or CAP_NET_ADMIN and
+CAP_SYS_ADMIN), ``ip`` and ``tc`` (Debian/Ubuntu: ``apt-get install -y iproute2``).
+
+Command line::
+
+    python benchmarks/slowlink.py --rate 1gbit -- python my_script.py --args
+    python benchmarks/slowlink.py --rate none --mode mpi -- python my_script.py --backend mpi
+
+Python::
+
+    from slowlink import run_two_ranks
+    out = run_two_ranks([sys.executable, "my_script.py"], rate="1gbit", timeout=300)
+    out["returncode"], out["outputs"][0], out["tx_bytes"]  # bytes each rank's end sent
+"""
+from __future__ import annotations
+
+import argparse
+import atexit
+import json
+import os
+import random
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+
+DEFAULT_PREFIX = "cosl"
+IFNAME = "slink"
+DEFAULT_LATENCY = "50ms"
+_RATE_UNITS = {  # tc's units: bit/s multipliers (tc: "bit" = bits, "bps" = bytes per second)
+    "bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
+    "kibit": 1024, "mibit": 1024 ** 2, "gibit": 1024 ** 3,
+    "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9,
+}
+
+
+class SlowLinkError(RuntimeError):
+    """The link could not be set up (no root, no ``ip``/``tc``, namespaces unsupported...)."""
+
+
+# --- helpers ---------------------------------------------------------------------------------------
+def parse_rate(rate) -> float | None:
+    """Bits per second of a tc-style rate (``"1gbit"``, ``"100mbit"``, ``"12.5mbps"``, a number
+    of bit/s), or ``None`` for ``None``/``"none"``/``"unlimited"``."""
+    if rate is None:
+        return None
+    if isinstance(rate, (int, float)):
+        return float(rate)
+    text = str(rate).strip().lower()
+    if text in ("none", "unlimited", "inf", ""):
+        return None
+    m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([a-z]*)", text)
+    if not m or (m.group(2) or "bit") not in _RATE_UNITS:
+        raise ValueError(f"rate must look like 1gbit, 100mbit, 12.5mbps or none; got {rate!r}")
+    return float(m.group(1)) * _RATE_UNITS[m.group(2) or "bit"]
+
+
+def _run(cmd: list[str], check: bool = True) -> subprocess.CompletedProcess:
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if check and done.returncode != 0:
+        raise SlowLinkError(f"{shlex.join(cmd)} failed ({done.returncode}): {done.stderr.strip()}")
+    return done
+
+
+def check_tools() -> None:
+    """Raise :class:`SlowLinkError` with what to do when the link cannot be made here."""
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        hint = ("install iproute2 (Debian/Ubuntu: apt-get install -y iproute2)" if os.geteuid() == 0
+                else "install iproute2 (as root: apt-get install -y iproute2)")
+        raise SlowLinkError(f"slowlink needs {' and '.join(missing)}: {hint}")
+    if os.geteuid() != 0:
+        raise SlowLinkError("slowlink creates network namespaces and needs root (or CAP_NET_ADMIN and "
+                            "CAP_SYS_ADMIN); run it as root, e.g. with sudo")
+
+
+def netns_supported() -> tuple[bool, str]:
+    """``(True, "")`` when namespaces and veth pairs can be made here, else ``(False, why)``."""
+    try:
+        check_tools()
+    except SlowLinkError as e:
+        return False, str(e)
+    try:
+        link = create_link(rate=None)
+    except SlowLinkError as e:
+        return False, str(e)
+    destroy_link(link)
+    return True, ""
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def list_namespaces(prefix: str = DEFAULT_PREFIX) -> list[str]:
+    """Names of the network namespaces whose name starts with ``prefix-``."""
+    done = _run(["ip", "netns", "list"], check=False)
+    names = [line.split()[0] for line in done.stdout.splitlines() if line.strip()]
+    return [n for n in names if n.startswith(prefix + "-")]
+
+
+def cleanup_stale(prefix: str = DEFAULT_PREFIX) -> list[str]:
+    """Delete namespaces ``prefix-<pid>-...`` whose creating process is gone; return their names."""
+    removed = []
+    for name in list_namespaces(prefix):
+        m = re.match(re.escape(prefix) + r"-(\d+)-", name)
+        if m and not _pid_alive(int(m.group(1))):
+            _run(["ip", "netns", "del", name], check=False)
+            removed.append(name)
+    return removed
+
+
+# --- the link --------------------------------------------------------------------------------------
+@dataclass
+class Link:
+    """Two namespaces joined by a veth pair; ``namespaces[r]`` and ``addresses[r]`` are rank r's."""
+
+    namespaces: list[str]
+    addresses: list[str]
+    ifname: str = IFNAME
+    rate: str | None = None
+    tbf: list[str] = field(default_factory=list)
+
+    def exec_prefix(self, rank: int) -> list[str]:
+        return ["ip", "netns", "exec", self.namespaces[rank]]
+
+    def counters(self) -> list[dict]:
+        """Per rank: the veth end's ``tx_bytes``, ``rx_bytes``, ``tx_packets``, ``rx_packets``."""
+        out = []
+        for rank in range(2):
+            files = " ".join(f"/sys/class/net/{self.ifname}/statistics/{k}"
+                             for k in ("tx_bytes", "rx_bytes", "tx_packets", "rx_packets"))
+            done = _run(self.exec_prefix(rank) + ["sh", "-c", f"cat {files}"])
+            values = [int(v) for v in done.stdout.split()]
+            out.append(dict(zip(("tx_bytes", "rx_bytes", "tx_packets", "rx_packets"), values)))
+        return out
+
+
+_live_links: dict[str, Link] = {}
+_live_lock = threading.Lock()
+
+
+def _tbf_args(rate_bps: float, burst: int | None, latency: str) -> list[str]:
+    # tbf needs a bucket of at least rate/HZ bytes (HZ <= 1000), and larger than one packet; GSO
+    # hands veth packets of up to 64 KiB, so the bucket is at least 128 KiB.
+    burst = int(burst if burst is not None else max(rate_bps / 8 / 500, 128 * 1024))
+    return ["tbf", "rate", f"{int(rate_bps)}bit", "burst", str(burst), "latency", latency]
+
+
+def create_link(rate="1gbit", burst: int | None = None, latency: str = DEFAULT_LATENCY,
+                prefix: str = DEFAULT_PREFIX, mtu: int | None = None, gso: bool = True) -> Link:
+    """Make two namespaces joined by a veth pair limited to ``rate`` in each direction.
+
+    ``burst``: the tbf bucket in bytes (default max(rate/500 s, 128 KiB)); ``latency``: how long a
+    packet may wait in the tbf queue before it is dropped; ``mtu``: the veth MTU (default 1500,
+    as on Ethernet). ``gso=False`` caps segmentation offload at one MTU-sized segment, so the
+    byte counters count one set of TCP/IP/Ethernet headers per wire-sized frame, as on a real
+    NIC (with GSO a veth passes up to 64 KiB per packet and counts its headers once).
+    Call :func:`destroy_link` when done (``run_two_ranks`` does)."""
+    check_tools()
+    rate_bps = parse_rate(rate)
+    tag = f"{os.getpid()}-{random.getrandbits(32):08x}"
+    names = [f"{prefix}-{tag}-r{r}" for r in range(2)]
+    net = f"10.{random.randint(64, 254)}.{random.randint(0, 255)}.{4 * random.randint(0, 63)}"
+    base = [int(x) for x in net.split(".")]
+    addresses = [".".join(map(str, base[:3] + [base[3] + 1 + r])) for r in range(2)]
+    link = Link(namespaces=names, addresses=addresses, rate=None if rate_bps is None else str(rate))
+    with _live_lock:
+        _live_links[names[0]] = link
+    try:
+        for name in names:
+            _run(["ip", "netns", "add", name])
+        _run(["ip", "link", "add", IFNAME, "netns", names[0], "type", "veth",
+              "peer", "name", IFNAME, "netns", names[1]])
+        for r, name in enumerate(names):
+            ns = ["ip", "-n", name]
+            _run(ns + ["addr", "add", f"{addresses[r]}/30", "dev", IFNAME])
+            if mtu:
+                _run(ns + ["link", "set", IFNAME, "mtu", str(mtu)])
+            if not gso:
+                _run(ns + ["link", "set", "dev", IFNAME, "gso_max_segs", "1", "gso_max_size", str(mtu or 1500)])
+            _run(ns + ["link", "set", IFNAME, "up"])
+            _run(ns + ["link", "set", "lo", "up"])
+            if rate_bps is not None:
+                tbf = _tbf_args(rate_bps, burst, latency)
+                _run(link.exec_prefix(r) + ["tc", "qdisc", "add", "dev", IFNAME, "root", *tbf])
+                link.tbf = tbf
+        _wait_until_up(link)
+    except BaseException:
+        destroy_link(link)
+        raise
+    return link
+
+
+def _wait_until_up(link: Link, timeout: float = 10.0) -> None:
+    """Wait until both veth ends have carrier (``operstate`` up): MPI's UCX skips a device that
+    is not running yet, and a rank started at once could find no route."""
+    deadline = time.monotonic() + timeout
+    path = f"/sys/class/net/{link.ifname}/operstate"
+    while True:
+        states = [_run(link.exec_prefix(r) + ["cat", path]).stdout.strip() for r in range(2)]
+        if all(state == "up" for state in states):
+            return
+        if time.monotonic() > deadline:
+            raise SlowLinkError(f"the veth pair did not come up within {timeout:g} s (operstate {states})")
+        time.sleep(0.02)
+
+
+def _namespace_pids(name: str) -> list[int]:
+    done = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True)
+    return [int(p) for p in done.stdout.split() if p.isdigit() and int(p) != os.getpid()]
+
+
+def _kill_namespace_processes(name: str, timeout: float = 5.0) -> None:
+    """SIGKILL every process still inside namespace ``name`` (all made by this run: e.g. MPI ranks,
+    which Hydra's proxy puts in their own process group), and wait until they are gone: a dying
+    process still holds the namespace's mounts, and deleting it then fails with EBUSY."""
+    deadline = time.monotonic() + timeout
+    while True:
+        pids = _namespace_pids(name)
+        if not pids or time.monotonic() > deadline:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        time.sleep(0.05)
+
+
+def destroy_link(link: Link, timeout: float = 10.0) -> None:
+    """Kill what still runs in the link's namespaces, then delete them (and with them the veth
+    pair), retrying while the kernel still holds them. Never raises; a namespace that could not
+    be deleted is reported on stderr (the next run deletes it, see :func:`cleanup_stale`)."""
+    for name in link.namespaces:
+        try:
+            _kill_namespace_processes(name)
+            deadline = time.monotonic() + timeout
+            while True:
+                done = subprocess.run(["ip", "netns", "del", name], capture_output=True, text=True)
+                if done.returncode == 0 or name not in list_namespaces(name.split("-", 1)[0]):
+                    break
+                if time.monotonic() > deadline:
+                    print(f"slowlink: could not delete namespace {name}: {done.stderr.strip()}", file=sys.stderr)
+                    break
+                time.sleep(0.1)
+        except Exception as e:  # noqa: BLE001 - cleanup must go on
+            print(f"slowlink: cleaning up {name}: {e}", file=sys.stderr)
+    with _live_lock:
+        _live_links.pop(link.namespaces[0], None)
+
+
+@atexit.register
+def _destroy_all() -> None:
+    with _live_lock:
+        links = list(_live_links.values())
+    for link in links:
+        destroy_link(link)
+
+
+# --- running the ranks ----------------------------------------------------------------------------
+class _Proc:
+    """A child process in its own process group, with its output collected by a thread."""
+
+    def __init__(self, cmd: list[str], env: dict, cwd: str | None, echo_prefix: str | None):
+        self.lines: list[str] = []
+        self.popen = subprocess.Popen(cmd, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True, errors="replace", bufsize=1,
+                                      start_new_session=True)
+        self.echo_prefix = echo_prefix
+        self.line_event = threading.Condition()
+        self.thread = threading.Thread(target=self._pump, daemon=True)
+        self.thread.start()
+
+    def _pump(self) -> None:
+        for line in self.popen.stdout:
+            with self.line_event:
+                self.lines.append(line)
+                self.line_event.notify_all()
+            if self.echo_prefix is not None:
+                sys.stdout.write(self.echo_prefix + line)
+                sys.stdout.flush()
+        with self.line_event:
+            self.line_event.notify_all()
+
+    def kill(self) -> None:
+        if self.popen.poll() is None:
+            try:
+                os.killpg(self.popen.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        self.popen.wait()
+
+    @property
+    def output(self) -> str:
+        self.thread.join(timeout=5)
+        return "".join(self.lines)
+
+
+def _wait_all(procs: list[_Proc], deadline: float, grace: float) -> bool:
+    """Wait for every process; when one fails, give the others ``grace`` seconds, then kill.
+    Returns True when the deadline passed."""
+    failed_at = None
+    while True:
+        codes = [p.popen.poll() for p in procs]
+        if all(c is not None for c in codes):
+            return False
+        now = time.monotonic()
+        if now > deadline:
+            return True
+        if failed_at is None and any(c not in (None, 0) for c in codes):
+            failed_at = now
+        if failed_at is not None and now - failed_at > grace:
+            return False
+        time.sleep(0.05)
+
+
+def _find_mpiexec(mpiexec: str | None) -> str:
+    candidates = [mpiexec] if mpiexec else [os.path.join(os.path.dirname(sys.executable), "mpiexec"), "mpiexec"]
+    for c in candidates:
+        path = c if os.path.sep in c else shutil.which(c)
+        if path and os.access(path, os.X_OK):
+            return path
+    raise SlowLinkError("mode 'mpi' needs MPICH's mpiexec (pip install mpich); none found")
+
+
+def run_two_ranks(cmd, rate="1gbit", timeout: float = 600.0, mode: str = "torch", env: dict | None = None,
+                  burst: int | None = None, latency: str = DEFAULT_LATENCY, mtu: int | None = None,
+                  port: int = 29500, cwd: str | None = None, echo: bool = False, grace: float = 15.0,
+                  prefix: str = DEFAULT_PREFIX, mpiexec: str | None = None, gso: bool = True) -> dict:
+    """Run ``cmd`` (a list, or a shell string) as 2 ranks over a veth link limited to ``rate``.
+
+    Returns a dict: ``returncode`` (0 when every rank exited 0; 124 on timeout; else the exit
+    code of the first process that failed by itself: the others are killed ``grace`` seconds
+    after it), ``returncodes`` (per process: the 2 ranks; in ``mpi`` mode mpiexec and the 2
+    proxies), ``timed_out``, ``outputs`` (per rank, stdout and stderr together; in ``mpi`` mode
+    stdout then stderr), ``launcher_output`` (``mpi`` mode: what mpiexec and the proxies printed),
+    ``tx_bytes`` and ``rx_bytes`` (per rank: bytes its veth end sent/received
+    while the command ran), ``counters_before``/``counters_after``, ``elapsed_s``, ``rate``,
+    ``tbf``, ``addresses``, ``namespaces``, ``ifname``, ``gso``, ``mode``. ``env`` adds to the
+    current environment; ``port`` is ``MASTER_PORT`` (free: the namespaces are new); ``echo``
+    prints the ranks' lines as they come, prefixed ``[rank r]``. Other arguments: see
+    :func:`create_link`. Everything made is deleted before returning or raising.
+    """
+    if isinstance(cmd, str):
+        cmd = shlex.split(cmd)
+    if mode not in ("torch", "mpi"):
+        raise ValueError(f"mode must be 'torch' or 'mpi', got {mode!r}")
+    check_tools()
+    cleanup_stale(prefix)
+    link = create_link(rate=rate, burst=burst, latency=latency, prefix=prefix, mtu=mtu, gso=gso)
+    procs: list[_Proc] = []
+    mpi_dir = None
+    launcher_output = ""
+    try:
+        base_env = dict(os.environ)
+        base_env.setdefault("OMP_NUM_THREADS", "1")
+        base_env.update(env or {})
+        base_env.update(SLOWLINK_IFNAME=link.ifname, SLOWLINK_ADDRS=",".join(link.addresses),
+                        SLOWLINK_RATE=str(rate))
+        before = link.counters()
+        start = time.monotonic()
+        deadline = start + timeout
+        if mode == "torch":
+            for r in range(2):
+                rank_env = dict(base_env, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2",
+                                MASTER_ADDR=link.addresses[0], MASTER_PORT=str(port),
+                                GLOO_SOCKET_IFNAME=link.ifname, NCCL_SOCKET_IFNAME=link.ifname,
+                                TP_SOCKET_IFNAME=link.ifname)
+                procs.append(_Proc(link.exec_prefix(r) + list(cmd), rank_env, cwd, f"[rank {r}] " if echo else None))
+        else:
+            mpi_dir = tempfile.mkdtemp(prefix="slowlink-mpi-")
+            procs = _start_mpi(link, list(cmd), base_env, cwd, echo, deadline, mpiexec, mpi_dir)
+        timed_out = _wait_all(procs, deadline, grace)
+        own_codes = [p.popen.poll() for p in procs]  # None: still running, about to be killed
+        for p in procs:
+            p.kill()
+        elapsed = time.monotonic() - start
+        after = link.counters()
+        codes = [p.popen.returncode for p in procs]
+        outputs = [p.output for p in procs]
+        if mode == "mpi":
+            launcher_output = "".join(f"[{name}]\n{o}" for name, o in zip(("mpiexec", "proxy 0", "proxy 1"), outputs))
+            outputs = _mpi_outputs(mpi_dir)
+            if echo:
+                for r, o in enumerate(_mpi_outputs(mpi_dir)):
+                    sys.stdout.write("".join(f"[rank {r}] {line}\n" for line in o.splitlines()))
+                sys.stdout.flush()
+    finally:
+        for p in procs:
+            p.kill()
+        destroy_link(link)
+        if mpi_dir is not None:
+            shutil.rmtree(mpi_dir, ignore_errors=True)
+    if timed_out:
+        returncode = 124
+    else:  # the first process that failed by itself (the others may have been killed after it)
+        returncode = next((c for c in own_codes if c not in (None, 0)), 0)
+    return {
+        "returncode": returncode,
+        "returncodes": codes,
+        "timed_out": timed_out,
+        "outputs": outputs,
+        "launcher_output": launcher_output,
+        "tx_bytes": [a["tx_bytes"] - b["tx_bytes"] for a, b in zip(after, before)],
+        "rx_bytes": [a["rx_bytes"] - b["rx_bytes"] for a, b in zip(after, before)],
+        "tx_packets": [a["tx_packets"] - b["tx_packets"] for a, b in zip(after, before)],
+        "counters_before": before,
+        "counters_after": after,
+        "elapsed_s": elapsed,
+        "rate": link.rate,
+        "tbf": link.tbf,
+        "addresses": link.addresses,
+        "namespaces": link.namespaces,
+        "ifname": link.ifname,
+        "gso": gso,
+        "mode": mode,
+    }
+
+
+def _start_mpi(link: Link, cmd: list[str], env: dict, cwd, echo: bool, deadline: float, mpiexec,
+               out_dir: str) -> list[_Proc]:
+    """Start Hydra's mpiexec (manual launcher) in namespace 0, then each host's proxy in its own
+    namespace. The first process returned is mpiexec. Each rank's stdout and stderr go to
+    ``out_dir/out.<rank>`` and ``out_dir/err.<rank>`` (mpiexec's own output prefixes are per
+    forwarded chunk, not per line, so they cannot be split reliably)."""
+    exe = _find_mpiexec(mpiexec)
+    env = dict(env, UCX_TLS=env.get("UCX_TLS", "tcp,self"), UCX_NET_DEVICES=link.ifname,
+               MPIR_CVAR_CH4_NETMOD=env.get("MPIR_CVAR_CH4_NETMOD", "ucx"))
+    launcher = [exe, "-launcher", "manual", "-hosts", ",".join(link.addresses), "-localhost", link.addresses[0],
+                "-n", "2", "-ppn", "1", "-outfile-pattern", os.path.join(out_dir, "out.%r"),
+                "-errfile-pattern", os.path.join(out_dir, "err.%r"), *cmd]
+    hydra = _Proc(link.exec_prefix(0) + launcher, env, cwd, "[mpiexec] " if echo else None)
+    procs = [hydra]
+    try:
+        launches = _read_hydra_launches(hydra, deadline)
+        for proxy_id, proxy_cmd in launches:
+            procs.append(_Proc(link.exec_prefix(proxy_id) + proxy_cmd, env, cwd,
+                               f"[proxy {proxy_id}] " if echo else None))
+    except BaseException:
+        for p in procs:
+            p.kill()
+        raise
+    return procs
+
+
+def _mpi_outputs(out_dir: str) -> list[str]:
+    """Each rank's stdout followed by its stderr, from the files mpiexec wrote."""
+    outputs = []
+    for rank in range(2):
+        text = ""
+        for stream in ("out", "err"):
+            try:
+                with open(os.path.join(out_dir, f"{stream}.{rank}"), errors="replace") as f:
+                    text += f.read()
+            except OSError:
+                pass
+        outputs.append(text)
+    return outputs
+
+
+def _read_hydra_launches(hydra: _Proc, deadline: float) -> list[tuple[int, list[str]]]:
+    """The ``HYDRA_LAUNCH:`` commands that mpiexec -launcher manual prints, by proxy id."""
+    seen = 0
+    launches = []
+    with hydra.line_event:
+        while True:
+            while seen < len(hydra.lines):
+                line = hydra.lines[seen]
+                seen += 1
+                if line.startswith("HYDRA_LAUNCH:"):
+                    argv = shlex.split(line[len("HYDRA_LAUNCH:"):])
+                    proxy_id = int(argv[argv.index("--proxy-id") + 1])
+                    launches.append((proxy_id, argv))
+                if "HYDRA_LAUNCH_END" in line:
+                    if len(launches) != 2:
+                        raise SlowLinkError(f"mpiexec asked for {len(launches)} proxies, expected 2")
+                    return launches
+            if hydra.popen.poll() is not None and seen >= len(hydra.lines):
+                raise SlowLinkError("mpiexec exited before printing its proxy commands:\n" + "".join(hydra.lines))
+            if time.monotonic() > deadline:
+                raise SlowLinkError("timed out waiting for mpiexec's proxy commands")
+            hydra.line_event.wait(timeout=0.2)
+
+
+# --- command line ----------------------------------------------------------------------------------
+def _raise_on_signal(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(
+        description="Run a command as 2 ranks in network namespaces joined by a rate-limited veth pair.",
+        epilog="example: python benchmarks/slowlink.py --rate 1gbit -- python benchmarks/comm_bandwidth.py")
+    p.add_argument("--rate", default="1gbit", help="tc rate of each direction (1gbit, 100mbit, ...) or none")
+    p.add_argument("--burst", type=int, default=None, help="tbf bucket in bytes (default max(rate*2ms, 128KiB))")
+    p.add_argument("--latency", default=DEFAULT_LATENCY, help="tbf queueing latency limit (default 50ms)")
+    p.add_argument("--mtu", type=int, default=None, help="veth MTU (default 1500)")
+    p.add_argument("--no-gso", action="store_true",
+                   help="no segmentation offload on the veth: counters count MTU-sized frames, as on a NIC")
+    p.add_argument("--mode", choices=("torch", "mpi"), default="torch",
+                   help="torch: env for init_process_group; mpi: MPICH mpiexec with proxies per namespace")
+    p.add_argument("--port", type=int, default=29500, help="MASTER_PORT (inside the namespaces)")
+    p.add_argument("--timeout", type=float, default=600.0, help="kill the ranks after this many seconds")
+    p.add_argument("--grace", type=float, default=15.0,
+                   help="when one rank fails, kill the other after this many seconds (default 15)")
+    p.add_argument("--prefix", default=DEFAULT_PREFIX, help="namespace name prefix")
+    p.add_argument("--json", default=None, metavar="PATH", help="write the result (with outputs) as JSON")
+    p.add_argument("--quiet", action="store_true", help="do not echo the ranks' output")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, help="the rank command (after --)")
+    args = p.parse_args(argv)
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not cmd:
+        p.error("give the command to run after --")
+    try:
+        parse_rate(args.rate)
+    except ValueError as e:
+        p.error(str(e))
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _raise_on_signal)
+    try:
+        result = run_two_ranks(cmd, rate=args.rate, timeout=args.timeout, mode=args.mode, burst=args.burst,
+                               latency=args.latency, mtu=args.mtu, port=args.port, echo=not args.quiet,
+                               prefix=args.prefix, gso=not args.no_gso, grace=args.grace)
+    except SlowLinkError as e:
+        print(f"slowlink: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    status = "timed out" if result["timed_out"] else f"exit codes {result['returncodes']}"
+    print(f"# slowlink: rate {result['rate'] or 'unlimited'}, {status}, {result['elapsed_s']:.2f} s; "
+          f"veth tx_bytes rank0 {result['tx_bytes'][0]} rank1 {result['tx_bytes'][1]} "
+          f"(rx {result['rx_bytes'][0]} / {result['rx_bytes'][1]})", file=sys.stderr)
+    return result["returncode"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""Smoke tests of the benchmark scripts: they run, and what they write has the expected shape.
+
+Nothing here asserts a speed (DESIGN section 4: speed only as ratios inside benchmarks).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "benchmarks")
+OPS = ("fp32", "bf16", "compressed")
+
+
+def _env():
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("PYTHONPATH", None)
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        env.pop(var, None)  # a launcher's variables would make the script join that job
+    return env
+
+
+@pytest.mark.multiprocess
+def test_comm_bandwidth_launch_2_writes_json(tmp_path):
+    out = tmp_path / "bw.json"
+    cmd = [sys.executable, "-P", os.path.join(BENCH, "comm_bandwidth.py"), "--launch", "2", "--sizes-mb", "1",
+           "--iters", "2", "--warmup", "1", "--timeout", "50", "--json", str(out)]
+    done = subprocess.run(cmd, cwd=str(tmp_path), env=_env(), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(out.read_text())
+    assert report["config"]["world_size"] == 2
+    assert report["config"]["iters"] == 2
+    [entry] = report["results"]
+    assert entry["numel"] == (1 << 20) // 4
+    assert entry["fp32_bytes"] == 1 << 20
+    for op in OPS:
+        r = entry["ops"][op]
+        for key in ("time_s", "time_min_s", "algbw_GBps", "busbw_GBps", "bytes_sent_per_rank", "speedup_vs_fp32"):
+            assert r[key] > 0, (op, key, r[key])
+        assert len(r["times_s"]) == 2
+        assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"])  # 2 (N-1)/N = 1 for N = 2
+    assert entry["ops"]["fp32"]["bytes_sent_per_rank"] == 1 << 20  # ring volume, N = 2
+    assert entry["ops"]["bf16"]["bytes_sent_per_rank"] == 1 << 19
+    compressed = entry["ops"]["compressed"]
+    assert compressed["bytes_sent_per_rank"] == compressed["model_wire_bytes"]
+    assert compressed["bytes_sent_per_rank"] < entry["ops"]["fp32"]["bytes_sent_per_rank"] / 25
+    assert "fp32" in done.stdout and "compressed" in done.stdout  # rank 0's table
+
+
+def _netns_usable() -> tuple[bool, str]:
+    if not sys.platform.startswith("linux"):
+        return False, "network namespaces are Linux-only"
+    if os.geteuid() != 0:
+        return False, "needs root to create network namespaces"
+    sys.path.insert(0, BENCH)
+    try:
+        import slowlink
+    finally:
+        sys.path.remove(BENCH)
+    return slowlink.netns_supported()
+
+
+def _namespaces(prefix: str) -> list[str]:
+    done = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+    return [line.split()[0] for line in done.stdout.splitlines() if line.startswith(prefix + "-")]
+
+
+@pytest.mark.multiprocess
+def test_slowlink_runs_two_ranks_and_cleans_up(tmp_path):
+    ok, why = _netns_usable()
+    if not ok:
+        pytest.skip(why)
+    prefix = f"cotest{uuid.uuid4().hex[:6]}"
+    probe = ("import os, sys; "
+             "tx = open('/sys/class/net/' + os.environ['SLOWLINK_IFNAME'] + '/statistics/tx_bytes').read().strip(); "
+             "print('RANK', os.environ['RANK'], os.environ['WORLD_SIZE'], os.environ['MASTER_ADDR'], "
+             "os.environ['GLOO_SOCKET_IFNAME'], tx)")
+    out = tmp_path / "slowlink.json"
+    cmd = [sys.executable, "-P", os.path.join(BENCH, "slowlink.py"), "--rate", "1gbit", "--timeout", "30",
+           "--prefix", prefix, "--json", str(out), "--", sys.executable, "-P", "-c", probe]
+    done = subprocess.run(cmd, cwd=str(tmp_path), env=_env(), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(out.read_text())
+    assert result["returncodes"] == [0, 0]
+    assert result["rate"] == "1gbit" and result["tbf"][0] == "tbf"
+    master = result["addresses"][0]
+    assert master.startswith("10.")
+    for rank in range(2):
+        line = next(ln for ln in result["outputs"][rank].splitlines() if ln.startswith("RANK"))
+        assert line.split()[1:5] == [str(rank), "2", master, result["ifname"]]
+        assert result["tx_bytes"][rank] >= 0
+    assert _namespaces(prefix) == [], "slowlink left its namespaces behind"
+
+
+@pytest.mark.multiprocess
+def test_slowlink_cleans_up_after_a_failing_rank(tmp_path):
+    ok, why = _netns_usable()
+    if not ok:
+        pytest.skip(why)
+    prefix = f"cotest{uuid.uuid4().hex[:6]}"
+    fail_rank_1 = "import os, sys, time; sys.exit(3) if os.environ['RANK'] == '1' else time.sleep(60)"
+    cmd = [sys.executable, "-P", os.path.join(BENCH, "slowlink.py"), "--rate", "none", "--timeout", "30",
+           "--prefix", prefix, "--grace", "1", "--quiet", "--", sys.executable, "-P", "-c", fail_rank_1]
+    env = _env()
+    done = subprocess.run(cmd, cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert _namespaces(prefix) == []
