@@ -67,8 +67,10 @@ import json
 import math
 import os
 import platform
+import re
 import resource
 import shlex
+import signal
 import socket
 import statistics
 import subprocess
@@ -96,7 +98,7 @@ OURS = ("onebit_adam", "onebit_lamb", "zero_one_adam")
 DEFAULT_METHODS = ("ddp_adamw", "ddp_fp16", "ddp_powersgd", "onebit_adam", "onebit_lamb", "zero_one_adam")
 BASELINE = "ddp_adamw"
 SKIP_FIRST = 2  # steps left out at the start of each stage (allocation, first-call costs)
-MODIFIERS = ("ddp", "overlap", "nooverlap")
+MODIFIERS = ("ddp", "overlap", "nooverlap", "serial")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -294,6 +296,26 @@ def _timed_hook(hook):
     return wrapper
 
 
+def _one_bucket_at_a_time(hook):
+    """``ddp_powersgd+serial``: start a bucket's hook only once the previous bucket's exchange
+    has finished. PowerSGD launches allreduces from future callbacks; with several buckets in
+    flight the ranks can issue them in different orders, which Gloo (no tags) turns into a size
+    mismatch abort or a hang. Serialising the buckets fixes the order and costs overlap."""
+    previous = {}
+
+    def serial(state, bucket):
+        if bucket.index() > 0 and "fut" in previous:
+            previous.pop("fut").wait()
+        fut = hook(state, bucket)
+        previous["fut"] = fut
+        if bucket.is_last():
+            previous.clear()
+        return fut
+
+    serial.__name__ = getattr(hook, "__name__", "hook") + "_serial"
+    return serial
+
+
 def _union_length(intervals) -> float:
     total, end = 0.0, -math.inf
     for a, b in sorted(intervals):
@@ -306,17 +328,19 @@ def _union_length(intervals) -> float:
 
 # --- timing our communication (--breakdown) ----------------------------------------------------------
 class _PerThreadTimer:
-    """Accumulates seconds spent in wrapped calls; nested calls on one thread count once."""
+    """Accumulates seconds spent in wrapped calls; nested calls on one thread count once.
+    ``when()``, if given, must be true for a call to count."""
 
-    def __init__(self):
+    def __init__(self, when=None):
         self.total = 0.0
         self.local = threading.local()
         self.lock = threading.Lock()
+        self.when = when
 
     def wrap(self, fn):
         def timed(*args, **kwargs):
             depth = getattr(self.local, "depth", 0)
-            if depth:
+            if depth or (self.when is not None and not self.when()):
                 return fn(*args, **kwargs)
             self.local.depth = 1
             start = time.perf_counter()
@@ -335,30 +359,70 @@ class _PerThreadTimer:
         return value
 
 
+class _TimedWork:
+    """A backend ``Work`` whose ``wait()`` is timed."""
+
+    def __init__(self, work, timed_wait):
+        self._work, self.wait = work, timed_wait
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
 class _OurInstrumentation:
     """Wraps the compression kernels (module attributes of ``compressed_opt.cuda``, looked up
-    at each call by the compressed allreduce), this backend's collectives, and the optimizer's
-    waiting for backward-launched communication. Only installed with ``--breakdown``."""
+    at each call by the compressed allreduce) and this backend's collectives (time on any
+    thread), and measures how long ``optimizer.step()`` waits for or runs communication: the
+    wait for backward-launched buckets, the inline exchanges, and kernels and collectives that
+    ``step()`` runs itself (e.g. 0/1 Adam's synchronisations). Only installed with ``--breakdown``."""
 
-    KERNELS = ("compress_", "average_compress_", "decompress_")
+    KERNELS = ("compress_", "average_compress_", "finish_", "decompress_")
     COLLECTIVES = ("all_reduce", "all_gather", "all_to_all", "broadcast")
 
     def __init__(self, optimizer):
         from compressed_opt import cuda as kernels
 
+        main = threading.main_thread()
+        self.in_step = False
         self.kernels = _PerThreadTimer()
         self.collectives = _PerThreadTimer()
-        self.waits = _PerThreadTimer()
+        self.waits = _PerThreadTimer(when=lambda: self.in_step and threading.current_thread() is main)
         self._kernel_module = kernels
-        self._saved = {name: getattr(kernels, name) for name in self.KERNELS}
-        for name in self.KERNELS:
-            setattr(kernels, name, self.kernels.wrap(self._saved[name]))
+        self._saved = {name: getattr(kernels, name) for name in self.KERNELS if hasattr(kernels, name)}
+        for name, fn in self._saved.items():
+            setattr(kernels, name, self.waits.wrap(self.kernels.wrap(fn)))
         backend = optimizer.backend
         for name in self.COLLECTIVES:
-            setattr(backend, name, self.collectives.wrap(getattr(backend, name)))
+            setattr(backend, name, self._timed_collective(getattr(backend, name)))
         launcher = optimizer._launcher
         launcher.wait = self.waits.wrap(launcher.wait)
         launcher.run_inline = self.waits.wrap(launcher.run_inline)
+        step = optimizer.step
+
+        def timed_step(*args, **kwargs):
+            self.in_step = True
+            try:
+                return step(*args, **kwargs)
+            finally:
+                self.in_step = False
+
+        optimizer.step = timed_step
+
+    def _timed_collective(self, fn):
+        """Time the call and, for ``async_op=True``, the ``wait()`` of its handle: the time a
+        thread is held up by the collective."""
+        timed = self.waits.wrap(self.collectives.wrap(fn))
+
+        def call(*args, **kwargs):
+            work = timed(*args, **kwargs)
+            if kwargs.get("async_op") and work is not None:
+                return _TimedWork(work, self.waits.wrap(self.collectives.wrap(work.wait)))
+            return work
+
+        return call
 
     def take(self) -> tuple[float, float, float]:
         return self.kernels.take(), self.collectives.take(), self.waits.take()
@@ -376,13 +440,16 @@ def parse_spec(spec: str, overlap: bool, ddp_hook: bool) -> dict:
     for m in mods:
         if m not in MODIFIERS:
             raise ValueError(f"unknown option +{m} in {spec!r}; options: +{', +'.join(MODIFIERS)}")
-        if name not in OURS:
+        if m == "serial" and name != "ddp_powersgd":
+            raise ValueError(f"+serial applies to ddp_powersgd only, not to {name}")
+        if m != "serial" and name not in OURS:
             raise ValueError(f"+{m} applies to {', '.join(OURS)} only, not to {name}")
     if "overlap" in mods:
         overlap = True
     if "nooverlap" in mods:
         overlap = False
-    return {"spec": spec, "name": name, "overlap": overlap, "ddp_hook": ddp_hook or "ddp" in mods}
+    return {"spec": spec, "name": name, "overlap": overlap, "ddp_hook": ddp_hook or "ddp" in mods,
+            "serial": "serial" in mods}
 
 
 def lr_at(step: int, cfg: dict) -> float:
@@ -425,7 +492,10 @@ def _build(method: dict, model: nn.Module, cfg: dict, device: torch.device):
             state = powerSGD_hook.PowerSGDState(
                 process_group=None, matrix_approximation_rank=cfg["powersgd_rank"], start_powerSGD_iter=start,
                 min_compression_rate=2, use_error_feedback=True, warm_start=True, random_seed=cfg["seed"])
-            module.register_comm_hook(state, _timed_hook(powerSGD_hook.powerSGD_hook))
+            hook = powerSGD_hook.powerSGD_hook
+            if method["serial"]:
+                hook = _one_bucket_at_a_time(hook)
+            module.register_comm_hook(state, _timed_hook(hook))
             stage = lambda: "compression" if state.iter >= state.start_powerSGD_iter else "warmup"  # noqa: E731
         opt = torch.optim.AdamW(model.parameters(), **hp)
         return module, opt, stage, lambda: RECORDER.bytes, {"ddp": True}
@@ -613,7 +683,7 @@ def train_method(method: dict, cfg: dict, device: torch.device, progress_path: s
     return result
 
 
-def _calibrate_compute(module, opt, data, device, under_ddp: bool, steps: int, iters: int = 3) -> float:
+def _calibrate_compute(module, opt, data, device, under_ddp: bool, steps: int, iters: int = 5) -> float:
     """Median seconds of forward + backward with no communication at all, on the trained model
     (every rank at once, as in training)."""
     import torch.distributed as dist
@@ -698,10 +768,23 @@ def worker_main(args) -> int:
     return 0
 
 
+def _rounded(obj, digits: int = 6):
+    if isinstance(obj, float):
+        return float(f"{obj:.{digits}g}") if math.isfinite(obj) else obj
+    if isinstance(obj, dict):
+        return {k: _rounded(v, digits) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_rounded(v, digits) for v in obj]
+    return obj
+
+
 def _write_json(path: str, obj) -> None:
+    """Indented JSON with floats to 6 significant digits and lists of scalars on one line."""
+    text = json.dumps(_rounded(obj), indent=1)
+    text = re.sub(r"\[[^\[\]{}]*\]", lambda m: re.sub(r"\n\s*", "", m.group(0)), text)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
+        f.write(text + "\n")
     os.replace(tmp, path)
 
 
@@ -714,7 +797,7 @@ def _reason_from_output(text: str) -> str:
     """The last exception line of a rank's output (what went wrong, in one line)."""
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     for ln in reversed(lines):
-        if ("Error" in ln or "Exception" in ln or "error" in ln) and not ln.startswith("File "):
+        if any(m in ln for m in ("Error", "Exception", "error", "what():", "Killed")) and not ln.startswith("File "):
             return ln[:300]
     return lines[-1][:300] if lines else "(no output)"
 
@@ -848,8 +931,8 @@ def _collect(spec, out, prog, codes, timed_out, outputs, elapsed, cfg, extra=Non
         if bad is None:
             entry.update(status="failed", error=f"no result written; exit codes {codes}")
         else:
-            entry.update(status="failed", error=f"rank {bad} exited with code {codes[bad]}: "
-                                                f"{_reason_from_output(outputs[bad])}")
+            how = f"exited with code {codes[bad]}" if codes[bad] > 0 else f"died of signal {-codes[bad]}"
+            entry.update(status="failed", error=f"rank {bad} {how}: {_reason_from_output(outputs[bad])}")
     else:
         with open(out) as f:
             entry.update(status="ok", result=json.load(f))
@@ -864,16 +947,16 @@ _PEER_LOST = ("Connection closed by peer", "Connection reset", "Broken pipe", "E
 
 
 def _culprit(codes, outputs, first_failed=None) -> int | None:
-    """The rank that failed by itself: the first seen failing, else one that exited with an error
-    (not killed by a signal) and did not just lose its peer."""
+    """The rank that failed by itself: the first seen failing, else one that died of a signal of
+    its own (an abort) or exited with an error that is not the loss of its peer."""
     if first_failed is not None:
         return first_failed
     failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
     if not failed:
         return None
-    own = [r for r in failed if codes[r] > 0 and not any(m in outputs[r] for m in _PEER_LOST)]
-    exited = [r for r in failed if codes[r] > 0]
-    return (own or exited or failed)[0]
+    by_itself = [r for r in failed if codes[r] > 0 or codes[r] != -9]  # -9: killed by the launcher
+    own = [r for r in by_itself if codes[r] < 0 or not any(m in outputs[r] for m in _PEER_LOST)]
+    return (own or by_itself or failed)[0]
 
 
 def load_slowlink():
@@ -907,31 +990,32 @@ def run_link(spec: str, cfg: dict, tmp: str, display: _Display, index: int, tota
     config, out, prog = (os.path.join(tmp, f) for f in ("config.json", "result.json", "progress.json"))
     _write_json(config, cfg)
     rate = None if cfg["link"] == "none" else cfg["link"]
-    box: dict = {}
     started = time.monotonic()
+    stop = threading.Event()
 
-    def target():
-        try:
-            box["out"] = slowlink.run_two_ranks(_worker_cmd(spec, config, out, prog), rate=rate,
-                                                timeout=cfg["method_timeout"], env={"OMP_NUM_THREADS": str(cfg["threads"])},
-                                                grace=cfg["grace"], port=29500 + index)
-        except BaseException as e:  # noqa: BLE001 - reported below
-            box["error"] = e
-
-    for attempt in range(2):  # a link that could not be set up is tried once more
-        box.clear()
-        thread = threading.Thread(target=target, daemon=True)
-        thread.start()
-        while thread.is_alive():
+    def show():  # the ranks run on the main thread, so that Ctrl-C/SIGTERM reach slowlink's cleanup
+        while not stop.wait(0.2):
             display.show(_progress_text(index, total, spec, prog, started) + f" [link {cfg['link']}]")
-            thread.join(timeout=0.2)
-        if not isinstance(box.get("error"), slowlink.SlowLinkError):
-            break
-        display.done(f"[{index}/{total}] {spec}: the slow link failed ({box['error']}); trying once more")
-    if "error" in box:
-        return {"spec": spec, "status": "failed", "error": f"slow link: {box['error']}",
-                "elapsed_s": time.monotonic() - started}
-    res = box["out"]
+
+    shower = threading.Thread(target=show, daemon=True)
+    shower.start()
+    res = error = None
+    try:
+        for attempt in range(2):  # a link that could not be set up is tried once more
+            try:
+                res = slowlink.run_two_ranks(_worker_cmd(spec, config, out, prog), rate=rate,
+                                             timeout=cfg["method_timeout"], env={"OMP_NUM_THREADS": str(cfg["threads"])},
+                                             grace=cfg["grace"], port=29500 + index)
+                break
+            except slowlink.SlowLinkError as e:
+                error = e
+                if attempt == 0:
+                    display.done(f"[{index}/{total}] {spec}: the slow link failed ({e}); trying once more")
+    finally:
+        stop.set()
+        shower.join()
+    if res is None:
+        return {"spec": spec, "status": "failed", "error": f"slow link: {error}", "elapsed_s": time.monotonic() - started}
     link = {k: res.get(k) for k in ("rate", "tbf", "tx_bytes", "rx_bytes", "tx_packets", "elapsed_s", "gso")}
     codes = res["returncodes"]
     return _collect(spec, out, prog, codes if not res["timed_out"] else [c if c == 0 else None for c in codes],
@@ -1219,8 +1303,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=200, help="training steps, the same for every method (default 200)")
     p.add_argument("--freeze-step", type=int, help="warmup steps of ours and PowerSGD's start (default steps/4)")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
-    p.add_argument("--lamb-lr", type=float, default=2e-2,
-                   help="peak learning rate of onebit_lamb (default 2e-2: LAMB's trust ratio scales each layer's "
+    p.add_argument("--lamb-lr", type=float, default=1e-2,
+                   help="peak learning rate of onebit_lamb (default 1e-2: LAMB's trust ratio scales each layer's "
                         "step by ||p||/||update||, so it takes a larger lr than Adam)")
     p.add_argument("--lr-warmup", type=int, help="linear learning-rate warmup steps (default steps/10)")
     p.add_argument("--betas", default="0.9,0.99", help="Adam betas (default 0.9,0.99)")
@@ -1341,10 +1425,19 @@ def _environment() -> dict:
     }
 
 
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:
         return worker_main(args)
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGHUP):  # stop the ranks and delete the link, as for Ctrl-C
+            signal.signal(sig, _raise_interrupt)
+        if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # started in the background by a shell
+            signal.signal(signal.SIGINT, signal.default_int_handler)
     cfg = make_config(args)
     specs = [s.strip() for s in args.methods.split(",") if s.strip()]
     for s in specs:
@@ -1379,11 +1472,13 @@ def main(argv=None) -> int:
     else:
         entries = []
         for i, spec in enumerate(specs, 1):
+            load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
             with tempfile.TemporaryDirectory(prefix="co-train-") as tmp:
                 if cfg["link"]:
                     entry = run_link(spec, cfg, tmp, display, i, len(specs), slowlink)
                 else:
                     entry = run_local(spec, cfg, tmp, display, i, len(specs))
+            entry["load_average_before"] = load_before
             entry["load_average_after"] = os.getloadavg() if hasattr(os, "getloadavg") else None
             status = "ok" if entry["status"] == "ok" else f"FAILED ({entry['error']})"
             display.done(f"[{i}/{len(specs)}] {spec}: {status} in {entry['elapsed_s']:.0f} s")
@@ -1404,5 +1499,13 @@ def main(argv=None) -> int:
     return 0 if all(e["status"] == "ok" for e in entries) else 1
 
 
+def cli() -> int:
+    try:
+        return main()
+    except KeyboardInterrupt as e:
+        print(f"\ncompressed_opt.bench: interrupted ({e or 'Ctrl-C'}); the ranks were stopped", file=sys.stderr)
+        return 130
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())

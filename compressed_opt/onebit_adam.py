@@ -144,19 +144,23 @@ class OnebitAdam(_FreezingAdam):
             allreduce's server chunks (:mod:`compressed_opt.zero`; 2 also reduce-scatters the
             warmup gradients). Checkpoints then hold this rank's shards: save one per rank and
             resume on the same world size.
+        master_resync_interval: with ZeRO and bf16/fp16 parameters, every this many
+            compression-stage steps the parameters are replaced by the gathered fp32 master
+            chunks (:mod:`compressed_opt.zero`).
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, freeze_step=100000,
                  *, bias_correction=True, backend=None, bucket_cap_mb=25.0, overlap=True, accumulation_steps=1,
-                 zero_stage=0):
+                 zero_stage=0, master_resync_interval=100):
         if zero_stage not in (0, 1, 2) or isinstance(zero_stage, bool):
             raise ValueError(f"Invalid zero_stage: {zero_stage!r} (must be 0, 1 or 2)")
         self.zero_stage = zero_stage
+        self.master_resync_interval = check_step_count("master_resync_interval", master_resync_interval, minimum=1)
         self._ddp_scratch: dict[str, torch.Tensor] = {}
         if zero_stage:
             self.bucket_state_names = ()  # sharded: no per-parameter views of whole buffers
             self.saved_bucket_buffers = ("exp_avg_shard", "exp_avg_sq_shard", "exp_avg", "frozen_denominator",
-                                         "momentum_rows")
+                                         "momentum_rows", "master_shard")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bool(bias_correction))
         super().__init__(params, defaults, freeze_step, backend, bucket_cap_mb, overlap, accumulation_steps)
 
@@ -260,3 +264,5 @@ class OnebitAdam(_FreezingAdam):
         if wd != 0:
             torch._foreach_mul_(bucket.params, 1 - lr * wd)
         torch._foreach_add_(bucket.params, bucket.views(direction), alpha=-lr / bc1)
+        if self.zero_stage and not averaged:
+            zero.compression_update(self, bucket, group, direction, step, -lr / bc1)

@@ -21,6 +21,12 @@ Each rank keeps those rows instead of an fp32 momentum (32x less) and expands th
 its next local momentum; every rank applies the same update to its replica of the parameters, so
 the parameters stay identical without any full-precision traffic.
 
+Parameters in bf16/fp16 get an fp32 master chunk on their owner (``master_shard``): warmup
+updates it and gathers it into the parameters; in the compression stage every rank updates its
+low-precision parameters as without ZeRO, the owner also its exact fp32 chunk, and every
+``master_resync_interval`` steps one all-gather of the master chunks replaces the parameters,
+bounding the drift of their rounding (an fp32 all-gather: ``4n (N-1)/N`` bytes per rank then).
+
 Per-rank state, fp32 parameters, ``n`` elements, ``N`` ranks (bytes): stage 0 warmup ``8n``
 (``m``, ``v``); ZeRO warmup ``8n/N``; stage 0 compression ``16n + 4n/N`` (``m``, ``v``, the
 frozen denominator, the worker error, the server error); ZeRO compression ``8n + 4n/N + n/8``
@@ -84,15 +90,53 @@ def warmup_update(opt, bucket: Bucket, group: dict, grad: torch.Tensor, step: in
     direction = update[:k]
     torch.sqrt(v, out=direction).div_(bc2_sqrt).add_(eps)
     torch.div(m, direction, out=direction)
-    # the new values of this rank's chunk, from the parameters' current values
     padded = bucket.flats["grad_padded"]
-    torch._foreach_copy_(bucket.views(padded[: bucket.numel]), bucket.params)
-    chunk = padded[lo:hi]
-    chunk.mul_(1 - lr * wd).add_(direction, alpha=-lr / bc1)
-    update[:k].copy_(chunk)
-    update[k:].zero_()
+    master = master_shard(opt, bucket)
+    if master is not None:  # low-precision parameters: the fp32 master chunk is the truth
+        master[:k].mul_(1 - lr * wd).add_(direction, alpha=-lr / bc1)
+        update.copy_(master)
+    else:  # fp32 parameters are their own master: this rank's chunk of their current values
+        torch._foreach_copy_(bucket.views(padded[: bucket.numel]), bucket.params)
+        chunk = padded[lo:hi]
+        chunk.mul_(1 - lr * wd).add_(direction, alpha=-lr / bc1)
+        update[:k].copy_(chunk)
+        update[k:].zero_()
     opt.backend.all_gather(padded, update)
     torch._foreach_copy_(bucket.params, bucket.views(padded[: bucket.numel]))
+
+
+def master_shard(opt, bucket: Bucket) -> torch.Tensor | None:
+    """This rank's fp32 master copy of its chunk of a bucket that holds bf16/fp16 parameters
+    (made from the parameters on first use); ``None`` for fp32 buckets."""
+    if all(p.dtype == torch.float32 for p in bucket.params):
+        return None
+    master = bucket.flats.get("master_shard")
+    if master is None:
+        world, rank = opt.backend.world_size, opt.backend.rank
+        lo, hi, c = shard_range(bucket, world, rank)
+        padded = _buffer(bucket, "grad_padded", world * c)
+        torch._foreach_copy_(bucket.views(padded[: bucket.numel]), bucket.params)
+        master = bucket.flats["master_shard"] = torch.zeros(c, device=bucket.device)
+        master[: hi - lo].copy_(padded[lo:hi])
+    return master
+
+
+def compression_update(opt, bucket: Bucket, group: dict, direction: torch.Tensor, step: int, scale: float) -> None:
+    """Compression stage, low-precision parameters: every rank applies the update to its
+    parameters (as without ZeRO) and, exactly, to its fp32 master chunk; every
+    ``master_resync_interval`` steps one all-gather of the master chunks replaces the
+    parameters, bounding what their rounding drifted."""
+    master = master_shard(opt, bucket)
+    if master is None:
+        return
+    world, rank = opt.backend.world_size, opt.backend.rank
+    lo, hi, c = shard_range(bucket, world, rank)
+    wd = group["weight_decay"]
+    master[: hi - lo].mul_(1 - group["lr"] * wd).add_(direction[lo:hi], alpha=scale)
+    if step % opt.master_resync_interval == 0:
+        padded = bucket.flats["grad_padded"]
+        opt.backend.all_gather(padded, master)
+        torch._foreach_copy_(bucket.params, bucket.views(padded[: bucket.numel]))
 
 
 def freeze(opt, bucket: Bucket) -> None:

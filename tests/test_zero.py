@@ -58,17 +58,18 @@ def test_zero_stages_give_the_unsharded_parameters(world):
             assert sharded[0][2][1].get("reduce_scatter", 0) > 0 and sharded[0][2][1].get("all_reduce", 0) == 0
 
 
-def _resume(rank, world, stop_at):
+def _resume(rank, world, stop_at, dtype=torch.float32):
     def fresh():
-        model = mlp()
-        return model, OnebitAdam(model.parameters(), freeze_step=4, zero_stage=2, bucket_cap_mb=0.02, **HP)
+        model = mlp(dtype=dtype)
+        return model, OnebitAdam(model.parameters(), freeze_step=4, zero_stage=2, bucket_cap_mb=0.02,
+                                 master_resync_interval=2, **HP)
 
     batches = list(gaussian_batches(rank, world, 10))
 
     def run(model, opt, part):
         for x, y in part:
             opt.zero_grad()
-            nn.functional.cross_entropy(model(x), y).backward()
+            nn.functional.cross_entropy(model(x.to(dtype)).float(), y).backward()
             opt.step()
 
     model, opt = fresh()
@@ -91,6 +92,7 @@ def _resume(rank, world, stop_at):
 def test_zero_resume_is_bit_exact_in_both_stages():
     for stop_at in (3, 6):
         assert run_ranks(_resume, 2, stop_at) == [0.0, 0.0]
+    assert run_ranks(_resume, 2, 7, torch.bfloat16) == [0.0, 0.0]  # with fp32 masters
 
 
 def _load_on_other_rank(rank, world):
@@ -121,3 +123,31 @@ def test_zero_checkpoint_of_another_rank_is_refused_clearly():
 def test_bad_zero_stage():
     with pytest.raises(ValueError, match="zero_stage"):
         OnebitAdam(nn.Linear(2, 2).parameters(), zero_stage=3)
+
+
+def _bf16_masters(rank, world, steps, resync):
+    model = mlp(dtype=torch.bfloat16)
+    opt = OnebitAdam(model.parameters(), freeze_step=3, zero_stage=2, master_resync_interval=resync, **HP)
+    snaps, masters = [], []
+    for x, y in gaussian_batches(rank, world, steps):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x.bfloat16()).float(), y).backward()
+        opt.step()
+        snaps.append([p.detach().clone() for p in model.parameters()])
+        masters.append(opt.buckets[0].flats["master_shard"].clone())
+    return snaps, masters, opt.state_bytes()
+
+
+@pytest.mark.multiprocess
+def test_bf16_parameters_have_fp32_masters_and_resync():
+    steps, resync = 8, 3
+    results = run_ranks(_bf16_masters, 2, steps, resync)
+    for s in range(steps):  # the same bf16 parameters on every rank, every step
+        assert all(torch.equal(a, b) for a, b in zip(results[0][0][s], results[1][0][s]))
+    # the masters move in fp32: not all of their updates survive rounding to bf16
+    m0 = results[0][1]
+    assert m0[-1].dtype == torch.float32 and not torch.equal(m0[-1], m0[-1].bfloat16().float())
+    # at a resync step (6) the parameters are the gathered masters, rounded
+    full = torch.cat([results[0][1][5][: m0[5].numel()], results[1][1][5]])
+    flat = torch.cat([p.reshape(-1).float() for p in reversed(results[0][0][5])])
+    torch.testing.assert_close(flat, full[: flat.numel()].bfloat16().float(), rtol=0, atol=0)
