@@ -94,6 +94,7 @@ class CompressedOptimizer(Optimizer):
             raise
         if self._buckets is not None:
             self._ranks_checked = False  # new parameters: check the ranks agree again
+            self._launcher.enabled = False  # ... before anything is launched for them
 
     def _validate_group(self, group: dict) -> None:
         """Subclasses check a param group's hyperparameters (called for every group added)."""
@@ -108,6 +109,9 @@ class CompressedOptimizer(Optimizer):
         if self._buckets is not None and key == self._layout_key:
             return
         rebuilt = self._buckets is not None
+        if rebuilt:  # what backward launched belongs to the old layout: let it land, then drop it
+            self._launcher.wait()
+            self._launcher.reset()
         self._buckets = build_buckets(self.param_groups, self.bucket_cap_bytes)
         self._layout_key = key
         for b in self._buckets:

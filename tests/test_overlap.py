@@ -78,3 +78,26 @@ def _accumulate_without_no_sync(rank, world):
 def test_unannounced_accumulation_raises_instead_of_sending_partial_gradients():
     for status, value in spawn_ranks(_accumulate_without_no_sync, 2, timeout=60):
         assert status == "error" and "no_sync" in value and "accumulation_steps" in value
+
+
+def _layout_changes(rank, world):
+    """Freezing a layer (requires_grad=False) and adding a param group between steps: buckets are
+    rebuilt, what backward launched for the old layout is drained, the ranks stay identical."""
+    model = deep_mlp()
+    extra = nn.Linear(10, 10)
+    opt = OnebitAdam(model.parameters(), lr=1e-3, freeze_step=2, bucket_cap_mb=0.02)
+    for step, (x, y) in enumerate(shard_batches(rank, world, 6)):
+        if step == 2:
+            model[0].weight.requires_grad_(False)
+        if step == 4:
+            opt.add_param_group({"params": extra.parameters()})
+        opt.zero_grad()
+        nn.functional.cross_entropy(extra(model(x)) if step >= 4 else model(x), y).backward()
+        opt.step()
+    return [p.detach().clone() for p in [*model.parameters(), *extra.parameters()]]
+
+
+@pytest.mark.multiprocess
+def test_layout_changes_between_steps_keep_ranks_identical():
+    results = run_ranks(_layout_changes, 2)
+    assert all(torch.equal(a, b) for a, b in zip(results[0], results[1]))
