@@ -7,7 +7,7 @@ TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: venv test demo bench clean
+.PHONY: venv test clean
 
 venv: $(STAMP)
 
@@ -16,14 +16,14 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_PIN)"
 	$(PY) -m pip install -q mpich
-	$(PY) -m pip install -q -e ".[dev,mpi]"
+	$(PY) -m pip install -q -e ".[dev,mpi,bench]"
 	touch $(STAMP)
 
 test: $(STAMP)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -P -m pytest -q -p no:cacheprovider
 
-demo: $(STAMP)
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -P benchmarks/comm_bandwidth.py --launch 2 --sizes-mb 1,4,16,64
+# make demo (the main job), make bench, make bench-micro
+include benchmarks/bench.mk
 
 clean:
 	rm -rf $(VENV) build *.egg-info

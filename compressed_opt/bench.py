@@ -11,27 +11,34 @@ Methods (``--methods``, comma-separated):
 * ``ddp_adamw``: ``DistributedDataParallel`` + ``torch.optim.AdamW``, gradients averaged by an
   fp32 allreduce hook equivalent to DDP's default (torch's ``allreduce_hook``);
 * ``ddp_fp16``: the same with ``fp16_compress_hook`` (``ddp_bf16``: ``bf16_compress_hook``, NCCL only);
-* ``ddp_powersgd``: the same with the PowerSGD hook (``--powersgd-rank``; PowerSGD starts after
-  the same warmup as ours, ``start_powerSGD_iter = --freeze-step``);
+* ``ddp_powersgd``: the same with torch's PowerSGD hook (``--powersgd-rank``; PowerSGD starts
+  after the same warmup as ours, ``start_powerSGD_iter = --freeze-step``). On Gloo it can abort
+  with a size mismatch or hang when its compression starts (its allreduces are launched from
+  future callbacks, in an order that can differ between ranks when several DDP buckets are in
+  flight); ``ddp_powersgd+serial`` runs one bucket's hook at a time, which keeps the order;
 * ``onebit_adam``, ``onebit_lamb``, ``zero_one_adam``: this library's optimizers on the plain model
-  (standalone mode), warmup of ``--freeze-step`` steps. ``--no-overlap`` communicates in
-  ``step()`` instead of during backward; ``--ddp-hook`` runs them under DDP with
+  (standalone mode), warmup of ``--freeze-step`` steps (1-bit LAMB at ``--lamb-lr``: LAMB's trust
+  ratio takes a larger lr than Adam). ``--no-overlap`` communicates in ``step()`` instead of
+  during backward; ``--ddp-hook`` runs them under DDP with
   :func:`compressed_opt.register_ddp_comm_hook`. A method may carry its own options:
   ``onebit_adam+ddp``, ``onebit_adam+nooverlap``, ``onebit_adam+overlap``.
 
-Every method runs in processes of its own (a hang or crash of one cannot take the others along),
-with a time limit (``--method-timeout``): a method whose ranks crash or hang is reported as
-*failed*, with the reason, never as slow. Every method starts from the same initial model (same
-seed) and sees the same batches: global batch ``--batch * world_size`` sequences of ``--seq-len``
-bytes drawn by step number, rank ``r`` takes its ``r``-th shard.
+Every method runs in processes of its own (a hang or crash of one cannot take the others along):
+a rank that completes no step for ``--stall-timeout`` seconds reports a hang and exits, and all
+ranks are killed after ``--method-timeout``; a method whose ranks crash, hang or diverge (NaN
+loss) is reported as *failed*, with the reason, never as slow. Every method starts from the same
+initial model (same seed) and sees the same batches: global batch ``--batch * world_size``
+sequences of ``--seq-len`` bytes drawn by step number, rank ``r`` takes its ``r``-th shard.
+The learning rate warms up linearly over ``--lr-warmup`` steps, then decays (cosine) to 10%.
 
 Where the ranks run:
 
 * ``--launch N`` (default 2): N local processes, Gloo (NCCL with ``--device cuda``), file store;
 * ``--link 1gbit|10gbit|RATE|none``: 2 ranks in network namespaces joined by a veth pair limited
   to that rate (``benchmarks/slowlink.py``; needs root); the wire bytes are counted on the veth;
-* under ``torchrun``: the methods run one after the other in the launched processes (no
-  isolation between methods; peak memory is then cumulative).
+* under ``torchrun`` (``torchrun --nproc-per-node N -m compressed_opt.bench``, started outside
+  the repository root, as torchrun does not pass ``-P``): the methods run one after the other in
+  the launched processes (no isolation between methods; peak memory is then cumulative).
 
 What is reported per method (JSON ``--out-dir/NAME.json``, plots ``NAME.png``, a table):
 
@@ -95,7 +102,8 @@ METHODS = {
     "zero_one_adam": "0/1 Adam",
 }
 OURS = ("onebit_adam", "onebit_lamb", "zero_one_adam")
-DEFAULT_METHODS = ("ddp_adamw", "ddp_fp16", "ddp_powersgd", "onebit_adam", "onebit_lamb", "zero_one_adam")
+DEFAULT_METHODS = ("ddp_adamw", "ddp_fp16", "ddp_powersgd", "ddp_powersgd+serial", "onebit_adam", "onebit_lamb",
+                   "zero_one_adam")
 BASELINE = "ddp_adamw"
 SKIP_FIRST = 2  # steps left out at the start of each stage (allocation, first-call costs)
 MODIFIERS = ("ddp", "overlap", "nooverlap", "serial")
@@ -561,6 +569,32 @@ class _Progress:
         os.replace(tmp, self.path)
 
 
+class _Watchdog:
+    """Ends this rank (exit code 124) when no step has completed for ``stall_s`` seconds: a hang
+    (e.g. ranks waiting in mismatched collectives) is reported as a failure, not as a slow run."""
+
+    def __init__(self, stall_s: float, rank: int):
+        self.stall_s, self.rank = stall_s, rank
+        self.last, self.what = time.monotonic(), "the start"
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+        self.thread.start()
+
+    def beat(self, what: str) -> None:
+        self.last, self.what = time.monotonic(), what
+
+    def _watch(self) -> None:
+        while not self.stop.wait(1.0):
+            if time.monotonic() - self.last > self.stall_s:
+                sys.stderr.write(f"[rank {self.rank}] watchdog: hung, no progress for {self.stall_s:g} s after "
+                                 f"{self.what} (--stall-timeout); exiting\n")
+                sys.stderr.flush()
+                os._exit(124)
+
+    def close(self) -> None:
+        self.stop.set()
+
+
 def _inject(cfg: dict, method: dict, rank: int, world: int, step: int) -> None:
     """Testing (``--inject-failure``): the last rank crashes or hangs at the given step."""
     spec = next((f for f in cfg.get("inject_failure") or () if f["method"] in (method["spec"], method["name"])), None)
@@ -595,6 +629,7 @@ def train_method(method: dict, cfg: dict, device: torch.device, progress_path: s
     rec = {k: [] for k in ("loss", "step_s", "fwd_s", "bwd_s", "opt_s", "bytes", "wire", "stage",
                            "kernels_s", "collectives_s", "wait_s")}
     steps = cfg["steps"]
+    watchdog = _Watchdog(cfg["stall_timeout"], rank)
     dist.barrier()
     for step in range(1, steps + 1):
         lr = lr_at(step, cfg) * (cfg["lamb_lr"] / cfg["lr"] if method["name"] == "onebit_lamb" else 1.0)
@@ -644,14 +679,18 @@ def train_method(method: dict, cfg: dict, device: torch.device, progress_path: s
                 rec["collectives_s"].append(_union_length(RECORDER.intervals))
             rec["wait_s"].append(0.0)  # DDP waits for its communication inside backward
         progress.update(step, loss_value, t3 - t0, stage, force=step == steps)
+        watchdog.beat(f"step {step}")
     if instr is not None:
         instr.remove()
     RECORDER.timing = False
     compute = _calibrate_compute(module, opt, data, device, extra["ddp"], steps) if breakdown else None
+    watchdog.beat("the compute calibration")
     eval_loss = _evaluate(model, data, cfg, device)
+    watchdog.beat("the evaluation")
     local = {"rec": rec, "compute_s": compute, "peak_memory_bytes": _peak_memory(device)}
     everyone = [None] * world
     dist.all_gather_object(everyone, local)
+    watchdog.close()
     if rank != 0:
         return None
     per_step = lambda key, how: [how(v) for v in zip(*(e["rec"][key] for e in everyone))]  # noqa: E731
@@ -797,7 +836,8 @@ def _reason_from_output(text: str) -> str:
     """The last exception line of a rank's output (what went wrong, in one line)."""
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     for ln in reversed(lines):
-        if any(m in ln for m in ("Error", "Exception", "error", "what():", "Killed")) and not ln.startswith("File "):
+        if any(m in ln for m in ("Error", "Exception", "error", "what():", "Killed", "watchdog")) \
+                and not ln.startswith("File "):
             return ln[:300]
     return lines[-1][:300] if lines else "(no output)"
 
@@ -1193,6 +1233,18 @@ def format_table(entries: list[dict], comparison: dict, cfg: dict) -> str:
                      f"{comparison['target_loss']:.3f} ({comparison['target_rule']})")
     if wire:
         notes.append("wire/step: bytes counted on the veth (tx_bytes: frames with TCP/IP/Ethernet headers and ACKs)")
+    base = comparison.get("baseline")
+    for e in entries:
+        s = e.get("summary")
+        if not s or e["spec"] == base or s.get("speedup_step") is None:
+            continue
+        fewer = f"{s['bytes_reduction']:.1f}x fewer bytes per step" if s.get("bytes_reduction") else "no bytes"
+        notes.append(f"{e['spec']} vs {base}: step speed {s['speedup_step']:.2f}x, whole run "
+                     f"{s['speedup_train_time']:.2f}x (warmup included), {fewer}, loss "
+                     f"{100 * s['loss_vs_baseline']:+.1f}% (held-out {100 * s['eval_loss_vs_baseline']:+.1f}%)")
+    if cfg.get("mode") == "local" and any(e.get("spec") in OURS for e in entries):
+        notes.append("local ranks talk over loopback, far faster than a network: compression pays where "
+                     "communication dominates the step (--link 1gbit, as root; make bench)")
     table = "\n".join(lines + ["# " + n for n in notes])
     if any("breakdown" in e.get("summary", {}) for e in entries):
         table += "\n\n" + format_breakdown(entries)
@@ -1331,6 +1383,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="torch threads per rank (default $OMP_NUM_THREADS or 1)")
     p.add_argument("--method-timeout", type=float, default=900.0,
                    help="seconds before a method's ranks are killed and it is reported failed (default 900)")
+    p.add_argument("--stall-timeout", type=float, default=120.0,
+                   help="a rank that completes no step for this many seconds reports a hang and exits (default 120)")
     p.add_argument("--grace", type=float, default=5.0, help="seconds the other ranks get after one fails (default 5)")
     p.add_argument("--inject-failure", metavar="METHOD:crash|hang[:STEP]", action="append",
                    help="testing: make the last rank of METHOD crash or hang at STEP (default 3); repeatable")
@@ -1406,6 +1460,7 @@ def make_config(args) -> dict:
         "device": args.device,
         "threads": args.threads,
         "method_timeout": args.method_timeout,
+        "stall_timeout": args.stall_timeout,
         "grace": args.grace,
         "inject_failure": inject,
         "mode": "link" if args.link else ("torchrun" if under_torchrun else "local"),
