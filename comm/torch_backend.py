@@ -30,14 +30,19 @@ class TorchBackend(Backend):
         super().__init__(rank=dist.get_rank(group), world_size=dist.get_world_size(group))
         self.process_group_backend = dist.get_backend(group)
 
+    def _mean_after(self, work, result, op, async_op):
+        """Gloo has no AVG: divide the sum once it has arrived."""
+        if op != "avg":
+            return work
+        scale = 1.0 / self.world_size
+        if async_op:
+            return ThenWork(work, lambda: result.mul_(scale))
+        result.mul_(scale)
+        return work
+
     def _all_reduce(self, tensor, op, async_op):
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
-        if op == "avg":
-            scale = 1.0 / self.world_size
-            if async_op:
-                return ThenWork(work, lambda: tensor.mul_(scale))
-            tensor.mul_(scale)
-        return work
+        return self._mean_after(work, tensor, op, async_op)
 
     def _all_gather(self, output, input, async_op) -> Work | None:
         return _all_gather_single(output, input, group=self.group, async_op=async_op)
@@ -47,12 +52,7 @@ class TorchBackend(Backend):
 
     def _reduce_scatter(self, output, input, op, async_op) -> Work | None:
         work = _reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
-        if op == "avg":
-            scale = 1.0 / self.world_size
-            if async_op:
-                return ThenWork(work, lambda: output.mul_(scale))
-            output.mul_(scale)
-        return work
+        return self._mean_after(work, output, op, async_op)
 
     def _broadcast(self, tensor, src, async_op) -> Work | None:
         global_src = dist.get_global_rank(self.group, src) if self.group is not None else src
