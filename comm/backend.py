@@ -132,7 +132,7 @@ class Backend(abc.ABC):
         if op not in ("sum", "avg"):
             raise ValueError(f"op must be 'sum' or 'avg', got {op!r}")
         n = self.world_size
-        self.stats.record("all_reduce", 2 * (n - 1) / n * nbytes(tensor))
+        self.stats.record("all_reduce", 2 * (n - 1) / n * self._reduction_bytes(tensor))
         return self._finish(self._all_reduce(tensor, op, async_op), async_op)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Work:
@@ -174,7 +174,7 @@ class Backend(abc.ABC):
                 f"got {output.numel()} {output.dtype} for {input.numel()} {input.dtype} on {self.world_size} ranks"
             )
         n = self.world_size
-        self.stats.record("reduce_scatter", (n - 1) / n * nbytes(input))
+        self.stats.record("reduce_scatter", (n - 1) / n * self._reduction_bytes(input))
         return self._finish(self._reduce_scatter(output, input, op, async_op), async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> Work:
@@ -188,6 +188,11 @@ class Backend(abc.ABC):
 
     def barrier(self) -> None:
         self._barrier()
+
+    def _reduction_bytes(self, t: torch.Tensor) -> int:
+        """Bytes a reduction of ``t`` puts on the wire (a backend that reduces a dtype in a wider
+        one, like MPI's bf16 in fp32, says so here)."""
+        return nbytes(t)
 
     @staticmethod
     def _finish(work: Work | None, async_op: bool) -> Work:

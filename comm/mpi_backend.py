@@ -233,6 +233,10 @@ class MPIBackend(Backend):
 
         return MPIWork(request, then, (tensor, buf, data))
 
+    def _reduction_bytes(self, t):
+        # MPI has no bf16/fp16 sum: they are reduced (and sent) as fp32
+        return t.numel() * 4 if t.dtype in (torch.bfloat16, torch.float16) else t.numel() * t.element_size()
+
     def _reduce_scatter(self, output, input, op, async_op):
         MPI = self._mpi
         if input.dtype not in self._reduce_types or not input.dtype.is_floating_point:
