@@ -4,7 +4,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from compressed_opt import OnebitAdam, OnebitLamb, register_ddp_comm_hook
+from compressed_opt import OnebitAdam, OnebitLamb, ZeroOneAdam, register_ddp_comm_hook
 from distributed import run_ranks
 from optim_tasks import full_loss, mlp, shard_batches
 
@@ -15,8 +15,12 @@ def _ddp_run(rank, world, optimizer_name, steps, freeze, batches="gaussian", lr=
     model = mlp()
     ddp = DDP(model)
     kwargs = dict(HP) if lr is None else dict(lr=lr)
-    cls = {"adam": OnebitAdam, "lamb": OnebitLamb}[optimizer_name]
-    opt = cls(ddp.parameters(), freeze_step=freeze, **kwargs)
+    if optimizer_name == "zero_one":
+        opt = ZeroOneAdam(ddp.parameters(), var_freeze_step=freeze, var_update_scaler=1, local_step_clipper=2,
+                          local_step_scaler=2, **kwargs)
+    else:
+        cls = {"adam": OnebitAdam, "lamb": OnebitLamb}[optimizer_name]
+        opt = cls(ddp.parameters(), freeze_step=freeze, **kwargs)
     register_ddp_comm_hook(ddp, opt)
     data = gaussian_batches(rank, world, steps) if batches == "gaussian" else shard_batches(rank, world, steps)
     snaps = []
@@ -66,3 +70,16 @@ def test_lamb_under_ddp_exchanges_in_step():
     for s in range(6):
         assert all(torch.equal(a, b) for a, b in zip(results[0][0][s], results[1][0][s]))
     assert results[0][1]["calls"]["all_reduce"] == 3 and results[0][1]["calls"]["all_to_all"] == 3
+
+
+@pytest.mark.multiprocess
+def test_zero_one_adam_under_ddp_hook():
+    steps = 12
+    results = run_ranks(_ddp_run, 2, "zero_one", steps, 6)
+    snaps, stats, _ = results[0]
+    # phase A (steps 1-6): variance refreshes at steps 1, 2, 4 average at full precision through
+    # DDP's hook; the other steps and the phase-B syncs go 1-bit; local steps send nothing
+    assert stats["calls"]["all_reduce"] == 3
+    assert stats["calls"]["all_to_all"] >= 3 + 2
+    for s in (0, 1, 3, 5, steps - 1):  # identical after refreshes, 1-bit steps and the last sync
+        assert all(torch.equal(a, b) for a, b in zip(results[0][0][s], results[1][0][s])), s
