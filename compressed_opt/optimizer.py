@@ -235,7 +235,7 @@ class CompressedOptimizer(Optimizer):
         return self._launcher.suspended()
 
     #: bucket buffers that are workspace, not state (not saved, not counted in state_bytes)
-    scratch_names = frozenset({"grad", "grad_padded", "grad_shard", "update_shard"})
+    scratch_names = frozenset({"grad", "grad_padded", "grad_shard", "update_shard", "no_variance"})
 
     def _grad_buffer(self, bucket: Bucket) -> torch.Tensor:
         """The bucket's flat fp32 gradient workspace."""

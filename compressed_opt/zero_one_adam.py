@@ -87,11 +87,15 @@ def _variance_(v: torch.Tensor, grad: torch.Tensor, beta2: float) -> None:
     v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
 
 
-def _no_variance_no_move_(t: torch.Tensor, v: torch.Tensor) -> None:
+def _no_variance_no_move_(t: torch.Tensor, bucket, v: torch.Tensor, refreshed: bool) -> None:
     """``t = 0`` where ``v == 0``: a coordinate that never had a gradient on a refresh step is
     not moved. 1-bit compression gives it ``+-scale`` like every coordinate, and divided by
-    ``eps`` that would blow it up (see OnebitAdam's frozen denominator)."""
-    t.masked_fill_(v == 0, 0.0)
+    ``eps`` that would blow it up (see OnebitAdam's frozen denominator). The mask changes only
+    when ``v`` does (refresh steps), so it is kept per bucket between them."""
+    mask = bucket.flats.get("no_variance")
+    if mask is None or refreshed:
+        mask = bucket.flats["no_variance"] = torch.eq(v, 0, out=mask) if mask is not None else v == 0
+    t.masked_fill_(mask, 0.0)
 
 
 def _denominator(v: torch.Tensor, out: torch.Tensor, eps: float, bc2: float = 1.0) -> torch.Tensor:
@@ -217,7 +221,7 @@ class ZeroOneAdam(CompressedOptimizer):
         _momentum_(m, grad, beta1)
         if refresh:
             _variance_(v, grad, beta2)
-        _no_variance_no_move_(m, v)
+        _no_variance_no_move_(m, bucket, v, refresh)
         bc1 = bc2 = 1.0
         if group["bias_correction"]:
             refreshes = self.var_refreshes + (1 if refresh else 0)
@@ -234,7 +238,7 @@ class ZeroOneAdam(CompressedOptimizer):
         beta1 = group["betas"][0]
         lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]
         _momentum_(m, grad, beta1)
-        _no_variance_no_move_(m, v)
+        _no_variance_no_move_(m, bucket, v, False)
         denom = _denominator(v, grad, eps)  # frozen v_hat; the gradient buffer is free
         acc.addcdiv_(m, denom, value=lr)  # acc += lr * m / (sqrt(v) + eps)
         if not self._syncs_now():
@@ -251,7 +255,7 @@ class ZeroOneAdam(CompressedOptimizer):
             acc.mul_(denom)
             worker_error, server_error = self.error_buffers(bucket)
             compressed_allreduce(acc, worker_error, server_error, self.backend)
-            _no_variance_no_move_(acc, v)
+            _no_variance_no_move_(acc, bucket, v, False)
             torch.div(acc, lr_sum, out=m)
             acc.div_(denom)
             if decay != 1.0:
