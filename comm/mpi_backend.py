@@ -256,25 +256,22 @@ class MPIBackend(Backend):
 
         return MPIWork(request, then, (input, output, sdata, rdata))
 
-    def _all_gather(self, output, input, async_op):
+    def _byte_exchange(self, output, input, collective):
+        """A collective that moves raw bytes (all-gather, all-to-all): any dtype, staged or not."""
         MPI = self._mpi
         send, send_at = self._staged(input, input.dtype, copy_in=True)
         recv, recv_at = self._staged(output, output.dtype, copy_in=False)
         self._sync_device(send, recv)
         sdata, rdata = _byte_buffer(send), _byte_buffer(recv)
-        request = self.comm.Iallgather([sdata, MPI.BYTE], [rdata, MPI.BYTE])
+        request = collective([sdata, MPI.BYTE], [rdata, MPI.BYTE])
         return MPIWork(request, self._copy_back(output, recv, recv_at, send, send_at),
-                            (input, output, sdata, rdata))
+                       (input, output, sdata, rdata))
+
+    def _all_gather(self, output, input, async_op):
+        return self._byte_exchange(output, input, self.comm.Iallgather)
 
     def _all_to_all(self, output, input, async_op):
-        MPI = self._mpi
-        send, send_at = self._staged(input, input.dtype, copy_in=True)
-        recv, recv_at = self._staged(output, output.dtype, copy_in=False)
-        self._sync_device(send, recv)
-        sdata, rdata = _byte_buffer(send), _byte_buffer(recv)
-        request = self.comm.Ialltoall([sdata, MPI.BYTE], [rdata, MPI.BYTE])
-        return MPIWork(request, self._copy_back(output, recv, recv_at, send, send_at),
-                            (input, output, sdata, rdata))
+        return self._byte_exchange(output, input, self.comm.Ialltoall)
 
     def _broadcast(self, tensor, src, async_op):
         buf, where = self._staged(tensor, tensor.dtype, copy_in=self.rank == src)

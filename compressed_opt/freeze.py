@@ -58,3 +58,12 @@ def resolve_rule(name: str, value):
     if value == "auto":
         return VarianceStabilityRule()
     return None
+
+
+def restore_rule(rule: VarianceStabilityRule | None, state: dict | None) -> VarianceStabilityRule | None:
+    """The rule a checkpoint describes (``state`` from ``state_dict()``), reusing ``rule``."""
+    if state is None:
+        return rule
+    rule = rule if rule is not None else VarianceStabilityRule()
+    rule.load_state_dict(state)
+    return rule

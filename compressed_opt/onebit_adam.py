@@ -27,7 +27,7 @@ import torch
 from compressed_opt.comm import compressed_allreduce
 
 from . import zero
-from .freeze import VarianceStabilityRule, resolve_rule
+from .freeze import VarianceStabilityRule, resolve_rule, restore_rule
 from .optimizer import CompressedOptimizer, bias_corrections
 from .validation import check_adam_group, check_step_count
 
@@ -113,10 +113,7 @@ class _FreezingAdam(CompressedOptimizer):
     def _load_extra_state(self, extra):
         self.frozen = bool(extra["frozen"])
         self.freeze_step = extra["freeze_step"]
-        if extra.get("freeze_rule") is not None:
-            if self.freeze_rule is None:
-                self.freeze_rule = VarianceStabilityRule()
-            self.freeze_rule.load_state_dict(extra["freeze_rule"])
+        self.freeze_rule = restore_rule(self.freeze_rule, extra.get("freeze_rule"))
 
     def _extra_signature(self):
         rule = None if self.freeze_rule is None else self.freeze_rule.state_dict()

@@ -65,7 +65,7 @@ import torch
 
 from compressed_opt.comm import compressed_allreduce
 
-from .freeze import VarianceStabilityRule, resolve_rule
+from .freeze import VarianceStabilityRule, resolve_rule, restore_rule
 from .optimizer import CompressedOptimizer
 from .validation import check_adam_group, check_step_count
 
@@ -373,10 +373,7 @@ class ZeroOneAdam(CompressedOptimizer):
     def _load_extra_state(self, extra):
         self.frozen = bool(extra["frozen"])
         self.var_freeze_step = extra["var_freeze_step"]
-        if extra.get("freeze_rule") is not None:
-            if self.freeze_rule is None:
-                self.freeze_rule = VarianceStabilityRule()
-            self.freeze_rule.load_state_dict(extra["freeze_rule"])
+        self.freeze_rule = restore_rule(self.freeze_rule, extra.get("freeze_rule"))
         for name in ("var_interval", "var_counter", "var_refreshes", "local_step_interval",
                      "local_step_counter", "steps_since_sync"):
             setattr(self, name, int(extra[name]))
