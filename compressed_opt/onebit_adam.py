@@ -39,9 +39,23 @@ class _FreezingAdam(CompressedOptimizer):
 
     bucket_state_names = ("exp_avg", "exp_avg_sq")
 
-    def __init__(self, params, defaults, freeze_step, backend, bucket_cap_mb, overlap=True, accumulation_steps=1):
+    #: ZeRO: whether the compression stage needs this rank's chunk of the previous momentum
+    _keeps_previous_momentum = False
+    #: ZeRO: bucket buffers a checkpoint must hold (the rank's shards, and what was gathered)
+    _zero_saved_buffers = ("exp_avg_shard", "exp_avg_sq_shard", "exp_avg", "frozen_denominator",
+                           "momentum_rows", "master_shard")
+
+    def __init__(self, params, defaults, freeze_step, backend, bucket_cap_mb, overlap=True, accumulation_steps=1,
+                 zero_stage=0, master_resync_interval=100):
         freeze_step = check_step_count("freeze_step", freeze_step, allow_auto=True, minimum=1) \
             if not isinstance(freeze_step, VarianceStabilityRule) else freeze_step
+        if zero_stage not in (0, 1, 2) or isinstance(zero_stage, bool):
+            raise ValueError(f"Invalid zero_stage: {zero_stage!r} (must be 0, 1 or 2)")
+        self.zero_stage = zero_stage
+        self.master_resync_interval = check_step_count("master_resync_interval", master_resync_interval, minimum=1)
+        if zero_stage:
+            self.bucket_state_names = ()  # sharded: no per-parameter views of whole buffers
+            self.saved_bucket_buffers = self._zero_saved_buffers
         self.freeze_rule = resolve_rule("freeze_step", freeze_step)
         self.freeze_step = None if self.freeze_rule is not None else freeze_step
         self.frozen = False
@@ -73,7 +87,7 @@ class _FreezingAdam(CompressedOptimizer):
         for b in self._buckets:
             group = self.param_groups[b.group_index]
             _, bc2 = bias_corrections(*group["betas"], step, group.get("bias_correction", True))
-            if getattr(self, "zero_stage", 0):  # rank 0 decides from its own chunk
+            if self.zero_stage:  # rank 0 decides from its own chunk
                 v = b.flats.get("exp_avg_sq_shard")
                 v = v if v is not None else torch.zeros(0)
             else:
@@ -89,6 +103,9 @@ class _FreezingAdam(CompressedOptimizer):
         self.frozen = True
         self.freeze_step = step
         self.reset_error_buffers()
+        if self.zero_stage:
+            for b in self._buckets:
+                zero.freeze(self, b)
         logger.info("%s: variance frozen at the end of step %d; compression starts", type(self).__name__, step)
 
     def frozen_denominator(self, bucket) -> torch.Tensor:
@@ -103,17 +120,47 @@ class _FreezingAdam(CompressedOptimizer):
             bucket.flats["frozen_denominator"] = denom
         return denom
 
+    # --- ZeRO: the hooks of the base class, sharded (compressed_opt.zero) ---------------------
+    def _grad_buffer(self, bucket):
+        return zero.grad_buffer(self, bucket) if self.zero_stage else super()._grad_buffer(bucket)
+
+    def _gather(self, bucket, grad, step):
+        if self.zero_stage and self.frozen:  # the local momentum is formed from p.grad directly
+            beta1 = self.param_groups[bucket.group_index]["betas"][0]
+            zero.local_momentum(self, bucket, grad, beta1, keep_previous=self._keeps_previous_momentum)
+        else:
+            super()._gather(bucket, grad, step)
+
+    def _average(self, bucket, grad):
+        zero.average(self, bucket, grad) if self.zero_stage else super()._average(bucket, grad)
+
+    def _load_extra_state(self, extra):
+        if self.zero_stage and (extra["world_size"] != self.backend.world_size or extra["rank"] != self.backend.rank):
+            raise ValueError(
+                f"this ZeRO checkpoint holds the shards of rank {extra['rank']} of {extra['world_size']}; "
+                f"it cannot be loaded on rank {self.backend.rank} of {self.backend.world_size}. Resume with "
+                "the same world size, each rank loading its own file (or train with zero_stage=0 to move "
+                "between world sizes)"
+            )
+        self.frozen = bool(extra["frozen"])
+        self.freeze_step = extra["freeze_step"]
+        self.freeze_rule = restore_rule(self.freeze_rule, extra.get("freeze_rule"))
+
+    def _check_rebuild(self):
+        if self.zero_stage and self.global_step > 0:
+            raise RuntimeError(
+                f"{type(self).__name__} with zero_stage={self.zero_stage}: the trainable parameters changed "
+                "after the first step (add_param_group or requires_grad changed); the sharded state is laid "
+                "out by the buckets and cannot follow. Set up every parameter before the first step, or "
+                "use zero_stage=0"
+            )
+
     def _extra_state(self):
         return {
             "frozen": self.frozen,
             "freeze_step": self.freeze_step,
             "freeze_rule": None if self.freeze_rule is None else self.freeze_rule.state_dict(),
         }
-
-    def _load_extra_state(self, extra):
-        self.frozen = bool(extra["frozen"])
-        self.freeze_step = extra["freeze_step"]
-        self.freeze_rule = restore_rule(self.freeze_rule, extra.get("freeze_rule"))
 
     def _extra_signature(self):
         rule = None if self.freeze_rule is None else self.freeze_rule.state_dict()
@@ -149,46 +196,10 @@ class OnebitAdam(_FreezingAdam):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, freeze_step=100000,
                  *, bias_correction=True, backend=None, bucket_cap_mb=25.0, overlap=True, accumulation_steps=1,
                  zero_stage=0, master_resync_interval=100):
-        if zero_stage not in (0, 1, 2) or isinstance(zero_stage, bool):
-            raise ValueError(f"Invalid zero_stage: {zero_stage!r} (must be 0, 1 or 2)")
-        self.zero_stage = zero_stage
-        self.master_resync_interval = check_step_count("master_resync_interval", master_resync_interval, minimum=1)
         self._ddp_scratch: dict[str, torch.Tensor] = {}
-        if zero_stage:
-            self.bucket_state_names = ()  # sharded: no per-parameter views of whole buffers
-            self.saved_bucket_buffers = ("exp_avg_shard", "exp_avg_sq_shard", "exp_avg", "frozen_denominator",
-                                         "momentum_rows", "master_shard")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bool(bias_correction))
-        super().__init__(params, defaults, freeze_step, backend, bucket_cap_mb, overlap, accumulation_steps)
-
-    # --- ZeRO: the hooks of the base class, sharded (compressed_opt.zero) ---------------------
-    def _grad_buffer(self, bucket):
-        return zero.grad_buffer(self, bucket) if self.zero_stage else super()._grad_buffer(bucket)
-
-    def _gather(self, bucket, grad, step):
-        if self.zero_stage and self.frozen:  # the local momentum is formed from p.grad directly
-            zero.local_momentum(self, bucket, grad, self.param_groups[bucket.group_index]["betas"][0])
-        else:
-            super()._gather(bucket, grad, step)
-
-    def _average(self, bucket, grad):
-        zero.average(self, bucket, grad) if self.zero_stage else super()._average(bucket, grad)
-
-    def _freeze(self, step):
-        super()._freeze(step)
-        if self.zero_stage:
-            for b in self._buckets:
-                zero.freeze(self, b)
-
-    def _load_extra_state(self, extra):
-        if self.zero_stage and (extra["world_size"] != self.backend.world_size or extra["rank"] != self.backend.rank):
-            raise ValueError(
-                f"this ZeRO checkpoint holds the shards of rank {extra['rank']} of {extra['world_size']}; "
-                f"it cannot be loaded on rank {self.backend.rank} of {self.backend.world_size}. Resume with "
-                "the same world size, each rank loading its own file (or train with zero_stage=0 to move "
-                "between world sizes)"
-            )
-        super()._load_extra_state(extra)
+        super().__init__(params, defaults, freeze_step, backend, bucket_cap_mb, overlap, accumulation_steps,
+                         zero_stage, master_resync_interval)
 
     def _bucket_communicate(self, bucket, group, grad, step):
         """Compression stage: local momentum ``m_i = b1 m + (1 - b1) g_i``, then its compressed
@@ -262,4 +273,4 @@ class OnebitAdam(_FreezingAdam):
             torch._foreach_mul_(bucket.params, 1 - lr * wd)
         torch._foreach_add_(bucket.params, bucket.views(direction), alpha=-lr / bc1)
         if self.zero_stage and not averaged:
-            zero.compression_update(self, bucket, group, direction, step, -lr / bc1)
+            zero.compression_update(self, bucket, step, 1 - lr * wd, direction, alpha=-lr / bc1)

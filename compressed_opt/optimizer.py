@@ -35,6 +35,7 @@ from torch.optim import Optimizer
 
 from compressed_opt.comm import Backend, get_backend
 
+from . import zero
 from .buckets import Bucket, build_buckets
 from .overlap import BucketLauncher
 from .validation import check_nonneg_float, check_step_count
@@ -80,6 +81,8 @@ class CompressedOptimizer(Optimizer):
 
     # --- parameters and buckets ---------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
+        if self._buckets is not None:
+            self._check_rebuild()
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
@@ -109,7 +112,9 @@ class CompressedOptimizer(Optimizer):
         if self._buckets is not None and key == self._layout_key:
             return
         rebuilt = self._buckets is not None
-        if rebuilt:  # what backward launched belongs to the old layout: let it land, then drop it
+        if rebuilt:
+            self._check_rebuild()
+            # what backward launched belongs to the old layout: let it land, then drop it
             self._launcher.wait()
             self._launcher.reset()
         self._buckets = build_buckets(self.param_groups, self.bucket_cap_bytes)
@@ -133,6 +138,9 @@ class CompressedOptimizer(Optimizer):
                 RuntimeWarning,
                 stacklevel=3,
             )
+
+    def _check_rebuild(self) -> None:
+        """Raise if this optimizer cannot carry its state over to new buckets."""
 
     def error_buffers(self, bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor]:
         """The bucket's (worker_error, server_error), zero on first use."""
@@ -235,7 +243,7 @@ class CompressedOptimizer(Optimizer):
         return self._launcher.suspended()
 
     #: bucket buffers that are workspace, not state (not saved, not counted in state_bytes)
-    scratch_names = frozenset({"grad", "grad_padded", "grad_shard", "update_shard", "no_variance"})
+    scratch_names = frozenset({"grad", "no_variance"}) | zero.SCRATCH
 
     def _grad_buffer(self, bucket: Bucket) -> torch.Tensor:
         """The bucket's flat fp32 gradient workspace."""

@@ -1,4 +1,5 @@
-"""ZeRO-style sharding of 1-bit Adam's state by the compressed allreduce's server chunks.
+"""ZeRO-style sharding of the frozen-variance optimizers' state (:class:`OnebitAdam`,
+:class:`OnebitLamb`) by the compressed allreduce's server chunks.
 
 Rank ``j`` owns chunk ``j`` of every bucket (elements ``[j c, (j+1) c)``, ``c`` the server chunk
 of :func:`compressed_opt.comm.chunk_numel`), the same elements whose server error it holds.
@@ -9,7 +10,9 @@ Warmup (full precision):
   only the average of its own chunk;
 * rank ``j`` keeps only ``m_j`` and ``v_j`` (chunk ``j`` of the momentum and the variance),
   computes the new parameter values of its chunk, and one all-gather of the chunks gives every
-  rank the new parameters (in place of the fp32 gradient all-reduce's second half).
+  rank the new parameters (in place of the fp32 gradient all-reduce's second half). Per-layer
+  quantities over a chunk (LAMB's norms) are reduced across the ranks from one all-gather of a
+  few floats per layer, summed in rank order, so every rank gets the same bits.
 
 At the freeze the chunks of ``m`` and ``v`` are all-gathered once: every rank then holds the frozen
 denominator ``sqrt(v_f) + eps`` of the whole bucket (the compression-stage update needs it for
@@ -19,7 +22,9 @@ Compression stage: the averaged momentum is identical on every rank and is exact
 exchange's second all-gather carried: ``N`` rows of ``[scale | sign bits]``, ``n/8 + 4N`` bytes.
 Each rank keeps those rows instead of an fp32 momentum (32x less) and expands them when it forms
 its next local momentum; every rank applies the same update to its replica of the parameters, so
-the parameters stay identical without any full-precision traffic.
+the parameters stay identical without any full-precision traffic. (1-bit LAMB's fresh variance is
+sharded too: rank ``j`` updates chunk ``j`` from the reconstructed gradient, and the per-layer
+maximum its factor needs is one all-gather of a float per layer.)
 
 Parameters in bf16/fp16 get an fp32 master chunk on their owner (``master_shard``): warmup
 updates it and gathers it into the parameters; in the compression stage every rank updates its
@@ -27,10 +32,16 @@ low-precision parameters as without ZeRO, the owner also its exact fp32 chunk, a
 ``master_resync_interval`` steps one all-gather of the master chunks replaces the parameters,
 bounding the drift of their rounding (an fp32 all-gather: ``4n (N-1)/N`` bytes per rank then).
 
-Per-rank state, fp32 parameters, ``n`` elements, ``N`` ranks (bytes): stage 0 warmup ``8n``
-(``m``, ``v``); ZeRO warmup ``8n/N``; stage 0 compression ``16n + 4n/N`` (``m``, ``v``, the
-frozen denominator, the worker error, the server error); ZeRO compression ``8n + 4n/N + n/8``
-(denominator, worker error, server error, the momentum rows).
+Per-rank state of 1-bit Adam, fp32 parameters, ``n`` elements, ``N`` ranks (bytes): stage 0
+warmup ``8n`` (``m``, ``v``); ZeRO warmup ``8n/N``; stage 0 compression ``16n + 4n/N`` (``m``,
+``v``, the frozen denominator, the worker error, the server error); ZeRO compression
+``8n + 4n/N + n/8`` (denominator, worker error, server error, the momentum rows). 1-bit LAMB adds
+its fresh variance: ``4n`` more in stage 0, ``4n/N`` with ZeRO.
+
+0/1 Adam is not sharded: its phase-B state is per rank by the algorithm (each rank's local
+momentum and accumulated update, over every element it steps locally) or needed whole on every
+rank (the frozen denominator, the parameters at the last synchronisation), so sharding it would
+cost a full-precision parameter all-gather at every synchronisation.
 """
 from __future__ import annotations
 
@@ -40,6 +51,9 @@ from compressed_opt.comm import chunk_numel, compressed_allreduce, expand_result
 
 from .buckets import Bucket
 
+#: bucket buffers of ZeRO that are workspace (not saved, not counted as state)
+SCRATCH = frozenset({"grad_padded", "grad_shard", "update_shard", "momentum_prev_shard", "layer_ids"})
+
 
 def shard_range(bucket: Bucket, world: int, rank: int) -> tuple[int, int, int]:
     """``(lo, hi, chunk)``: this rank's elements ``[lo, hi)`` of the bucket, and the chunk size."""
@@ -48,7 +62,12 @@ def shard_range(bucket: Bucket, world: int, rank: int) -> tuple[int, int, int]:
     return lo, min(lo + c, bucket.numel), c
 
 
-def _buffer(bucket: Bucket, name: str, numel: int, dtype=torch.float32) -> torch.Tensor:
+def own_range(opt, bucket: Bucket) -> tuple[int, int, int]:
+    return shard_range(bucket, opt.backend.world_size, opt.backend.rank)
+
+
+def shard(bucket: Bucket, name: str, numel: int, dtype=torch.float32) -> torch.Tensor:
+    """The bucket's buffer ``name`` of ``numel`` elements (zeros when new or resized)."""
     buf = bucket.flats.get(name)
     if buf is None or buf.numel() != numel:
         buf = bucket.flats[name] = torch.zeros(numel, dtype=dtype, device=bucket.device)
@@ -58,7 +77,7 @@ def _buffer(bucket: Bucket, name: str, numel: int, dtype=torch.float32) -> torch
 def grad_buffer(opt, bucket: Bucket) -> torch.Tensor:
     """The gradient workspace, padded to ``N c`` elements so it splits into equal chunks."""
     world = opt.backend.world_size
-    return _buffer(bucket, "grad_padded", world * chunk_numel(bucket.numel, world))[: bucket.numel]
+    return shard(bucket, "grad_padded", world * chunk_numel(bucket.numel, world))[: bucket.numel]
 
 
 def average(opt, bucket: Bucket, grad: torch.Tensor) -> None:
@@ -68,41 +87,68 @@ def average(opt, bucket: Bucket, grad: torch.Tensor) -> None:
         return
     world = opt.backend.world_size
     c = chunk_numel(bucket.numel, world)
-    opt.backend.reduce_scatter(_buffer(bucket, "grad_shard", c), bucket.flats["grad_padded"], op="avg")
+    opt.backend.reduce_scatter(shard(bucket, "grad_shard", c), bucket.flats["grad_padded"], op="avg")
+
+
+def own_grad(opt, bucket: Bucket, grad: torch.Tensor) -> torch.Tensor:
+    """This rank's chunk of the averaged gradient (after :func:`average`)."""
+    lo, hi, _ = own_range(opt, bucket)
+    return grad[lo:hi] if opt.zero_stage == 1 else bucket.flats["grad_shard"][: hi - lo]
+
+
+def moments(opt, bucket: Bucket, g: torch.Tensor, beta1: float, beta2: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``m_j = b1 m_j + (1 - b1) g_j``, ``v_j = b2 v_j + (1 - b2) g_j^2`` on this rank's chunk."""
+    lo, hi, c = own_range(opt, bucket)
+    m = shard(bucket, "exp_avg_shard", c)[: hi - lo]
+    v = shard(bucket, "exp_avg_sq_shard", c)[: hi - lo]
+    m.lerp_(g, 1 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    return m, v
+
+
+def own_values(opt, bucket: Bucket) -> torch.Tensor:
+    """This rank's chunk of the parameters in fp32, to update in place and then
+    :func:`publish`: the master chunk of a bf16/fp16 bucket (the truth), else the current
+    values copied out of the parameters (this overwrites the padded gradient workspace)."""
+    lo, hi, _ = own_range(opt, bucket)
+    master = master_shard(opt, bucket)
+    if master is not None:
+        return master[: hi - lo]
+    padded = bucket.flats["grad_padded"]
+    torch._foreach_copy_(bucket.views(padded[: bucket.numel]), bucket.params)
+    return padded[lo:hi]
+
+
+def publish(opt, bucket: Bucket, values: torch.Tensor) -> None:
+    """One all-gather of every rank's :func:`own_values` into the parameters."""
+    padded = bucket.flats["grad_padded"]
+    master = bucket.flats.get("master_shard")
+    if master is None:
+        lo, hi, c = own_range(opt, bucket)
+        out = shard(bucket, "update_shard", c)
+        out[: hi - lo].copy_(values)
+        out[hi - lo :].zero_()
+    else:
+        out = master  # zero beyond the chunk's end
+    opt.backend.all_gather(padded, out)
+    torch._foreach_copy_(bucket.params, bucket.views(padded[: bucket.numel]))
 
 
 def warmup_update(opt, bucket: Bucket, group: dict, grad: torch.Tensor, step: int) -> None:
     """AdamW on this rank's chunk; one all-gather brings every rank the new parameters."""
     from .optimizer import bias_corrections
 
-    world, rank = opt.backend.world_size, opt.backend.rank
-    lo, hi, c = shard_range(bucket, world, rank)
-    k = hi - lo
+    lo, hi, c = own_range(opt, bucket)
     beta1, beta2 = group["betas"]
     lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
     bc1, bc2_sqrt = bias_corrections(beta1, beta2, step, group["bias_correction"])
-    g = grad[lo:hi] if opt.zero_stage == 1 else bucket.flats["grad_shard"][:k]
-    m = _buffer(bucket, "exp_avg_shard", c)[:k]
-    v = _buffer(bucket, "exp_avg_sq_shard", c)[:k]
-    update = _buffer(bucket, "update_shard", c)
-    m.lerp_(g, 1 - beta1)
-    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    direction = update[:k]
+    m, v = moments(opt, bucket, own_grad(opt, bucket, grad), beta1, beta2)
+    direction = shard(bucket, "update_shard", c)[: hi - lo]
     torch.sqrt(v, out=direction).div_(bc2_sqrt).add_(eps)
     torch.div(m, direction, out=direction)
-    padded = bucket.flats["grad_padded"]
-    master = master_shard(opt, bucket)
-    if master is not None:  # low-precision parameters: the fp32 master chunk is the truth
-        master[:k].mul_(1 - lr * wd).add_(direction, alpha=-lr / bc1)
-        update.copy_(master)
-    else:  # fp32 parameters are their own master: this rank's chunk of their current values
-        torch._foreach_copy_(bucket.views(padded[: bucket.numel]), bucket.params)
-        chunk = padded[lo:hi]
-        chunk.mul_(1 - lr * wd).add_(direction, alpha=-lr / bc1)
-        update[:k].copy_(chunk)
-        update[k:].zero_()
-    opt.backend.all_gather(padded, update)
-    torch._foreach_copy_(bucket.params, bucket.views(padded[: bucket.numel]))
+    values = own_values(opt, bucket)
+    values.mul_(1 - lr * wd).add_(direction, alpha=-lr / bc1)
+    publish(opt, bucket, values)
 
 
 def master_shard(opt, bucket: Bucket) -> torch.Tensor | None:
@@ -112,27 +158,27 @@ def master_shard(opt, bucket: Bucket) -> torch.Tensor | None:
         return None
     master = bucket.flats.get("master_shard")
     if master is None:
-        world, rank = opt.backend.world_size, opt.backend.rank
-        lo, hi, c = shard_range(bucket, world, rank)
-        padded = _buffer(bucket, "grad_padded", world * c)
+        world = opt.backend.world_size
+        lo, hi, c = own_range(opt, bucket)
+        padded = shard(bucket, "grad_padded", world * c)
         torch._foreach_copy_(bucket.views(padded[: bucket.numel]), bucket.params)
         master = bucket.flats["master_shard"] = torch.zeros(c, device=bucket.device)
         master[: hi - lo].copy_(padded[lo:hi])
     return master
 
 
-def compression_update(opt, bucket: Bucket, group: dict, direction: torch.Tensor, step: int, scale: float) -> None:
-    """Compression stage, low-precision parameters: every rank applies the update to its
-    parameters (as without ZeRO) and, exactly, to its fp32 master chunk; every
-    ``master_resync_interval`` steps one all-gather of the master chunks replaces the
-    parameters, bounding what their rounding drifted."""
+def compression_update(opt, bucket: Bucket, step: int, decay, delta: torch.Tensor, alpha: float = 1.0) -> None:
+    """Compression stage, low-precision parameters: every rank applied the update to its
+    parameters (as without ZeRO); the owner applies it exactly to its fp32 master chunk,
+    ``master <- master * decay + alpha * delta`` (``decay`` a float or one per element of the
+    chunk, ``delta`` the whole bucket's update), and every ``master_resync_interval`` steps one
+    all-gather of the master chunks replaces the parameters, bounding what their rounding
+    drifted."""
     master = master_shard(opt, bucket)
     if master is None:
         return
-    world, rank = opt.backend.world_size, opt.backend.rank
-    lo, hi, c = shard_range(bucket, world, rank)
-    wd = group["weight_decay"]
-    master[: hi - lo].mul_(1 - group["lr"] * wd).add_(direction[lo:hi], alpha=scale)
+    lo, hi, _ = own_range(opt, bucket)
+    master[: hi - lo].mul_(decay).add_(delta[lo:hi], alpha=alpha)
     if step % opt.master_resync_interval == 0:
         padded = bucket.flats["grad_padded"]
         opt.backend.all_gather(padded, master)
@@ -146,11 +192,11 @@ def freeze(opt, bucket: Bucket) -> None:
 
     world = opt.backend.world_size
     c = chunk_numel(bucket.numel, world)
-    padded = _buffer(bucket, "grad_padded", world * c)
+    padded = shard(bucket, "grad_padded", world * c)
     n = bucket.numel
-    opt.backend.all_gather(padded, _buffer(bucket, "exp_avg_shard", c))
+    opt.backend.all_gather(padded, shard(bucket, "exp_avg_shard", c))
     bucket.flats["exp_avg"] = padded[:n].clone()
-    opt.backend.all_gather(padded, _buffer(bucket, "exp_avg_sq_shard", c))
+    opt.backend.all_gather(padded, shard(bucket, "exp_avg_sq_shard", c))
     group = opt.param_groups[bucket.group_index]
     _, bc2_sqrt = bias_corrections(*group["betas"], opt.freeze_step, group["bias_correction"])
     v = padded[:n]
@@ -160,13 +206,17 @@ def freeze(opt, bucket: Bucket) -> None:
     del bucket.flats["exp_avg_shard"], bucket.flats["exp_avg_sq_shard"]
 
 
-def local_momentum(opt, bucket: Bucket, x: torch.Tensor, beta1: float) -> None:
+def local_momentum(opt, bucket: Bucket, x: torch.Tensor, beta1: float, keep_previous: bool = False) -> None:
     """``x`` <- ``b1 m + (1 - b1) g_i`` with ``m`` expanded from the kept rows (or the momentum
-    gathered at the freeze) and ``g_i`` read straight from ``p.grad``."""
+    gathered at the freeze) and ``g_i`` read straight from ``p.grad``. ``keep_previous``: also
+    keep this rank's chunk of ``m`` (``momentum_prev_shard``, for 1-bit LAMB's fresh variance)."""
     if "exp_avg" in bucket.flats:
         x.copy_(bucket.flats["exp_avg"])
     else:
         expand_result_rows(bucket.flats["momentum_rows"], bucket.numel, opt.backend.world_size, x)
+    if keep_previous:
+        lo, hi, c = own_range(opt, bucket)
+        shard(bucket, "momentum_prev_shard", c)[: hi - lo].copy_(x[lo:hi])
     x.mul_(beta1)
     alpha = (1 - beta1) * (opt._gather_inv_scale if opt._gather_inv_scale is not None else 1.0)
     views, grads = [], []
@@ -183,5 +233,44 @@ def exchange(opt, bucket: Bucket, x: torch.Tensor) -> None:
     worker_error, server_error = opt.error_buffers(bucket)
     compressed_allreduce(x, worker_error, server_error, opt.backend)
     rows = result_rows(bucket.numel, opt.backend, x.device)
-    _buffer(bucket, "momentum_rows", rows.numel(), torch.uint8).copy_(rows)
+    shard(bucket, "momentum_rows", rows.numel(), torch.uint8).copy_(rows)
     bucket.flats.pop("exp_avg", None)
+
+
+# --- per-layer reductions over the chunks -----------------------------------------------------------
+def layer_ids(opt, bucket: Bucket) -> torch.Tensor:
+    """For each element of this rank's chunk, the index of its parameter (layer) in the bucket."""
+    ids = bucket.flats.get("layer_ids")
+    if ids is None:
+        lo, hi, _ = own_range(opt, bucket)
+        starts = torch.tensor(bucket.offsets, dtype=torch.int64, device=bucket.device)
+        positions = torch.arange(lo, hi, dtype=torch.int64, device=bucket.device)
+        # an empty parameter shares its offset with the next one: right=True skips it
+        ids = bucket.flats["layer_ids"] = torch.searchsorted(starts, positions, right=True) - 1
+    return ids
+
+
+def layer_sums(opt, bucket: Bucket, values: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per layer of the bucket, the sum of each tensor of ``values`` (this rank's chunk of some
+    per-element quantity) over all ranks' chunks: one all-gather, summed in rank order."""
+    ids, n_layers = layer_ids(opt, bucket), len(bucket.params)
+    partial = torch.zeros(len(values), n_layers, dtype=torch.float32, device=bucket.device)
+    for row, v in zip(partial, values):
+        row.index_add_(0, ids, v)
+    return list(_gather(opt, partial.view(-1)).sum(dim=0).view(len(values), n_layers))
+
+
+def layer_maxima(opt, bucket: Bucket, values: torch.Tensor) -> torch.Tensor:
+    """Per layer, the maximum of ``values`` (this rank's chunk; >= 0) over all ranks' chunks
+    (0 for a layer without elements)."""
+    ids, n_layers = layer_ids(opt, bucket), len(bucket.params)
+    partial = torch.zeros(n_layers, dtype=torch.float32, device=bucket.device)
+    partial.scatter_reduce_(0, ids, values, "amax")
+    return _gather(opt, partial).amax(dim=0)
+
+
+def _gather(opt, partial: torch.Tensor) -> torch.Tensor:
+    world = opt.backend.world_size
+    everyone = torch.empty(world * partial.numel(), dtype=partial.dtype, device=partial.device)
+    opt.backend.all_gather(everyone, partial)
+    return everyone.view(world, partial.numel())
