@@ -127,9 +127,15 @@ class _FreezingAdam(CompressedOptimizer):
     def _gather(self, bucket, grad, step):
         if self.zero_stage and self.frozen:  # the local momentum is formed from p.grad directly
             beta1 = self.param_groups[bucket.group_index]["betas"][0]
-            zero.local_momentum(self, bucket, grad, beta1, keep_previous=self._keeps_previous_momentum)
+            zero.local_momentum(self, bucket, grad, beta1, keep_previous=self._keeps_previous_momentum,
+                                row_scales=self._exchange_scales(bucket))
         else:
             super()._gather(bucket, grad, step)
+
+    def _exchange_scales(self, bucket) -> list[float] | None:
+        """Per parameter of the bucket, the factor its momentum is multiplied by for the 1-bit
+        exchange (``None``: not scaled)."""
+        return None
 
     def _average(self, bucket, grad):
         zero.average(self, bucket, grad) if self.zero_stage else super()._average(bucket, grad)

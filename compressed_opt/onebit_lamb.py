@@ -42,6 +42,15 @@ compression cannot send a 0, and ``scale / eps`` would throw them far away.
 The exchange (local momentum, scaling, compressed allreduce) is ``_bucket_communicate``, so with
 ``overlap=True`` it runs during backward; ``step()`` does the rest.
 
+With ``zero_stage=1 | 2`` the state is sharded as for :class:`OnebitAdam`
+(:mod:`compressed_opt.zero`): in warmup rank ``j`` keeps chunk ``j`` of ``m`` and ``v`` and
+computes chunk ``j`` of the update; the per-layer norms ``||p||`` and ``||u||`` are sums of
+squares over the chunks, reduced across the ranks by one all-gather of two floats per layer (added
+in rank order: every rank gets the same trust ratios). In the compression stage every rank holds
+the frozen denominator and the 1-bit rows of the momentum and updates its whole replica; rank
+``j`` keeps chunk ``j`` of the fresh variance, and the factor's per-layer maximum is one
+all-gather of a float per layer.
+
 Per-layer scalars live in ``optimizer.state[p]`` as Python floats (so checkpoints keep them
 exactly): ``trust_ratio_ema``, ``trust_ratio_updates``, ``trust_ratio_frozen``,
 ``scaling_coeff``, ``last_factor`` and ``lamb_coeff`` (the coefficient ``r`` or ``r_f factor``
@@ -56,6 +65,7 @@ import torch
 
 from compressed_opt.comm import compressed_allreduce
 
+from . import zero
 from .onebit_adam import _FreezingAdam
 from .optimizer import bias_corrections
 from .validation import check_nonneg_float
@@ -92,21 +102,28 @@ class OnebitLamb(_FreezingAdam):
             ready (``False``: everything in ``step()``).
         accumulation_steps: backward passes per ``step()`` (gradient accumulation without
             ``no_sync()``); communication happens once, after the last.
+        zero_stage: 0, or 1 / 2 to shard the optimizer state ZeRO-style (as :class:`OnebitAdam`;
+            see the module doc). Checkpoints then hold this rank's shards.
+        master_resync_interval: with ZeRO and bf16/fp16 parameters, every this many
+            compression-stage steps the parameters are replaced by the gathered fp32 master chunks.
     """
 
     bucket_state_names = ("exp_avg", "exp_avg_sq", "exp_avg_sq_fresh")
+    _keeps_previous_momentum = True
+    _zero_saved_buffers = (*_FreezingAdam._zero_saved_buffers, "exp_avg_sq_fresh_shard")
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, freeze_step=100000,
                  *, max_coeff=10.0, min_coeff=0.01, coeff_beta=0.9, factor_max=4.0, factor_min=0.5,
                  factor_threshold=0.1, bias_correction=True, backend=None, bucket_cap_mb=25.0, overlap=True,
-                 accumulation_steps=1):
+                 accumulation_steps=1, zero_stage=0, master_resync_interval=100):
         defaults = dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
             max_coeff=max_coeff, min_coeff=min_coeff, coeff_beta=coeff_beta,
             factor_max=factor_max, factor_min=factor_min, factor_threshold=factor_threshold,
             bias_correction=bool(bias_correction),
         )
-        super().__init__(params, defaults, freeze_step, backend, bucket_cap_mb, overlap, accumulation_steps)
+        super().__init__(params, defaults, freeze_step, backend, bucket_cap_mb, overlap, accumulation_steps,
+                         zero_stage, master_resync_interval)
 
     def _validate_group(self, group):
         super()._validate_group(group)
@@ -128,9 +145,14 @@ class OnebitLamb(_FreezingAdam):
 
     # --- stages ----------------------------------------------------------------------------------
     def _freeze(self, step):
+        for b in self._buckets or ():
+            if self.zero_stage:  # v_fresh starts from v: this rank's chunk (before the freeze drops it)
+                v = zero.shard(b, "exp_avg_sq_shard", zero.own_range(self, b)[2])
+                b.flats["exp_avg_sq_fresh_shard"] = v.clone()
         super()._freeze(step)
         for b in self._buckets or ():
-            b.flat("exp_avg_sq_fresh").copy_(b.flat("exp_avg_sq"))
+            if not self.zero_stage:
+                b.flat("exp_avg_sq_fresh").copy_(b.flat("exp_avg_sq"))
             beta = self.param_groups[b.group_index]["coeff_beta"]
             for p in b.params:
                 st = self.state[p]
@@ -146,6 +168,9 @@ class OnebitLamb(_FreezingAdam):
 
     # --- warmup: LAMB on the averaged gradient ---------------------------------------------------
     def _lamb_step(self, bucket, group, grad, step):
+        if self.zero_stage:
+            self._lamb_step_sharded(bucket, group, grad, step)
+            return
         m, v = bucket.flat("exp_avg"), bucket.flat("exp_avg_sq")
         beta1, beta2 = group["betas"]
         lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]
@@ -158,25 +183,40 @@ class OnebitLamb(_FreezingAdam):
         params, views = bucket.params, bucket.views(update)
         if wd != 0:
             torch._foreach_add_(views, params, alpha=wd)
-        ratios = self._trust_ratios(params, views, group["min_coeff"], group["max_coeff"])
+        ratios = []
+        if params:
+            ratios = _trust_ratios(torch.stack(_norms(params)), torch.stack(_norms(views)), group)
+        self._record_trust_ratios(bucket, group, ratios)
+        torch._foreach_mul_(views, [-lr * r for r in ratios])
+        torch._foreach_add_(params, views)
+
+    def _lamb_step_sharded(self, bucket, group, grad, step):
+        """ZeRO: LAMB on this rank's chunk, with the per-layer norms reduced over the chunks."""
+        lo, hi, c = zero.own_range(self, bucket)
+        beta1, beta2 = group["betas"]
+        lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]
+        bc1, bc2_sqrt = bias_corrections(beta1, beta2, step, group["bias_correction"])
+        m, v = zero.moments(self, bucket, zero.own_grad(self, bucket, grad), beta1, beta2)
+        update = zero.shard(bucket, "update_shard", c)[: hi - lo]
+        torch.sqrt(v, out=update).div_(bc2_sqrt).add_(eps).mul_(bc1)
+        torch.div(m, update, out=update)
+        values = zero.own_values(self, bucket)
+        if wd != 0:
+            update.add_(values, alpha=wd)
+        p_sq, u_sq = zero.layer_sums(self, bucket, [values * values, update * update])
+        ratios = _trust_ratios(p_sq.sqrt(), u_sq.sqrt(), group)
+        self._record_trust_ratios(bucket, group, ratios)
+        per_element = torch.tensor(ratios, dtype=torch.float32, device=bucket.device)[zero.layer_ids(self, bucket)]
+        values.addcmul_(per_element, update, value=-lr)
+        zero.publish(self, bucket, values)
+
+    def _record_trust_ratios(self, bucket, group, ratios):
         beta = group["coeff_beta"]
-        for p, r in zip(params, ratios):
+        for p, r in zip(bucket.params, ratios):
             st = self.state[p]
             st["trust_ratio_ema"] = beta * st.get("trust_ratio_ema", 0.0) + (1 - beta) * r
             st["trust_ratio_updates"] = st.get("trust_ratio_updates", 0) + 1
             st["lamb_coeff"] = r
-        torch._foreach_mul_(views, [-lr * r for r in ratios])
-        torch._foreach_add_(params, views)
-
-    @staticmethod
-    def _trust_ratios(params, updates, min_coeff, max_coeff) -> list[float]:
-        """``clip(||p|| / ||u||, min_coeff, max_coeff)`` per layer, 1 where a norm is 0."""
-        if not params:
-            return []
-        p_norm = torch.stack(_norms(params))
-        u_norm = torch.stack(_norms(updates))
-        ratio = torch.where((p_norm > 0) & (u_norm > 0), p_norm / u_norm, torch.full_like(p_norm, -1.0))
-        return [1.0 if r < 0 else min(max(r, min_coeff), max_coeff) for r in ratio.tolist()]
 
     # --- compression stage -----------------------------------------------------------------------
     def _scaling_coeffs(self, bucket, m) -> list[float]:
@@ -184,6 +224,8 @@ class OnebitLamb(_FreezingAdam):
         set once from ``m`` (the averaged momentum, the same on every rank) and kept in state."""
         states = [self.state[p] for p in bucket.params]
         if any("scaling_coeff" not in st for st in states):
+            if m is None:  # cannot happen: the coefficients are set when the momentum is whole
+                raise RuntimeError("1-bit LAMB: scaling coefficients missing after the first exchange")
             norms = torch.stack(_norms(bucket.views(m))).tolist()
             rms = [n / math.sqrt(p.numel()) if p.numel() else 0.0 for n, p in zip(norms, bucket.params)]
             layers = [r for r, p in zip(rms, bucket.params) if p.numel()]
@@ -192,46 +234,87 @@ class OnebitLamb(_FreezingAdam):
                 st["scaling_coeff"] = mean / r if r > 0 and mean > 0 and math.isfinite(mean / r) else 1.0
         return [st["scaling_coeff"] for st in states]
 
+    def _exchange_scales(self, bucket):
+        # ZeRO: set at the first exchange, while the momentum gathered at the freeze is whole
+        return self._scaling_coeffs(bucket, bucket.flats.get("exp_avg"))
+
     def _bucket_communicate(self, bucket, group, grad, step):
         """Compression stage, as soon as the bucket's gradients are ready: the local momentum
         ``b1 m + (1 - b1) g_i`` into the gradient buffer (``m`` keeps ``m_{t-1}``, needed to
         reconstruct the gradient), scaled per layer by ``c_l``, compressed-allreduced, unscaled."""
-        m = bucket.flat("exp_avg")
-        beta1 = group["betas"][0]
-        coeffs = self._scaling_coeffs(bucket, m)
-        torch.lerp(m, grad, 1 - beta1, out=grad)
+        if self.zero_stage:  # grad holds the local momentum already (zero.local_momentum)
+            coeffs = self._exchange_scales(bucket)
+        else:
+            m = bucket.flat("exp_avg")
+            coeffs = self._scaling_coeffs(bucket, m)
+            torch.lerp(m, grad, 1 - group["betas"][0], out=grad)
         views = bucket.views(grad)
         torch._foreach_mul_(views, coeffs)
-        worker_error, server_error = self.error_buffers(bucket)
-        compressed_allreduce(grad, worker_error, server_error, self.backend)
+        if self.zero_stage:
+            zero.exchange(self, bucket, grad)
+        else:
+            worker_error, server_error = self.error_buffers(bucket)
+            compressed_allreduce(grad, worker_error, server_error, self.backend)
         torch._foreach_div_(views, coeffs)
 
     def _compressed_step(self, bucket, group, momentum, step):
-        """``momentum`` holds ``m_t`` (the compressed average), ``exp_avg`` still ``m_{t-1}``."""
-        m, v_fresh = bucket.flat("exp_avg"), bucket.flat("exp_avg_sq_fresh")
+        """``momentum`` holds ``m_t`` (the compressed average), ``exp_avg`` still ``m_{t-1}``
+        (with ZeRO: this rank's chunk of it is in ``momentum_prev_shard``)."""
         denom = self.frozen_denominator(bucket)  # sqrt(v_f) + eps, inf where v_f == 0
         params = bucket.params
         beta1, beta2 = group["betas"]
         lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]
         bc1, bc2_sqrt = bias_corrections(beta1, beta2, step, group["bias_correction"])
+        if self.zero_stage:
+            lo, hi, _ = zero.own_range(self, bucket)
+            previous, m = bucket.flats["momentum_prev_shard"][: hi - lo], momentum
+            v_fresh, denom_own, current = bucket.flats["exp_avg_sq_fresh_shard"][: hi - lo], denom[lo:hi], momentum[lo:hi]
+        else:
+            previous = m = bucket.flat("exp_avg")
+            v_fresh, denom_own, current = bucket.flat("exp_avg_sq_fresh"), denom, momentum
 
-        # v_fresh <- b2 v_fresh + (1 - b2) g~^2,  g~ = (m_t - b1 m_{t-1}) / (1 - b1); then m <- m_t
-        torch.add(momentum, m, alpha=-beta1, out=m)
-        v_fresh.mul_(beta2).addcmul_(m, m, value=(1 - beta2) / (1 - beta1) ** 2)
-        m.copy_(momentum)
+        # v_fresh <- b2 v_fresh + (1 - b2) g~^2,  g~ = (m_t - b1 m_{t-1}) / (1 - b1)
+        g = previous  # m_{t-1} is consumed here
+        torch.add(current, previous, alpha=-beta1, out=g)
+        v_fresh.mul_(beta2).addcmul_(g, g, value=(1 - beta2) / (1 - beta1) ** 2)
+
+        if self.zero_stage:
+            ratio = g  # m_t stays in momentum (and, after the step, as the exchange's 1-bit rows)
+        else:
+            m.copy_(momentum)  # m <- m_t
+            ratio = momentum
 
         # per layer: max (sqrt(v_f) + eps) / (sqrt(v_fresh_hat) + eps), over the coordinates that
         # move (v_f > 0: the others have an infinite frozen denominator and stay where they are)
-        ratio = momentum  # free now: m has it
         torch.sqrt(v_fresh, out=ratio).div_(bc2_sqrt).add_(eps)
-        torch.div(denom, ratio, out=ratio).nan_to_num_(nan=0.0, posinf=0.0)
-        nonempty = [i for i, p in enumerate(params) if p.numel()]
+        torch.div(denom_own, ratio, out=ratio).nan_to_num_(nan=0.0, posinf=0.0)
         raw = [1.0] * len(params)
-        if nonempty:
-            views = bucket.views(ratio)
-            for i, f in zip(nonempty, torch.stack(_maxima([views[i] for i in nonempty])).tolist()):
-                raw[i] = f
+        if self.zero_stage:
+            maxima = zero.layer_maxima(self, bucket, ratio).tolist()
+            raw = [f if p.numel() else 1.0 for p, f in zip(params, maxima)]
+        else:
+            nonempty = [i for i, p in enumerate(params) if p.numel()]
+            if nonempty:
+                views = bucket.views(ratio)
+                for i, f in zip(nonempty, torch.stack(_maxima([views[i] for i in nonempty])).tolist()):
+                    raw[i] = f
+        coeffs = self._compression_coeffs(params, group, raw)
 
+        # p <- p - lr coeff (m_hat / (sqrt(v_f) + eps) + wd p)
+        update = momentum  # free now (ZeRO: m is momentum itself, divided in place)
+        torch.div(m, denom, out=update)
+        decays = [1.0 - lr * c * wd for c in coeffs]
+        if wd != 0:
+            torch._foreach_mul_(params, decays)
+        views = bucket.views(update)
+        torch._foreach_mul_(views, [-lr * c / bc1 for c in coeffs])
+        torch._foreach_add_(params, views)
+        if self.zero_stage and zero.master_shard(self, bucket) is not None:
+            ids = zero.layer_ids(self, bucket)
+            zero.compression_update(self, bucket, step, torch.tensor(decays, device=bucket.device)[ids], update)
+
+    def _compression_coeffs(self, params, group, raw) -> list[float]:
+        """Each layer's ``r_f * factor`` from the raw factors (clipped, and by the threshold)."""
         fmin, fmax, threshold = group["factor_min"], group["factor_max"], group["factor_threshold"]
         coeffs = []
         for p, f in zip(params, raw):
@@ -244,15 +327,14 @@ class OnebitLamb(_FreezingAdam):
                 st["trust_ratio_frozen"] = _debiased_ema(st, group["coeff_beta"])
             st["lamb_coeff"] = coeff = st["trust_ratio_frozen"] * f
             coeffs.append(coeff)
+        return coeffs
 
-        # p <- p - lr coeff (m_hat / (sqrt(v_f) + eps) + wd p)
-        update = ratio
-        torch.div(m, denom, out=update)
-        if wd != 0:
-            torch._foreach_mul_(params, [1.0 - lr * c * wd for c in coeffs])
-        views = bucket.views(update)
-        torch._foreach_mul_(views, [-lr * c / bc1 for c in coeffs])
-        torch._foreach_add_(params, views)
+
+def _trust_ratios(p_norm: torch.Tensor, u_norm: torch.Tensor, group: dict) -> list[float]:
+    """``clip(||p|| / ||u||, min_coeff, max_coeff)`` per layer, 1 where a norm is 0."""
+    ratio = torch.where((p_norm > 0) & (u_norm > 0), p_norm / u_norm, torch.full_like(p_norm, -1.0))
+    lo, hi = group["min_coeff"], group["max_coeff"]
+    return [1.0 if r < 0 else min(max(r, lo), hi) for r in ratio.tolist()]
 
 
 def _norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -206,14 +206,19 @@ def freeze(opt, bucket: Bucket) -> None:
     del bucket.flats["exp_avg_shard"], bucket.flats["exp_avg_sq_shard"]
 
 
-def local_momentum(opt, bucket: Bucket, x: torch.Tensor, beta1: float, keep_previous: bool = False) -> None:
+def local_momentum(opt, bucket: Bucket, x: torch.Tensor, beta1: float, keep_previous: bool = False,
+                   row_scales: list[float] | None = None) -> None:
     """``x`` <- ``b1 m + (1 - b1) g_i`` with ``m`` expanded from the kept rows (or the momentum
-    gathered at the freeze) and ``g_i`` read straight from ``p.grad``. ``keep_previous``: also
-    keep this rank's chunk of ``m`` (``momentum_prev_shard``, for 1-bit LAMB's fresh variance)."""
+    gathered at the freeze) and ``g_i`` read straight from ``p.grad``. ``row_scales``: per layer,
+    what the exchanged momentum was multiplied by (1-bit LAMB's scaling coefficients), divided
+    out after expanding. ``keep_previous``: also keep this rank's chunk of ``m``
+    (``momentum_prev_shard``, for 1-bit LAMB's fresh variance)."""
     if "exp_avg" in bucket.flats:
         x.copy_(bucket.flats["exp_avg"])
     else:
         expand_result_rows(bucket.flats["momentum_rows"], bucket.numel, opt.backend.world_size, x)
+        if row_scales is not None:
+            torch._foreach_div_(bucket.views(x), row_scales)
     if keep_previous:
         lo, hi, c = own_range(opt, bucket)
         shard(bucket, "momentum_prev_shard", c)[: hi - lo].copy_(x[lo:hi])
@@ -274,3 +279,4 @@ def _gather(opt, partial: torch.Tensor) -> torch.Tensor:
     everyone = torch.empty(world * partial.numel(), dtype=partial.dtype, device=partial.device)
     opt.backend.all_gather(everyone, partial)
     return everyone.view(world, partial.numel())
+

@@ -130,6 +130,8 @@ class ZeroOneAdam(CompressedOptimizer):
             ``step()``). Phase-B synchronisations run in ``step()``: they need the step's lr.
         accumulation_steps: backward passes per ``step()`` (gradient accumulation without
             ``no_sync()``); communication happens once, after the last.
+        zero_stage: only 0: 0/1 Adam's state is not sharded (the error for 1 or 2 says why; see
+            :mod:`compressed_opt.zero`).
 
     Per-parameter state (views of per-bucket fp32 buffers): ``exp_avg``, ``exp_avg_sq``,
     ``momentum_accumulator`` (``acc``) and ``sync_params`` (the parameters at the last
@@ -148,7 +150,17 @@ class ZeroOneAdam(CompressedOptimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *,
                  var_freeze_step=100000, var_update_scaler=16, local_step_scaler=32678, local_step_clipper=16,
-                 bias_correction=True, backend=None, bucket_cap_mb=25.0, overlap=True, accumulation_steps=1):
+                 bias_correction=True, backend=None, bucket_cap_mb=25.0, overlap=True, accumulation_steps=1,
+                 zero_stage=0):
+        if zero_stage != 0 or isinstance(zero_stage, bool):
+            raise ValueError(
+                f"Invalid zero_stage: {zero_stage!r}. ZeroOneAdam's state is not sharded (only 0 is accepted): "
+                "in phase B every rank steps all of its parameters locally, so its momentum, accumulated "
+                "update and error buffer are its own, and the frozen denominator and the parameters at the "
+                "last synchronisation are needed whole on every rank; sharding them would cost a "
+                "full-precision parameter all-gather at every synchronisation. OnebitAdam and OnebitLamb "
+                "take zero_stage=1 or 2"
+            )
         if not isinstance(var_freeze_step, VarianceStabilityRule):
             var_freeze_step = check_step_count("var_freeze_step", var_freeze_step, allow_auto=True, minimum=1)
         self.var_update_scaler = check_step_count("var_update_scaler", var_update_scaler, minimum=1)

@@ -44,3 +44,54 @@ def train(model, optimizer, rank, world, steps, batch=64, seed=1):
         nn.functional.cross_entropy(model(x.to(next(model.parameters()).dtype)).float(), y).backward()
         optimizer.step()
     return full_loss(model)
+
+
+#: the ways to run a compressed optimizer: standalone overlapped (the default) or synchronous,
+#: ZeRO stage 1 or 2, and under DDP with the comm hook
+MODES = ("overlap", "sync", "zero1", "zero2", "ddp")
+
+
+def in_mode(cls, model: nn.Module, mode: str, **kwargs):
+    """``cls`` on ``model``'s parameters, run in ``mode``: ``(module to call, optimizer)``."""
+    if mode not in MODES:
+        raise ValueError(mode)
+    kwargs.setdefault("overlap", mode != "sync")
+    if mode.startswith("zero"):
+        kwargs["zero_stage"] = int(mode[-1])
+    if mode != "ddp":
+        return model, cls(model.parameters(), **kwargs)
+    from compressed_opt import register_ddp_comm_hook
+
+    net = nn.parallel.DistributedDataParallel(model)
+    opt = cls(net.parameters(), **kwargs)
+    register_ddp_comm_hook(net, opt)
+    return net, opt
+
+
+def resume_diff(fresh, batches, cut: int) -> float:
+    """Train ``fresh()`` (a function giving ``(model, module to call, optimizer)``) on
+    ``batches`` uninterrupted; again, checkpointing after ``cut`` steps (``torch.save``, loaded
+    with ``weights_only=True``) and resuming in a new model and optimizer: the largest parameter
+    difference between the two at the end."""
+    import io
+
+    def run(net, opt, part):
+        for x, y in part:
+            opt.zero_grad()
+            nn.functional.cross_entropy(net(x), y).backward()
+            opt.step()
+
+    model, net, opt = fresh()
+    run(net, opt, batches)
+    uninterrupted = [p.detach().clone() for p in model.parameters()]
+    model, net, opt = fresh()
+    run(net, opt, batches[:cut])
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+    model, net, opt = fresh()
+    model.load_state_dict(ckpt["model"])
+    opt.load_state_dict(ckpt["opt"])
+    run(net, opt, batches[cut:])
+    return max((a - b).abs().max().item() for a, b in zip(uninterrupted, model.parameters()))

@@ -10,7 +10,7 @@ from allreduce_reference import simulate
 from compressed_opt import OnebitAdam, VarianceStabilityRule
 from compressed_opt.comm import SingleProcessBackend, chunk_numel
 from distributed import run_ranks, spawn_ranks
-from optim_tasks import digits, full_loss, mlp, shard_batches
+from optim_tasks import MODES, digits, full_loss, in_mode, mlp, shard_batches
 
 HP = dict(lr=3e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
 
@@ -111,23 +111,9 @@ def test_warmup_is_adamw_and_compression_matches_reference(world):
     assert stats["calls"]["all_to_all"] == steps - freeze
 
 
-MODES = ("overlap", "sync", "zero1", "zero2", "ddp")
-
-
 def make_optimizer(model, mode, **kwargs):
     """OnebitAdam in one of the modes (returns the module to call and the optimizer)."""
-    net = model
-    kwargs.setdefault("overlap", mode != "sync")
-    kwargs.setdefault("zero_stage", {"zero1": 1, "zero2": 2}.get(mode, 0))
-    if mode == "ddp":
-        from compressed_opt import register_ddp_comm_hook
-
-        net = nn.parallel.DistributedDataParallel(model)
-        opt = OnebitAdam(net.parameters(), **kwargs)
-        register_ddp_comm_hook(net, opt)
-    else:
-        opt = OnebitAdam(model.parameters(), **kwargs)
-    return net, opt
+    return in_mode(OnebitAdam, model, mode, **kwargs)
 
 
 def _convergence(rank, world, steps, freeze_step, lr):

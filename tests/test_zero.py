@@ -1,21 +1,29 @@
-"""ZeRO-sharded OnebitAdam: the same parameters as the unsharded optimizer, less state per rank,
-no full-precision traffic in the compression stage, per-rank checkpoints."""
+"""ZeRO-sharded OnebitAdam and OnebitLamb: the same parameters as the unsharded optimizer, less
+state per rank, no full-precision traffic in the compression stage, per-rank checkpoints."""
 import io
 
 import pytest
 import torch
 from torch import nn
 
-from compressed_opt import OnebitAdam
+from compressed_opt import OnebitAdam, OnebitLamb
 from distributed import run_ranks, spawn_ranks
 from optim_tasks import mlp
 from test_onebit_adam import HP, gaussian_batches
+from test_onebit_lamb import HP as LAMB_HP
+
+OPTIMIZERS = {"adam": (OnebitAdam, HP), "lamb": (OnebitLamb, LAMB_HP)}
 
 
-def _run(rank, world, zero_stage, steps, freeze, dtype=torch.float32, overlap=True):
+def make(name, params, **kwargs):
+    cls, hp = OPTIMIZERS[name]
+    return cls(params, **kwargs, **hp)
+
+
+def _run(rank, world, name, zero_stage, steps, freeze, dtype=torch.float32, overlap=True):
     model = mlp(dtype=dtype)
-    opt = OnebitAdam(model.parameters(), freeze_step=freeze, zero_stage=zero_stage, overlap=overlap,
-                     bucket_cap_mb=0.02, **HP)
+    opt = make(name, model.parameters(), freeze_step=freeze, zero_stage=zero_stage, overlap=overlap,
+               bucket_cap_mb=0.02)
     snaps, state_bytes, stats = [], [], []
     for x, y in gaussian_batches(rank, world, steps):
         opt.zero_grad()
@@ -29,13 +37,19 @@ def _run(rank, world, zero_stage, steps, freeze, dtype=torch.float32, overlap=Tr
     return snaps, state_bytes, stats, len(opt.buckets)
 
 
+def _all_stages(rank, world, name, steps, freeze):
+    return [_run(rank, world, name, stage, steps, freeze) for stage in (0, 1, 2)]
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("world", [2, 3])
-def test_zero_stages_give_the_unsharded_parameters(world):
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_zero_stages_give_the_unsharded_parameters(name, world):
     steps, freeze = 8, 4
-    plain = run_ranks(_run, world, 0, steps, freeze)
+    runs = run_ranks(_all_stages, world, name, steps, freeze, timeout=180)
+    plain = [r[0] for r in runs]
     for stage in (1, 2):
-        sharded = run_ranks(_run, world, stage, steps, freeze)
+        sharded = [r[stage] for r in runs]
         for rank in range(world):
             for s in range(steps):
                 for a, b in zip(sharded[rank][0][s], plain[rank][0][s]):
@@ -58,11 +72,11 @@ def test_zero_stages_give_the_unsharded_parameters(world):
             assert sharded[0][2][1].get("reduce_scatter", 0) > 0 and sharded[0][2][1].get("all_reduce", 0) == 0
 
 
-def _resume(rank, world, stop_at, dtype=torch.float32):
+def _resume(rank, world, name, stop_at, dtype=torch.float32):
     def fresh():
         model = mlp(dtype=dtype)
-        return model, OnebitAdam(model.parameters(), freeze_step=4, zero_stage=2, bucket_cap_mb=0.02,
-                                 master_resync_interval=2, **HP)
+        return model, make(name, model.parameters(), freeze_step=4, zero_stage=2, bucket_cap_mb=0.02,
+                           master_resync_interval=2)
 
     batches = list(gaussian_batches(rank, world, 10))
 
@@ -88,11 +102,15 @@ def _resume(rank, world, stop_at, dtype=torch.float32):
     return max((a - b).abs().max().item() for a, b in zip(expected, model.parameters()))
 
 
+def _resumes(rank, world, name):
+    # before the freeze, in the compression stage, and with fp32 masters
+    return [_resume(rank, world, name, 3), _resume(rank, world, name, 6), _resume(rank, world, name, 7, torch.bfloat16)]
+
+
 @pytest.mark.multiprocess
-def test_zero_resume_is_bit_exact_in_both_stages():
-    for stop_at in (3, 6):
-        assert run_ranks(_resume, 2, stop_at) == [0.0, 0.0]
-    assert run_ranks(_resume, 2, 7, torch.bfloat16) == [0.0, 0.0]  # with fp32 masters
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_zero_resume_is_bit_exact(name):
+    assert run_ranks(_resumes, 2, name, timeout=180) == [[0.0, 0.0, 0.0]] * 2
 
 
 def _load_on_other_rank(rank, world):
@@ -120,14 +138,16 @@ def test_zero_checkpoint_of_another_rank_is_refused_clearly():
         assert status == "error" and "holds the shards of rank" in value
 
 
-def test_bad_zero_stage():
-    with pytest.raises(ValueError, match="zero_stage"):
-        OnebitAdam(nn.Linear(2, 2).parameters(), zero_stage=3)
+@pytest.mark.parametrize("cls", [OnebitAdam, OnebitLamb])
+def test_bad_zero_stage(cls):
+    for bad in (3, -1, True, "1"):
+        with pytest.raises(ValueError, match="zero_stage"):
+            cls(nn.Linear(2, 2).parameters(), zero_stage=bad)
 
 
-def _bf16_masters(rank, world, steps, resync):
+def _bf16_masters(rank, world, name, steps, resync):
     model = mlp(dtype=torch.bfloat16)
-    opt = OnebitAdam(model.parameters(), freeze_step=3, zero_stage=2, master_resync_interval=resync, **HP)
+    opt = make(name, model.parameters(), freeze_step=3, zero_stage=2, master_resync_interval=resync)
     snaps, masters = [], []
     for x, y in gaussian_batches(rank, world, steps):
         opt.zero_grad()
@@ -139,9 +159,10 @@ def _bf16_masters(rank, world, steps, resync):
 
 
 @pytest.mark.multiprocess
-def test_bf16_parameters_have_fp32_masters_and_resync():
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_bf16_parameters_have_fp32_masters_and_resync(name):
     steps, resync = 8, 3
-    results = run_ranks(_bf16_masters, 2, steps, resync)
+    results = run_ranks(_bf16_masters, 2, name, steps, resync)
     for s in range(steps):  # the same bf16 parameters on every rank, every step
         assert all(torch.equal(a, b) for a, b in zip(results[0][0][s], results[1][0][s]))
     # the masters move in fp32: not all of their updates survive rounding to bf16
