@@ -13,6 +13,14 @@ exchange and DDP sends no other gradient traffic.
 
 The error-feedback buffers of the hook's exchanges are kept per DDP bucket, and saved in the
 optimizer's state dict.
+
+Both exchanges run on the bucket's parameters in the optimizer's own order (descending parameter
+index, as the optimizer's buckets), not in DDP's: DDP rebuilds its buckets after the first
+iteration, in the order the gradients became ready, so a resumed run's first iteration would
+otherwise lay the same parameters out differently, and a 3+-rank all-reduce (or the 1-bit
+exchange) would round differently. Laid out canonically, a resumed run repeats the uninterrupted
+one bit for bit as long as DDP puts the same parameters together in a bucket (always so for a
+model that fits one bucket). The copy in and out is skipped when DDP's order is already this one.
 """
 import torch
 import torch.distributed as dist
@@ -32,13 +40,47 @@ class DDPHookState:
         self.exchanged_step = -1
 
 
-def _average(state: DDPHookState, buffer: torch.Tensor):
+class CanonicalLayout:
+    """A DDP bucket's gradients in the optimizer's order: ``flat`` (DDP's own buffer when its
+    order is already the optimizer's, else a scratch buffer kept per bucket), ``views`` of it per
+    parameter, and ``key`` naming the bucket by its parameters' indices. ``dtype``: of ``flat``
+    (a ``buffer`` of another dtype is copied)."""
+
+    def __init__(self, opt: CompressedOptimizer, params, grads, buffer: torch.Tensor, dtype=None):
+        dtype = buffer.dtype if dtype is None else dtype
+        order = sorted(range(len(params)), key=lambda i: opt.param_index(params[i]), reverse=True)
+        self.key = ",".join(str(opt.param_index(params[i])) for i in order)
+        self.order, self.params = order, [params[i] for i in order]
+        self.copied = order != list(range(len(params))) or dtype != buffer.dtype
+        if not self.copied:
+            self.flat, self.views = buffer, list(grads)
+            return
+        scratch = opt._ddp_scratch.get(self.key)
+        if scratch is None or scratch.device != buffer.device or scratch.dtype != dtype:
+            scratch = opt._ddp_scratch[self.key] = torch.empty(buffer.numel(), dtype=dtype, device=buffer.device)
+        self.flat, self.views, offset = scratch, [], 0
+        for p in self.params:
+            self.views.append(scratch[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+        torch._foreach_copy_(self.views, [grads[i] for i in order])
+
+    def copy_back(self, grads) -> None:
+        """DDP's gradients <- the views (nothing to do when ``flat`` is DDP's buffer)."""
+        if self.copied:
+            torch._foreach_copy_([grads[i] for i in self.order], self.views)
+
+
+def _average(state: DDPHookState, bucket: dist.GradBucket):
+    buffer, grads = bucket.buffer(), bucket.gradients()
+    layout = CanonicalLayout(state.optimizer, bucket.parameters(), grads, buffer)
     state.optimizer.backend.stats.record("all_reduce", 2 * (state.world_size - 1) / state.world_size * nbytes(buffer))
-    fut = dist.all_reduce(buffer, group=state.process_group, async_op=True).get_future()
+    fut = dist.all_reduce(layout.flat, group=state.process_group, async_op=True).get_future()
     world = state.world_size
 
     def divide(f):
-        return f.value()[0].div_(world)
+        layout.flat.div_(world)
+        layout.copy_back(grads)
+        return buffer
 
     return fut.then(divide)
 
@@ -54,7 +96,7 @@ def compressed_comm_hook(state: DDPHookState, bucket: dist.GradBucket) -> torch.
     step = opt.global_step + 1
     buffer = bucket.buffer()
     if opt._needs_average(step):
-        return _average(state, buffer)
+        return _average(state, bucket)
     if opt._scaler_seen or not opt.ddp_exchange(bucket.index(), bucket.parameters(), bucket.gradients(), buffer):
         return _done(buffer)  # local gradients; step() runs the optimizer's own exchange
     state.exchanged_step = step

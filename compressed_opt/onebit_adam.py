@@ -27,6 +27,7 @@ import torch
 from compressed_opt.comm import compressed_allreduce
 
 from . import zero
+from .ddp import CanonicalLayout
 from .freeze import VarianceStabilityRule, resolve_rule, restore_rule
 from .optimizer import CompressedOptimizer, bias_corrections
 from .validation import check_adam_group, check_step_count
@@ -202,7 +203,6 @@ class OnebitAdam(_FreezingAdam):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, freeze_step=100000,
                  *, bias_correction=True, backend=None, bucket_cap_mb=25.0, overlap=True, accumulation_steps=1,
                  zero_stage=0, master_resync_interval=100):
-        self._ddp_scratch: dict[str, torch.Tensor] = {}
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bool(bias_correction))
         super().__init__(params, defaults, freeze_step, backend, bucket_cap_mb, overlap, accumulation_steps,
                          zero_stage, master_resync_interval)
@@ -222,29 +222,21 @@ class OnebitAdam(_FreezingAdam):
     def ddp_exchange(self, bucket_index, params, grads, buffer):
         """Under DDP: ``buffer`` <- compressed average of the local momenta of DDP's bucket.
 
-        The exchange runs on the bucket's parameters in the optimizer's own (canonical) order,
-        not DDP's, which DDP rebuilds after its first iteration: the result and the error buffers
-        then depend only on which parameters the bucket holds, so a resumed run repeats them."""
-        order = sorted(range(len(params)), key=lambda i: self.param_index(params[i]))
-        key = ",".join(str(self.param_index(params[i])) for i in order)
-        scratch = self._ddp_scratch.get(key)
-        if scratch is None or scratch.device != buffer.device:
-            scratch = self._ddp_scratch[key] = torch.empty(buffer.numel(), dtype=torch.float32, device=buffer.device)
-        views, offset = [], 0
-        for i in order:
-            views.append(scratch[offset : offset + params[i].numel()].view_as(params[i]))
-            offset += params[i].numel()
-        torch._foreach_copy_(views, [grads[i] for i in order])
+        The exchange runs on the bucket's parameters in the optimizer's own order
+        (:class:`compressed_opt.ddp.CanonicalLayout`): the result and the error buffers then
+        depend only on which parameters the bucket holds, so a resumed run repeats them."""
+        layout = CanonicalLayout(self, params, grads, buffer, dtype=torch.float32)
         by_beta: dict[float, tuple[list, list]] = {}
-        for i, view in zip(order, views):
-            ms, gs = by_beta.setdefault(self._group_of(params[i])["betas"][0], ([], []))
-            ms.append(self.state[params[i]]["exp_avg"])
+        for p, view in zip(layout.params, layout.views):
+            ms, gs = by_beta.setdefault(self._group_of(p)["betas"][0], ([], []))
+            ms.append(self.state[p]["exp_avg"])
             gs.append(view)
         for beta1, (ms, gs) in by_beta.items():
             torch._foreach_lerp_(gs, ms, beta1)  # g + b1 (m - g) = b1 m + (1 - b1) g
-        worker_error, server_error = self.ddp_error_buffers(key, scratch.numel(), scratch.device)
-        compressed_allreduce(scratch, worker_error, server_error, self.backend)
-        torch._foreach_copy_([grads[i] for i in order], views)
+        flat = layout.flat
+        worker_error, server_error = self.ddp_error_buffers(layout.key, flat.numel(), flat.device)
+        compressed_allreduce(flat, worker_error, server_error, self.backend)
+        layout.copy_back(grads)
         return True
 
     def _bucket_receive(self, bucket, group, grad, step):

@@ -78,6 +78,7 @@ class CompressedOptimizer(Optimizer):
         self._gather_inv_scale: float | None = None  # 1/scale of a GradScaler, applied when gathering
         self._ddp = None  # a compressed_opt.ddp.DDPHookState once a DDP hook drives the exchange
         self._ddp_errors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._ddp_scratch: dict[str, torch.Tensor] = {}  # DDP buckets laid out in our order
 
     # --- parameters and buckets ---------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
