@@ -2,18 +2,24 @@
 
 Two measurements (DESIGN section 4; issue "Overlap ... DDP hook; ZeRO-sharded state"):
 
-``memory``: on N local Gloo ranks, OnebitAdam trains a deep MLP in every mode — standalone
-synchronous, overlapped, under the DDP hook, ZeRO stage 1 and 2 — and reports per rank the
+``memory``: on N local Gloo ranks, an optimizer (``--optimizer``: OnebitAdam by default,
+OnebitLamb, ZeroOneAdam) trains a deep MLP in every mode it runs in — standalone synchronous,
+overlapped, under the DDP hook, ZeRO stage 1 and 2 (not 0/1 Adam) — and reports per rank the
 optimizer-state bytes (``optimizer.state_bytes()``) in warmup and in the compression stage, and
 the bytes sent per step in each stage (``backend.stats``) beside DDP + AdamW's (an fp32 ring
 all-reduce of every gradient, ``2 (N-1)/N * 4n``, by the same counting convention).
 
 ``overlap``: 2 ranks joined by a rate-limited link (benchmarks/slowlink.py; root only): the step
 time of the same model with ``overlap=True`` and ``overlap=False`` in each stage (median over
-steps, max over ranks).
+steps, max over ranks; with ``--rounds R`` the modes run R times interleaved and the median
+round is reported).
 
-    python -P benchmarks/optimizer_modes.py memory --launch 2
-    python -P benchmarks/optimizer_modes.py overlap --link 1gbit
+0/1 Adam runs with ``var_update_scaler=1`` (its full-precision refreshes at steps 1, 2, 4, ...)
+and a synchronisation every phase-B step (its default schedule at the start of phase B): its
+"compression" column is the 1-bit phase B, measured at its most talkative.
+
+    python -P benchmarks/optimizer_modes.py memory --launch 2 [--optimizer onebit_lamb]
+    python -P benchmarks/optimizer_modes.py overlap --link 1gbit [--optimizer onebit_lamb]
 """
 from __future__ import annotations
 
@@ -30,6 +36,20 @@ import torch.distributed as dist
 from torch import nn
 
 MODES = ("sync", "overlap", "ddp_hook", "zero1", "zero2")
+OPTIMIZERS = ("onebit_adam", "onebit_lamb", "zero_one_adam")
+NOT_SHARDED = ("zero_one_adam",)  # see compressed_opt.zero
+
+
+def make_optimizer(name: str, params, freeze: int, **kwargs):
+    import compressed_opt
+
+    if name == "onebit_adam":
+        return compressed_opt.OnebitAdam(params, lr=1e-3, freeze_step=freeze, **kwargs)
+    if name == "onebit_lamb":
+        return compressed_opt.OnebitLamb(params, lr=1e-3, freeze_step=freeze, **kwargs)
+    if kwargs.pop("zero_stage"):
+        raise ValueError("ZeroOneAdam is not sharded")
+    return compressed_opt.ZeroOneAdam(params, lr=1e-3, var_freeze_step=freeze, var_update_scaler=1, **kwargs)
 
 
 def deep_mlp(width: int, depth: int, seed: int = 0) -> nn.Module:
@@ -53,19 +73,19 @@ def run_mode(mode: str, args, rank: int, world: int) -> dict:
 
     model = deep_mlp(args.width, args.depth)
     net = model
-    kwargs = dict(lr=1e-3, freeze_step=args.freeze, bucket_cap_mb=args.bucket_cap_mb,
-                  overlap=(mode != "sync"), zero_stage={"zero1": 1, "zero2": 2}.get(mode, 0))
+    kwargs = dict(bucket_cap_mb=args.bucket_cap_mb, overlap=(mode != "sync"),
+                  zero_stage={"zero1": 1, "zero2": 2}.get(mode, 0))
     if mode == "ddp_hook":
         net = nn.parallel.DistributedDataParallel(model)
-        opt = compressed_opt.OnebitAdam(net.parameters(), **kwargs)
+        opt = make_optimizer(args.optimizer, net.parameters(), args.freeze, **kwargs)
         compressed_opt.register_ddp_comm_hook(net, opt)
     else:
-        opt = compressed_opt.OnebitAdam(model.parameters(), **kwargs)
+        opt = make_optimizer(args.optimizer, model.parameters(), args.freeze, **kwargs)
     times = {"warmup": [], "compression": []}
     sent = {"warmup": [], "compression": []}
     memory = {}
     for step, (x, y) in enumerate(batches(rank, world, args.steps, args.width, args.batch), start=1):
-        stage = "compression" if opt.frozen else "warmup"
+        stage = "compression" if opt.frozen else "warmup"  # 0/1 Adam: phase B, and A
         dist.barrier()
         before = opt.backend.stats.total_bytes
         t0 = time.perf_counter()
@@ -94,12 +114,21 @@ def run_mode(mode: str, args, rank: int, world: int) -> dict:
 
 def rank_main(args) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
+    modes = args.modes.split(",")
+    rounds: dict[str, list[dict]] = {m: [] for m in modes}
+    for _ in range(args.rounds):  # modes interleaved, so that drift in the machine's speed hits all alike
+        for mode in modes:
+            rounds[mode].append(run_mode(mode, args, rank, world))
+            dist.barrier()
     results = []
-    for mode in args.modes.split(","):
-        results.append(run_mode(mode, args, rank, world))
-        dist.barrier()
+    for mode in modes:
+        r = dict(rounds[mode][0])
+        r["step_time_s"] = {stage: statistics.median(x["step_time_s"][stage] for x in rounds[mode])
+                            for stage in r["step_time_s"]}
+        r["step_time_s_rounds"] = [x["step_time_s"] for x in rounds[mode]]
+        results.append(r)
     if rank == 0:
-        report = {"world_size": world, "args": vars(args), "results": results}
+        report = {"world_size": world, "optimizer": args.optimizer, "args": vars(args), "results": results}
         print(format_table(report), flush=True)
         if args.json:
             with open(args.json, "w") as f:
@@ -107,7 +136,7 @@ def rank_main(args) -> None:
 
 
 def format_table(report: dict) -> str:
-    lines = [f"# OnebitAdam modes on {report['world_size']} ranks, {report['results'][0]['params']:,} parameters, "
+    lines = [f"# {report.get('optimizer', 'onebit_adam')} modes on {report['world_size']} ranks, {report['results'][0]['params']:,} parameters, "
              f"{report['results'][0]['buckets']} buckets",
              f"{'mode':<9} {'state warmup':>13} {'state 1-bit':>12} {'sent warmup':>12} {'sent 1-bit':>11} "
              f"{'DDP+AdamW':>11} {'1-bit vs DDP':>12} {'step warm ms':>12} {'step 1-bit ms':>13}"]
@@ -131,12 +160,14 @@ def format_table(report: dict) -> str:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", choices=("memory", "overlap"))
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="onebit_adam")
     p.add_argument("--launch", type=int, default=0, help="spawn this many local Gloo ranks")
     p.add_argument("--link", default="1gbit", help="overlap: the link rate for slowlink (or 'none')")
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--depth", type=int, default=12)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--rounds", type=int, default=1, help="run the modes this many times, interleaved")
     p.add_argument("--freeze", type=int, default=5)
     p.add_argument("--bucket-cap-mb", type=float, default=1.0)
     p.add_argument("--modes", default=None)
@@ -144,7 +175,8 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=float, default=900)
     args = p.parse_args(argv)
     if args.modes is None:
-        args.modes = ",".join(MODES) if args.what == "memory" else "sync,overlap"
+        modes = [m for m in MODES if not (m.startswith("zero") and args.optimizer in NOT_SHARDED)]
+        args.modes = ",".join(modes) if args.what == "memory" else "sync,overlap"
     return args
 
 

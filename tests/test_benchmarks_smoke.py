@@ -110,3 +110,28 @@ def test_slowlink_cleans_up_after_a_failing_rank(tmp_path):
     done = subprocess.run(cmd, cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 3, done.stdout + done.stderr
     assert _namespaces(prefix) == []
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("optimizer, modes", [
+    ("onebit_lamb", ["sync", "overlap", "ddp_hook", "zero1", "zero2"]),
+    ("zero_one_adam", ["sync", "overlap", "ddp_hook"]),  # not sharded: no ZeRO modes
+])
+def test_optimizer_modes_memory_reports_every_mode(tmp_path, optimizer, modes):
+    out = tmp_path / "modes.json"
+    cmd = [sys.executable, "-P", os.path.join(BENCH, "optimizer_modes.py"), "memory", "--launch", "2",
+           "--optimizer", optimizer, "--width", "64", "--depth", "3", "--steps", "6", "--freeze", "3",
+           "--bucket-cap-mb", "0.01", "--rounds", "2", "--json", str(out)]
+    done = subprocess.run(cmd, cwd=str(tmp_path), env=_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(out.read_text())
+    assert report["optimizer"] == optimizer and report["world_size"] == 2
+    assert [r["mode"] for r in report["results"]] == modes
+    by_mode = {r["mode"]: r for r in report["results"]}
+    for r in report["results"]:
+        assert len(r["step_time_s_rounds"]) == 2
+        assert r["bytes_per_step"]["compression"] * 10 <= r["ddp_adamw_bytes_per_step"]  # tiny model: headers weigh
+        assert r["state_bytes"]["compression"] > 0
+    if "zero1" in by_mode:
+        for stage in ("warmup", "compression"):
+            assert by_mode["zero1"]["state_bytes"][stage] < by_mode["sync"]["state_bytes"][stage]
