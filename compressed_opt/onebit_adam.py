@@ -84,17 +84,17 @@ class _FreezingAdam(CompressedOptimizer):
             self._freeze(step)
 
     def _mean_bias_corrected_variance(self, step) -> float:
+        """The auto rule's statistic: the mean of ``v_hat`` over every element. With ZeRO each
+        rank sums its chunks and one all-gather of two floats adds them up in rank order."""
         total = numel = 0.0
         for b in self._buckets:
             group = self.param_groups[b.group_index]
             _, bc2 = bias_corrections(*group["betas"], step, group.get("bias_correction", True))
-            if self.zero_stage:  # rank 0 decides from its own chunk
-                v = b.flats.get("exp_avg_sq_shard")
-                v = v if v is not None else torch.zeros(0)
-            else:
-                v = b.flat("exp_avg_sq")
+            v = zero.own_variance(self, b) if self.zero_stage else b.flat("exp_avg_sq")
             total += float(v.sum()) / (bc2 * bc2)
             numel += v.numel()
+        if self.zero_stage:
+            total, numel = zero.sum_over_ranks(self, [total, numel])
         return total / max(numel, 1.0)
 
     def _auto_decision(self, step) -> bool:

@@ -203,11 +203,10 @@ class OnebitLamb(_FreezingAdam):
         values = zero.own_values(self, bucket)
         if wd != 0:
             update.add_(values, alpha=wd)
-        p_sq, u_sq = zero.layer_sums(self, bucket, [values * values, update * update])
-        ratios = _trust_ratios(p_sq.sqrt(), u_sq.sqrt(), group)
+        p_norm, u_norm = zero.layer_norms(self, bucket, [values, update])
+        ratios = _trust_ratios(p_norm, u_norm, group)
         self._record_trust_ratios(bucket, group, ratios)
-        per_element = torch.tensor(ratios, dtype=torch.float32, device=bucket.device)[zero.layer_ids(self, bucket)]
-        values.addcmul_(per_element, update, value=-lr)
+        values.addcmul_(zero.per_element(self, bucket, ratios, "coeff_shard"), update, value=-lr)
         zero.publish(self, bucket, values)
 
     def _record_trust_ratios(self, bucket, group, ratios):
@@ -310,8 +309,7 @@ class OnebitLamb(_FreezingAdam):
         torch._foreach_mul_(views, [-lr * c / bc1 for c in coeffs])
         torch._foreach_add_(params, views)
         if self.zero_stage and zero.master_shard(self, bucket) is not None:
-            ids = zero.layer_ids(self, bucket)
-            zero.compression_update(self, bucket, step, torch.tensor(decays, device=bucket.device)[ids], update)
+            zero.compression_update(self, bucket, step, zero.per_element(self, bucket, decays, "coeff_shard"), update)
 
     def _compression_coeffs(self, params, group, raw) -> list[float]:
         """Each layer's ``r_f * factor`` from the raw factors (clipped, and by the threshold)."""

@@ -12,7 +12,9 @@ Warmup (full precision):
   computes the new parameter values of its chunk, and one all-gather of the chunks gives every
   rank the new parameters (in place of the fp32 gradient all-reduce's second half). Per-layer
   quantities over a chunk (LAMB's norms) are reduced across the ranks from one all-gather of a
-  few floats per layer, summed in rank order, so every rank gets the same bits.
+  few floats per layer, summed in rank order, so every rank gets the same bits. The
+  ``freeze_step="auto"`` rule watches the mean variance of the whole model as without ZeRO: each
+  rank sums its chunks, and one all-gather of two floats adds the sums up.
 
 At the freeze the chunks of ``m`` and ``v`` are all-gathered once: every rank then holds the frozen
 denominator ``sqrt(v_f) + eps`` of the whole bucket (the compression-stage update needs it for
@@ -52,7 +54,8 @@ from compressed_opt.comm import chunk_numel, compressed_allreduce, expand_result
 from .buckets import Bucket
 
 #: bucket buffers of ZeRO that are workspace (not saved, not counted as state)
-SCRATCH = frozenset({"grad_padded", "grad_shard", "update_shard", "momentum_prev_shard", "layer_ids"})
+SCRATCH = frozenset({"grad_padded", "grad_shard", "update_shard", "momentum_prev_shard", "layer_ids",
+                     "square_shard", "coeff_shard"})
 
 
 def shard_range(bucket: Bucket, world: int, rank: int) -> tuple[int, int, int]:
@@ -255,14 +258,23 @@ def layer_ids(opt, bucket: Bucket) -> torch.Tensor:
     return ids
 
 
-def layer_sums(opt, bucket: Bucket, values: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Per layer of the bucket, the sum of each tensor of ``values`` (this rank's chunk of some
-    per-element quantity) over all ranks' chunks: one all-gather, summed in rank order."""
+def layer_norms(opt, bucket: Bucket, values: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per layer of the bucket, the L2 norm of each tensor of ``values`` (this rank's chunk of
+    a per-element quantity) over all ranks' chunks: sums of squares, one all-gather of them,
+    added in rank order (the same on every rank)."""
     ids, n_layers = layer_ids(opt, bucket), len(bucket.params)
     partial = torch.zeros(len(values), n_layers, dtype=torch.float32, device=bucket.device)
+    square = shard(bucket, "square_shard", own_range(opt, bucket)[2])[: ids.numel()]
     for row, v in zip(partial, values):
-        row.index_add_(0, ids, v)
-    return list(_gather(opt, partial.view(-1)).sum(dim=0).view(len(values), n_layers))
+        row.index_add_(0, ids, torch.mul(v, v, out=square))
+    return list(_gather(opt, partial.view(-1)).sum(dim=0).view(len(values), n_layers).sqrt_())
+
+
+def per_element(opt, bucket: Bucket, per_layer: list[float], name: str) -> torch.Tensor:
+    """A per-layer value spread over this rank's chunk (into the scratch buffer ``name``)."""
+    ids = layer_ids(opt, bucket)
+    values = torch.tensor(per_layer, dtype=torch.float32, device=bucket.device)
+    return torch.index_select(values, 0, ids, out=shard(bucket, name, own_range(opt, bucket)[2])[: ids.numel()])
 
 
 def layer_maxima(opt, bucket: Bucket, values: torch.Tensor) -> torch.Tensor:
@@ -272,6 +284,20 @@ def layer_maxima(opt, bucket: Bucket, values: torch.Tensor) -> torch.Tensor:
     partial = torch.zeros(n_layers, dtype=torch.float32, device=bucket.device)
     partial.scatter_reduce_(0, ids, values, "amax")
     return _gather(opt, partial).amax(dim=0)
+
+
+def own_variance(opt, bucket: Bucket) -> torch.Tensor:
+    """This rank's chunk of the warmup variance (empty before the first step)."""
+    lo, hi, _ = own_range(opt, bucket)
+    v = bucket.flats.get("exp_avg_sq_shard")
+    return v[: hi - lo] if v is not None else torch.zeros(0, device=bucket.device)
+
+
+def sum_over_ranks(opt, values: list[float]) -> list[float]:
+    """Each of ``values`` summed over the ranks (fp64, in rank order: the same on every rank)."""
+    device = opt._buckets[0].device if opt._buckets else torch.device("cpu")
+    mine = torch.tensor(values, dtype=torch.float64, device=device)
+    return _gather(opt, mine).sum(dim=0).tolist()
 
 
 def _gather(opt, partial: torch.Tensor) -> torch.Tensor:

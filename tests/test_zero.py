@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from compressed_opt import OnebitAdam, OnebitLamb
+from compressed_opt import OnebitAdam, OnebitLamb, VarianceStabilityRule
 from distributed import run_ranks, spawn_ranks
 from optim_tasks import mlp
 from test_onebit_adam import HP, gaussian_batches
@@ -172,3 +172,30 @@ def test_bf16_parameters_have_fp32_masters_and_resync(name):
     full = torch.cat([results[0][1][5][: m0[5].numel()], results[1][1][5]])
     flat = torch.cat([p.reshape(-1).float() for p in reversed(results[0][0][5])])
     torch.testing.assert_close(flat, full[: flat.numel()].bfloat16().float(), rtol=0, atol=0)
+
+
+def _auto_and_accumulation(rank, world, name, zero_stage):
+    """freeze_step="auto" with two micro-batches per step (accumulation_steps=2)."""
+    model = mlp()
+    rule = VarianceStabilityRule(window=3, rtol=0.05, min_step=4, max_step=12)
+    opt = make(name, model.parameters(), freeze_step=rule, zero_stage=zero_stage, accumulation_steps=2,
+               bucket_cap_mb=0.02)
+    for x, y in gaussian_batches(rank, world, 16):
+        opt.zero_grad()
+        for half in (slice(0, 16), slice(16, 32)):
+            nn.functional.cross_entropy(model(x[half]), y[half]).backward()
+        opt.step()
+    return opt.freeze_step, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_zero_auto_freeze_and_accumulation_as_unsharded(name):
+    """The auto rule watches the mean variance of the whole model also when it is sharded (a
+    sum over the chunks), so it freezes where the unsharded optimizer does."""
+    runs = {stage: run_ranks(_auto_and_accumulation, 2, name, stage) for stage in (0, 2)}
+    steps = {stage: [r[0] for r in results] for stage, results in runs.items()}
+    assert steps[0] == steps[2] and steps[0][0] == steps[0][1] and 4 <= steps[0][0] < 12, steps
+    for rank in range(2):
+        for a, b in zip(runs[2][rank][1], runs[0][rank][1]):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
