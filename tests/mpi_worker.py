@@ -310,10 +310,9 @@ def case_optimizer_modes(be):
     import tempfile
 
     import torch.distributed as dist
-    from torch import nn
 
     from compressed_opt import OnebitAdam, OnebitLamb, ZeroOneAdam
-    from optim_tasks import MODES, full_loss, in_mode, mlp, resume_diff, shard_batches
+    from optim_tasks import MODES, full_loss, in_mode, mlp, resume_diff, run_steps, shard_batches
 
     r, n = be.rank, be.world_size
     store = be.comm.bcast(tempfile.mktemp(prefix="compressed_opt_store_") if r == 0 else None, root=0)
@@ -328,20 +327,14 @@ def case_optimizer_modes(be):
                           dict(var_freeze_step=10**9, var_update_scaler=10**9)),  # every step full precision
     }
 
-    def train(net, opt, batches):
-        for x, y in batches:
-            opt.zero_grad()
-            nn.functional.cross_entropy(net(x), y).backward()
-            opt.step()
-
     try:
         for name, (cls, modes, hp, steps, schedule, uncompressed) in setups.items():
             batches = list(shard_batches(r, n, steps))
             baseline = mlp()
-            train(*in_mode(cls, baseline, "overlap", backend=be, **hp, **uncompressed), batches)
+            run_steps(*in_mode(cls, baseline, "overlap", backend=be, **hp, **uncompressed), batches)
             for mode in modes:
                 model = mlp()
-                train(*in_mode(cls, model, mode, backend=be, **hp, **schedule), batches)
+                run_steps(*in_mode(cls, model, mode, backend=be, **hp, **schedule), batches)
                 ratio = full_loss(model) / full_loss(baseline)
                 expect(ratio < 1.05, f"{name} {mode}: final loss {ratio:.3f}x the uncompressed optimizer's")
                 short = dict(freeze_step=4) if cls is not ZeroOneAdam else dict(

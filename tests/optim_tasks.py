@@ -68,19 +68,27 @@ def in_mode(cls, model: nn.Module, mode: str, **kwargs):
     return net, opt
 
 
+def run_steps(net, opt, batches) -> None:
+    """One optimizer step per ``(x, y)`` batch: cross-entropy of ``net(x)``."""
+    for x, y in batches:
+        opt.zero_grad()
+        nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+
+
 def resume_diff(fresh, batches, cut: int) -> float:
+    """The largest parameter difference of :func:`resume_run`."""
+    return resume_run(fresh, batches, cut)[0]
+
+
+def resume_run(fresh, batches, cut: int) -> tuple[float, dict]:
     """Train ``fresh()`` (a function giving ``(model, module to call, optimizer)``) on
     ``batches`` uninterrupted; again, checkpointing after ``cut`` steps (``torch.save``, loaded
     with ``weights_only=True``) and resuming in a new model and optimizer: the largest parameter
-    difference between the two at the end."""
+    difference between the two at the end, and the optimizer's checkpoint."""
     import io
 
-    def run(net, opt, part):
-        for x, y in part:
-            opt.zero_grad()
-            nn.functional.cross_entropy(net(x), y).backward()
-            opt.step()
-
+    run = run_steps
     model, net, opt = fresh()
     run(net, opt, batches)
     uninterrupted = [p.detach().clone() for p in model.parameters()]
@@ -94,4 +102,4 @@ def resume_diff(fresh, batches, cut: int) -> float:
     model.load_state_dict(ckpt["model"])
     opt.load_state_dict(ckpt["opt"])
     run(net, opt, batches[cut:])
-    return max((a - b).abs().max().item() for a, b in zip(uninterrupted, model.parameters()))
+    return max((a - b).abs().max().item() for a, b in zip(uninterrupted, model.parameters())), ckpt["opt"]

@@ -8,7 +8,7 @@ from torch import nn
 
 from compressed_opt import OnebitLamb, ZeroOneAdam
 from distributed import run_ranks
-from optim_tasks import MODES, full_loss, in_mode, mlp, resume_diff, shard_batches
+from optim_tasks import MODES, full_loss, in_mode, mlp, resume_diff, run_steps, shard_batches
 
 LAMB_MODES = MODES
 ZERO_ONE_MODES = ("overlap", "sync", "ddp")  # 0/1 Adam is not sharded (see compressed_opt.zero)
@@ -19,13 +19,6 @@ ZERO_ONE = dict(lr=3e-3, var_freeze_step=30, var_update_scaler=8, local_step_sca
 STEPS = 150
 
 
-def _train(net, opt, batches):
-    for x, y in batches:
-        opt.zero_grad()
-        nn.functional.cross_entropy(net(x), y).backward()
-        opt.step()
-
-
 def _lamb(rank, world):
     batches = list(shard_batches(rank, world, STEPS))
     losses = {}
@@ -33,7 +26,7 @@ def _lamb(rank, world):
         model = mlp()
         freeze = 10**9 if mode == "uncompressed" else 75
         net, opt = in_mode(OnebitLamb, model, "overlap" if mode == "uncompressed" else mode, freeze_step=freeze, **LAMB)
-        _train(net, opt, batches)
+        run_steps(net, opt, batches)
         losses[mode] = full_loss(model)
 
     def fresh(mode):
@@ -51,7 +44,7 @@ def _zero_one(rank, world):
     for mode in ZERO_ONE_MODES:
         model = mlp()
         net, opt = in_mode(ZeroOneAdam, model, mode, **ZERO_ONE)
-        _train(net, opt, batches)
+        run_steps(net, opt, batches)
         losses[mode], kinds[mode] = full_loss(model), opt.last_step_kind
     fast = dict(lr=1e-2, weight_decay=0.01, var_freeze_step=10, var_update_scaler=2, local_step_scaler=3,
                 local_step_clipper=4)
@@ -85,10 +78,7 @@ def test_zero_one_adam_in_every_mode():
     assert set(kinds.values()) == {"sync"}  # measured on synchronised parameters
     model = mlp()
     adamw = torch.optim.AdamW(model.parameters(), lr=ZERO_ONE["lr"], weight_decay=0.0)
-    for x, y in shard_batches(0, 1, 78, batch=128):  # the same global batches, one process
-        adamw.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        adamw.step()
+    run_steps(model, adamw, shard_batches(0, 1, 78, batch=128))  # the same global batches, one process
     reference = full_loss(model)
     for mode in ZERO_ONE_MODES:
         assert losses[mode] <= 1.05 * reference, (mode, losses, reference)

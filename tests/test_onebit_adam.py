@@ -10,7 +10,7 @@ from allreduce_reference import simulate
 from compressed_opt import OnebitAdam, VarianceStabilityRule
 from compressed_opt.comm import SingleProcessBackend, chunk_numel
 from distributed import run_ranks, spawn_ranks
-from optim_tasks import MODES, digits, full_loss, in_mode, mlp, shard_batches
+from optim_tasks import MODES, digits, full_loss, in_mode, mlp, resume_run, shard_batches
 
 HP = dict(lr=3e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
 
@@ -145,33 +145,9 @@ def test_converges_like_adamw_on_digits_in_every_mode():
 def _resume(rank, world, total, stop_at, freeze, mode="overlap"):
     def fresh():
         model = mlp()
-        net, opt = make_optimizer(model, mode, freeze_step=freeze, **HP)
-        return model, net, opt
+        return (model, *make_optimizer(model, mode, freeze_step=freeze, **HP))
 
-    batches = list(shard_batches(rank, world, total))
-
-    def run(net, opt, part):
-        for x, y in part:
-            opt.zero_grad()
-            nn.functional.cross_entropy(net(x), y).backward()
-            opt.step()
-
-    model, net, opt = fresh()
-    run(net, opt, batches)
-    uninterrupted = [p.detach().clone() for p in model.parameters()]
-
-    model, net, opt = fresh()
-    run(net, opt, batches[:stop_at])
-    buf = io.BytesIO()
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
-    buf.seek(0)
-    ckpt = torch.load(buf, weights_only=True)
-    model, net, opt = fresh()
-    model.load_state_dict(ckpt["model"])
-    opt.load_state_dict(ckpt["opt"])
-    run(net, opt, batches[stop_at:])
-    resumed = [p.detach().clone() for p in model.parameters()]
-    return max((a - b).abs().max().item() for a, b in zip(uninterrupted, resumed)), ckpt["opt"]
+    return resume_run(fresh, list(shard_batches(rank, world, total)), stop_at)
 
 
 @pytest.mark.multiprocess

@@ -14,7 +14,7 @@ from compressed_opt.comm import SingleProcessBackend
 from compressed_opt.freeze import VarianceStabilityRule
 from compressed_opt.zero_one_adam import ZeroOneAdam
 from distributed import run_ranks
-from optim_tasks import full_loss, mlp, shard_batches, train
+from optim_tasks import full_loss, mlp, run_steps, shard_batches, train
 
 WORLD = 2
 # phase A: refreshes at steps 1, 2, 4, 6, 8 (var_interval 1 -> 2 -> 4); phase B from step 9:
@@ -371,13 +371,6 @@ RESUME_STEPS = 26
 CUTS = (7, 20)  # phase A with var_interval 4 (error buffers in use); phase B inside an interval of 4
 
 
-def _run(model, opt, batches):
-    for x, y in batches:
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-
-
 def _snapshot(model, opt):
     state = [_flat(opt.state[p][name] for p in _bucket_order(model)) for name in ZeroOneAdam.bucket_state_names]
     errors = [e.clone() for e in opt.error_buffers(opt.buckets[0])]
@@ -392,12 +385,12 @@ def _resume(rank, world, hp, steps, cuts):
         return model, ZeroOneAdam(model.parameters(), **hp)
 
     model, opt = make()
-    _run(model, opt, batches)
+    run_steps(model, opt, batches)
     uninterrupted = _snapshot(model, opt)
     out = []
     for cut in cuts:
         model, opt = make()
-        _run(model, opt, batches[:cut])
+        run_steps(model, opt, batches[:cut])
         where = (opt.phase, opt.var_interval, opt.steps_since_sync, opt.local_step_interval)
         buf = io.BytesIO()
         torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, buf)
@@ -407,7 +400,7 @@ def _resume(rank, world, hp, steps, cuts):
         model, opt = make()
         model.load_state_dict(checkpoint["model"])
         opt.load_state_dict(checkpoint["optimizer"])
-        _run(model, opt, batches[cut:])
+        run_steps(model, opt, batches[cut:])
         diff = max((a - b).abs().max().item() for a, b in zip(uninterrupted, _snapshot(model, opt)))
         out.append((where, diff))
     return out
