@@ -113,9 +113,9 @@ def test_zero_resume_is_bit_exact(name):
     assert run_ranks(_resumes, 2, name, timeout=180) == [[0.0, 0.0, 0.0]] * 2
 
 
-def _load_on_other_rank(rank, world):
+def _load_on_other_rank(rank, world, name):
     model = mlp()
-    opt = OnebitAdam(model.parameters(), freeze_step=2, zero_stage=1, **HP)
+    opt = make(name, model.parameters(), freeze_step=2, zero_stage=1)
     for x, y in gaussian_batches(rank, world, 3):
         opt.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
@@ -123,7 +123,7 @@ def _load_on_other_rank(rank, world):
     sd = opt.state_dict()
     # swap checkpoints between the ranks by the file system of the test
     import os, tempfile  # noqa: E401
-    path = os.path.join(tempfile.gettempdir(), f"zero_swap_{os.getppid()}_{rank}.pt")
+    path = os.path.join(tempfile.gettempdir(), f"zero_swap_{name}_{os.getppid()}_{rank}.pt")
     torch.save(sd, path)
     opt.backend.barrier()
     other = torch.load(path.replace(f"_{rank}.pt", f"_{1 - rank}.pt"), weights_only=True)
@@ -133,8 +133,9 @@ def _load_on_other_rank(rank, world):
 
 
 @pytest.mark.multiprocess
-def test_zero_checkpoint_of_another_rank_is_refused_clearly():
-    for status, value in spawn_ranks(_load_on_other_rank, 2, timeout=90):
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_zero_checkpoint_of_another_rank_is_refused_clearly(name):
+    for status, value in spawn_ranks(_load_on_other_rank, 2, name, timeout=90):
         assert status == "error" and "holds the shards of rank" in value
 
 
@@ -199,3 +200,18 @@ def test_zero_auto_freeze_and_accumulation_as_unsharded(name):
     for rank in range(2):
         for a, b in zip(runs[2][rank][1], runs[0][rank][1]):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_parameters_cannot_change_after_the_first_sharded_step(name):
+    model = mlp()
+    opt = make(name, model.parameters(), freeze_step=2, zero_stage=2)
+    x, y = next(gaussian_batches(0, 1, 1))
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    with pytest.raises(RuntimeError, match="changed after the first step"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(3))]})
+    assert len(opt.param_groups) == 1  # the group was not kept
+    model[0].bias.requires_grad_(False)
+    with pytest.raises(RuntimeError, match="changed after the first step"):
+        opt.step()
