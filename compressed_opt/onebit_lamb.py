@@ -58,14 +58,13 @@ the last step applied).
 """
 from __future__ import annotations
 
-import math
 import numbers
 
 import torch
 
 from compressed_opt.comm import compressed_allreduce
 
-from . import zero
+from . import scaling, zero
 from .onebit_adam import _FreezingAdam
 from .optimizer import bias_corrections
 from .validation import check_nonneg_float
@@ -225,12 +224,10 @@ class OnebitLamb(_FreezingAdam):
         if any("scaling_coeff" not in st for st in states):
             if m is None:  # cannot happen: the coefficients are set when the momentum is whole
                 raise RuntimeError("1-bit LAMB: scaling coefficients missing after the first exchange")
-            norms = torch.stack(_norms(bucket.views(m))).tolist()
-            rms = [n / math.sqrt(p.numel()) if p.numel() else 0.0 for n, p in zip(norms, bucket.params)]
-            layers = [r for r, p in zip(rms, bucket.params) if p.numel()]
-            mean = sum(layers) / len(layers) if layers else 0.0
-            for st, r in zip(states, rms):
-                st["scaling_coeff"] = mean / r if r > 0 and mean > 0 and math.isfinite(mean / r) else 1.0
+            sizes = [p.numel() for p in bucket.params]
+            rms = scaling.rms_from_norms(torch.stack(_norms(bucket.views(m))).tolist(), sizes)
+            for st, c in zip(states, scaling.coefficients(rms, sizes)):
+                st["scaling_coeff"] = c
         return [st["scaling_coeff"] for st in states]
 
     def _exchange_scales(self, bucket):

@@ -48,6 +48,13 @@ the same numbers: right after each synchronisation the parameters are bitwise id
 ranks. Between synchronisations they differ (by design): evaluate or save the model right
 after a synchronising step (``optimizer.last_step_kind == "sync"``), or on one rank.
 
+*One scale per bucket.* The 1-bit exchange gives a whole bucket one scale, while its layers'
+gradients differ in size by orders of magnitude. Before each exchange every layer is multiplied
+by ``c_l = mean_k s_k / s_l`` with ``s_l = sqrt(mean v_l)`` (the typical size of the layer's
+gradient, and of its momentum), and divided by it after (:mod:`compressed_opt.scaling`). ``v``
+is the same on every rank, so are the coefficients; they are set again after every refresh
+(the error buffers carried over to them) and at the freeze.
+
 A param group whose ``lr`` summed to 0 over an interval moved nothing and has no momentum to
 recover (``y / 0``): its buckets skip that synchronisation's communication.
 
@@ -65,6 +72,7 @@ import torch
 
 from compressed_opt.comm import compressed_allreduce
 
+from . import scaling
 from .freeze import VarianceStabilityRule, resolve_rule, restore_rule
 from .optimizer import CompressedOptimizer
 from .validation import check_adam_group, check_step_count
@@ -123,8 +131,8 @@ class ZeroOneAdam(CompressedOptimizer):
             doc); ``False``: DeepSpeed's update, without correction.
         backend: a :class:`compressed_opt.comm.Backend`; ``None`` picks one
             (:func:`compressed_opt.comm.get_backend`).
-        bucket_cap_mb: size cap of the flat buckets (one collective per bucket). One bucket has
-            one compression scale: see the note below.
+        bucket_cap_mb: size cap of the flat buckets (one collective per bucket; its layers are
+            scaled to one size before compression, see below).
         overlap: launch each bucket's phase-A communication (full-precision or 1-bit gradient
             average) from backward as soon as its gradients are ready (``False``: everything in
             ``step()``). Phase-B synchronisations run in ``step()``: they need the step's lr.
@@ -138,12 +146,10 @@ class ZeroOneAdam(CompressedOptimizer):
     synchronisation). Progress: ``phase`` ("A"/"B"), ``var_interval``, ``local_step_interval``,
     ``last_step_kind``.
 
-    Note: a bucket is compressed with one scale (its RMS, DESIGN 2.1). Elements whose gradients are
-    small against that RMS but whose ``v`` is smaller still get 1-bit noise divided by
-    ``sqrt(v) + eps``: where a gradient is always exactly zero (``v = 0``), e.g. weights of an
-    input that is always zero, the parameter drifts by about ``lr * scale / eps`` per step
-    (harmless to the loss when the input really is always zero). Smaller buckets (down to one per
-    parameter, as DeepSpeed compressed per tensor) keep the scales closer to each layer's own.
+    A bucket is compressed with one scale (its RMS, DESIGN 2.1); each layer is multiplied by its
+    coefficient ``c_l = mean_k s_k / s_l``, ``s_l = sqrt(mean v_l)``, before every 1-bit exchange
+    and divided after (:mod:`compressed_opt.scaling`; ``optimizer.state[p]["scaling_coeff"]``),
+    so that a layer with small gradients is not drowned in the 1-bit noise of the large ones.
     """
 
     bucket_state_names = ("exp_avg", "exp_avg_sq", "momentum_accumulator", "sync_params")
@@ -211,13 +217,42 @@ class ZeroOneAdam(CompressedOptimizer):
     def _syncs_now(self) -> bool:
         return self.steps_since_sync + 1 >= self.local_step_interval
 
+    # --- per-layer scaling of the 1-bit exchanges ------------------------------------------------
+    def _layer_coeffs(self, bucket) -> list[float]:
+        """The bucket's per-layer coefficients (:mod:`compressed_opt.scaling`), from ``v``."""
+        states = [self.state[p] for p in bucket.params]
+        if any("scaling_coeff" not in st for st in states):
+            self._set_layer_coeffs(bucket)
+        return [st["scaling_coeff"] for st in states]
+
+    def _set_layer_coeffs(self, bucket) -> None:
+        """``c_l = mean_k s_k / s_l`` with ``s_l = sqrt(mean v_l)``: a layer's typical gradient
+        (phase A), and of its momentum (phase B). ``v`` is the same on every rank, so are the
+        coefficients. Called after every refresh and at the freeze; the error buffers are moved
+        to the new coefficients."""
+        rms = scaling.rms_from_variance(bucket.views(bucket.flat("exp_avg_sq")))
+        new = scaling.coefficients(rms, [p.numel() for p in bucket.params])
+        states = [self.state[p] for p in bucket.params]
+        if all("scaling_coeff" in st for st in states):
+            scaling.rescale_errors(self, bucket, [st["scaling_coeff"] for st in states], new)
+        for st, c in zip(states, new):
+            st["scaling_coeff"] = c
+
+    def _exchange(self, bucket, x) -> None:
+        """``x`` <- the 1-bit compressed average of the ranks' ``x``, each layer scaled by its
+        coefficient for the exchange."""
+        coeffs, views = self._layer_coeffs(bucket), bucket.views(x)
+        scaling.scale_(views, coeffs)
+        worker_error, server_error = self.error_buffers(bucket)
+        compressed_allreduce(x, worker_error, server_error, self.backend)
+        scaling.unscale_(views, coeffs)
+
     # --- the step ------------------------------------------------------------------------------
     def _bucket_communicate(self, bucket, group, grad, step):
         """Phase A, a step without variance refresh: ``grad`` becomes the 1-bit compressed average
         of the ranks' gradients (phase B communicates only in ``_local_step``, which needs lr)."""
         if not self.frozen:
-            worker_error, server_error = self.error_buffers(bucket)
-            compressed_allreduce(grad, worker_error, server_error, self.backend)
+            self._exchange(bucket, grad)
 
     def _bucket_step(self, bucket, group, grad, step, averaged):
         if self.frozen:
@@ -265,8 +300,7 @@ class ZeroOneAdam(CompressedOptimizer):
         if lr_sum > 0:
             # y = average of acc * (sqrt(v) + eps) = sum lr m, identical on every rank
             acc.mul_(denom)
-            worker_error, server_error = self.error_buffers(bucket)
-            compressed_allreduce(acc, worker_error, server_error, self.backend)
+            self._exchange(bucket, acc)
             _no_variance_no_move_(acc, bucket, v, False)
             torch.div(acc, lr_sum, out=m)
             acc.div_(denom)
@@ -284,6 +318,8 @@ class ZeroOneAdam(CompressedOptimizer):
         refreshed = step % self.var_interval == 0
         self.last_step_kind = "refresh" if refreshed else "compressed"
         if refreshed:
+            for b in self._buckets:  # v changed: so do the layers' coefficients
+                self._set_layer_coeffs(b)
             self.var_refreshes += 1
             self.var_counter += 1
             if self.var_counter >= self.var_update_scaler:
@@ -342,6 +378,8 @@ class ZeroOneAdam(CompressedOptimizer):
             b.flat("momentum_accumulator").zero_()
             torch._foreach_copy_(b.views(b.flat("sync_params")), b.params)
         self.reset_error_buffers()
+        for b in self._buckets:  # from the frozen v: the typical size of each layer's momentum
+            self._set_layer_coeffs(b)
         self.frozen = True
         self.var_freeze_step = step
         self.steps_since_sync = 0

@@ -317,12 +317,11 @@ def case_optimizer_modes(be):
     r, n = be.rank, be.world_size
     store = be.comm.bcast(tempfile.mktemp(prefix="compressed_opt_store_") if r == 0 else None, root=0)
     dist.init_process_group("gloo", store=dist.FileStore(store, n), rank=r, world_size=n)  # for DDP
-    one_bucket_per_tensor = dict(bucket_cap_mb=1e-6)  # 0/1 Adam: one compression scale per tensor
     setups = {  # optimizer, its modes, hyperparameters, steps, freeze, the uncompressed baseline
         "onebit_adam": (OnebitAdam, MODES, dict(lr=1e-3), 150, dict(freeze_step=40), dict(freeze_step=10**9)),
         "onebit_lamb": (OnebitLamb, MODES, dict(lr=0.02, max_coeff=0.25), 150, dict(freeze_step=75),
                         dict(freeze_step=10**9)),
-        "zero_one_adam": (ZeroOneAdam, ("overlap", "sync", "ddp"), dict(lr=3e-3, **one_bucket_per_tensor), 78,
+        "zero_one_adam": (ZeroOneAdam, ("overlap", "sync", "ddp"), dict(lr=3e-3), 78,
                           dict(var_freeze_step=30, var_update_scaler=8, local_step_scaler=10, local_step_clipper=4),
                           dict(var_freeze_step=10**9, var_update_scaler=10**9)),  # every step full precision
     }

@@ -13,9 +13,7 @@ from optim_tasks import MODES, full_loss, in_mode, mlp, resume_diff, run_steps, 
 LAMB_MODES = MODES
 ZERO_ONE_MODES = ("overlap", "sync", "ddp")  # 0/1 Adam is not sharded (see compressed_opt.zero)
 LAMB = dict(lr=0.02, max_coeff=0.25)
-# one bucket per parameter: one compression scale per tensor (see test_zero_one_adam.py)
-ZERO_ONE = dict(lr=3e-3, var_freeze_step=30, var_update_scaler=8, local_step_scaler=10, local_step_clipper=4,
-                bucket_cap_mb=1e-6)
+ZERO_ONE = dict(lr=3e-3, var_freeze_step=30, var_update_scaler=8, local_step_scaler=10, local_step_clipper=4)
 STEPS = 150
 
 
