@@ -215,3 +215,37 @@ def test_parameters_cannot_change_after_the_first_sharded_step(name):
     model[0].bias.requires_grad_(False)
     with pytest.raises(RuntimeError, match="changed after the first step"):
         opt.step()
+
+
+def _amp_overflow(rank, world, name, zero_stage):
+    model = mlp()
+    opt = make(name, model.parameters(), freeze_step=3, zero_stage=zero_stage, bucket_cap_mb=0.02)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    taken = []
+    for step, (x, y) in enumerate(gaussian_batches(rank, world, 8)):
+        opt.zero_grad()
+        scaler.scale(nn.functional.cross_entropy(model(x), y)).backward()
+        if step in (2, 5) and rank == 1:  # warmup and compression stage: one rank overflows
+            next(model.parameters()).grad[0, 0] = float("inf")
+        before = opt.global_step
+        scaler.step(opt)
+        scaler.update()
+        taken.append(opt.global_step - before)
+    return taken, [p.detach().clone() for p in model.parameters()]
+
+
+def _amp_both_stages(rank, world, name):
+    return [_amp_overflow(rank, world, name, stage) for stage in (0, 2)]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_zero_grad_scaler_overflow_on_one_rank_skips_everywhere(name):
+    results = run_ranks(_amp_both_stages, 2, name, timeout=120)
+    for rank in range(2):
+        for taken, _ in results[rank]:
+            assert taken == [1, 1, 0, 1, 1, 0, 1, 1]
+        (_, plain), (_, sharded) = results[rank]
+        for a, b in zip(sharded, plain):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(results[0][1][1], results[1][1][1]))
