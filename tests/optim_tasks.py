@@ -103,3 +103,21 @@ def resume_run(fresh, batches, cut: int) -> tuple[float, dict]:
     opt.load_state_dict(ckpt["opt"])
     run(net, opt, batches[cut:])
     return max((a - b).abs().max().item() for a, b in zip(uninterrupted, model.parameters())), ckpt["opt"]
+
+
+def steps_with_overflow(model, opt, rank: int, batches, overflow_steps=(2, 5), overflow_rank: int = 1):
+    """Train under a ``GradScaler``; on rank ``overflow_rank`` one gradient is made inf at the
+    steps ``overflow_steps`` (0-based). Per step whether it was taken (1 or 0), and the final
+    parameters."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    taken = []
+    for step, (x, y) in enumerate(batches):
+        opt.zero_grad()
+        scaler.scale(nn.functional.cross_entropy(model(x), y)).backward()
+        if step in overflow_steps and rank == overflow_rank:
+            next(model.parameters()).grad.view(-1)[0] = float("inf")
+        before = opt.global_step
+        scaler.step(opt)
+        scaler.update()
+        taken.append(opt.global_step - before)
+    return taken, [p.detach().clone() for p in model.parameters()]

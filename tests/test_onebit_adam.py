@@ -10,7 +10,7 @@ from allreduce_reference import simulate
 from compressed_opt import OnebitAdam, VarianceStabilityRule
 from compressed_opt.comm import SingleProcessBackend, chunk_numel
 from distributed import run_ranks, spawn_ranks
-from optim_tasks import MODES, digits, full_loss, in_mode, mlp, resume_run, shard_batches
+from optim_tasks import MODES, digits, full_loss, in_mode, mlp, resume_run, shard_batches, steps_with_overflow
 
 HP = dict(lr=3e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
 
@@ -187,18 +187,7 @@ def test_checkpoint_from_another_world_size_resets_error_buffers_with_a_warning(
 def _amp_overflow_on_one_rank(rank, world):
     model = mlp()
     opt = OnebitAdam(model.parameters(), freeze_step=3, **HP)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
-    steps_taken = []
-    for step, (x, y) in enumerate(shard_batches(rank, world, 8)):
-        opt.zero_grad()
-        scaler.scale(nn.functional.cross_entropy(model(x), y)).backward()
-        if step in (2, 5) and rank == 1:
-            next(model.parameters()).grad[0, 0] = float("inf")
-        before = opt.global_step
-        scaler.step(opt)
-        scaler.update()
-        steps_taken.append(opt.global_step - before)
-    return steps_taken, [p.detach().clone() for p in model.parameters()]
+    return steps_with_overflow(model, opt, rank, shard_batches(rank, world, 8))
 
 
 @pytest.mark.multiprocess

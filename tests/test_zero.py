@@ -8,7 +8,7 @@ from torch import nn
 
 from compressed_opt import OnebitAdam, OnebitLamb, VarianceStabilityRule
 from distributed import run_ranks, spawn_ranks
-from optim_tasks import mlp
+from optim_tasks import mlp, steps_with_overflow
 from test_onebit_adam import HP, gaussian_batches
 from test_onebit_lamb import HP as LAMB_HP
 
@@ -218,20 +218,10 @@ def test_parameters_cannot_change_after_the_first_sharded_step(name):
 
 
 def _amp_overflow(rank, world, name, zero_stage):
+    """One rank overflows at a warmup and at a compression-stage step."""
     model = mlp()
     opt = make(name, model.parameters(), freeze_step=3, zero_stage=zero_stage, bucket_cap_mb=0.02)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
-    taken = []
-    for step, (x, y) in enumerate(gaussian_batches(rank, world, 8)):
-        opt.zero_grad()
-        scaler.scale(nn.functional.cross_entropy(model(x), y)).backward()
-        if step in (2, 5) and rank == 1:  # warmup and compression stage: one rank overflows
-            next(model.parameters()).grad[0, 0] = float("inf")
-        before = opt.global_step
-        scaler.step(opt)
-        scaler.update()
-        taken.append(opt.global_step - before)
-    return taken, [p.detach().clone() for p in model.parameters()]
+    return steps_with_overflow(model, opt, rank, gaussian_batches(rank, world, 8))
 
 
 def _amp_both_stages(rank, world, name):
