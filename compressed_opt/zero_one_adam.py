@@ -98,12 +98,19 @@ def _variance_(v: torch.Tensor, grad: torch.Tensor, beta2: float) -> None:
 def _no_variance_no_move_(t: torch.Tensor, bucket, v: torch.Tensor, refreshed: bool) -> None:
     """``t = 0`` where ``v == 0``: a coordinate that never had a gradient on a refresh step is
     not moved. 1-bit compression gives it ``+-scale`` like every coordinate, and divided by
-    ``eps`` that would blow it up (see OnebitAdam's frozen denominator). The mask changes only
-    when ``v`` does (refresh steps), so it is kept per bucket between them."""
-    mask = bucket.flats.get("no_variance")
-    if mask is None or refreshed:
-        mask = bucket.flats["no_variance"] = torch.eq(v, 0, out=mask) if mask is not None else v == 0
-    t.masked_fill_(mask, 0.0)
+    ``eps`` that would blow it up (see OnebitAdam's frozen denominator). Those coordinates change
+    only when ``v`` does (refresh steps), so they are kept per bucket between them: as indices
+    when they are few (the usual case; ``index_fill_`` then touches only them, where a mask
+    would cost a pass over the bucket), as a mask when they are many."""
+    zeros = bucket.flats.get("no_variance")
+    if zeros is None or refreshed:
+        mask = v == 0
+        few = int(mask.sum()) * 16 <= v.numel()  # indices (8 bytes each) then take at most n/2 bytes
+        zeros = bucket.flats["no_variance"] = mask.nonzero().view(-1) if few else mask
+    if zeros.dtype == torch.bool:
+        t.masked_fill_(zeros, 0.0)
+    elif zeros.numel():
+        t.index_fill_(0, zeros, 0.0)
 
 
 def _denominator(v: torch.Tensor, out: torch.Tensor, eps: float, bc2: float = 1.0) -> torch.Tensor:

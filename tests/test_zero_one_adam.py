@@ -501,3 +501,25 @@ def test_coordinates_without_gradient_stay_put():
         opt.step()
     assert torch.equal(layer.weight[:, 0], start[:, 0])
     assert torch.isfinite(layer.weight).all() and not torch.equal(layer.weight[:, 1:], start[:, 1:])
+
+
+@pytest.mark.parametrize("zero_fraction", [0.01, 0.5])  # kept as indices / as a mask
+def test_zero_variance_coordinates_are_zeroed_either_way(zero_fraction):
+    from compressed_opt.buckets import Bucket
+    from compressed_opt.zero_one_adam import _no_variance_no_move_
+
+    g = torch.Generator().manual_seed(0)
+    v = torch.rand(1000, generator=g) + 0.1
+    zero_at = torch.randperm(1000, generator=g)[: int(1000 * zero_fraction)]
+    v[zero_at] = 0.0
+    bucket = Bucket(0, 0, [], [], 1000, torch.device("cpu"))
+    t = torch.randn(1000, generator=g)
+    expected = t.masked_fill(v == 0, 0.0)
+    _no_variance_no_move_(t, bucket, v, refreshed=True)
+    assert torch.equal(t, expected)
+    kept = bucket.flats["no_variance"]
+    assert kept.dtype == (torch.int64 if zero_fraction < 1 / 16 else torch.bool)
+    t2 = torch.randn(1000, generator=g)
+    expected2 = t2.masked_fill(v == 0, 0.0)
+    _no_variance_no_move_(t2, bucket, v, refreshed=False)  # reused between refreshes
+    assert torch.equal(t2, expected2) and bucket.flats["no_variance"] is kept
