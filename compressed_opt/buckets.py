@@ -23,6 +23,9 @@ class Bucket:
     numel: int
     device: torch.device
     flats: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: views of the bucket's own buffers, by (address, dtype, device): made once (a model with
+    #: thousands of parameters would otherwise spend most of a step slicing)
+    _views: dict = field(default_factory=dict, repr=False, compare=False)
 
     def flat(self, name: str) -> torch.Tensor:
         """The fp32 buffer ``name`` of this bucket (zeros on first use)."""
@@ -32,8 +35,19 @@ class Bucket:
         return buf
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Per-parameter views of a flat buffer, shaped like the parameters."""
-        return [flat[o : o + p.numel()].view_as(p) for p, o in zip(self.params, self.offsets)]
+        """Per-parameter views of a flat buffer, shaped like the parameters (do not modify the
+        list). Views of one of the bucket's ``flats`` (or of a slice starting where it starts)
+        are kept until that buffer leaves ``flats``; views of other tensors are made each call."""
+        own = {(t.data_ptr(), t.dtype, t.device) for t in self.flats.values()}
+        for stale in [k for k in self._views if k not in own]:
+            del self._views[stale]  # the buffer was dropped: let it go
+        key = (flat.data_ptr(), flat.dtype, flat.device)
+        views = self._views.get(key)
+        if views is None:
+            views = [flat[o : o + p.numel()].view_as(p) for p, o in zip(self.params, self.offsets)]
+            if key in own and flat.is_contiguous():
+                self._views[key] = views
+        return views
 
     def gather_grads(self, out: torch.Tensor, inv_scale: float | None = None) -> None:
         """``out`` <- this bucket's gradients (zeros where a parameter has none), times ``inv_scale``."""
