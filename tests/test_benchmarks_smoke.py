@@ -135,3 +135,16 @@ def test_optimizer_modes_memory_reports_every_mode(tmp_path, optimizer, modes):
     if "zero1" in by_mode:
         for stage in ("warmup", "compression"):
             assert by_mode["zero1"]["state_bytes"][stage] < by_mode["sync"]["state_bytes"][stage]
+
+
+def test_step_overhead_reports_every_optimizer(tmp_path):
+    out = tmp_path / "overhead.json"
+    cmd = [sys.executable, "-P", os.path.join(BENCH, "step_overhead.py"), "--tensors", "20", "--elements", "20000",
+           "--steps", "4", "--json", str(out)]
+    done = subprocess.run(cmd, cwd=str(tmp_path), env=_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    results = json.loads(out.read_text())["results"]
+    assert [r["optimizer"] for r in results] == ["OnebitAdam", "OnebitLamb", "ZeroOneAdam"]
+    for r in results:
+        assert r["few"]["tensors"] == 2 and r["many"]["tensors"] == 20
+        assert r["few"]["step_s"] > 0 and r["many_over_few"] > 0
