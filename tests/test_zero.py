@@ -239,3 +239,36 @@ def test_zero_grad_scaler_overflow_on_one_rank_skips_everywhere(name):
         for a, b in zip(sharded, plain):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     assert all(torch.equal(a, b) for a, b in zip(results[0][1][1], results[1][1][1]))
+
+
+def _groups_unused_and_empty(rank, world, name, zero_stage):
+    """Two param groups, a head that only some ranks use each step, an empty parameter."""
+    torch.manual_seed(0)
+    trunk, head_a, head_b = nn.Linear(64, 32), nn.Linear(32, 10), nn.Linear(32, 10)
+    empty = nn.Parameter(torch.zeros(0, 4))
+    cls, hp = OPTIMIZERS[name]
+    groups = [{"params": [*trunk.parameters(), empty]}, {"params": [*head_a.parameters(), *head_b.parameters()],
+                                                          "weight_decay": 0.0}]
+    opt = cls(groups, freeze_step=3, zero_stage=zero_stage, bucket_cap_mb=0.004, **hp)
+    for step, (x, y) in enumerate(gaussian_batches(rank, world, 7)):
+        opt.zero_grad(set_to_none=True)
+        head = head_a if (rank + step) % 2 == 0 else head_b
+        (nn.functional.cross_entropy(head(torch.tanh(trunk(x))), y) + empty.sum()).backward()
+        opt.step()
+    return [p.detach().clone() for m in (trunk, head_a, head_b) for p in m.parameters()], len(opt.buckets)
+
+
+def _groups_both(rank, world, name):
+    return [_groups_unused_and_empty(rank, world, name, stage) for stage in (0, 2)]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_zero_with_param_groups_unused_and_empty_parameters(name):
+    results = run_ranks(_groups_both, 2, name, timeout=120)
+    for rank in range(2):
+        (plain, n_plain), (sharded, n_sharded) = results[rank]
+        assert n_plain == n_sharded >= 3
+        for a, b in zip(sharded, plain):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(results[0][1][0], results[1][1][0]))
