@@ -27,13 +27,22 @@ def _optimizer_class(kind: str):
     return {"onebitadam": OnebitAdam, "onebitlamb": OnebitLamb, "zerooneadam": ZeroOneAdam}[kind]
 
 
-def from_deepspeed_config(params, optimizer_section: dict[str, Any], *, backend=None, deepspeed_numerics: bool = False):
+_OPTIONS = {"zero_stage", "master_resync_interval", "overlap", "bucket_cap_mb", "accumulation_steps"}
+
+
+def from_deepspeed_config(params, optimizer_section: dict[str, Any], *, backend=None, deepspeed_numerics: bool = False,
+                          **options):
     """The optimizer a DeepSpeed ``"optimizer"`` section describes, over ``params``.
 
     ``optimizer_section`` is the dict under ``"optimizer"`` (``{"type": ..., "params": {...}}``);
-    the whole DeepSpeed config is accepted too. ``backend`` overrides ``comm_backend_name``.
-    ``deepspeed_numerics=True`` turns bias correction off, as DeepSpeed's optimizers had it.
-    Unknown parameters raise ``ValueError`` naming them (a typo must not fall back silently).
+    the whole DeepSpeed config is accepted too, and then its ``"zero_optimization"`` stage 1 or 2
+    becomes ``zero_stage`` (DeepSpeed refused ZeRO with these optimizers; OnebitAdam and
+    OnebitLamb shard by it, ZeroOneAdam says why it does not; stage 3 is refused). ``backend``
+    overrides ``comm_backend_name``. ``deepspeed_numerics=True`` turns bias correction off, as
+    DeepSpeed's optimizers had it. ``options``: this library's own arguments (``zero_stage``,
+    ``master_resync_interval``, ``overlap``, ``bucket_cap_mb``, ``accumulation_steps``), over the
+    config. Unknown parameters raise ``ValueError`` naming them (a typo must not fall back
+    silently).
     """
     if not isinstance(optimizer_section, dict):
         raise TypeError(f"optimizer_section must be a dict, got {type(optimizer_section).__name__}")
@@ -48,6 +57,18 @@ def from_deepspeed_config(params, optimizer_section: dict[str, Any], *, backend=
     unknown = sorted(set(args) - _KEYS[kind])
     if unknown:
         raise ValueError(f"unknown {section['type']} parameter(s) {unknown}; supported: {sorted(_KEYS[kind])}")
+    unknown = sorted(set(options) - _OPTIONS)
+    if unknown:
+        raise ValueError(f"unknown option(s) {unknown}; this library's options: {sorted(_OPTIONS)}")
+    if "optimizer" in optimizer_section and "zero_stage" not in options:
+        stage = (optimizer_section.get("zero_optimization") or {}).get("stage", 0)
+        if stage not in (0, 1, 2):
+            raise ValueError(
+                f"zero_optimization stage {stage!r}: the optimizer state can be sharded with stage 1 or 2 "
+                "(zero_stage); stage 3 (sharded parameters) is not supported"
+            )
+        if stage:
+            options["zero_stage"] = stage
     backend_name = str(args.pop("comm_backend_name", "auto")).lower()
     cuda_aware = args.pop("cuda_aware", None)
     if backend is None:
@@ -63,4 +84,4 @@ def from_deepspeed_config(params, optimizer_section: dict[str, Any], *, backend=
         args["betas"] = tuple(args["betas"])
     if deepspeed_numerics:
         args["bias_correction"] = False
-    return _optimizer_class(kind)(params, backend=backend, **args)
+    return _optimizer_class(kind)(params, backend=backend, **args, **options)

@@ -51,3 +51,29 @@ def test_zero_one_adam_section():
 def test_bad_sections_say_what_is_wrong(section, match):
     with pytest.raises(ValueError, match=match):
         from_deepspeed_config(params(), section)
+
+
+def test_zero_stage_from_the_whole_config_and_options():
+    config = {"optimizer": {"type": "OneBitLamb", "params": {"lr": 1e-3, "freeze_step": 10}},
+              "zero_optimization": {"stage": 2}}
+    opt = from_deepspeed_config(params(), config, backend=SingleProcessBackend())
+    assert isinstance(opt, OnebitLamb) and opt.zero_stage == 2
+    opt = from_deepspeed_config(params(), config, backend=SingleProcessBackend(), zero_stage=0, overlap=False,
+                                bucket_cap_mb=1.0)
+    assert opt.zero_stage == 0 and opt.overlap is False and opt.bucket_cap_bytes == 2**20
+    section_only = from_deepspeed_config(params(), config["optimizer"], backend=SingleProcessBackend())
+    assert section_only.zero_stage == 0  # a section alone carries no ZeRO setting
+
+
+@pytest.mark.parametrize("config, match", [
+    ({"optimizer": {"type": "OneBitAdam", "params": {}}, "zero_optimization": {"stage": 3}}, "stage 3"),
+    ({"optimizer": {"type": "ZeroOneAdam", "params": {}}, "zero_optimization": {"stage": 1}}, "not sharded"),
+])
+def test_zero_settings_that_cannot_be_honoured_say_why(config, match):
+    with pytest.raises(ValueError, match=match):
+        from_deepspeed_config(params(), config, backend=SingleProcessBackend())
+
+
+def test_unknown_option_is_named():
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['zero'\]"):
+        from_deepspeed_config(params(), {"type": "OneBitAdam", "params": {}}, zero=1)
