@@ -264,7 +264,8 @@ class OnebitLamb(_FreezingAdam):
         if self.zero_stage:
             lo, hi, _ = zero.own_range(self, bucket)
             previous, m = bucket.flats["momentum_prev_shard"][: hi - lo], momentum
-            v_fresh, denom_own, current = bucket.flats["exp_avg_sq_fresh_shard"][: hi - lo], denom[lo:hi], momentum[lo:hi]
+            v_fresh = bucket.flats["exp_avg_sq_fresh_shard"][: hi - lo]
+            denom_own, current = denom[lo:hi], momentum[lo:hi]
         else:
             previous = m = bucket.flat("exp_avg")
             v_fresh, denom_own, current = bucket.flat("exp_avg_sq_fresh"), denom, momentum
