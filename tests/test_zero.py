@@ -61,8 +61,9 @@ def test_zero_stages_give_the_unsharded_parameters(name, world):
         assert n_buckets >= 2
         warm, comp = sharded[0][1][freeze - 2], sharded[0][1][-1]
         plain_warm, plain_comp = plain[0][1][freeze - 2], plain[0][1][-1]
+        # the acceptance bound of the ZeRO issue: <= 0.6x of stage 0 (2 ranks; less with more)
         assert warm <= 0.6 * plain_warm, (stage, warm, plain_warm)
-        assert comp <= 0.8 * plain_comp, (stage, comp, plain_comp)
+        assert comp <= 0.6 * plain_comp, (stage, comp, plain_comp)
         # compression stage: 1-bit traffic only, no full-precision all-reduce or all-gather of parameters
         last = sharded[0][2][-1]
         assert last.get("all_reduce", 0) == 0 and last.get("reduce_scatter", 0) == 0
