@@ -225,21 +225,26 @@ def _amp_overflow(rank, world, name, zero_stage):
     return steps_with_overflow(model, opt, rank, gaussian_batches(rank, world, 8))
 
 
-def _amp_both_stages(rank, world, name):
-    return [_amp_overflow(rank, world, name, stage) for stage in (0, 2)]
+def _unsharded_and_sharded(rank, world, fn, name):
+    """``fn(rank, world, name, zero_stage)`` with stage 0 and with stage 2; each returns
+    ``(something, parameters)``."""
+    return [fn(rank, world, name, stage) for stage in (0, 2)]
+
+
+def _assert_sharded_as_unsharded(results):
+    """Stage 2's parameters close to stage 0's on every rank, and the same on every rank."""
+    for (_, plain), (_, sharded) in results:
+        for a, b in zip(sharded, plain):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(results[0][1][1], results[1][1][1]))
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_zero_grad_scaler_overflow_on_one_rank_skips_everywhere(name):
-    results = run_ranks(_amp_both_stages, 2, name, timeout=120)
-    for rank in range(2):
-        for taken, _ in results[rank]:
-            assert taken == [1, 1, 0, 1, 1, 0, 1, 1]
-        (_, plain), (_, sharded) = results[rank]
-        for a, b in zip(sharded, plain):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
-    assert all(torch.equal(a, b) for a, b in zip(results[0][1][1], results[1][1][1]))
+    results = run_ranks(_unsharded_and_sharded, 2, _amp_overflow, name, timeout=120)
+    assert [taken for rank in results for taken, _ in rank] == [[1, 1, 0, 1, 1, 0, 1, 1]] * 4
+    _assert_sharded_as_unsharded(results)
 
 
 def _groups_unused_and_empty(rank, world, name, zero_stage):
@@ -256,20 +261,12 @@ def _groups_unused_and_empty(rank, world, name, zero_stage):
         head = head_a if (rank + step) % 2 == 0 else head_b
         (nn.functional.cross_entropy(head(torch.tanh(trunk(x))), y) + empty.sum()).backward()
         opt.step()
-    return [p.detach().clone() for m in (trunk, head_a, head_b) for p in m.parameters()], len(opt.buckets)
-
-
-def _groups_both(rank, world, name):
-    return [_groups_unused_and_empty(rank, world, name, stage) for stage in (0, 2)]
+    return len(opt.buckets), [p.detach().clone() for m in (trunk, head_a, head_b) for p in m.parameters()]
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_zero_with_param_groups_unused_and_empty_parameters(name):
-    results = run_ranks(_groups_both, 2, name, timeout=120)
-    for rank in range(2):
-        (plain, n_plain), (sharded, n_sharded) = results[rank]
-        assert n_plain == n_sharded >= 3
-        for a, b in zip(sharded, plain):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
-    assert all(torch.equal(a, b) for a, b in zip(results[0][1][0], results[1][1][0]))
+    results = run_ranks(_unsharded_and_sharded, 2, _groups_unused_and_empty, name, timeout=120)
+    assert all(n_buckets >= 3 for rank in results for n_buckets, _ in rank)
+    _assert_sharded_as_unsharded(results)
