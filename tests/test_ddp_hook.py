@@ -102,3 +102,31 @@ def test_resume_under_ddp_is_bit_exact_on_three_ranks():
     """DDP reorders its bucket after the first iteration; the hook lays it out in the optimizer's
     order, so a resumed run's 3-rank all-reduces round as the uninterrupted run's did."""
     assert run_ranks(_resume_three_ranks, 3, timeout=180) == [[0.0, 0.0]] * 3
+
+
+def _bf16_under_ddp(rank, world, name):
+    model = mlp(dtype=torch.bfloat16)
+    net = DDP(model)
+    cls = {"adam": OnebitAdam, "lamb": OnebitLamb}[name]
+    opt = cls(net.parameters(), lr=1e-3, freeze_step=3)
+    register_ddp_comm_hook(net, opt)
+    snaps = []
+    for x, y in shard_batches(rank, world, 7):
+        opt.zero_grad()
+        nn.functional.cross_entropy(net(x.bfloat16()).float(), y).backward()
+        opt.step()
+        snaps.append([p.detach().float().clone() for p in model.parameters()])
+    return snaps, opt.compressing
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", ["adam", "lamb"])
+def test_bf16_model_under_ddp_hook(name):
+    """DDP's bucket is bf16: the warmup average runs in it, the 1-bit exchange on an fp32 copy."""
+    results = run_ranks(_bf16_under_ddp, 2, name, timeout=120)
+    (snaps0, compressing), (snaps1, _) = results
+    assert compressing
+    for a, b in zip(snaps0, snaps1):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))  # the ranks agree, every step
+    assert all(torch.isfinite(p).all() for p in snaps0[-1])
+    assert max((a - b).abs().max().item() for a, b in zip(snaps0[-1], snaps0[2])) > 0  # the 1-bit stage moves
