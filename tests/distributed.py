@@ -81,3 +81,13 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120.0):
     if errors:
         raise RanksFailed("\n".join(errors))
     return [v for _, v in outcomes]
+
+
+def child_env() -> dict:
+    """The environment for a subprocess that starts a job of its own (a benchmark script): one
+    thread, no PYTHONPATH, and no launcher variables (they would make it join the test's job)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("PYTHONPATH", None)
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        env.pop(var, None)
+    return env

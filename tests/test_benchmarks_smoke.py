@@ -12,25 +12,24 @@ import uuid
 
 import pytest
 
+from distributed import child_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "benchmarks")
 OPS = ("fp32", "bf16", "compressed")
 
 
-def _env():
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("PYTHONPATH", None)
-    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        env.pop(var, None)  # a launcher's variables would make the script join that job
-    return env
+def _run_script(tmp_path, script: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``python -P benchmarks/<script> args...`` in ``tmp_path``, as a job of its own."""
+    cmd = [sys.executable, "-P", os.path.join(BENCH, script), *args]
+    return subprocess.run(cmd, cwd=str(tmp_path), env=child_env(), capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.multiprocess
 def test_comm_bandwidth_launch_2_writes_json(tmp_path):
     out = tmp_path / "bw.json"
-    cmd = [sys.executable, "-P", os.path.join(BENCH, "comm_bandwidth.py"), "--launch", "2", "--sizes-mb", "1",
-           "--iters", "2", "--warmup", "1", "--timeout", "50", "--json", str(out)]
-    done = subprocess.run(cmd, cwd=str(tmp_path), env=_env(), capture_output=True, text=True, timeout=60)
+    done = _run_script(tmp_path, "comm_bandwidth.py", "--launch", "2", "--sizes-mb", "1", "--iters", "2",
+                       "--warmup", "1", "--timeout", "50", "--json", str(out), timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads(out.read_text())
     assert report["config"]["world_size"] == 2
@@ -65,6 +64,14 @@ def _netns_usable() -> tuple[bool, str]:
     return slowlink.netns_supported()
 
 
+def _slowlink_prefix() -> str:
+    """A fresh namespace prefix for a slowlink test (skips it where namespaces cannot be made)."""
+    ok, why = _netns_usable()
+    if not ok:
+        pytest.skip(why)
+    return f"cotest{uuid.uuid4().hex[:6]}"
+
+
 def _namespaces(prefix: str) -> list[str]:
     done = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
     return [line.split()[0] for line in done.stdout.splitlines() if line.startswith(prefix + "-")]
@@ -72,18 +79,14 @@ def _namespaces(prefix: str) -> list[str]:
 
 @pytest.mark.multiprocess
 def test_slowlink_runs_two_ranks_and_cleans_up(tmp_path):
-    ok, why = _netns_usable()
-    if not ok:
-        pytest.skip(why)
-    prefix = f"cotest{uuid.uuid4().hex[:6]}"
+    prefix = _slowlink_prefix()
     probe = ("import os, sys; "
              "tx = open('/sys/class/net/' + os.environ['SLOWLINK_IFNAME'] + '/statistics/tx_bytes').read().strip(); "
              "print('RANK', os.environ['RANK'], os.environ['WORLD_SIZE'], os.environ['MASTER_ADDR'], "
              "os.environ['GLOO_SOCKET_IFNAME'], tx)")
     out = tmp_path / "slowlink.json"
-    cmd = [sys.executable, "-P", os.path.join(BENCH, "slowlink.py"), "--rate", "1gbit", "--timeout", "30",
-           "--prefix", prefix, "--json", str(out), "--", sys.executable, "-P", "-c", probe]
-    done = subprocess.run(cmd, cwd=str(tmp_path), env=_env(), capture_output=True, text=True, timeout=60)
+    done = _run_script(tmp_path, "slowlink.py", "--rate", "1gbit", "--timeout", "30", "--prefix", prefix,
+                       "--json", str(out), "--", sys.executable, "-P", "-c", probe, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads(out.read_text())
     assert result["returncodes"] == [0, 0]
@@ -99,15 +102,10 @@ def test_slowlink_runs_two_ranks_and_cleans_up(tmp_path):
 
 @pytest.mark.multiprocess
 def test_slowlink_cleans_up_after_a_failing_rank(tmp_path):
-    ok, why = _netns_usable()
-    if not ok:
-        pytest.skip(why)
-    prefix = f"cotest{uuid.uuid4().hex[:6]}"
+    prefix = _slowlink_prefix()
     fail_rank_1 = "import os, sys, time; sys.exit(3) if os.environ['RANK'] == '1' else time.sleep(60)"
-    cmd = [sys.executable, "-P", os.path.join(BENCH, "slowlink.py"), "--rate", "none", "--timeout", "30",
-           "--prefix", prefix, "--grace", "1", "--quiet", "--", sys.executable, "-P", "-c", fail_rank_1]
-    env = _env()
-    done = subprocess.run(cmd, cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=60)
+    done = _run_script(tmp_path, "slowlink.py", "--rate", "none", "--timeout", "30", "--prefix", prefix,
+                       "--grace", "1", "--quiet", "--", sys.executable, "-P", "-c", fail_rank_1, timeout=60)
     assert done.returncode == 3, done.stdout + done.stderr
     assert _namespaces(prefix) == []
 
@@ -119,10 +117,9 @@ def test_slowlink_cleans_up_after_a_failing_rank(tmp_path):
 ])
 def test_optimizer_modes_memory_reports_every_mode(tmp_path, optimizer, modes):
     out = tmp_path / "modes.json"
-    cmd = [sys.executable, "-P", os.path.join(BENCH, "optimizer_modes.py"), "memory", "--launch", "2",
-           "--optimizer", optimizer, "--width", "64", "--depth", "3", "--steps", "6", "--freeze", "3",
-           "--bucket-cap-mb", "0.01", "--rounds", "2", "--json", str(out)]
-    done = subprocess.run(cmd, cwd=str(tmp_path), env=_env(), capture_output=True, text=True, timeout=120)
+    done = _run_script(tmp_path, "optimizer_modes.py", "memory", "--launch", "2", "--optimizer", optimizer,
+                       "--width", "64", "--depth", "3", "--steps", "6", "--freeze", "3", "--bucket-cap-mb", "0.01",
+                       "--rounds", "2", "--json", str(out), timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads(out.read_text())
     assert report["optimizer"] == optimizer and report["world_size"] == 2
@@ -139,9 +136,8 @@ def test_optimizer_modes_memory_reports_every_mode(tmp_path, optimizer, modes):
 
 def test_step_overhead_reports_every_optimizer(tmp_path):
     out = tmp_path / "overhead.json"
-    cmd = [sys.executable, "-P", os.path.join(BENCH, "step_overhead.py"), "--tensors", "20", "--elements", "20000",
-           "--steps", "4", "--json", str(out)]
-    done = subprocess.run(cmd, cwd=str(tmp_path), env=_env(), capture_output=True, text=True, timeout=120)
+    done = _run_script(tmp_path, "step_overhead.py", "--tensors", "20", "--elements", "20000", "--steps", "4",
+                       "--json", str(out), timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     results = json.loads(out.read_text())["results"]
     assert [r["optimizer"] for r in results] == ["OnebitAdam", "OnebitLamb", "ZeroOneAdam"]

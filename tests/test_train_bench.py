@@ -7,22 +7,15 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
+from distributed import child_env
+
 STEPS = 6
 FREEZE = 3
-
-
-def _env():
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("PYTHONPATH", None)
-    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        env.pop(var, None)  # a launcher's variables would make the benchmark join that job
-    return env
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +26,7 @@ def report(tmp_path_factory):
            "--freeze-step", str(FREEZE), "--batch", "2", "--seq-len", "16", "--eval-sequences", "8", "--breakdown",
            "--inject-failure", "ddp_fp16:crash:2", "--inject-failure", "zero_one_adam:hang:2",
            "--stall-timeout", "10", "--method-timeout", "90", "--grace", "2", "--out-dir", str(out), "--name", "smoke"]
-    done = subprocess.run(cmd, cwd=str(out), env=_env(), capture_output=True, text=True, timeout=120)
+    done = subprocess.run(cmd, cwd=str(out), env=child_env(), capture_output=True, text=True, timeout=120)
     path = out / "smoke.json"
     assert path.exists(), done.stdout + done.stderr
     return done, json.loads(path.read_text()), out
