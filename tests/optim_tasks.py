@@ -39,10 +39,7 @@ def full_loss(model: nn.Module) -> float:
 
 def train(model, optimizer, rank, world, steps, batch=64, seed=1):
     """Train on this rank's shards; the losses (full data set) at the end."""
-    for x, y in shard_batches(rank, world, steps, batch, seed):
-        optimizer.zero_grad()
-        nn.functional.cross_entropy(model(x.to(next(model.parameters()).dtype)).float(), y).backward()
-        optimizer.step()
+    run_steps(model, optimizer, shard_batches(rank, world, steps, batch, seed))
     return full_loss(model)
 
 
@@ -69,11 +66,23 @@ def in_mode(cls, model: nn.Module, mode: str, **kwargs):
 
 
 def run_steps(net, opt, batches) -> None:
-    """One optimizer step per ``(x, y)`` batch: cross-entropy of ``net(x)``."""
+    """One optimizer step per ``(x, y)`` batch: cross-entropy of ``net(x)`` (``x`` in the
+    parameters' dtype, the loss in fp32)."""
+    dtype = next(net.parameters()).dtype
     for x, y in batches:
         opt.zero_grad()
-        nn.functional.cross_entropy(net(x), y).backward()
+        nn.functional.cross_entropy(net(x.to(dtype)).float(), y).backward()
         opt.step()
+
+
+def checkpoint_round_trip(model, opt) -> dict:
+    """``{"model", "opt"}`` state dicts through ``torch.save`` and ``torch.load(weights_only=True)``."""
+    import io
+
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
 
 
 def resume_diff(fresh, batches, cut: int) -> float:
@@ -86,22 +95,16 @@ def resume_run(fresh, batches, cut: int) -> tuple[float, dict]:
     ``batches`` uninterrupted; again, checkpointing after ``cut`` steps (``torch.save``, loaded
     with ``weights_only=True``) and resuming in a new model and optimizer: the largest parameter
     difference between the two at the end, and the optimizer's checkpoint."""
-    import io
-
-    run = run_steps
     model, net, opt = fresh()
-    run(net, opt, batches)
+    run_steps(net, opt, batches)
     uninterrupted = [p.detach().clone() for p in model.parameters()]
     model, net, opt = fresh()
-    run(net, opt, batches[:cut])
-    buf = io.BytesIO()
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
-    buf.seek(0)
-    ckpt = torch.load(buf, weights_only=True)
+    run_steps(net, opt, batches[:cut])
+    ckpt = checkpoint_round_trip(model, opt)
     model, net, opt = fresh()
     model.load_state_dict(ckpt["model"])
     opt.load_state_dict(ckpt["opt"])
-    run(net, opt, batches[cut:])
+    run_steps(net, opt, batches[cut:])
     return max((a - b).abs().max().item() for a, b in zip(uninterrupted, model.parameters())), ckpt["opt"]
 
 

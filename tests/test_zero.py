@@ -1,6 +1,5 @@
 """ZeRO-sharded OnebitAdam and OnebitLamb: the same parameters as the unsharded optimizer, less
 state per rank, no full-precision traffic in the compression stage, per-rank checkpoints."""
-import io
 
 import pytest
 import torch
@@ -8,7 +7,7 @@ from torch import nn
 
 from compressed_opt import OnebitAdam, OnebitLamb, VarianceStabilityRule
 from distributed import run_ranks, spawn_ranks
-from optim_tasks import mlp, steps_with_overflow
+from optim_tasks import mlp, resume_diff, steps_with_overflow
 from test_onebit_adam import HP, gaussian_batches
 from test_onebit_lamb import HP as LAMB_HP
 
@@ -76,31 +75,10 @@ def test_zero_stages_give_the_unsharded_parameters(name, world):
 def _resume(rank, world, name, stop_at, dtype=torch.float32):
     def fresh():
         model = mlp(dtype=dtype)
-        return model, make(name, model.parameters(), freeze_step=4, zero_stage=2, bucket_cap_mb=0.02,
-                           master_resync_interval=2)
+        return model, model, make(name, model.parameters(), freeze_step=4, zero_stage=2, bucket_cap_mb=0.02,
+                                  master_resync_interval=2)
 
-    batches = list(gaussian_batches(rank, world, 10))
-
-    def run(model, opt, part):
-        for x, y in part:
-            opt.zero_grad()
-            nn.functional.cross_entropy(model(x.to(dtype)).float(), y).backward()
-            opt.step()
-
-    model, opt = fresh()
-    run(model, opt, batches)
-    expected = [p.detach().clone() for p in model.parameters()]
-    model, opt = fresh()
-    run(model, opt, batches[:stop_at])
-    buf = io.BytesIO()
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
-    buf.seek(0)
-    ckpt = torch.load(buf, weights_only=True)
-    model, opt = fresh()
-    model.load_state_dict(ckpt["model"])
-    opt.load_state_dict(ckpt["opt"])
-    run(model, opt, batches[stop_at:])
-    return max((a - b).abs().max().item() for a, b in zip(expected, model.parameters()))
+    return resume_diff(fresh, list(gaussian_batches(rank, world, 10)), stop_at)
 
 
 def _resumes(rank, world, name):

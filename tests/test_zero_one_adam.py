@@ -1,7 +1,6 @@
 """ZeroOneAdam (DESIGN 2.5): both phases against a single-process reference written from the math,
 parameters identical on every rank after each synchronisation, the interval schedules,
 convergence on the digits task against AdamW, bit-exact resume, argument checks."""
-import io
 import logging
 import math
 
@@ -15,7 +14,7 @@ from compressed_opt.comm import SingleProcessBackend
 from compressed_opt.freeze import VarianceStabilityRule
 from compressed_opt.zero_one_adam import ZeroOneAdam
 from distributed import run_ranks
-from optim_tasks import full_loss, mlp, run_steps, shard_batches, train
+from optim_tasks import checkpoint_round_trip, full_loss, mlp, run_steps, shard_batches, train
 
 WORLD = 2
 # phase A: refreshes at steps 1, 2, 4, 6, 8 (var_interval 1 -> 2 -> 4); phase B from step 9:
@@ -412,14 +411,11 @@ def _resume(rank, world, hp, steps, cuts):
         model, opt = make()
         run_steps(model, opt, batches[:cut])
         where = (opt.phase, opt.var_interval, opt.steps_since_sync, opt.local_step_interval)
-        buf = io.BytesIO()
-        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, buf)
+        checkpoint = checkpoint_round_trip(model, opt)
         del model, opt
-        buf.seek(0)
-        checkpoint = torch.load(buf, weights_only=True)
         model, opt = make()
         model.load_state_dict(checkpoint["model"])
-        opt.load_state_dict(checkpoint["optimizer"])
+        opt.load_state_dict(checkpoint["opt"])
         run_steps(model, opt, batches[cut:])
         diff = max((a - b).abs().max().item() for a, b in zip(uninterrupted, _snapshot(model, opt)))
         out.append((where, diff))
