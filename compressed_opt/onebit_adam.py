@@ -228,7 +228,7 @@ class OnebitAdam(_FreezingAdam):
         layout = CanonicalLayout(self, params, grads, buffer, dtype=torch.float32)
         by_beta: dict[float, tuple[list, list]] = {}
         for p, view in zip(layout.params, layout.views):
-            ms, gs = by_beta.setdefault(self._group_of(p)["betas"][0], ([], []))
+            ms, gs = by_beta.setdefault(self.group_of(p)["betas"][0], ([], []))
             ms.append(self.state[p]["exp_avg"])
             gs.append(view)
         for beta1, (ms, gs) in by_beta.items():
@@ -241,12 +241,6 @@ class OnebitAdam(_FreezingAdam):
 
     def _bucket_receive(self, bucket, group, grad, step):
         bucket.flat("exp_avg").copy_(grad)
-
-    def _group_of(self, param):
-        groups = getattr(self, "_param_to_group", None)
-        if groups is None or param not in groups:
-            self._param_to_group = groups = {p: g for g in self.param_groups for p in g["params"]}
-        return groups[param]
 
     def _bucket_step(self, bucket, group, grad, step, averaged):
         if self.zero_stage and averaged:

@@ -84,6 +84,7 @@ class CompressedOptimizer(Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         if self._buckets is not None:
             self._check_rebuild()
+        self._param_places = None
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
@@ -209,12 +210,23 @@ class CompressedOptimizer(Optimizer):
             self._ddp_errors[key] = bufs
         return bufs
 
+    def _place(self, param) -> tuple[int, int]:
+        """``(index in state_dict() order, index of its param group)``; made once per set of
+        groups (``add_param_group`` and ``load_state_dict`` start it again)."""
+        places = getattr(self, "_param_places", None)
+        if places is None:
+            places = self._param_places = {
+                p: (i, gi) for i, (gi, p) in enumerate((gi, p) for gi, g in enumerate(self.param_groups) for p in g["params"])
+            }
+        return places[param]
+
     def param_index(self, param) -> int:
         """A parameter's index in ``state_dict()`` order (all groups' params, in order)."""
-        index = getattr(self, "_param_indices", None)
-        if index is None or param not in index:
-            self._param_indices = index = {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
-        return index[param]
+        return self._place(param)[0]
+
+    def group_of(self, param) -> dict:
+        """The param group holding ``param`` (the current dict: ``load_state_dict`` replaces them)."""
+        return self.param_groups[self._place(param)[1]]
 
     def _attach_ddp(self, state) -> None:
         self._ddp = state
@@ -435,6 +447,7 @@ class CompressedOptimizer(Optimizer):
         self.global_step = int(extra["global_step"])
         self._load_extra_state(extra)
         self._buckets = None
+        self._param_places = None
         self._layout_key = None
         self._ranks_checked = False
         self._launcher.enabled = False

@@ -376,3 +376,19 @@ def test_rejected_param_group_is_not_kept():
     with pytest.raises(ValueError, match="Invalid lr"):
         opt.add_param_group({"params": nn.Linear(2, 2).parameters(), "lr": -1.0})
     assert len(opt.param_groups) == 1
+
+
+def test_group_of_follows_load_state_dict():
+    """load_state_dict replaces the group dicts: lookups must see the new ones (the DDP exchange
+    reads beta1 through them)."""
+    model = nn.Linear(3, 2)
+    opt = OnebitAdam(model.parameters(), betas=(0.9, 0.999), freeze_step=2)
+    assert opt.group_of(model.weight)["betas"] == (0.9, 0.999)  # looked up before the load
+    sd = opt.state_dict()
+    sd["param_groups"][0]["betas"] = (0.5, 0.9)
+    opt.load_state_dict(sd)
+    assert opt.group_of(model.weight) is opt.param_groups[0]
+    assert opt.group_of(model.bias)["betas"] == (0.5, 0.9)
+    extra = nn.Parameter(torch.zeros(2))
+    opt.add_param_group({"params": [extra], "betas": (0.8, 0.99)})
+    assert opt.group_of(extra)["betas"] == (0.8, 0.99) and opt.param_index(extra) == 2
