@@ -97,9 +97,9 @@ def compressed_comm_hook(state: DDPHookState, bucket: dist.GradBucket) -> torch.
     buffer = bucket.buffer()
     if opt._needs_average(step):
         return _average(state, bucket)
-    if opt._scaler_seen or not opt.ddp_exchange(bucket.index(), bucket.parameters(), bucket.gradients(), buffer):
-        return _done(buffer)  # local gradients; step() runs the optimizer's own exchange
-    state.exchanged_step = step
+    # otherwise the local gradients go through, and step() runs the optimizer's own exchange
+    if not opt._scaler_seen and opt.ddp_exchange(bucket.index(), bucket.parameters(), bucket.gradients(), buffer):
+        state.exchanged_step = step
     return _done(buffer)
 
 

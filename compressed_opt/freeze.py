@@ -51,8 +51,9 @@ class VarianceStabilityRule:
         self._history = collections.deque(float(v) for v in state["history"])
 
 
-def resolve_rule(name: str, value):
-    """``value`` as given (an int) or the rule object for ``"auto"`` / a rule."""
+def resolve_rule(value):
+    """The rule a freeze argument asks for: ``value`` itself if it is a rule, a default rule for
+    ``"auto"``, ``None`` for a fixed step."""
     if isinstance(value, VarianceStabilityRule):
         return value
     if value == "auto":

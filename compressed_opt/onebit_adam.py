@@ -29,7 +29,7 @@ from compressed_opt.comm import compressed_allreduce
 from . import zero
 from .ddp import CanonicalLayout
 from .freeze import VarianceStabilityRule, resolve_rule, restore_rule
-from .optimizer import CompressedOptimizer, bias_corrections
+from .optimizer import CompressedOptimizer, bias_corrections, frozen_denominator_of
 from .validation import check_adam_group, check_step_count
 
 logger = logging.getLogger("compressed_opt")
@@ -57,7 +57,7 @@ class _FreezingAdam(CompressedOptimizer):
         if zero_stage:
             self.bucket_state_names = ()  # sharded: no per-parameter views of whole buffers
             self.saved_bucket_buffers = self._zero_saved_buffers
-        self.freeze_rule = resolve_rule("freeze_step", freeze_step)
+        self.freeze_rule = resolve_rule(freeze_step)
         self.freeze_step = None if self.freeze_rule is not None else freeze_step
         self.frozen = False
         super().__init__(params, defaults, backend=backend, bucket_cap_mb=bucket_cap_mb,
@@ -89,7 +89,7 @@ class _FreezingAdam(CompressedOptimizer):
         total = numel = 0.0
         for b in self._buckets:
             group = self.param_groups[b.group_index]
-            _, bc2 = bias_corrections(*group["betas"], step, group.get("bias_correction", True))
+            _, bc2 = bias_corrections(*group["betas"], step, group["bias_correction"])
             v = zero.own_variance(self, b) if self.zero_stage else b.flat("exp_avg_sq")
             total += float(v.sum()) / (bc2 * bc2)
             numel += v.numel()
@@ -115,9 +115,7 @@ class _FreezingAdam(CompressedOptimizer):
         denom = bucket.flats.get("frozen_denominator")
         if denom is None:
             group = self.param_groups[bucket.group_index]
-            _, bc2_sqrt = bias_corrections(*group["betas"], self.freeze_step, group.get("bias_correction", True))
-            v = bucket.flat("exp_avg_sq")
-            denom = torch.sqrt(v).div_(bc2_sqrt).add_(group["eps"]).masked_fill_(v == 0, float("inf"))
+            denom = frozen_denominator_of(bucket.flat("exp_avg_sq"), group, self.freeze_step)
             bucket.flats["frozen_denominator"] = denom
         return denom
 

@@ -145,12 +145,9 @@ class OnebitLamb(_FreezingAdam):
     # --- stages ----------------------------------------------------------------------------------
     def _freeze(self, step):
         for b in self._buckets or ():
-            if self.zero_stage:  # v_fresh starts from v: this rank's chunk (before the freeze drops it)
-                v = zero.shard(b, "exp_avg_sq_shard", zero.own_range(self, b)[2])
-                b.flats["exp_avg_sq_fresh_shard"] = v.clone()
-        super()._freeze(step)
-        for b in self._buckets or ():
-            if not self.zero_stage:
+            if self.zero_stage:  # v_fresh starts from v: this rank's chunk, which the freeze then drops
+                b.flats["exp_avg_sq_fresh_shard"] = zero.shard(b, "exp_avg_sq_shard", zero.own_range(self, b)[2])
+            else:
                 b.flat("exp_avg_sq_fresh").copy_(b.flat("exp_avg_sq"))
             beta = self.param_groups[b.group_index]["coeff_beta"]
             for p in b.params:
@@ -158,6 +155,7 @@ class OnebitLamb(_FreezingAdam):
                 st["trust_ratio_frozen"] = _debiased_ema(st, beta)
                 st["last_factor"] = 1.0
                 st.pop("scaling_coeff", None)  # set again from the momentum at the first compression step
+        super()._freeze(step)
 
     def _bucket_step(self, bucket, group, grad, step, averaged):
         if averaged:
@@ -245,13 +243,13 @@ class OnebitLamb(_FreezingAdam):
             coeffs = self._scaling_coeffs(bucket, m)
             torch.lerp(m, grad, 1 - group["betas"][0], out=grad)
         views = bucket.views(grad)
-        torch._foreach_mul_(views, coeffs)
+        scaling.scale_(views, coeffs)
         if self.zero_stage:
             zero.exchange(self, bucket, grad)
         else:
             worker_error, server_error = self.error_buffers(bucket)
             compressed_allreduce(grad, worker_error, server_error, self.backend)
-        torch._foreach_div_(views, coeffs)
+        scaling.unscale_(views, coeffs)
 
     def _compressed_step(self, bucket, group, momentum, step):
         """``momentum`` holds ``m_t`` (the compressed average), ``exp_avg`` still ``m_{t-1}``

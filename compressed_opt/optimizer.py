@@ -33,7 +33,7 @@ import warnings
 import torch
 from torch.optim import Optimizer
 
-from compressed_opt.comm import Backend, get_backend
+from compressed_opt.comm import Backend, error_buffer_sizes, get_backend
 
 from . import zero
 from .buckets import Bucket, build_buckets
@@ -128,6 +128,8 @@ class CompressedOptimizer(Optimizer):
                     old = self.state[p].get(name)
                     if old is not None:
                         view.copy_(old)
+                    else:
+                        self._new_state(p, name, view)
                     self.state[p][name] = view
         self._launcher.attach(self._buckets, hooks=self.overlap)
         pending, self._pending_bucket_state = self._pending_bucket_state, None
@@ -141,13 +143,15 @@ class CompressedOptimizer(Optimizer):
                 stacklevel=3,
             )
 
+    def _new_state(self, param, name: str, view: torch.Tensor) -> None:
+        """A parameter's state ``name`` was just made (zeros), as ``view``: subclasses set its
+        first value where zero is wrong."""
+
     def _check_rebuild(self) -> None:
         """Raise if this optimizer cannot carry its state over to new buckets."""
 
     def error_buffers(self, bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor]:
         """The bucket's (worker_error, server_error), zero on first use."""
-        from compressed_opt.comm import error_buffer_sizes
-
         if "worker_error" not in bucket.flats:
             we, se = error_buffer_sizes(bucket.numel, self.backend.world_size)
             bucket.flats["worker_error"] = torch.zeros(we, dtype=torch.float32, device=bucket.device)
@@ -201,8 +205,6 @@ class CompressedOptimizer(Optimizer):
         """Error-feedback buffers of a DDP bucket, by ``key`` (its parameters' indices in the
         canonical order, so a bucket DDP rebuilds with the same parameters keeps them); zeros
         when new or resized."""
-        from compressed_opt.comm import error_buffer_sizes
-
         we_n, se_n = error_buffer_sizes(numel, self.backend.world_size)
         bufs = self._ddp_errors.get(key)
         if bufs is None or bufs[0].numel() != we_n or bufs[0].device != torch.device(device):
@@ -256,7 +258,7 @@ class CompressedOptimizer(Optimizer):
         return self._launcher.suspended()
 
     #: bucket buffers that are workspace, not state (not saved, not counted in state_bytes)
-    scratch_names = frozenset({"grad", "no_variance"}) | zero.SCRATCH
+    scratch_names = frozenset({"grad"}) | zero.SCRATCH
 
     def _grad_buffer(self, bucket: Bucket) -> torch.Tensor:
         """The bucket's flat fp32 gradient workspace."""
@@ -275,14 +277,13 @@ class CompressedOptimizer(Optimizer):
         grad = self._grad_buffer(bucket)
         self._gather(bucket, grad, step)
         group = self.param_groups[bucket.group_index]
-        if self._ddp is not None and self._needs_average(step):
-            return  # DDP's hook averaged the gradients
-        if self._ddp is not None and self._ddp.exchanged_step == step:
+        if self._needs_average(step):
+            if self._ddp is None:  # (under DDP its hook averaged the gradients)
+                self._average(bucket, grad)
+        elif self._ddp is not None and self._ddp.exchanged_step == step:
             self._bucket_receive(bucket, group, grad, step)  # the hook exchanged already
-        elif self._needs_average(step):
-            self._average(bucket, grad)
         else:
-            self._bucket_communicate(bucket, self.param_groups[bucket.group_index], grad, step)
+            self._bucket_communicate(bucket, group, grad, step)
 
     def _arm_launcher(self) -> None:
         """Whether the coming backward may launch communication: after the ranks were checked,
@@ -309,7 +310,7 @@ class CompressedOptimizer(Optimizer):
         step = self.global_step + 1
         averaged = self._needs_average(step)
         launched = self._launcher.wait()
-        todo = [i for i in range(len(self._buckets)) if i not in launched]
+        todo = list(range(len(launched), len(self._buckets)))  # backward launches a prefix, in order
         found_inf = getattr(self, "found_inf", None)
         if found_inf is not None:
             self._scaler_seen = True
@@ -489,6 +490,13 @@ class CompressedOptimizer(Optimizer):
 
 def _plain(value) -> bool:
     return isinstance(value, (int, float, str, bool, tuple, type(None)))
+
+
+def frozen_denominator_of(v: torch.Tensor, group: dict, freeze_step: int) -> torch.Tensor:
+    """``sqrt(v / (1 - b2^freeze_step)) + eps`` (a new tensor), ``inf`` where ``v == 0``: the
+    compression stage's divisor; an infinite one keeps a coordinate without variance in place."""
+    _, bc2_sqrt = bias_corrections(*group["betas"], freeze_step, group["bias_correction"])
+    return torch.sqrt(v).div_(bc2_sqrt).add_(group["eps"]).masked_fill_(v == 0, float("inf"))
 
 
 def bias_corrections(beta1: float, beta2: float, step: int, enabled: bool) -> tuple[float, float]:

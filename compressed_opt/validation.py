@@ -39,13 +39,6 @@ def check_step_count(name: str, value, allow_auto: bool = False, minimum: int = 
     return int(value)
 
 
-def check_range(name: str, value, low: float, high: float) -> float:
-    value = check_nonneg_float(name, value) if low >= 0 else float(value)
-    if not low <= value <= high:
-        raise ValueError(f"Invalid {name}: {value} (must be in [{low}, {high}])")
-    return value
-
-
 def check_adam_group(group: dict) -> None:
     """AdamW's hyperparameters of a param group (``betas`` normalised to a float pair)."""
     check_nonneg_float("lr", group["lr"])

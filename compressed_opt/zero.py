@@ -51,6 +51,7 @@ import torch
 
 from compressed_opt.comm import chunk_numel, compressed_allreduce, expand_result_rows, result_rows
 
+from . import scaling
 from .buckets import Bucket
 
 #: bucket buffers of ZeRO that are workspace (not saved, not counted as state)
@@ -191,7 +192,7 @@ def compression_update(opt, bucket: Bucket, step: int, decay, delta: torch.Tenso
 def freeze(opt, bucket: Bucket) -> None:
     """Gather the chunks of ``m`` and ``v`` once: the full momentum (until the first compressed
     exchange replaces it by its 1-bit rows) and the frozen denominator of every element."""
-    from .optimizer import bias_corrections
+    from .optimizer import frozen_denominator_of
 
     world = opt.backend.world_size
     c = chunk_numel(bucket.numel, world)
@@ -201,10 +202,7 @@ def freeze(opt, bucket: Bucket) -> None:
     bucket.flats["exp_avg"] = padded[:n].clone()
     opt.backend.all_gather(padded, shard(bucket, "exp_avg_sq_shard", c))
     group = opt.param_groups[bucket.group_index]
-    _, bc2_sqrt = bias_corrections(*group["betas"], opt.freeze_step, group["bias_correction"])
-    v = padded[:n]
-    denom = torch.sqrt(v).div_(bc2_sqrt).add_(group["eps"]).masked_fill_(v == 0, float("inf"))
-    bucket.flats["frozen_denominator"] = denom
+    bucket.flats["frozen_denominator"] = frozen_denominator_of(padded[:n], group, opt.freeze_step)
     # the momentum lives on whole, then as 1-bit rows; the variance only as the denominator
     del bucket.flats["exp_avg_shard"], bucket.flats["exp_avg_sq_shard"]
 
@@ -221,7 +219,7 @@ def local_momentum(opt, bucket: Bucket, x: torch.Tensor, beta1: float, keep_prev
     else:
         expand_result_rows(bucket.flats["momentum_rows"], bucket.numel, opt.backend.world_size, x)
         if row_scales is not None:
-            torch._foreach_div_(bucket.views(x), row_scales)
+            scaling.unscale_(bucket.views(x), row_scales)
     if keep_previous:
         lo, hi, c = own_range(opt, bucket)
         shard(bucket, "momentum_prev_shard", c)[: hi - lo].copy_(x[lo:hi])

@@ -160,6 +160,7 @@ class ZeroOneAdam(CompressedOptimizer):
     """
 
     bucket_state_names = ("exp_avg", "exp_avg_sq", "momentum_accumulator", "sync_params")
+    scratch_names = CompressedOptimizer.scratch_names | {"no_variance"}
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *,
                  var_freeze_step=100000, var_update_scaler=16, local_step_scaler=32678, local_step_clipper=16,
@@ -179,7 +180,7 @@ class ZeroOneAdam(CompressedOptimizer):
         self.var_update_scaler = check_step_count("var_update_scaler", var_update_scaler, minimum=1)
         self.local_step_scaler = check_step_count("local_step_scaler", local_step_scaler, minimum=1)
         self.local_step_clipper = check_step_count("local_step_clipper", local_step_clipper, minimum=1)
-        self.freeze_rule = resolve_rule("var_freeze_step", var_freeze_step)
+        self.freeze_rule = resolve_rule(var_freeze_step)
         #: the last step of phase A: as given, or (``"auto"``) ``None`` until the rule decides
         self.var_freeze_step = None if self.freeze_rule is not None else var_freeze_step
         self._configured_freeze = "auto" if self.freeze_rule is not None else var_freeze_step
@@ -399,15 +400,9 @@ class ZeroOneAdam(CompressedOptimizer):
             type(self).__name__, step, self.var_refreshes, self.var_interval,
         )
 
-    def _ensure_buckets(self):
-        # parameters added during phase B: their sync_params start from their current values
-        fresh = []
-        if self.frozen:
-            fresh = [p for g in self.param_groups for p in g["params"]
-                     if p.requires_grad and "sync_params" not in self.state.get(p, {})]
-        super()._ensure_buckets()
-        for p in fresh:
-            self.state[p]["sync_params"].copy_(p)
+    def _new_state(self, param, name, view):
+        if name == "sync_params" and self.frozen:  # a parameter added in phase B starts from itself
+            view.copy_(param)
 
     # --- checkpoints and rank agreement --------------------------------------------------------
     def _extra_state(self):
