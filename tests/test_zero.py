@@ -25,9 +25,9 @@ def _run(rank, world, name, zero_stage, steps, freeze, dtype=torch.float32, over
                bucket_cap_mb=0.02)
     snaps, state_bytes, stats = [], [], []
     for x, y in gaussian_batches(rank, world, steps):
+        before = opt.backend.stats.snapshot()["bytes_sent"]  # before backward: it launches the exchanges
         opt.zero_grad()
         nn.functional.cross_entropy(model(x.to(dtype)).float(), y).backward()
-        before = opt.backend.stats.snapshot()["bytes_sent"]
         opt.step()
         after = opt.backend.stats.snapshot()["bytes_sent"]
         stats.append({k: after.get(k, 0) - before.get(k, 0) for k in after})
