@@ -85,6 +85,9 @@ class CompressedAllreduce:
         self.server_numel = server_valid_numel(numel, world, backend.rank)
         u8 = dict(dtype=torch.uint8, device=self.device)
         self.header_send = torch.zeros(_HEADER_INTS, dtype=torch.int32, device=self.device)
+        # the size fields are the plan's; the scale (and the dtype, not in the plan's key) per call
+        self.header_send[1] = numel & 0x7FFFFFFF
+        self.header_send[2] = numel >> 31
         self.header_recv = torch.empty(world * _HEADER_INTS, dtype=torch.int32, device=self.device)
         self.worker_bits = torch.empty(world * self.row_bytes, **u8)
         self.server_bits_in = torch.empty(world * self.row_bytes, **u8)
@@ -93,12 +96,13 @@ class CompressedAllreduce:
         self.gathered = torch.empty(world * (4 + self.row_bytes), **u8)
         self.worker_scales = torch.empty(world, dtype=torch.float32, device=self.device)
         self.fp32_scratch: torch.Tensor | None = None
+        self._header_dtype = 0
         self._stage: dict[str, torch.Tensor] = {}  # staging of pieces, made on first use
 
     def _check_agreement(self) -> None:
-        rows = self.header_recv.view(self.backend.world_size, _HEADER_INTS)
-        numels = (rows[:, 1].long() + (rows[:, 2].long() << 31)).tolist()
-        codes = rows[:, 3].tolist()
+        rows = self.header_recv.view(self.backend.world_size, _HEADER_INTS)[:, 1:].tolist()  # one copy
+        numels = [low + (high << 31) for low, high, _ in rows]
+        codes = [code for _, _, code in rows]
         if len(set(numels)) != 1 or len(set(codes)) != 1:
             names = {v: k for k, v in _DTYPE_CODES.items()}
             per_rank = ", ".join(f"rank {r}: {n} x {names.get(c, c)}" for r, (n, c) in enumerate(zip(numels, codes)))
@@ -116,42 +120,30 @@ class CompressedAllreduce:
             buf = self._stage[name] = torch.empty(numel, dtype=torch.uint8, device=self.device)
         return buf
 
-    def _all_to_all_bits(self):
-        """Launch exchange 1's all-to-all; a function that waits and lays out what arrived."""
-        world, row = self.backend.world_size, self.row_bytes
-        pieces = self._column_pieces(row)
-        if len(pieces) == 1:
-            work = self.backend.all_to_all(self.server_bits_in, self.worker_bits, async_op=True)
-            return work.wait
-        works = []
-        for i, (a, b) in enumerate(pieces):
-            send = self._staging(f"a2a_send{i}", world * (b - a))
-            recv = self._staging(f"a2a_recv{i}", world * (b - a))
-            send.view(world, b - a).copy_(self.worker_bits.view(world, row)[:, a:b])
-            works.append((self.backend.all_to_all(recv, send, async_op=True), recv, a, b))
-
-        def wait():
-            for work, recv, a, b in works:
-                work.wait()
-                self.server_bits_in.view(world, row)[:, a:b].copy_(recv.view(world, b - a))
-
-        return wait
-
-    def _all_gather_rows(self):
-        """Launch exchange 2's all-gather; a function that waits and lays out what arrived."""
-        world, length = self.backend.world_size, 4 + self.row_bytes
+    def _exchange(self, collective, out: torch.Tensor, row: torch.Tensor, send_rows: bool, name: str):
+        """Launch ``collective(recv, send, async_op=True)`` (an all-to-all or all-gather of rows
+        of ``row.numel()`` bytes into ``out``, ``world`` rows) as one call or, when large, as a
+        few concurrent column pieces; a function that waits and lays the pieces out in ``out``.
+        ``send_rows``: what goes out is ``world`` rows (all-to-all), else the one ``row``."""
+        world = self.backend.world_size
+        length = row.numel() // world if send_rows else row.numel()
         pieces = self._column_pieces(length)
         if len(pieces) == 1:
-            return self.backend.all_gather(self.gathered, self.server_row, async_op=True).wait
+            return collective(out, row, async_op=True).wait
         works = []
         for i, (a, b) in enumerate(pieces):
-            recv = self._staging(f"gather_recv{i}", world * (b - a))
-            works.append((self.backend.all_gather(recv, self.server_row[a:b], async_op=True), recv, a, b))
+            recv = self._staging(f"{name}_recv{i}", world * (b - a))
+            if send_rows:
+                send = self._staging(f"{name}_send{i}", world * (b - a))
+                send.view(world, b - a).copy_(row.view(world, length)[:, a:b])
+            else:
+                send = row[a:b]
+            works.append((collective(recv, send, async_op=True), recv, a, b))
 
         def wait():
             for work, recv, a, b in works:
                 work.wait()
-                self.gathered.view(world, length)[:, a:b].copy_(recv.view(world, b - a))
+                out.view(world, length)[:, a:b].copy_(recv.view(world, b - a))
 
         return wait
 
@@ -169,9 +161,9 @@ class CompressedAllreduce:
         # 1. worker compress, first pass (bits and scale); the scale goes out in the header
         scale_view = self.header_send[0:1].view(torch.float32)
         kernels.compress_(x, worker_error, self.worker_bits, scale_view, finish=False)
-        self.header_send[1] = self.numel & 0x7FFFFFFF
-        self.header_send[2] = self.numel >> 31
-        self.header_send[3] = _DTYPE_CODES[tensor.dtype]
+        code = _DTYPE_CODES[tensor.dtype]
+        if code != self._header_dtype:
+            self.header_send[3] = self._header_dtype = code
 
         # 2. exchange 1: headers (checked before any size-dependent collective), then bits,
         #    with the worker's error update while they travel
@@ -181,7 +173,7 @@ class CompressedAllreduce:
         if self.numel == 0:
             return tensor
         self.worker_scales.copy_(self.header_recv.view(world, _HEADER_INTS)[:, 0].view(torch.float32))
-        wait_bits = self._all_to_all_bits()
+        wait_bits = self._exchange(backend.all_to_all, self.server_bits_in, self.worker_bits, True, "a2a")
         kernels.finish_(worker_error, scale_view)
         wait_bits()
 
@@ -194,7 +186,7 @@ class CompressedAllreduce:
         )
 
         # 4. exchange 2: every server's [t_j | c_j], with the server's error update meanwhile
-        wait_rows = self._all_gather_rows()
+        wait_rows = self._exchange(backend.all_gather, self.gathered, self.server_row, False, "gather")
         kernels.finish_(mine, server_scale)
         wait_rows()
 
@@ -244,9 +236,16 @@ def compressed_allreduce(
     Buffers for the exchange are reused across calls (kept by ``backend``).
     """
     _validate(tensor, worker_error, server_error, backend)
-    key = ("compressed_allreduce", tensor.numel(), tensor.device)
+    key = _plan_key(tensor.numel(), tensor.device)
     plan = backend.workspace(key, lambda: CompressedAllreduce(tensor.numel(), backend, tensor.device))
     return plan(tensor, worker_error, server_error)
+
+
+def _plan_key(numel: int, device) -> tuple:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # "cuda" means the current device
+        device = torch.device("cuda", torch.cuda.current_device())
+    return ("compressed_allreduce", numel, device)
 
 
 def result_rows(numel: int, backend: Backend, device) -> torch.Tensor:
@@ -254,7 +253,7 @@ def result_rows(numel: int, backend: Backend, device) -> torch.Tensor:
     as it travelled: ``world_size`` rows of ``[fp32 scale | sign bits]``, about ``numel/8``
     bytes in all. A view of a reused buffer: copy it to keep it. :func:`expand_result_rows`
     turns it back into the result, exactly."""
-    plan = backend.find_workspace(("compressed_allreduce", numel, torch.device(device)))
+    plan = backend.find_workspace(_plan_key(numel, device))
     if plan is None:
         raise RuntimeError(f"no compressed_allreduce of {numel} elements ran on this backend")
     return plan.gathered
