@@ -116,6 +116,10 @@ __device__ __forceinline__ float co_store_tile(const float *u, i64 t, i64 n, flo
     return sq;
 }
 
+/* Tiles are walked grid-stride, one warp per tile: the first tile of this warp, and the step. */
+__device__ __forceinline__ i64 co_first_tile() { return (i64)blockIdx.x * CO_WARPS + (threadIdx.x >> 5); }
+__device__ __forceinline__ i64 co_tile_stride() { return (i64)gridDim.x * CO_WARPS; }
+
 /*
  * Worker pass 1: u = x + error (x == NULL: u = error), error <- u, packed <- [u >= 0]
  * (nbytes >= ceil(n / 8) bytes, bits past n set to 1), scale_out <- sqrt(sum(u^2) / n).
@@ -125,8 +129,7 @@ extern "C" __global__ void co_compress_pack(const float *__restrict__ x, float *
                                             float *scale_out, double *partials, unsigned *ticket) {
     const i64 tiles = (nbytes + CO_TILE_BYTES - 1) / CO_TILE_BYTES;
     double acc = 0.0;
-    for (i64 t = (i64)blockIdx.x * CO_WARPS + (threadIdx.x >> 5); t < tiles;
-         t += (i64)gridDim.x * CO_WARPS) {
+    for (i64 t = co_first_tile(); t < tiles; t += co_tile_stride()) {
         float u[CO_STEPS];
         co_load_tile(error, t, n, u);
         if (x != 0) {
@@ -164,8 +167,7 @@ extern "C" __global__ void co_average_compress_pack(const u8 *__restrict__ chunk
     const int lane = threadIdx.x & 31;
     const i64 tiles = (row_bytes + CO_TILE_BYTES - 1) / CO_TILE_BYTES;
     double acc = 0.0;
-    for (i64 t = (i64)blockIdx.x * CO_WARPS + (threadIdx.x >> 5); t < tiles;
-         t += (i64)gridDim.x * CO_WARPS) {
+    for (i64 t = co_first_tile(); t < tiles; t += co_tile_stride()) {
         float z[CO_STEPS];
         co_load_tile(error, t, n, z);
         const i64 b = t * CO_TILE_BYTES + lane; /* the byte of each row this lane loads */
@@ -218,8 +220,7 @@ extern "C" __global__ void co_decompress(const u8 *__restrict__ packed,
         float *dst = out + r * chunk;
         const float s = scales[r];
         const i64 tiles = (valid + CO_TILE - 1) / CO_TILE;
-        for (i64 t = (i64)blockIdx.x * CO_WARPS + (threadIdx.x >> 5); t < tiles;
-             t += (i64)gridDim.x * CO_WARPS) {
+        for (i64 t = co_first_tile(); t < tiles; t += co_tile_stride()) {
             const i64 b = t * CO_TILE_BYTES + lane;
             const unsigned byte = 8 * b < valid ? row[b] : 0u;
 #pragma unroll
