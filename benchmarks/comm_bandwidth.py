@@ -433,18 +433,7 @@ def launch(args, argv: list[str]) -> int:
     """Spawn ``args.launch`` ranks of this benchmark; kill them all after ``args.timeout``."""
     import torch.multiprocessing as mp
 
-    child_argv = []
-    skip = False
-    for i, a in enumerate(argv):  # the ranks get the same arguments, without --launch
-        if skip:
-            skip = False
-            continue
-        if a == "--launch":
-            skip = True
-            continue
-        if a.startswith("--launch="):
-            continue
-        child_argv.append(a)
+    child_argv = list(argv)  # the ranks run rank_main directly: --launch stays (and labels the run)
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="co-bench-") as tmp:
         store = os.path.join(tmp, "store")

@@ -190,19 +190,6 @@ def _spawned(rank, world, store, argv):
         dist.destroy_process_group()
 
 
-def _without_option(argv: list[str], name: str) -> list[str]:
-    """``argv`` without ``name VALUE`` / ``name=VALUE``."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == name:
-            skip = True
-        elif not a.startswith(name + "="):
-            out.append(a)
-    return out
-
-
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
@@ -210,8 +197,7 @@ def main(argv=None) -> int:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from slowlink import run_two_ranks
 
-        rank_argv = _without_option(argv, "--link")
-        cmd = [sys.executable, "-P", os.path.abspath(__file__), *rank_argv]
+        cmd = [sys.executable, "-P", os.path.abspath(__file__), *argv]  # ranks have RANK set: no relaunch
         out = run_two_ranks(cmd, rate=None if args.link == "none" else args.link, timeout=args.timeout,
                             env={"OMP_NUM_THREADS": "1"})
         print(out["outputs"][0])
@@ -221,7 +207,7 @@ def main(argv=None) -> int:
     if args.launch:
         import torch.multiprocessing as mp
 
-        child = _without_option(argv, "--launch")
+        child = argv  # the ranks run rank_main directly
         with tempfile.TemporaryDirectory(prefix="co-modes-") as tmp:
             mp.start_processes(_spawned, args=(args.launch, os.path.join(tmp, "store"), child),
                                nprocs=args.launch, start_method="spawn")

@@ -1110,10 +1110,10 @@ def summarize(result: dict, cfg: dict) -> dict:
         if c.get("wire_bytes"):
             out[f"wire_bytes_per_step_{st}"] = _mean([c["wire_bytes"][i] for i in idx]) if idx else None
     steady = _stage_steps(stages, steady_stage)
-    out["step_s"] = _median([times[i] for i in steady])
+    out["step_s"] = out[f"step_s_{steady_stage}"]
     out["samples_per_s"] = cfg["batch"] * result["world_size"] / out["step_s"]
-    out["bytes_per_step"] = _mean([c["bytes"][i] for i in steady])
-    out["wire_bytes_per_step"] = _mean([c["wire_bytes"][i] for i in steady]) if c.get("wire_bytes") else None
+    out["bytes_per_step"] = out[f"bytes_per_step_{steady_stage}"]
+    out["wire_bytes_per_step"] = out.get(f"wire_bytes_per_step_{steady_stage}")
     out["bytes_total"] = sum(c["bytes"])
     out["train_time_s"] = sum(times)
     window = max(1, len(c["loss"]) // 10)
@@ -1152,15 +1152,8 @@ def time_to_target(result: dict, target: float, window: int) -> float | None:
     """Training wall time until the running mean of the loss over ``window`` steps first
     reaches ``target`` (``None``: never)."""
     losses, times = result["curve"]["loss"], result["curve"]["step_s"]
-    elapsed, acc = 0.0, 0.0
-    for i, (loss, t) in enumerate(zip(losses, times)):
-        elapsed += t
-        acc += loss
-        if i >= window:
-            acc -= losses[i - window]
-        if i + 1 >= window and acc / window <= target:
-            return elapsed
-    return None
+    means, elapsed = _running_mean(losses, window), _cumsum(times)
+    return next((t for i, (m, t) in enumerate(zip(means, elapsed)) if i + 1 >= window and m <= target), None)
 
 
 def compare(entries: list[dict], cfg: dict) -> dict:
