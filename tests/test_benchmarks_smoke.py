@@ -80,10 +80,13 @@ def _namespaces(prefix: str) -> list[str]:
 @pytest.mark.multiprocess
 def test_slowlink_runs_two_ranks_and_cleans_up(tmp_path):
     prefix = _slowlink_prefix()
-    probe = ("import os, sys; "
+    probe = ("import os, socket; "
              "tx = open('/sys/class/net/' + os.environ['SLOWLINK_IFNAME'] + '/statistics/tx_bytes').read().strip(); "
              "print('RANK', os.environ['RANK'], os.environ['WORLD_SIZE'], os.environ['MASTER_ADDR'], "
-             "os.environ['GLOO_SOCKET_IFNAME'], tx)")
+             "os.environ['GLOO_SOCKET_IFNAME'], tx); "
+             # rank 1 sends 10 x 1000 bytes over the link (UDP to the discard port of rank 0)
+             "s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); "
+             "[s.sendto(b'x' * 1000, (os.environ['MASTER_ADDR'], 9)) for _ in range(10 * (os.environ['RANK'] == '1'))]")
     out = tmp_path / "slowlink.json"
     done = _run_script(tmp_path, "slowlink.py", "--rate", "1gbit", "--timeout", "30", "--prefix", prefix,
                        "--json", str(out), "--", sys.executable, "-P", "-c", probe, timeout=60)
@@ -96,7 +99,8 @@ def test_slowlink_runs_two_ranks_and_cleans_up(tmp_path):
     for rank in range(2):
         line = next(ln for ln in result["outputs"][rank].splitlines() if ln.startswith("RANK"))
         assert line.split()[1:5] == [str(rank), "2", master, result["ifname"]]
-        assert result["tx_bytes"][rank] >= 0
+    # the bytes each rank's veth end sent during the run: rank 1's 10 datagrams (and their headers)
+    assert result["tx_bytes"][1] >= 10 * 1000
     assert _namespaces(prefix) == [], "slowlink left its namespaces behind"
 
 

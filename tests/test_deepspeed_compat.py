@@ -36,7 +36,9 @@ def test_zero_one_adam_section():
     section = {"type": "ZeroOneAdam", "params": {"lr": 1e-3, "var_freeze_step": 100, "var_update_scaler": 16,
                                                  "local_step_scaler": 1000, "local_step_clipper": 16}}
     opt = from_deepspeed_config(params(), section)
-    assert isinstance(opt, ZeroOneAdam)
+    assert isinstance(opt, ZeroOneAdam) and opt.param_groups[0]["lr"] == 1e-3
+    assert (opt.var_freeze_step, opt.var_update_scaler, opt.local_step_scaler, opt.local_step_clipper) == (
+        100, 16, 1000, 16)
 
 
 @pytest.mark.parametrize(

@@ -171,6 +171,7 @@ def test_resume_is_bit_exact_in_every_mode():
         assert diffs == {mode: 0.0 for mode in MODES}
 
 
+@pytest.mark.multiprocess
 def test_checkpoint_from_another_world_size_resets_error_buffers_with_a_warning():
     _, ckpt = run_ranks(_resume, 2, 10, 7, 4)[0]
     model = mlp()
