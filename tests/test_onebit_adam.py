@@ -10,7 +10,8 @@ from allreduce_reference import simulate
 from compressed_opt import OnebitAdam, VarianceStabilityRule
 from compressed_opt.comm import SingleProcessBackend, chunk_numel
 from distributed import run_ranks, spawn_ranks
-from optim_tasks import MODES, digits, full_loss, in_mode, mlp, resume_run, shard_batches, steps_with_overflow
+from optim_tasks import (MODES, digits, full_loss, in_mode, mlp, resume_run, run_steps, shard_batches,
+                         steps_with_overflow)
 
 HP = dict(lr=3e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
 
@@ -262,12 +263,6 @@ def test_auto_freeze_picks_the_same_step_on_every_rank():
 
 
 # --- single process ------------------------------------------------------------------------
-def _step(model, opt, x, y):
-    opt.zero_grad()
-    nn.functional.cross_entropy(model(x).float(), y).backward()
-    opt.step()
-
-
 def test_closure_lr_scheduler_and_betas_scheduler():
     model = mlp()
     opt = OnebitAdam(model.parameters(), lr=1e-2, freeze_step=3)
@@ -293,7 +288,7 @@ def test_low_precision_parameters(dtype):
     x, y = digits()
     start = full_loss(model)
     for i in range(40):
-        _step(model, opt, x[i * 32 : (i + 1) * 32].to(dtype), y[i * 32 : (i + 1) * 32])
+        run_steps(model, opt, [(x[i * 32 : (i + 1) * 32].to(dtype), y[i * 32 : (i + 1) * 32])])
     assert all(p.dtype == dtype for p in model.parameters())
     assert all(s["exp_avg"].dtype == torch.float32 for s in opt.state.values())
     assert full_loss(model) < start
@@ -306,7 +301,7 @@ def test_torch_compile_model():
     x, y = digits()
     start = full_loss(model)
     for i in range(8):
-        _step(compiled, opt, x[i * 64 : (i + 1) * 64], y[i * 64 : (i + 1) * 64])
+        run_steps(compiled, opt, [(x[i * 64 : (i + 1) * 64], y[i * 64 : (i + 1) * 64])])
     assert opt.frozen and full_loss(model) < start
 
 
@@ -325,7 +320,7 @@ def test_state_is_visible_per_parameter_and_loads_with_weights_only():
     opt = OnebitAdam(model.parameters(), freeze_step=2)
     x, y = digits()
     for _ in range(3):
-        _step(model, opt, x[:64], y[:64])
+        run_steps(model, opt, [(x[:64], y[:64])])
     for p in model.parameters():
         assert opt.state[p]["exp_avg"].shape == p.shape
     buf = io.BytesIO()

@@ -11,7 +11,7 @@ from allreduce_reference import chunk_of, simulate
 from compressed_opt import VarianceStabilityRule
 from compressed_opt.onebit_lamb import OnebitLamb
 from distributed import run_ranks
-from optim_tasks import digits, full_loss, mlp, shard_batches, train
+from optim_tasks import digits, full_loss, mlp, run_steps, shard_batches, train
 
 HP = dict(lr=0.02, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, max_coeff=0.3, min_coeff=0.01,
           coeff_beta=0.9, factor_max=4.0, factor_min=0.5, factor_threshold=0.1)
@@ -126,13 +126,6 @@ def max_diff(xs, ys):
     return max((a.detach() - b.detach()).abs().max().item() for a, b in zip(xs, ys))
 
 
-def _steps(model, opt, batches):
-    for x, y in batches:
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x).float(), y).backward()
-        opt.step()
-
-
 # --- warmup: LAMB --------------------------------------------------------------------------------------
 def test_warmup_is_lamb_single_process():
     steps = 12
@@ -141,7 +134,7 @@ def test_warmup_is_lamb_single_process():
     opt = OnebitLamb(model.parameters(), **HP)
     coeffs = []
     for x, y in live_batches(0, 1, steps):
-        _steps(model, opt, [(x, y)])
+        run_steps(model, opt, [(x, y)])
         ref.step([(x, y)])
         coeffs.append([opt.state[p]["lamb_coeff"] for p in model.parameters()])
     diff = max_diff(model.parameters(), ref.params)
@@ -166,7 +159,7 @@ def test_single_process_matches_reference_through_the_freeze(bias_correction):
     ref = Reference(copy.deepcopy(model), 1, freeze, bias_correction=bias_correction)
     opt = OnebitLamb(model.parameters(), freeze_step=freeze, bias_correction=bias_correction, **HP)
     for k, batch in enumerate(live_batches(0, 1, steps), start=1):
-        _steps(model, opt, [batch])
+        run_steps(model, opt, [batch])
         ref.step([batch])
         diff = max_diff(model.parameters(), ref.params)
         assert diff < (1e-6 if k <= freeze else 1e-5), (k, diff)
@@ -182,7 +175,7 @@ def test_overlap_off_gives_the_same_steps():
     for overlap in (True, False):
         model = small_model()
         opt = OnebitLamb(model.parameters(), freeze_step=3, overlap=overlap, **HP)
-        _steps(model, opt, list(live_batches(0, 1, 7)))
+        run_steps(model, opt, list(live_batches(0, 1, 7)))
         assert opt.compressing
         runs.append(list(model.parameters()))
     assert max_diff(*runs) == 0
@@ -197,7 +190,7 @@ def test_zero_variance_coordinates_stay_put():
     before = model[0].weight.detach().clone()
     hp = dict(HP, weight_decay=0.0)
     opt = OnebitLamb(model.parameters(), freeze_step=4, **hp)
-    _steps(model, opt, list(shard_batches(0, 1, 10, batch=32)))
+    run_steps(model, opt, list(shard_batches(0, 1, 10, batch=32)))
     assert opt.compressing
     weight = model[0].weight.detach()
     assert torch.equal(weight[:, dead], before[:, dead])
@@ -210,10 +203,7 @@ def test_low_precision_and_empty_parameters():
     model = small_model().to(torch.bfloat16)
     empty = nn.Parameter(torch.zeros(0, dtype=torch.bfloat16))
     opt = OnebitLamb(list(model.parameters()) + [empty], freeze_step=3, **HP)
-    for x, y in live_batches(0, 1, 6):
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x.bfloat16()).float(), y).backward()
-        opt.step()
+    run_steps(model, opt, live_batches(0, 1, 6))  # inputs in bf16, as the parameters
     assert opt.compressing
     assert all(p.dtype == torch.bfloat16 and torch.isfinite(p).all() for p in model.parameters())
     assert opt.state[model[0].weight]["exp_avg"].dtype == torch.float32
@@ -253,7 +243,7 @@ def _two_rank_suite(rank, world, steps, freeze, cuts, folder):
     assert len(opt.buckets) == 1
     history = []
     for k, batch in enumerate(batches, start=1):
-        _steps(model, opt, [batch])
+        run_steps(model, opt, [batch])
         history.append(([p.detach().clone() for p in model.parameters()],
                         [opt.state[p]["lamb_coeff"] for p in model.parameters()]))
         if k in cuts:
@@ -268,7 +258,7 @@ def _two_rank_suite(rank, world, steps, freeze, cuts, folder):
         for st in opt.state.values():  # per-layer scalars stay Python floats (not cast to tensors)
             for key in ("trust_ratio_ema", "trust_ratio_frozen", "scaling_coeff", "last_factor"):
                 assert key not in st or type(st[key]) is float, key
-        _steps(model, opt, batches[k:])
+        run_steps(model, opt, batches[k:])
         resumed[k] = (max_diff(model.parameters(), final), _state_diff(opt.state_dict(), final_state))
     return history, compressing, resumed
 
@@ -362,7 +352,7 @@ def test_auto_freeze_freezes_variance_and_trust_ratios():
     batches = list(live_batches(0, 1, 10))
     seen = None
     for i, b in enumerate(batches):
-        _steps(model, opt, [b])
+        run_steps(model, opt, [b])
         if opt.compressing and seen is None:
             seen = i + 1
             for p in model.parameters():
