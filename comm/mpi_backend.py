@@ -224,18 +224,18 @@ class MPIBackend(Backend):
         data = _byte_buffer(buf)
         request = self.comm.Iallreduce(MPI.IN_PLACE, [data, self._reduce_types[dtype]], mpi_op)
 
+        copy_back = self._copy_back(tensor, buf, where, None, None)
+
         def then():
             if op == "avg":
                 buf.div_(self.world_size)
-            if where is not None:
-                tensor.copy_(buf.view_as(tensor))
-                self._give(buf, where)
+            copy_back()
 
         return MPIWork(request, then, (tensor, buf, data))
 
     def _reduction_bytes(self, t):
         # MPI has no bf16/fp16 sum: they are reduced (and sent) as fp32
-        return t.numel() * 4 if t.dtype in (torch.bfloat16, torch.float16) else t.numel() * t.element_size()
+        return t.numel() * 4 if t.dtype in (torch.bfloat16, torch.float16) else super()._reduction_bytes(t)
 
     def _reduce_scatter(self, output, input, op, async_op):
         MPI = self._mpi

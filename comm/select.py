@@ -10,8 +10,9 @@ from .backend import Backend, SingleProcessBackend
 _MPI_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS")
 
 
-def _launched_world_size() -> tuple[str, int] | None:
-    for var in ("WORLD_SIZE", *_MPI_SIZE_VARS):
+def _launched_world_size(names=("WORLD_SIZE", *_MPI_SIZE_VARS)) -> tuple[str, int] | None:
+    """The first of ``names`` that says a launcher started more than one rank, and its value."""
+    for var in names:
         value = os.environ.get(var)
         if value and value.isdigit() and int(value) > 1:
             return var, int(value)
@@ -19,7 +20,7 @@ def _launched_world_size() -> tuple[str, int] | None:
 
 
 def _mpi_launched() -> bool:
-    return any(os.environ.get(v, "").isdigit() and int(os.environ[v]) > 1 for v in _MPI_SIZE_VARS)
+    return _launched_world_size(_MPI_SIZE_VARS) is not None
 
 
 def get_backend(kind: str = "auto", **kwargs) -> Backend:

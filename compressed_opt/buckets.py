@@ -9,6 +9,7 @@ tensors users see in ``optimizer.state`` are views into them.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +27,11 @@ class Bucket:
     #: views of the bucket's own buffers, by (address, dtype, device): made once (a model with
     #: thousands of parameters would otherwise spend most of a step slicing)
     _views: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @functools.cached_property
+    def low_precision(self) -> bool:
+        """Whether some parameter is not fp32 (bf16/fp16): ZeRO keeps fp32 masters then."""
+        return any(p.dtype != torch.float32 for p in self.params)
 
     def flat(self, name: str) -> torch.Tensor:
         """The fp32 buffer ``name`` of this bucket (zeros on first use)."""

@@ -158,7 +158,7 @@ def warmup_update(opt, bucket: Bucket, group: dict, grad: torch.Tensor, step: in
 def master_shard(opt, bucket: Bucket) -> torch.Tensor | None:
     """This rank's fp32 master copy of its chunk of a bucket that holds bf16/fp16 parameters
     (made from the parameters on first use); ``None`` for fp32 buckets."""
-    if all(p.dtype == torch.float32 for p in bucket.params):
+    if not bucket.low_precision:
         return None
     master = bucket.flats.get("master_shard")
     if master is None:
