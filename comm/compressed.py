@@ -218,8 +218,41 @@ def _validate(tensor, worker_error, server_error, backend) -> None:
                 f"{tensor.numel()} elements on {backend.world_size} ranks (see error_buffer_sizes), "
                 f"got {buf.numel()}"
             )
-    if worker_error.data_ptr() == tensor.data_ptr() and tensor.numel() > 0:
-        raise ValueError("worker_error must not share storage with tensor")
+    if tensor.requires_grad:
+        raise ValueError(
+            "tensor requires grad (a parameter, or part of an autograd graph): compressed_allreduce "
+            "writes the average into it in place, which autograd cannot see; pass a buffer that does "
+            "not require grad (e.g. tensor.detach(), which shares its memory, under torch.no_grad())"
+        )
+    for name, a, other, b in (("worker_error", worker_error, "tensor", tensor),
+                              ("server_error", server_error, "tensor", tensor),
+                              ("server_error", server_error, "worker_error", worker_error)):
+        if _overlaps(a, b):
+            raise ValueError(
+                f"{name} overlaps {other} in memory: the compressed allreduce writes both, so each "
+                "must be a buffer of its own (allocate the error buffers separately, e.g. with "
+                "torch.zeros(n) for each size from error_buffer_sizes)"
+            )
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """``[first, last + 1)``: the bytes of memory ``t``'s elements can lie in (any strides)."""
+    low = high = 0
+    for size, stride in zip(t.shape, t.stride()):
+        if stride < 0:
+            low += (size - 1) * stride
+        else:
+            high += (size - 1) * stride
+    start, item = t.data_ptr(), t.element_size()
+    return start + low * item, start + (high + 1) * item
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` may share memory (conservatively: their byte spans intersect)."""
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device or a.device.type == "meta":
+        return False
+    (a0, a1), (b0, b1) = _byte_span(a), _byte_span(b)
+    return a0 < b1 and b0 < a1
 
 
 def compressed_allreduce(
@@ -232,7 +265,9 @@ def compressed_allreduce(
     ``server_error`` in place. Allocate the error buffers once, zeroed, with the sizes from
     :func:`error_buffer_sizes`, and pass the same ones on every call for the same tensor: they
     carry what compression lost into the next call. Every rank must call with a tensor of the
-    same numel and dtype; one that does not makes every rank raise ``ValueError``.
+    same numel and dtype; one that does not makes every rank raise ``ValueError``. ``tensor`` must
+    not require grad (pass ``tensor.detach()``), and the three tensors must not overlap in memory:
+    either raises ``ValueError`` naming the argument, before any communication.
     Buffers for the exchange are reused across calls (kept by ``backend``).
     """
     _validate(tensor, worker_error, server_error, backend)

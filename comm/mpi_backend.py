@@ -25,6 +25,16 @@ Design
   pools: a buffer is taken for a collective and given back when that collective is waited on,
   so concurrent collectives of the same size never share one.
 
+* **Faults.** An MPI job whose rank dies of an uncaught exception hangs: that rank waits in
+  ``MPI_Finalize``, the others in the collective it never joins. The first backend made in a
+  multi-rank job therefore chains ``sys.excepthook`` and ``threading.excepthook`` (once per
+  process; ``abort_on_exception=False`` opts out): they print the traceback as before, then call
+  ``MPI.COMM_WORLD.Abort(1)``, which ends every rank of the job (what ``python -m mpi4py`` does).
+  MPI itself has no timeout for a rank that stalls without dying (stopped, swapped out, stuck in
+  a loop); ``timeout`` (seconds; default ``$COMPRESSED_OPT_TIMEOUT``, unset or 0: none) makes
+  every wait a polling ``MPI_Test`` loop with that deadline, and a wait past it prints which
+  collective on which rank and aborts the job.
+
 mpi4py is imported when the first backend is made (``import mpi4py.MPI`` initialises MPI), so
 this module imports without it.
 """
@@ -32,8 +42,12 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import math
 import os
 import re
+import sys
+import threading
+import time
 from typing import Callable, Optional
 
 import torch
@@ -59,6 +73,93 @@ def _import_mpi():
             raise ImportError(f"{_INSTALL_HINT} ({e})") from e
         _MPI = MPI
     return _MPI
+
+
+# --- faults: abort the job instead of hanging it ---------------------------------------------------
+TIMEOUT_ENV = "COMPRESSED_OPT_TIMEOUT"
+_abort_hooks_installed = False
+
+
+def resolve_timeout(timeout=None) -> Optional[float]:
+    """Seconds a wait may take (``None``: no limit): ``timeout`` if given, else
+    ``$COMPRESSED_OPT_TIMEOUT``; 0 (or the variable unset or empty) means no limit."""
+    where = "timeout"
+    if timeout is None:
+        raw = os.environ.get(TIMEOUT_ENV, "").strip()
+        if not raw:
+            return None
+        where = TIMEOUT_ENV
+        try:
+            timeout = float(raw)
+        except ValueError:
+            raise ValueError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or math.isnan(timeout) or timeout < 0:
+        raise ValueError(f"{where} must be a number of seconds >= 0 (0: no limit), got {timeout!r}")
+    return None if timeout == 0 or math.isinf(timeout) else float(timeout)
+
+
+def abort_job(message: str, errorcode: int = 1) -> None:
+    """Print ``message`` to stderr and end every rank of the MPI job (``MPI_Abort`` on
+    ``COMM_WORLD``): a rank that cannot go on must not leave the others in a collective."""
+    try:
+        sys.stderr.write(message.rstrip("\n") + "\n")
+        sys.stderr.flush()
+    finally:
+        _import_mpi().COMM_WORLD.Abort(errorcode)
+
+
+def install_abort_on_exception() -> bool:
+    """Make an uncaught exception in any thread of this process abort the whole MPI job, after
+    the traceback is printed (chains ``sys.excepthook`` and ``threading.excepthook``; a thread's
+    ``SystemExit`` is ignored, as by default). Once per process; ``False`` if already installed.
+    Does nothing to a process alone in ``COMM_WORLD`` (its exit already ends the job)."""
+    global _abort_hooks_installed
+    if _abort_hooks_installed:
+        return False
+    MPI = _import_mpi()
+    world = MPI.COMM_WORLD
+    if world.Get_size() < 2:
+        return False
+    _abort_hooks_installed = True
+    previous_hook, previous_thread_hook = sys.excepthook, threading.excepthook
+    where = f"rank {world.Get_rank()} of {world.Get_size()}"
+
+    def excepthook(exc_type, exc, tb):
+        try:
+            previous_hook(exc_type, exc, tb)
+        finally:
+            abort_job(f"compressed_opt: uncaught {exc_type.__name__} on {where}: aborting the MPI job "
+                      "(MPI_Abort) so that the other ranks do not wait for it forever")
+
+    def thread_excepthook(args):
+        try:
+            previous_thread_hook(args)
+        finally:
+            if args.exc_type is not SystemExit:
+                name = args.thread.name if args.thread is not None else "a thread"
+                abort_job(f"compressed_opt: uncaught {args.exc_type.__name__} in thread {name!r} on {where}: "
+                          "aborting the MPI job (MPI_Abort) so that the other ranks do not wait for it forever")
+
+    sys.excepthook = excepthook
+    threading.excepthook = thread_excepthook
+    return True
+
+
+def _wait_until(request, timeout: float, what: str, comm) -> None:
+    """``request.Wait()`` with a deadline: ``MPI_Test`` in a loop with short, growing sleeps
+    (at most 0.5 ms, so a late collective costs little), aborting the job past ``timeout``."""
+    deadline = time.monotonic() + timeout
+    pause = 0.0
+    while not request.Test():
+        if time.monotonic() > deadline:
+            abort_job(
+                f"compressed_opt MPIBackend: rank {comm.Get_rank()} of {comm.Get_size()} waited more than "
+                f"{timeout:g} s for {what}: another rank is stalled, dead or in a different collective. "
+                f"Aborting the MPI job (the limit is MPIBackend(timeout=...) or ${TIMEOUT_ENV})"
+            )
+        if pause:
+            time.sleep(pause)
+        pause = min(max(2 * pause, 1e-5), 5e-4)
 
 
 # --- CUDA-aware detection ------------------------------------------------------------------------
@@ -126,15 +227,21 @@ def _byte_buffer(tensor: torch.Tensor):
 
 
 class MPIWork(Work):
-    """An MPI request; ``wait()`` completes it, then runs ``then`` once."""
+    """An MPI request; ``wait()`` completes it, then runs ``then`` once. With a ``timeout``
+    (seconds, ``comm`` given) a wait longer than that aborts the job (see the module docstring)."""
 
-    def __init__(self, request, then: Optional[Callable[[], None]] = None, keep: tuple = ()):
+    def __init__(self, request, then: Optional[Callable[[], None]] = None, keep: tuple = (),
+                 timeout: Optional[float] = None, what: str = "a collective", comm=None):
         self._request, self._then, self._keep, self._done = request, then, keep, False
+        self._timeout, self._what, self._comm = timeout, what, comm
 
     def wait(self) -> None:
         if self._done:
             return
-        self._request.Wait()
+        if self._timeout is None or self._comm is None:
+            self._request.Wait()
+        else:
+            _wait_until(self._request, self._timeout, self._what, self._comm)
         self._done = True  # before then(): a failing copy-back must not rerun on a second wait
         self._keep = ()
         if self._then is not None:
@@ -153,11 +260,16 @@ class MPIBackend(Backend):
 
     name = "mpi"
 
-    def __init__(self, comm=None, cuda_aware: Optional[bool] = None):
+    def __init__(self, comm=None, cuda_aware: Optional[bool] = None, timeout: Optional[float] = None,
+                 abort_on_exception: bool = True):
         MPI = _import_mpi()
         self._mpi = MPI
         self.comm = MPI.COMM_WORLD if comm is None else comm
         super().__init__(rank=self.comm.Get_rank(), world_size=self.comm.Get_size())
+        #: seconds a wait may take before the job is aborted (None: no limit)
+        self.timeout = resolve_timeout(timeout)
+        if abort_on_exception:
+            install_abort_on_exception()
         self.cuda_aware = detect_cuda_aware() if cuda_aware is None else bool(cuda_aware)
         self._reduce_types = {
             torch.float32: MPI.FLOAT,
@@ -172,7 +284,10 @@ class MPIBackend(Backend):
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size}, "
-                f"cuda_aware={self.cuda_aware})")
+                f"cuda_aware={self.cuda_aware}, timeout={self.timeout})")
+
+    def _work(self, request, then, keep, what: str) -> MPIWork:
+        return MPIWork(request, then, keep, timeout=self.timeout, what=what, comm=self.comm)
 
     # --- staging buffers ---------------------------------------------------------------------
     def _take(self, dtype: torch.dtype, numel: int, device) -> torch.Tensor:
@@ -231,7 +346,7 @@ class MPIBackend(Backend):
                 buf.div_(self.world_size)
             copy_back()
 
-        return MPIWork(request, then, (tensor, buf, data))
+        return self._work(request, then, (tensor, buf, data), f"all_reduce of {tensor.numel()} x {tensor.dtype}")
 
     def _reduction_bytes(self, t):
         # MPI has no bf16/fp16 sum: they are reduced (and sent) as fp32
@@ -254,9 +369,10 @@ class MPIBackend(Backend):
                 recv.div_(self.world_size)
             copy_back()
 
-        return MPIWork(request, then, (input, output, sdata, rdata))
+        return self._work(request, then, (input, output, sdata, rdata),
+                          f"reduce_scatter of {input.numel()} x {input.dtype}")
 
-    def _byte_exchange(self, output, input, collective):
+    def _byte_exchange(self, output, input, collective, what: str):
         """A collective that moves raw bytes (all-gather, all-to-all): any dtype, staged or not."""
         MPI = self._mpi
         send, send_at = self._staged(input, input.dtype, copy_in=True)
@@ -264,14 +380,14 @@ class MPIBackend(Backend):
         self._sync_device(send, recv)
         sdata, rdata = _byte_buffer(send), _byte_buffer(recv)
         request = collective([sdata, MPI.BYTE], [rdata, MPI.BYTE])
-        return MPIWork(request, self._copy_back(output, recv, recv_at, send, send_at),
-                       (input, output, sdata, rdata))
+        return self._work(request, self._copy_back(output, recv, recv_at, send, send_at),
+                          (input, output, sdata, rdata), f"{what} of {input.numel()} x {input.dtype}")
 
     def _all_gather(self, output, input, async_op):
-        return self._byte_exchange(output, input, self.comm.Iallgather)
+        return self._byte_exchange(output, input, self.comm.Iallgather, "all_gather")
 
     def _all_to_all(self, output, input, async_op):
-        return self._byte_exchange(output, input, self.comm.Ialltoall)
+        return self._byte_exchange(output, input, self.comm.Ialltoall, "all_to_all")
 
     def _broadcast(self, tensor, src, async_op):
         buf, where = self._staged(tensor, tensor.dtype, copy_in=self.rank == src)
@@ -282,7 +398,7 @@ class MPIBackend(Backend):
             then = self._copy_back(None, None, None, buf, where)
         else:
             then = self._copy_back(tensor, buf, where, None, None)
-        return MPIWork(request, then, (tensor, data))
+        return self._work(request, then, (tensor, data), f"broadcast of {tensor.numel()} x {tensor.dtype} from rank {src}")
 
     def _copy_back(self, output, recv, recv_at, send, send_at) -> Callable[[], None]:
         def then():
@@ -295,4 +411,7 @@ class MPIBackend(Backend):
         return then
 
     def _barrier(self) -> None:
-        self.comm.Barrier()
+        if self.timeout is None:
+            self.comm.Barrier()
+        else:
+            self._work(self.comm.Ibarrier(), None, (), "a barrier").wait()

@@ -3,10 +3,13 @@
 Each run gets its own file store in a fresh temporary folder, so concurrent tests never share a
 port. ``fn(rank, world_size, *args)`` runs in every rank after ``init_process_group``; what it
 returns is pickled back. A rank that raises, dies or outlives ``timeout`` fails the run with the
-ranks' tracebacks, and every process is killed: a hang fails fast.
+ranks' tracebacks, and every process is killed: a hang fails fast. ``pg_timeout`` (seconds) is
+the process group's own timeout for a collective (``init_process_group(timeout=...)``; torch's
+default, 30 minutes for Gloo, when ``None``).
 """
 from __future__ import annotations
 
+import datetime
 import os
 import pickle
 import tempfile
@@ -16,7 +19,7 @@ import traceback
 import torch.multiprocessing as mp
 
 
-def _rank_main(rank, world_size, store_path, out_dir, fn, args):
+def _rank_main(rank, world_size, store_path, out_dir, fn, args, pg_timeout=None):
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
     import torch.distributed as dist
@@ -24,7 +27,8 @@ def _rank_main(rank, world_size, store_path, out_dir, fn, args):
     torch.set_num_threads(1)
     result_path = os.path.join(out_dir, f"rank{rank}.pkl")
     try:
-        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
+        extra = {} if pg_timeout is None else {"timeout": datetime.timedelta(seconds=pg_timeout)}
+        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size, **extra)
         try:
             value = ("ok", fn(rank, world_size, *args))
         finally:
@@ -40,14 +44,14 @@ class RanksFailed(AssertionError):
     pass
 
 
-def spawn_ranks(fn, world_size: int, *args, timeout: float = 120.0):
+def spawn_ranks(fn, world_size: int, *args, timeout: float = 120.0, pg_timeout: float | None = None):
     """``[(status, value)]`` per rank: ``("ok", result)`` or ``("error", traceback)``. Fails
     (``RanksFailed``) only when a rank hangs past ``timeout`` or dies without a word."""
     with tempfile.TemporaryDirectory(prefix="co-ranks-") as tmp:
         store = os.path.join(tmp, "store")
         ctx = mp.get_context("spawn")
         procs = [
-            ctx.Process(target=_rank_main, args=(r, world_size, store, tmp, fn, args), daemon=True)
+            ctx.Process(target=_rank_main, args=(r, world_size, store, tmp, fn, args, pg_timeout), daemon=True)
             for r in range(world_size)
         ]
         for p in procs:
@@ -73,10 +77,10 @@ def spawn_ranks(fn, world_size: int, *args, timeout: float = 120.0):
         return outcomes
 
 
-def run_ranks(fn, world_size: int, *args, timeout: float = 120.0):
+def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, pg_timeout: float | None = None):
     """Results of ``fn`` on ranks ``0..world_size-1``; fails with every rank's traceback if any
     rank raised. ``fn`` must be importable (a module-level function of a test module)."""
-    outcomes = spawn_ranks(fn, world_size, *args, timeout=timeout)
+    outcomes = spawn_ranks(fn, world_size, *args, timeout=timeout, pg_timeout=pg_timeout)
     errors = [f"rank {r} raised:\n{v}" for r, (s, v) in enumerate(outcomes) if s == "error"]
     if errors:
         raise RanksFailed("\n".join(errors))

@@ -1,0 +1,246 @@
+"""Strict checks of an optimizer checkpoint before anything is loaded, and the ranks' agreement on it.
+
+:func:`validate_state_dict` runs first in ``CompressedOptimizer.load_state_dict``. It checks, on
+each rank, that the state dict is one this version of the library wrote for this optimizer (the
+``compressed_opt`` entry and its ``format``, the keys a load reads, their types, the parameter
+groups, every per-parameter buffer's shape, the bucket buffers), so that a damaged or foreign
+checkpoint raises an error that names what is wrong instead of a ``KeyError`` deep in the load or,
+worse, a silent broadcast of a wrongly shaped buffer.
+
+Then, with more than one rank, one small all-gather compares what must be the same on every rank
+when the run resumes: the step counter and the stage (warmup or compression, 0/1 Adam's phase and
+its counters). Per-rank checkpoints of different steps would otherwise make the ranks take
+different collectives (a hang) or apply different updates (silent divergence). The all-gather
+also carries whether this rank's checkpoint passed the local checks, so a rank with a bad file
+makes *every* rank raise rather than leaving the others waiting: either every rank loads, or none
+does. Hence every rank must call ``load_state_dict`` (as resuming a data-parallel run does anyway).
+"""
+from __future__ import annotations
+
+import hashlib
+import numbers
+import struct
+from collections.abc import Mapping
+
+import torch
+
+from compressed_opt.comm import chunk_numel
+
+#: keys of ``state_dict()["compressed_opt"]`` that every format-1 checkpoint has
+REQUIRED_KEYS = ("format", "algorithm", "global_step", "rank", "world_size", "buckets")
+#: keys of an optimizer's ``_extra_state()`` that a load reads with a default (not required)
+_OPTIONAL_EXTRA = frozenset({"freeze_rule", "last_step_kind", "ddp_errors"})
+#: keys that differ between the ranks of one run by design (not compared across ranks)
+_PER_RANK = frozenset({"rank", "buckets", "ddp_errors", "freeze_rule", "format", "world_size", "algorithm"})
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded into this optimizer (a ``ValueError``)."""
+
+
+def validate_state_dict(optimizer, state_dict) -> None:
+    """Raise :class:`CheckpointError` (a ``ValueError``) if ``state_dict`` cannot be loaded into
+    ``optimizer``, on *every* rank if it cannot be on some rank (see the module docstring)."""
+    local_error = None
+    try:
+        _check_locally(optimizer, state_dict)
+    except Exception as exc:  # noqa: BLE001 - whatever it is, the other ranks must hear of it
+        local_error = exc
+    backend = optimizer.backend
+    if backend.world_size == 1:
+        if local_error is not None:
+            raise local_error
+        return
+    # every rank takes part, whatever its own checks said: a rank that raised here alone would
+    # leave the others waiting in this all-gather
+    mine = _agreement_row(state_dict if local_error is None else None)
+    device = next((p.device for g in optimizer.param_groups for p in g["params"]), torch.device("cpu"))
+    everyone = torch.empty(backend.world_size * len(mine), dtype=torch.int64, device=device)
+    backend.all_gather(everyone, torch.tensor(mine, dtype=torch.int64, device=device))
+    rows = everyone.view(backend.world_size, -1).cpu().tolist()
+    if local_error is not None:
+        raise local_error
+    bad = [r for r, row in enumerate(rows) if row[0] == 0]
+    name = type(optimizer).__name__
+    if bad:
+        raise CheckpointError(
+            f"{name}.load_state_dict: the checkpoint of rank(s) {', '.join(map(str, bad))} failed validation "
+            "(that rank's error says why); no rank loaded its checkpoint"
+        )
+    steps = [row[1] for row in rows]
+    stages = [row[2] for row in rows]
+    if len(set(steps)) > 1 or len(set(stages)) > 1:
+        per_rank = "; ".join(
+            f"rank {r}: global_step {s}, {_STAGE_NAMES.get(c, c)}" for r, (s, c) in enumerate(zip(steps, stages))
+        )
+        raise CheckpointError(
+            f"{name}.load_state_dict: the ranks' checkpoints are of different steps or stages ({per_rank}); "
+            "resuming them would make the ranks diverge or wait in different collectives. Load the "
+            "checkpoints that were saved at the same step, one per rank"
+        )
+    if len({row[3] for row in rows}) > 1:
+        fields = ", ".join(sorted(_counters(state_dict["compressed_opt"])))
+        raise CheckpointError(
+            f"{name}.load_state_dict: the ranks' checkpoints are at the same step but their stage "
+            f"counters differ (some of: {fields}); load the checkpoints of one run, saved at the same step"
+        )
+
+
+_STAGE_NAMES = {0: "not frozen (warmup; 0/1 Adam's phase A)", 1: "frozen (compression stage; 0/1 Adam's phase B)"}
+
+
+def _agreement_row(state_dict) -> list[int]:
+    """``[valid, global_step, stage, hash of the other stage counters]`` of this rank."""
+    if state_dict is None:
+        return [0, -1, -1, 0]
+    extra = state_dict["compressed_opt"]
+    stage = 1 if extra.get("frozen") else 0
+    digest = hashlib.sha256(repr(sorted(_counters(extra).items())).encode()).digest()
+    return [1, int(extra["global_step"]), stage, struct.unpack("<q", digest[:8])[0]]
+
+
+def _counters(extra: Mapping) -> dict:
+    """The scalar stage fields (not ``global_step``) that must be equal on every rank."""
+    return {
+        k: v for k, v in extra.items()
+        if k not in _PER_RANK and k not in ("global_step", "frozen") and isinstance(v, (int, str, type(None)))
+    }
+
+
+# --- the local checks ------------------------------------------------------------------------------
+def _fail(optimizer, message: str):
+    raise CheckpointError(f"{type(optimizer).__name__}.load_state_dict: {message}")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _check_locally(optimizer, state_dict) -> None:
+    from .optimizer import _STATE_FORMAT  # (optimizer.py imports this module)
+
+    name = type(optimizer).__name__
+    if not isinstance(state_dict, Mapping):
+        _fail(optimizer, f"expected a state dict (a dict), got {type(state_dict).__name__}")
+    extra = state_dict.get("compressed_opt")
+    if extra is None:
+        _fail(optimizer,
+              f"this state dict has no 'compressed_opt' entry: it was not saved by a {name} (to start "
+              "from another optimizer's state, load its parameters and let this optimizer warm up)")
+    if not isinstance(extra, Mapping):
+        _fail(optimizer, f"state_dict['compressed_opt'] must be a dict, got {type(extra).__name__}")
+    if "format" not in extra:
+        _fail(optimizer, "state_dict['compressed_opt'] has no 'format' key: not a checkpoint of compressed_opt")
+    fmt = extra["format"]
+    if not _is_int(fmt) or fmt != _STATE_FORMAT:
+        _fail(optimizer,
+              f"checkpoint format {fmt!r} is not the format this version of compressed_opt reads "
+              f"({_STATE_FORMAT}); it was written by another version, or is damaged")
+    missing = [k for k in REQUIRED_KEYS if k not in extra]
+    if missing:
+        _fail(optimizer, f"state_dict['compressed_opt'] lacks the key(s) {', '.join(map(repr, missing))}")
+    if extra["algorithm"] != name:
+        _fail(optimizer, f"state dict of {extra['algorithm']} given to {name}")
+    step = extra["global_step"]
+    if not _is_int(step) or step < 0:
+        _fail(optimizer, f"global_step must be an int >= 0, got {step!r} ({type(step).__name__})")
+    rank, world = extra["rank"], extra["world_size"]
+    if not (_is_int(world) and world >= 1 and _is_int(rank) and 0 <= rank < world):
+        _fail(optimizer, f"rank and world_size must be ints with 0 <= rank < world_size, got rank {rank!r}, "
+                         f"world_size {world!r}")
+    _check_extra(optimizer, extra)
+    _check_param_groups(optimizer, state_dict)
+    _check_param_state(optimizer, state_dict)
+    _check_buckets(optimizer, extra["buckets"], world)
+    ddp = extra.get("ddp_errors", {})
+    if not isinstance(ddp, Mapping):
+        _fail(optimizer, f"state_dict['compressed_opt']['ddp_errors'] must be a dict, got {type(ddp).__name__}")
+    for key, entry in ddp.items():
+        if not isinstance(entry, Mapping):
+            _fail(optimizer, f"ddp_errors[{key!r}] must be a dict, got {type(entry).__name__}")
+        for field in ("worker_error", "server_error"):
+            if not isinstance(entry.get(field), torch.Tensor):
+                _fail(optimizer, f"ddp_errors[{key!r}][{field!r}] must be a tensor, got {type(entry.get(field)).__name__}")
+    if getattr(optimizer, "zero_stage", 0) and (world != optimizer.backend.world_size or rank != optimizer.backend.rank):
+        _fail(optimizer,
+              f"this ZeRO checkpoint holds the shards of rank {rank} of {world}; it cannot be loaded on rank "
+              f"{optimizer.backend.rank} of {optimizer.backend.world_size}. Resume with the same world size, each "
+              "rank loading its own file (or train with zero_stage=0 to move between world sizes)")
+
+
+def _check_extra(optimizer, extra: Mapping) -> None:
+    """The algorithm's own keys (those its ``_extra_state()`` writes and a load must read)."""
+    wanted = [k for k in optimizer._extra_state() if k not in _OPTIONAL_EXTRA]
+    missing = [k for k in wanted if k not in extra]
+    if missing:
+        _fail(optimizer, f"state_dict['compressed_opt'] lacks the key(s) {', '.join(map(repr, missing))}")
+    if "frozen" in wanted and not isinstance(extra["frozen"], bool):
+        _fail(optimizer, f"'frozen' must be True or False, got {extra['frozen']!r}")
+    for key in wanted:
+        value = extra[key]
+        if key.endswith(("_interval", "_counter", "_refreshes")) or key == "steps_since_sync":
+            if not _is_int(value) or value < 0:
+                _fail(optimizer, f"{key!r} must be an int >= 0, got {value!r}")
+        elif key.endswith("freeze_step") and value is not None and (not _is_int(value) or value < 1):
+            _fail(optimizer, f"{key!r} must be an int >= 1 or None, got {value!r}")
+
+
+def _check_param_groups(optimizer, state_dict: Mapping) -> None:
+    saved = state_dict.get("param_groups")
+    if not isinstance(saved, (list, tuple)) or not all(isinstance(g, Mapping) and "params" in g for g in saved):
+        _fail(optimizer, "state_dict['param_groups'] must be a list of param group dicts with 'params'")
+    if len(saved) != len(optimizer.param_groups):
+        _fail(optimizer, f"the checkpoint has {len(saved)} parameter group(s), this optimizer "
+                         f"{len(optimizer.param_groups)}")
+    for i, (s, g) in enumerate(zip(saved, optimizer.param_groups)):
+        if len(s["params"]) != len(g["params"]):
+            _fail(optimizer, f"parameter group {i} has {len(s['params'])} parameters in the checkpoint and "
+                             f"{len(g['params'])} here")
+    if not isinstance(state_dict.get("state"), Mapping):
+        _fail(optimizer, "state_dict['state'] must be a dict (parameter index -> state)")
+
+
+def _check_param_state(optimizer, state_dict: Mapping) -> None:
+    """Every per-parameter buffer of the algorithm has its parameter's shape."""
+    ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    place = {pid: i for i, pid in enumerate(ids)}
+    for pid, st in state_dict["state"].items():
+        if pid not in place:
+            _fail(optimizer, f"state_dict['state'] has an entry for parameter {pid!r}, which no parameter group lists")
+        i = place[pid]
+        if not isinstance(st, Mapping):
+            _fail(optimizer, f"the state of parameter {i} must be a dict, got {type(st).__name__}")
+        for field in optimizer.bucket_state_names:
+            if field not in st:
+                continue
+            value = st[field]
+            if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+                _fail(optimizer, f"state of parameter {i}, {field!r}: expected a floating-point tensor, got "
+                                 f"{getattr(value, 'dtype', type(value).__name__)}")
+            if tuple(value.shape) != tuple(params[i].shape):
+                _fail(optimizer, f"state of parameter {i}, {field!r}: shape {tuple(value.shape)} in the checkpoint, "
+                                 f"but the parameter's shape is {tuple(params[i].shape)} (a checkpoint of another model?)")
+
+
+def _check_buckets(optimizer, buckets, world: int) -> None:
+    if not isinstance(buckets, (list, tuple)):
+        _fail(optimizer, f"state_dict['compressed_opt']['buckets'] must be a list, got {type(buckets).__name__}")
+    for j, entry in enumerate(buckets):
+        if not isinstance(entry, Mapping):
+            _fail(optimizer, f"bucket {j} of the checkpoint must be a dict, got {type(entry).__name__}")
+        numel = entry.get("numel")
+        if not _is_int(numel) or numel < 0:
+            _fail(optimizer, f"bucket {j}: 'numel' must be an int >= 0, got {numel!r}")
+        for field, value in entry.items():
+            if field == "numel":
+                continue
+            if not isinstance(value, torch.Tensor):
+                _fail(optimizer, f"bucket {j}, {field!r}: expected a tensor, got {type(value).__name__}")
+        expected = {"worker_error": numel, "server_error": chunk_numel(numel, world)}
+        for field, n in expected.items():
+            if field in entry and entry[field].numel() != n:
+                _fail(optimizer, f"bucket {j}, {field!r}: {entry[field].numel()} elements, expected {n} for a bucket "
+                                 f"of {numel} elements on {world} ranks")
+        if ("worker_error" in entry) != ("server_error" in entry):
+            _fail(optimizer, f"bucket {j} has only one of 'worker_error' and 'server_error'")
