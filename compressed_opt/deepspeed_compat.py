@@ -81,7 +81,8 @@ def from_deepspeed_config(params, optimizer_section: dict[str, Any], *, backend=
         else:
             raise ValueError(f"comm_backend_name must be 'nccl', 'gloo' or 'mpi', got {backend_name!r}")
     if "betas" in args:
-        args["betas"] = tuple(args["betas"])
+        # JSON writes 0.0 as 0; the optimizers take float betas (as AdamW)
+        args["betas"] = tuple(float(b) if isinstance(b, int) and not isinstance(b, bool) else b for b in args["betas"])
     if deepspeed_numerics:
         args["bias_correction"] = False
     return _optimizer_class(kind)(params, backend=backend, **args, **options)

@@ -335,7 +335,9 @@ def _norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """L2 norms in fp32: one fused kernel for fp32 tensors, one per tensor otherwise."""
     if all(t.dtype == torch.float32 for t in tensors):
         return list(torch._foreach_norm(tensors))
-    return [torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors]
+    # bf16/fp16 accumulate in fp32; fp64 cannot be narrowed by vector_norm's dtype: norm, then cast
+    return [torch.linalg.vector_norm(t).float() if t.dtype == torch.float64
+            else torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors]
 
 
 def _maxima(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -1,8 +1,21 @@
-"""Up-front checks of optimizer arguments: each error names the argument and what to change."""
+"""Up-front checks of optimizer arguments: each error names the argument and what to change.
+
+The hyperparameters shared with ``torch.optim.AdamW`` (``lr``, ``betas``, ``eps``,
+``weight_decay``) are checked as AdamW checks them, with its exception types and messages for
+every value AdamW rejects (``ValueError: Invalid learning rate: -1``, ``Tensor lr must be
+1-element``, ``betas must be either both floats or both Tensors``, ...), so code that handles
+AdamW's errors handles ours. Where AdamW's error is an accident of its implementation (a
+``TypeError`` from comparing a string with 0.0, an ``IndexError`` for a 1-tuple of betas, the
+ambiguous truth value of a many-element tensor) ours says what is wrong instead. Beyond AdamW,
+non-finite values (``inf``) and booleans are rejected. Tensor betas (1-element, both) are
+accepted and kept as floats.
+"""
 from __future__ import annotations
 
 import math
 import numbers
+
+import torch
 
 
 def check_nonneg_float(name: str, value) -> float:
@@ -17,15 +30,46 @@ def check_nonneg_float(name: str, value) -> float:
     return value
 
 
+def _real(name: str, value) -> float:
+    """``value`` as a float: a real number (not a bool) or a 1-element tensor."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"Tensor {name} must be 1-element")
+        if value.is_complex() or value.dtype == torch.bool:
+            raise TypeError(f"{name} must be a real number, got a {value.dtype} tensor")
+        return float(value.item())
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    return float(value)
+
+
+def _check_adamw_scalar(name: str, value, invalid: str) -> float:
+    """AdamW's ``0.0 <= value`` check and message (``invalid``: its wording, e.g. "Invalid
+    learning rate"), plus finiteness."""
+    x = _real(name, value)
+    if not x >= 0.0:  # also NaN, as AdamW
+        raise ValueError(f"{invalid}: {value}")
+    if math.isinf(x):
+        raise ValueError(f"{invalid}: {value} (must be finite)")
+    return x
+
+
 def check_betas(betas) -> tuple[float, float]:
     try:
         b1, b2 = betas
     except (TypeError, ValueError):
         raise TypeError(f"betas must be a pair (beta1, beta2), got {betas!r}") from None
+    values = []
     for i, b in enumerate((b1, b2)):
-        if isinstance(b, bool) or not isinstance(b, numbers.Real) or not 0.0 <= float(b) < 1.0:
-            raise ValueError(f"Invalid beta parameter at index {i}: {b!r} (betas must be in [0, 1))")
-    return float(b1), float(b2)
+        x = _real(f"betas[{i}]", b)
+        if not 0.0 <= x < 1.0:
+            raise ValueError(f"Invalid beta parameter at index {i}: {b}")
+        values.append(x)
+    if not (isinstance(b1, float) and isinstance(b2, float)) and not (
+        isinstance(b1, torch.Tensor) and isinstance(b2, torch.Tensor)
+    ):
+        raise ValueError("betas must be either both floats or both Tensors")  # AdamW's rule
+    return values[0], values[1]
 
 
 def check_step_count(name: str, value, allow_auto: bool = False, minimum: int = 0):
@@ -40,8 +84,11 @@ def check_step_count(name: str, value, allow_auto: bool = False, minimum: int = 
 
 
 def check_adam_group(group: dict) -> None:
-    """AdamW's hyperparameters of a param group (``betas`` normalised to a float pair)."""
-    check_nonneg_float("lr", group["lr"])
-    check_nonneg_float("eps", group["eps"])
-    check_nonneg_float("weight_decay", group["weight_decay"])
+    """AdamW's hyperparameters of a param group, in AdamW's order (lr, eps, betas, weight decay)
+    and with its messages. ``betas``, ``eps`` and ``weight_decay`` are normalised to floats;
+    ``lr`` keeps its type: a tensor lr stays the tensor the caller gave, so updating it in place
+    (as LR schedulers do with a tensor lr) takes effect; the steps read it as a float."""
+    _check_adamw_scalar("lr", group["lr"], "Invalid learning rate")
+    group["eps"] = _check_adamw_scalar("eps", group["eps"], "Invalid epsilon value")
     group["betas"] = check_betas(group["betas"])
+    group["weight_decay"] = _check_adamw_scalar("weight_decay", group["weight_decay"], "Invalid weight_decay value")

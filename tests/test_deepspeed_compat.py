@@ -47,7 +47,7 @@ def test_zero_one_adam_section():
         ({"type": "Adam", "params": {}}, "not one of DeepSpeed's compressed optimizers"),
         ({"type": "OneBitAdam", "params": {"freeze_stpe": 3}}, r"unknown OneBitAdam parameter\(s\) \['freeze_stpe'\]"),
         ({"type": "OneBitAdam", "params": {"comm_backend_name": "carrier-pigeon"}}, "comm_backend_name"),
-        ({"type": "OneBitAdam", "params": {"lr": -1}}, "Invalid lr"),
+        ({"type": "OneBitAdam", "params": {"lr": -1}}, "Invalid learning rate"),
     ],
 )
 def test_bad_sections_say_what_is_wrong(section, match):

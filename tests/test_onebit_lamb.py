@@ -391,7 +391,7 @@ def test_auto_freeze_freezes_variance_and_trust_ratios():
         (dict(coeff_beta=-0.1), ValueError, "coeff_beta"),
         (dict(factor_threshold=-0.1), ValueError, "factor_threshold"),
         (dict(factor_threshold=[0.1]), TypeError, "factor_threshold"),
-        (dict(lr=-1.0), ValueError, "lr"),
+        (dict(lr=-1.0), ValueError, "learning rate"),
         (dict(eps=-1.0), ValueError, "eps"),
         (dict(weight_decay=-1.0), ValueError, "weight_decay"),
         (dict(betas=(1.0, 0.9)), ValueError, "beta"),

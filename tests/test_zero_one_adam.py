@@ -437,9 +437,9 @@ def test_resume_is_bit_exact_in_phase_a_and_mid_interval_in_phase_b(two_ranks):
 @pytest.mark.parametrize(
     "kwargs, exc, match",
     [
-        (dict(lr=-1.0), ValueError, "Invalid lr"),
+        (dict(lr=-1.0), ValueError, "Invalid learning rate"),
         (dict(lr="fast"), TypeError, "lr must be a real number"),
-        (dict(eps=-1e-8), ValueError, "Invalid eps"),
+        (dict(eps=-1e-8), ValueError, "Invalid epsilon value"),
         (dict(weight_decay=-0.1), ValueError, "Invalid weight_decay"),
         (dict(betas=(1.0, 0.999)), ValueError, "beta parameter at index 0"),
         (dict(betas=(0.9, -0.1)), ValueError, "beta parameter at index 1"),
@@ -467,7 +467,7 @@ def test_bad_arguments_name_the_argument(kwargs, exc, match):
 def test_bad_param_group_is_rejected():
     model = nn.Linear(2, 2)
     opt = ZeroOneAdam([model.weight], backend=SingleProcessBackend())
-    with pytest.raises(ValueError, match="Invalid lr"):
+    with pytest.raises(ValueError, match="Invalid learning rate"):
         opt.add_param_group({"params": [model.bias], "lr": -1})
 
 
