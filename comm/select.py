@@ -66,6 +66,9 @@ def get_backend(kind: str = "auto", **kwargs) -> Backend:
         var, size = launched
         raise RuntimeError(
             f"{var}={size} says this is one of {size} ranks, but torch.distributed is not "
-            "initialised: call torch.distributed.init_process_group() before creating the optimizer"
+            "initialised: create the optimizer after the process group exists (with transformers' "
+            "Trainer, after TrainingArguments(...), which starts it; with accelerate, after "
+            "Accelerator(); with Lightning, in configure_optimizers), or call "
+            "torch.distributed.init_process_group() first"
         )
     return SingleProcessBackend()

@@ -70,6 +70,20 @@ class Bucket:
             out.mul_(inv_scale)
 
 
+    def scatter_grads(self, flat: torch.Tensor) -> None:
+        """Each parameter's ``p.grad`` <- its slice of ``flat`` (a parameter without one gets a
+        new gradient, as DDP gives a locally unused parameter the average)."""
+        have, views = [], []
+        for p, view in zip(self.params, self.views(flat)):
+            if p.grad is None:
+                p.grad = view.to(p.dtype, copy=True)
+            else:
+                have.append(p.grad)
+                views.append(view)
+        if views:
+            torch._foreach_copy_(have, views)
+
+
 def build_buckets(param_groups: list[dict], cap_bytes: int) -> list[Bucket]:
     buckets: list[Bucket] = []
     for gi, group in enumerate(param_groups):

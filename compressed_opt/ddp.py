@@ -1,63 +1,69 @@
 """Run a compressed optimizer under ``DistributedDataParallel``: a communication hook driven by
-the optimizer's stage, so DDP's reducer (its buckets, its overlap with backward) carries the
-exchange and DDP sends no other gradient traffic.
+the optimizer's stage, so a DDP-wrapped model sends exactly what the optimizer alone would.
 
-* Full-precision steps (warmup): the hook averages DDP's gradient bucket (one all-reduce, the
-  same as DDP's default), and ``step()`` uses the averaged gradients without communicating again.
-* Compression stage: for optimizers that can exchange inside the hook (:class:`OnebitAdam`), the
-  hook forms the local momentum ``m_i = b1 m + (1 - b1) g_i`` of the bucket's parameters, runs the
-  1-bit compressed allreduce on it, and hands DDP the averaged momentum, which ``step()`` takes as
-  the new momentum. For the others (and under a ``GradScaler``, whose skip decision must come
-  first) the hook passes the local gradients through untouched and ``step()`` runs the
-  optimizer's own compressed exchange. Either way no full-precision gradient is sent.
+* Full-precision steps (warmup): the hook averages DDP's gradient bucket (one all-reduce, as
+  DDP's default), so ``p.grad`` holds the rank average after backward, as without the hook.
+* Compression stage: the hook hands the local gradients back untouched (no full-precision
+  traffic), and ``step()`` runs the optimizer's 1-bit exchange on ``p.grad`` as the training
+  loop left it, exactly as the optimizer does without DDP.
 
-The error-feedback buffers of the hook's exchanges are kept per DDP bucket, and saved in the
-optimizer's state dict.
+Found automatically: frameworks (transformers' Trainer, Lightning's DDP strategy, accelerate)
+wrap the model in DDP themselves, after the optimizer was made. Until its first step, every
+compressed optimizer watches the forward passes (one global forward pre-hook, removed once no
+optimizer is waiting); the first forward of a ``DistributedDataParallel`` module that holds its
+parameters registers the hook on it, before any backward. :func:`register_ddp_comm_hook` does the
+same by hand.
 
-Both exchanges run on the bucket's parameters in the optimizer's own order (descending parameter
-index, as the optimizer's buckets), not in DDP's: DDP rebuilds its buckets after the first
-iteration, in the order the gradients became ready, so a resumed run's first iteration would
-otherwise lay the same parameters out differently, and a 3+-rank all-reduce (or the 1-bit
-exchange) would round differently. Laid out canonically, a resumed run repeats the uninterrupted
-one bit for bit as long as DDP puts the same parameters together in a bucket (always so for a
-model that fits one bucket). The copy in and out is skipped when DDP's order is already this one.
+The all-reduce runs on the bucket's parameters in the optimizer's own order (descending
+parameter index, as the optimizer's buckets), not in DDP's: DDP rebuilds its buckets after the
+first iteration, in the order the gradients became ready, so a resumed run's first iteration
+would otherwise lay the same parameters out differently, and a 3+-rank all-reduce would round
+differently. The copy in and out is skipped when DDP's order is already this one.
 """
+
+import logging
+import weakref
+
 import torch
 import torch.distributed as dist
 
 from compressed_opt.comm.backend import nbytes
 
-from .optimizer import CompressedOptimizer
+logger = logging.getLogger("compressed_opt")
 
 
 class DDPHookState:
-    """What the hook needs: the optimizer, the process group, and which step it exchanged for."""
+    """What the hook needs: the optimizer (weakly), the process group, and per DDP bucket the
+    scratch buffer that lays it out in the optimizer's order."""
 
-    def __init__(self, optimizer: CompressedOptimizer, process_group=None):
-        self.optimizer = optimizer
+    def __init__(self, optimizer, process_group=None):
+        self._optimizer = weakref.ref(optimizer)
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
-        self.exchanged_step = -1
+        self.scratch = {}  # key -> torch.Tensor
+
+    @property
+    def optimizer(self):
+        return self._optimizer()
 
 
 class CanonicalLayout:
     """A DDP bucket's gradients in the optimizer's order: ``flat`` (DDP's own buffer when its
     order is already the optimizer's, else a scratch buffer kept per bucket), ``views`` of it per
-    parameter, and ``key`` naming the bucket by its parameters' indices. ``dtype``: of ``flat``
-    (a ``buffer`` of another dtype is copied)."""
+    parameter, and ``key`` naming the bucket by its parameters' indices."""
 
-    def __init__(self, opt: CompressedOptimizer, params, grads, buffer: torch.Tensor, dtype=None):
-        dtype = buffer.dtype if dtype is None else dtype
+    def __init__(self, state: DDPHookState, params, grads, buffer: torch.Tensor):
+        opt = state.optimizer
         order = sorted(range(len(params)), key=lambda i: opt.param_index(params[i]), reverse=True)
         self.key = ",".join(str(opt.param_index(params[i])) for i in order)
         self.order, self.params = order, [params[i] for i in order]
-        self.copied = order != list(range(len(params))) or dtype != buffer.dtype
+        self.copied = order != list(range(len(params)))
         if not self.copied:
             self.flat, self.views = buffer, list(grads)
             return
-        scratch = opt._ddp_scratch.get(self.key)
-        if scratch is None or scratch.device != buffer.device or scratch.dtype != dtype:
-            scratch = opt._ddp_scratch[self.key] = torch.empty(buffer.numel(), dtype=dtype, device=buffer.device)
+        scratch = state.scratch.get(self.key)
+        if scratch is None or scratch.device != buffer.device or scratch.dtype != buffer.dtype:
+            scratch = state.scratch[self.key] = torch.empty(buffer.numel(), dtype=buffer.dtype, device=buffer.device)
         self.flat, self.views, offset = scratch, [], 0
         for p in self.params:
             self.views.append(scratch[offset : offset + p.numel()].view_as(p))
@@ -72,8 +78,9 @@ class CanonicalLayout:
 
 def _average(state: DDPHookState, bucket: dist.GradBucket):
     buffer, grads = bucket.buffer(), bucket.gradients()
-    layout = CanonicalLayout(state.optimizer, bucket.parameters(), grads, buffer)
-    state.optimizer.backend.stats.record("all_reduce", 2 * (state.world_size - 1) / state.world_size * nbytes(buffer))
+    opt = state.optimizer
+    layout = CanonicalLayout(state, bucket.parameters(), grads, buffer)
+    opt.backend.stats.record("all_reduce", 2 * (state.world_size - 1) / state.world_size * nbytes(buffer))
     fut = dist.all_reduce(layout.flat, group=state.process_group, async_op=True).get_future()
     world = state.world_size
 
@@ -93,31 +100,80 @@ def _done(value: torch.Tensor):
 
 def compressed_comm_hook(state: DDPHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     opt = state.optimizer
-    step = opt.global_step + 1
-    buffer = bucket.buffer()
-    if opt._needs_average(step):
+    if opt is not None and opt._needs_average(opt.global_step + 1):
         return _average(state, bucket)
-    # otherwise the local gradients go through, and step() runs the optimizer's own exchange
-    if not opt._scaler_seen and opt.ddp_exchange(bucket.index(), bucket.parameters(), bucket.gradients(), buffer):
-        state.exchanged_step = step
-    return _done(buffer)
+    return _done(bucket.buffer())  # compression stage: step() runs the optimizer's own exchange
 
 
 def register_ddp_comm_hook(ddp_model, optimizer, process_group=None) -> DDPHookState:
-    """Let ``ddp_model``'s reducer carry ``optimizer``'s exchanges (see the module docstring).
+    """Let ``ddp_model``'s reducer carry ``optimizer``'s full-precision averaging and send
+    nothing else (see the module docstring). Done automatically at the first forward of a
+    DDP-wrapped model; calling it by hand, before the first backward, is still allowed."""
+    from .optimizer import CompressedOptimizer
 
-    Call once, before the first backward. The optimizer then leaves the full-precision averaging
-    to DDP and stops launching its own bucket communication.
-    """
     if not isinstance(optimizer, CompressedOptimizer):
         raise TypeError(f"optimizer must be a compressed_opt optimizer, got {type(optimizer).__name__}")
     if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
         raise TypeError(f"ddp_model must be a DistributedDataParallel module, got {type(ddp_model).__name__}")
-    if getattr(optimizer, "zero_stage", 0):
-        raise ValueError("a ZeRO-sharded optimizer (zero_stage > 0) runs standalone, not under a DDP hook")
+    if optimizer._ddp is not None:
+        if getattr(ddp_model, "_compressed_opt_state", None) is optimizer._ddp:
+            return optimizer._ddp  # already attached (automatically or by an earlier call)
+        raise ValueError(f"this {type(optimizer).__name__} already drives another DDP model's hook")
+    if getattr(ddp_model, "_comm_hooks", None):
+        raise ValueError(
+            "this DistributedDataParallel model already has a communication hook; a compressed_opt "
+            "optimizer needs its own (it decides what DDP sends). Remove the other hook (e.g. a "
+            "framework's ddp_comm_hook option)"
+        )
     if dist.get_world_size(process_group) != optimizer.backend.world_size:
         raise ValueError("the DDP process group and the optimizer's backend have different world sizes")
     state = DDPHookState(optimizer, process_group)
     optimizer._attach_ddp(state)
     ddp_model.register_comm_hook(state, compressed_comm_hook)
+    ddp_model._compressed_opt_state = state
+    forget(optimizer)
     return state
+
+
+# --- finding the DDP module a framework wrapped the model in --------------------------------------
+_waiting: weakref.WeakSet = weakref.WeakSet()
+_handle = None
+
+
+def watch_for_ddp(optimizer) -> None:
+    """Until ``forget(optimizer)`` (its first step, or attached), the first forward of a DDP
+    module holding its parameters attaches the optimizer to it."""
+    global _handle
+    if optimizer.backend.world_size == 1 or not dist.is_available() or not dist.is_initialized():
+        return
+    _waiting.add(optimizer)
+    if _handle is None:
+        _handle = torch.nn.modules.module.register_module_forward_pre_hook(_on_forward)
+
+
+def forget(optimizer) -> None:
+    global _handle
+    _waiting.discard(optimizer)
+    if not _waiting and _handle is not None:
+        _handle.remove()
+        _handle = None
+
+
+def _on_forward(module, args):
+    if not isinstance(module, torch.nn.parallel.DistributedDataParallel):
+        return None
+    for opt in list(_waiting):
+        ours = {id(p) for g in opt.param_groups for p in g["params"]}
+        if any(id(p) in ours for p in module.module.parameters()):
+            if getattr(opt, "zero_stage", 0):
+                forget(opt)
+                raise ValueError(
+                    f"{type(opt).__name__}(zero_stage={opt.zero_stage}) found its parameters inside a "
+                    "DistributedDataParallel model: DDP keeps whole gradients and parameters on every "
+                    "rank, so ZeRO sharding cannot work under it. Use zero_stage=0 with a DDP-wrapped "
+                    "model, or give the optimizer the unwrapped model without DDP"
+                )
+            register_ddp_comm_hook(module, opt, module.process_group)
+            logger.info("%s: found its parameters in a DistributedDataParallel model; its communication "
+                        "hook now sends only what the optimizer needs", type(opt).__name__)
+    return None

@@ -27,7 +27,6 @@ import torch
 from compressed_opt.comm import compressed_allreduce
 
 from . import zero
-from .ddp import CanonicalLayout
 from .freeze import VarianceStabilityRule, resolve_rule, restore_rule
 from .optimizer import CompressedOptimizer, bias_corrections, frozen_denominator_of
 from .validation import check_adam_group, check_step_count
@@ -206,50 +205,26 @@ class OnebitAdam(_FreezingAdam):
                          zero_stage, master_resync_interval)
 
     def _bucket_communicate(self, bucket, group, grad, step):
-        """Compression stage: local momentum ``m_i = b1 m + (1 - b1) g_i``, then its compressed
-        average over the ranks, in place."""
+        """Compression stage: local momentum ``m_i = b1 m + (1 - b1) g_i`` into ``grad``, then its
+        compressed average over the ranks, in place (``m`` takes it in :meth:`_bucket_step`)."""
         if self.zero_stage:
             zero.exchange(self, bucket, grad)  # grad holds m_i already (_gather)
             return
-        m = bucket.flat("exp_avg")
-        beta1 = group["betas"][0]
-        m.mul_(beta1).add_(grad, alpha=1 - beta1)
+        # into the gradient buffer: m changes only in _bucket_step (a skipped step leaves it alone)
+        torch.lerp(bucket.flat("exp_avg"), grad, 1 - group["betas"][0], out=grad)
         worker_error, server_error = self.error_buffers(bucket)
-        compressed_allreduce(m, worker_error, server_error, self.backend)
-
-    def ddp_exchange(self, bucket_index, params, grads, buffer):
-        """Under DDP: ``buffer`` <- compressed average of the local momenta of DDP's bucket.
-
-        The exchange runs on the bucket's parameters in the optimizer's own order
-        (:class:`compressed_opt.ddp.CanonicalLayout`): the result and the error buffers then
-        depend only on which parameters the bucket holds, so a resumed run repeats them."""
-        layout = CanonicalLayout(self, params, grads, buffer, dtype=torch.float32)
-        by_beta: dict[float, tuple[list, list]] = {}
-        for p, view in zip(layout.params, layout.views):
-            ms, gs = by_beta.setdefault(self.group_of(p)["betas"][0], ([], []))
-            ms.append(self.state[p]["exp_avg"])
-            gs.append(view)
-        for beta1, (ms, gs) in by_beta.items():
-            torch._foreach_lerp_(gs, ms, beta1)  # g + b1 (m - g) = b1 m + (1 - b1) g
-        flat = layout.flat
-        worker_error, server_error = self.ddp_error_buffers(layout.key, flat.numel(), flat.device)
-        compressed_allreduce(flat, worker_error, server_error, self.backend)
-        layout.copy_back(grads)
-        return True
-
-    def _bucket_receive(self, bucket, group, grad, step):
-        bucket.flat("exp_avg").copy_(grad)
+        compressed_allreduce(grad, worker_error, server_error, self.backend)
 
     def _bucket_step(self, bucket, group, grad, step, averaged):
         if self.zero_stage and averaged:
             zero.warmup_update(self, bucket, group, grad, step)
             return
         beta1, beta2 = group["betas"]
-        lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+        lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]  # lr: a float or a 1-element tensor
         bc1, bc2_sqrt = bias_corrections(beta1, beta2, step, group["bias_correction"])
         direction = grad  # the gradient buffer is free after the moments: it takes m / denominator
-        # (ZeRO: grad holds the averaged momentum itself, see _bucket_communicate)
-        m = grad if self.zero_stage else bucket.flat("exp_avg")
+        # compression stage: grad holds the averaged momentum (_bucket_communicate)
+        m = grad if self.zero_stage or not averaged else bucket.flat("exp_avg")
         if averaged:
             # warmup: AdamW on the averaged gradient
             v = bucket.flat("exp_avg_sq")
@@ -257,7 +232,9 @@ class OnebitAdam(_FreezingAdam):
             v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
             torch.sqrt(v, out=direction).div_(bc2_sqrt).add_(eps)
             torch.div(m, direction, out=direction)
-        else:  # compression stage: m is already the compressed average (_bucket_communicate)
+        else:  # compression stage: grad is already the compressed average (_bucket_communicate)
+            if not self.zero_stage:
+                bucket.flat("exp_avg").copy_(grad)
             torch.div(m, self.frozen_denominator(bucket), out=direction)
         if wd != 0:
             torch._foreach_mul_(bucket.params, 1 - lr * wd)

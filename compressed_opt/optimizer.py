@@ -24,11 +24,14 @@ The rest of the state a resumed run needs (stage, counters, error buffers) goes 
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
 import math
 import struct
+import sys
 import warnings
+import weakref
 
 import torch
 from torch.optim import Optimizer
@@ -37,12 +40,17 @@ from compressed_opt.comm import Backend, error_buffer_sizes, get_backend
 
 from . import zero
 from .buckets import Bucket, build_buckets
-from .overlap import BucketLauncher
+from .checkpoint import validate_state_dict
+from . import ddp
+from .overlap import BucketLauncher, GradientsChangedAfterLaunch
 from .validation import check_nonneg_float, check_step_count
 
 logger = logging.getLogger("compressed_opt")
 
 _STATE_FORMAT = 1
+
+#: which open compressed optimizer holds each parameter (by id; the optimizer holds the parameter)
+_OWNERS: "weakref.WeakValueDictionary[int, CompressedOptimizer]" = weakref.WeakValueDictionary()
 
 
 class CompressedOptimizer(Optimizer):
@@ -73,12 +81,20 @@ class CompressedOptimizer(Optimizer):
             raise TypeError(f"overlap must be True or False, got {overlap!r}")
         self.overlap = overlap
         self.accumulation_steps = check_step_count("accumulation_steps", accumulation_steps, minimum=1)
-        self._launcher = BucketLauncher(self._communicate_bucket, self.accumulation_steps)
+        self._launcher = BucketLauncher(self, self.accumulation_steps)
         self._scaler_seen = False
         self._gather_inv_scale: float | None = None  # 1/scale of a GradScaler, applied when gathering
         self._ddp = None  # a compressed_opt.ddp.DDPHookState once a DDP hook drives the exchange
-        self._ddp_errors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._ddp_scratch: dict[str, torch.Tensor] = {}  # DDP buckets laid out in our order
+        #: whether the ranks agreed that the loop leaves p.grad alone between backward and step(),
+        #: so the compression stage may exchange during backward (see compressed_opt.overlap)
+        self._speculate = False
+        self._closed = False
+        self._broadcast_done = False
+        #: steps skipped on every rank because some rank's gradients held inf/NaN (no GradScaler)
+        self.nonfinite_steps = 0
+        self._take_parameters()
+        self._launcher.watch(p for g in self.param_groups for p in g["params"])
+        ddp.watch_for_ddp(self)
 
     # --- parameters and buckets ---------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
@@ -99,7 +115,9 @@ class CompressedOptimizer(Optimizer):
             raise
         if self._buckets is not None:
             self._ranks_checked = False  # new parameters: check the ranks agree again
-            self._launcher.enabled = False  # ... before anything is launched for them
+        launcher = getattr(self, "_launcher", None)
+        if launcher is not None:
+            launcher.watch(group["params"])
 
     def _validate_group(self, group: dict) -> None:
         """Subclasses check a param group's hyperparameters (called for every group added)."""
@@ -131,7 +149,8 @@ class CompressedOptimizer(Optimizer):
                     else:
                         self._new_state(p, name, view)
                     self.state[p][name] = view
-        self._launcher.attach(self._buckets, hooks=self.overlap)
+        self._launcher.attach(self._buckets)
+        self._ranks_checked = False if rebuilt else self._ranks_checked
         pending, self._pending_bucket_state = self._pending_bucket_state, None
         if pending is not None:
             self._restore_bucket_state(pending)
@@ -164,8 +183,6 @@ class CompressedOptimizer(Optimizer):
         total = 0
         for b in self._buckets or ():
             total += sum(t.numel() * t.element_size() for name, t in b.flats.items() if name not in self.scratch_names)
-        for w, e in self._ddp_errors.values():
-            total += (w.numel() + e.numel()) * 4
         return total
 
     def reset_error_buffers(self) -> None:
@@ -190,28 +207,6 @@ class CompressedOptimizer(Optimizer):
         during backward). It must not read the learning rate (schedulers change it after
         ``step()``, not before). By default there is none here: ``_bucket_step`` communicates."""
 
-    def ddp_exchange(self, bucket_index: int, params, grads, buffer: torch.Tensor) -> bool:
-        """Under DDP: the compression-stage exchange for one DDP bucket, inside the comm hook.
-        ``buffer`` holds the bucket's local gradients (``grads`` are views into it, matching
-        ``params``); on return it must hold what ``_bucket_receive`` expects in ``p.grad``.
-        ``False``: this algorithm exchanges in ``step()`` instead."""
-        return False
-
-    def _bucket_receive(self, bucket: Bucket, group: dict, grad: torch.Tensor, step: int) -> None:
-        """Under DDP, after ``ddp_exchange``: ``grad`` holds what the hook produced."""
-        raise NotImplementedError
-
-    def ddp_error_buffers(self, key: str, numel: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Error-feedback buffers of a DDP bucket, by ``key`` (its parameters' indices in the
-        canonical order, so a bucket DDP rebuilds with the same parameters keeps them); zeros
-        when new or resized."""
-        we_n, se_n = error_buffer_sizes(numel, self.backend.world_size)
-        bufs = self._ddp_errors.get(key)
-        if bufs is None or bufs[0].numel() != we_n or bufs[0].device != torch.device(device):
-            bufs = (torch.zeros(we_n, device=device), torch.zeros(se_n, device=device))
-            self._ddp_errors[key] = bufs
-        return bufs
-
     def _place(self, param) -> tuple[int, int]:
         """``(index in state_dict() order, index of its param group)``; made once per set of
         groups (``add_param_group`` and ``load_state_dict`` start it again)."""
@@ -232,9 +227,7 @@ class CompressedOptimizer(Optimizer):
 
     def _attach_ddp(self, state) -> None:
         self._ddp = state
-        self.overlap = False  # DDP's reducer launches the communication
-        self._launcher.detach()
-        self._launcher.enabled = False
+        self._launcher.enabled = False  # DDP's reducer carries the full-precision averaging
 
     def _bucket_step(self, bucket: Bucket, group: dict, grad: torch.Tensor, step: int, averaged: bool) -> None:
         """The update of the bucket's parameters; ``grad`` holds the averaged gradient (when
@@ -272,82 +265,265 @@ class CompressedOptimizer(Optimizer):
         """The full-precision gradient average of a bucket (one collective)."""
         self.backend.all_reduce(grad, op="avg")
 
-    def _communicate_bucket(self, bucket: Bucket) -> None:
+    # The launcher's callbacks (compressed_opt.overlap): the life cycle of a step's communication.
+    def prepare(self) -> None:
+        """At the first gradient of a step's backward: the buckets, and whether buckets may be
+        communicated during backward (full-precision steps: always with ``overlap``; compression
+        steps: only while the ranks agreed that the loop leaves ``p.grad`` alone, and not under a
+        GradScaler, whose skip decision must come first)."""
+        self._ensure_buckets()
+        full = self._needs_average(self.global_step + 1)
+        ahead = full or (self._speculate and not self._scaler_seen)
+        self._launcher.launch_ahead = self.overlap and self._ranks_checked and ahead
+
+    def gather(self, bucket: Bucket) -> None:
+        """The bucket's gradients into its flat buffer (the thread that runs backward or step())."""
+        self._gather(bucket, self._grad_buffer(bucket), self.global_step + 1)
+
+    def gather_ahead(self, bucket: Bucket) -> bool:
+        """:meth:`gather` for a bucket launched from backward; in a compression step, whether its
+        gradients are finite (if not, the buffer goes out as zeros: the 1-bit exchange would
+        carry inf/NaN into every rank's error buffers, and step() skips the step on every rank)."""
+        self.gather(bucket)
+        if self._needs_average(self.global_step + 1):
+            return True  # the average is checked in step(), the same on every rank
+        grad = self._grad_buffer(bucket)
+        if _finite([grad]):
+            return True
+        grad.zero_()
+        return False
+
+    def exchange(self, bucket: Bucket) -> None:
+        """The bucket's communication for this step, on its gathered buffer (any thread): the
+        full-precision average, or the algorithm's own exchange (:meth:`_bucket_communicate`)."""
         step = self.global_step + 1
         grad = self._grad_buffer(bucket)
-        self._gather(bucket, grad, step)
-        group = self.param_groups[bucket.group_index]
         if self._needs_average(step):
             if self._ddp is None:  # (under DDP its hook averaged the gradients)
                 self._average(bucket, grad)
-        elif self._ddp is not None and self._ddp.exchanged_step == step:
-            self._bucket_receive(bucket, group, grad, step)  # the hook exchanged already
         else:
-            self._bucket_communicate(bucket, group, grad, step)
+            self._bucket_communicate(bucket, self.param_groups[bucket.group_index], grad, step)
 
-    def _arm_launcher(self) -> None:
-        """Whether the coming backward may launch communication: after the ranks were checked,
-        and not for a compression-stage step under a GradScaler (that exchange changes state, so
-        it waits until every rank knows whether the step is skipped)."""
-        upcoming = self.global_step + 1
-        deferred = self._scaler_seen and not self._needs_average(upcoming)
-        self._launcher.enabled = self.overlap and self._ranks_checked and not deferred
+    def finish_backward(self, launched: int) -> None:
+        """At the end of the backward that completes the step's gradients: in a full-precision
+        step, every bucket averaged (waiting for what is in flight, then the rest in order) and
+        the averages written into ``p.grad``, as DDP leaves them."""
+        if not self._ranks_checked:
+            self._check_ranks()
+        launcher = self._launcher
+        full = self._needs_average(self.global_step + 1)
+        if not full and not launcher.launch_ahead:
+            return  # p.grad keeps the local gradient; step() exchanges it
+        # every rank waits for its thread, then communicates the rest in order on this thread:
+        # the collectives pair up whichever buckets each rank could launch early
+        launcher.wait()
+        rest = self._buckets[launched:]
+        if full:
+            launcher.run_inline(range(launched, len(self._buckets)))
+            for b in self._buckets:
+                b.scatter_grads(self._grad_buffer(b))
+            return
+        for b in rest:  # a compression step launched ahead (the loop leaves p.grad alone)
+            if not self.gather_ahead(b):
+                launcher.nonfinite = True
+            self.exchange(b)
 
+    def _check_ranks(self) -> None:
+        for b in self._buckets:
+            for p in b.params:
+                if p.grad is not None and p.grad.layout != torch.strided:
+                    raise TypeError(f"{type(self).__name__} does not support sparse gradients")
+        self._check_ranks_agree()
+        if self.global_step == 0 and not self._broadcast_done:
+            self._broadcast_parameters()  # before the first update, once the shapes are known to agree
+            self._broadcast_done = True
+        if not self._ranks_checked and self._ddp is None and self.backend.world_size > 1 and self.global_step == 0:
+            logger.info("%s: %d ranks (%s); no DistributedDataParallel wrapper found, so the optimizer "
+                        "averages the gradients itself", type(self).__name__, self.backend.world_size,
+                        type(self.backend).__name__)
+        self._ranks_checked = True
+
+    # Always eager, also when called from code torch.compile traces (torch's own optimizers do
+    # the same for what dynamo cannot trace): traced, the counters' Python attribute writes were
+    # dropped (OnebitAdam's global_step stayed 0: no freeze, step-1 bias correction forever), and
+    # the collectives, threads and C kernels cannot be traced. torch._disable_dynamo imports
+    # dynamo at the first call, not at import.
+    @torch._disable_dynamo
     @torch.no_grad()
     def step(self, closure=None):
+        if self._closed:
+            raise RuntimeError(f"this {type(self).__name__} was closed; make a new optimizer to keep training")
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._ensure_buckets()
-        if not self._ranks_checked:
-            for b in self._buckets:
-                for p in b.params:
-                    if p.grad is not None and p.grad.layout != torch.strided:
-                        raise TypeError(f"{type(self).__name__} does not support sparse gradients")
-            self._check_ranks_agree()
-            self._ranks_checked = True
-        step = self.global_step + 1
-        averaged = self._needs_average(step)
-        launched = self._launcher.wait()
-        todo = list(range(len(launched), len(self._buckets)))  # backward launches a prefix, in order
-        found_inf = getattr(self, "found_inf", None)
-        if found_inf is not None:
-            self._scaler_seen = True
-            grad_scale = getattr(self, "grad_scale", None)
-            inv_scale = None if grad_scale is None else 1.0 / float(grad_scale)
-            # backward gathered with the previous step's scale; a rank whose scale changed since
-            # must gather again, and then every rank must (the collectives have to match)
-            stale = bool(launched) and inv_scale != self._gather_inv_scale
-            skip, redo = self._agree_on_scaler(found_inf, stale)
-            self._gather_inv_scale = inv_scale
-            if skip:  # a non-finite gradient on some rank: every rank skips the step
-                self._launcher.reset()
-                self._arm_launcher()
-                return loss
-            if redo:
-                todo = list(range(len(self._buckets)))
+        launcher = self._launcher
         try:
-            self._launcher.run_inline(todo)
+            launcher.wait()  # nothing of ours may be in flight while this thread communicates
+            if not launcher.finished:
+                self._ensure_buckets()
+            if not self._ranks_checked:
+                self._check_ranks()
+            step = self.global_step + 1
+            full = self._needs_average(step)
+            # a compression step whose exchanges all ran from backward (see finish_backward)
+            speculated = not full and launcher.finished and launcher.launch_ahead
+            touched = launcher.finished and launcher.touched()
+            found_inf = getattr(self, "found_inf", None)
+            grad_scale = getattr(self, "grad_scale", None) if found_inf is not None else None
+            if found_inf is not None:
+                self._scaler_seen = True
+            self._gather_inv_scale = None if grad_scale is None else 1.0 / float(grad_scale)
+            # this step's gradients into the flat buffers, before anything changes state
+            done = len(self._buckets) if speculated else 0
+            if full and launcher.finished:
+                # backward averaged the gradients into p.grad: use them as the loop left them
+                for b in self._buckets:
+                    if touched:
+                        self.gather(b)
+                    elif self._gather_inv_scale is not None:
+                        self._grad_buffer(b).mul_(self._gather_inv_scale)
+                checked = self._buckets
+            else:
+                checked = self._buckets[done:]
+                for b in checked:
+                    self.gather(b)
+            nonfinite = launcher.nonfinite or (found_inf is None and not _finite([self._grad_buffer(b) for b in checked]))
+            skip, anyone_touched, anyone_nonfinite = self._agree_on_step(step, found_inf, touched and not full, nonfinite)
+            if skip:  # a GradScaler found inf/NaN on some rank: every rank skips the step ...
+                if not _flag(found_inf):
+                    _tell_grad_scaler_found_inf()  # ... and every rank's scaler backs off alike
+                return loss
+            if anyone_nonfinite:  # (without a GradScaler) every rank skips, state untouched
+                self.nonfinite_steps += 1
+                warnings.warn(
+                    f"{type(self).__name__}: a non-finite gradient (inf or NaN) on some rank at step {step}; every "
+                    f"rank skipped the step (optimizer.nonfinite_steps = {self.nonfinite_steps})",
+                    RuntimeWarning, stacklevel=2,
+                )
+                return loss
+            if speculated and anyone_touched:
+                raise GradientsChangedAfterLaunch(
+                    f"{type(self).__name__}: the training loop changed p.grad between backward() and step() "
+                    "after the 1-bit exchange had been launched from backward (earlier steps left p.grad "
+                    "alone). Touch the gradients in every step or in none, or pass overlap=False."
+                )
+            if launcher.finished and not full and not speculated and not self._scaler_seen:
+                self._speculate = not anyone_touched  # agreed: the same on every rank
+            if not (full and launcher.finished):
+                launcher.run_inline(range(done, len(self._buckets)), gather=False)
+            for b in self._buckets:
+                self._bucket_step(b, self.param_groups[b.group_index], self._grad_buffer(b), step, full)
+            self.global_step = step
+            self._end_step(step)
+            ddp.forget(self)  # a DDP wrapper is found at its first forward, before the first step
         finally:
-            self._launcher.reset()
-        for b in self._buckets:
-            self._bucket_step(b, self.param_groups[b.group_index], self._grad_buffer(b), step, averaged)
-        self.global_step = step
-        self._end_step(step)
-        self._arm_launcher()
+            self._gather_inv_scale = None
+            launcher.reset()
         return loss
 
-    def _agree_on_scaler(self, found_inf: torch.Tensor, stale: bool) -> tuple[bool, bool]:
-        """One 2-element all-reduce: (some rank found inf/NaN, some rank must gather again)."""
+    def _agree_on_step(self, step: int, found_inf, touched: bool, nonfinite: bool) -> tuple[bool, bool, bool]:
+        """One small all-gather per step, before any state changes: every rank's step, stage and
+        hyperparameters (a fingerprint: a disagreement raises on every rank at the step it
+        appears), whether a GradScaler found inf/NaN (then every rank skips) and whether the loop
+        changed ``p.grad`` after backward, and whether its gradients hold inf/NaN. Returns (a
+        GradScaler skip, some rank touched, some rank non-finite)."""
+        inf = int(_flag(found_inf))
+        mine = [step, self._stage_code(), self._hyperparameter_hash(), inf, int(touched), int(nonfinite)]
+        if self.backend.world_size == 1:
+            return bool(inf), touched, nonfinite
         device = self._buckets[0].device if self._buckets else torch.device("cpu")
-        flags = torch.zeros(2, dtype=torch.float32, device=device)
-        if found_inf.numel():
-            flags[0] = found_inf.detach().reshape(-1)[0].float().to(device)
-        flags[1] = float(stale)
-        self.backend.all_reduce(flags, op="sum")
-        skip, redo = flags.tolist()
-        return skip > 0, redo > 0
+        rows = torch.empty(self.backend.world_size * len(mine), dtype=torch.int64, device=device)
+        self.backend.all_gather(rows, torch.tensor(mine, dtype=torch.int64, device=device))
+        rows = rows.view(self.backend.world_size, -1).tolist()
+        problems = []
+        for r, row in enumerate(rows[1:], start=1):
+            if row[:2] != rows[0][:2]:
+                problems.append(f"rank {r} is at step {row[0]} (stage {row[1]}), rank 0 at step {rows[0][0]} "
+                                f"(stage {rows[0][1]})")
+            elif row[2] != rows[0][2]:
+                problems.append(f"rank {r}'s learning rate, betas, eps or weight decay differ from rank 0's")
+        if problems:
+            raise ValueError(
+                f"{type(self).__name__}: the ranks disagree at step {step}: " + "; ".join(problems)
+                + ". Change hyperparameters on every rank alike (an LR scheduler on every rank) and resume "
+                "every rank from the checkpoint of the same step."
+            )
+        return any(row[3] for row in rows), any(row[4] for row in rows), any(row[5] for row in rows)
+
+    def _stage_code(self) -> int:
+        """A number for where the algorithm is (every rank must be at the same)."""
+        return int(self.compressing)
+
+    def _hyperparameter_hash(self) -> int:
+        """A 63-bit hash of the hyperparameters every rank must share (each group's lr, betas,
+        eps and weight decay)."""
+        h = hashlib.blake2b(digest_size=8)
+        for g in self.param_groups:
+            for key in ("lr", "betas", "eps", "weight_decay"):
+                value = g.get(key)
+                if isinstance(value, torch.Tensor):
+                    value = value.item()
+                h.update(repr(value).encode())
+        return int.from_bytes(h.digest(), "little") >> 1
+
+    @torch.no_grad()
+    def _broadcast_parameters(self) -> None:
+        """Every rank starts from rank 0's parameters, as DDP does (ranks that seeded differently
+        would otherwise train different models without a word): once, before the first update,
+        after the ranks were found to agree on the shapes. One broadcast per dtype and device."""
+        if self.backend.world_size == 1:
+            return
+        groups: dict = {}
+        for p in (p for g in self.param_groups for p in g["params"]):
+            groups.setdefault((p.dtype, p.device), []).append(p)
+        for params in groups.values():
+            flat = torch._utils._flatten_dense_tensors([p.detach() for p in params])
+            self.backend.broadcast(flat, src=0)
+            torch._foreach_copy_([p.detach() for p in params],
+                                 torch._utils._unflatten_dense_tensors(flat, [p.detach() for p in params]))
+
+    def _take_parameters(self) -> None:
+        """A compressed optimizer made on parameters that another one holds replaces it: the old
+        one is closed (its hooks and thread would otherwise keep communicating)."""
+        for p in (p for g in self.param_groups for p in g["params"]):
+            old = _OWNERS.get(id(p))
+            if old is not None and old is not self and not old._closed:
+                warnings.warn(
+                    f"a new {type(self).__name__} took the parameters of an existing {type(old).__name__}; "
+                    "the old one was closed (call optimizer.close() when you replace an optimizer)",
+                    RuntimeWarning, stacklevel=3,
+                )
+                old.close()
+            _OWNERS[id(p)] = self
+
+    def close(self) -> None:
+        """Stop communicating: wait for what is in flight, remove the gradient hooks and the
+        communication thread. The optimizer cannot step afterwards. Also done when the optimizer
+        is garbage collected, when it is used as a context manager and leaves it, and when a new
+        compressed optimizer takes the same parameters."""
+        if self._closed:
+            return
+        self._closed = True
+        self._launcher.close()
+        ddp.forget(self)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As torch's, after what backward launched has landed; the gradients of this step start
+        again (the next backward communicates them anew, as under DDP)."""
+        launcher = self._launcher
+        launcher.wait(late_ok=True)
+        if launcher.launched and not self._needs_average(self.global_step + 1):
+            self._speculate = False  # a 1-bit exchange went out for gradients the loop threw away
+        launcher.reset()
+        super().zero_grad(set_to_none)
+
 
     # --- every rank the same -------------------------------------------------------------------
     def rank0_decides(self, wants: bool) -> bool:
@@ -373,7 +549,8 @@ class CompressedOptimizer(Optimizer):
             hparams.update(repr(sorted((k, v) for k, v in g.items() if k != "params" and _plain(v))).encode())
         hparams.update(repr(self._extra_signature()).encode())
         as_ints = lambda h: list(struct.unpack("<qq", h.digest()[:16]))  # noqa: E731
-        return as_ints(shapes) + as_ints(hparams) + [n_params, total]
+        # the bucket cap on its own: different caps lay out different buckets (and collectives)
+        return as_ints(shapes) + as_ints(hparams) + [n_params, total, self.bucket_cap_bytes]
 
     def _extra_signature(self) -> tuple:
         return ()
@@ -389,10 +566,17 @@ class CompressedOptimizer(Optimizer):
         rows = everyone.view(world, -1).cpu().tolist()
         problems = []
         for r, row in enumerate(rows[1:], start=1):
-            if row[:2] != rows[0][:2] or row[4:] != rows[0][4:]:
+            cap_differs = row[6] != rows[0][6]
+            if cap_differs:
+                problems.append(
+                    f"rank {r} has bucket_cap_mb={row[6] / 2**20:g} unlike rank 0's {rows[0][6] / 2**20:g} "
+                    "(the ranks would cut different buckets)"
+                )
+            if row[4:6] != rows[0][4:6] or (row[:2] != rows[0][:2] and not cap_differs):
                 problems.append(
                     f"rank {r} has {row[4]} parameters / {row[5]} elements in buckets unlike rank 0's "
-                    f"{rows[0][4]} / {rows[0][5]} (parameter shapes, dtypes or order differ)"
+                    f"{rows[0][4]} / {rows[0][5]} (parameter shapes, dtypes, order or requires_grad differ, "
+                    "or the buckets: bucket_cap_mb)"
                 )
             if row[2:4] != rows[0][2:4]:
                 problems.append(f"rank {r}'s hyperparameters differ from rank 0's")
@@ -404,15 +588,9 @@ class CompressedOptimizer(Optimizer):
             )
 
     # --- checkpoints ---------------------------------------------------------------------------
-    def state_dict(self) -> dict:
+    def _state_dict(self) -> dict:
         sd = super().state_dict()
-        buckets = []
-        for b in self._buckets or ():
-            entry = {"numel": b.numel}
-            for name in ("worker_error", "server_error", *self.saved_bucket_buffers):
-                if name in b.flats:
-                    entry[name] = b.flats[name]
-            buckets.append(entry)
+        buckets = self._bucket_entries()
         sd["compressed_opt"] = {
             "format": _STATE_FORMAT,
             "algorithm": type(self).__name__,
@@ -420,12 +598,12 @@ class CompressedOptimizer(Optimizer):
             "rank": self.backend.rank,
             "world_size": self.backend.world_size,
             "buckets": buckets,
-            "ddp_errors": {i: {"worker_error": w, "server_error": e} for i, (w, e) in self._ddp_errors.items()},
             **self._extra_state(),
         }
         return sd
 
-    def load_state_dict(self, state_dict: dict) -> None:
+    def _load_state_dict(self, state_dict: dict) -> None:
+        validate_state_dict(self, state_dict)  # strict checks; every rank agrees or raises (compressed_opt.checkpoint)
         extra = state_dict.get("compressed_opt")
         if extra is None:
             raise ValueError(
@@ -451,13 +629,10 @@ class CompressedOptimizer(Optimizer):
         self._param_places = None
         self._layout_key = None
         self._ranks_checked = False
-        self._launcher.enabled = False
+        self._speculate = False  # the first compression step after a resume watches the loop again
         same_layout = extra["world_size"] == self.backend.world_size and extra["rank"] == self.backend.rank
         if same_layout:
             self._pending_bucket_state = list(extra["buckets"])
-            self._ddp_errors = {
-                str(k): (e["worker_error"].clone(), e["server_error"].clone()) for k, e in extra.get("ddp_errors", {}).items()
-            }
         else:
             has_errors = any("worker_error" in e for e in extra["buckets"])
             if has_errors:
@@ -470,7 +645,16 @@ class CompressedOptimizer(Optimizer):
                 )
 
     def _restore_bucket_state(self, saved: list[dict]) -> None:
+        if not any(set(s) - {"numel"} for s in saved):
+            return  # saved before any bucket held state (e.g. accelerate's prepare round trip)
         if len(saved) != len(self._buckets) or any(s["numel"] != b.numel for s, b in zip(saved, self._buckets)):
+            if any(set(s) - {"numel", "worker_error", "server_error"} for s in saved):
+                # (ZeRO: the shards of m, v and the masters are laid out by the buckets)
+                raise ValueError(
+                    f"{type(self).__name__}: the checkpoint's buckets ({[s['numel'] for s in saved]} elements) do "
+                    f"not match this optimizer's ({[b.numel for b in self._buckets]}): the sharded state cannot be "
+                    "placed. Resume with the same parameters and bucket_cap_mb"
+                )
             warnings.warn(
                 "the checkpoint's buckets do not match this optimizer's (different parameters or "
                 "bucket_cap_mb): the error-feedback buffers were reset to zero",
@@ -486,6 +670,227 @@ class CompressedOptimizer(Optimizer):
             for name in self.saved_bucket_buffers:
                 if name in s:
                     b.flats[name] = s[name].to(b.device).clone()
+
+    def _bucket_entries(self) -> list[dict]:
+        """Per bucket, what ``state_dict()["compressed_opt"]["buckets"]`` (and a copy) carries:
+        its size, this rank's error-feedback buffers and the algorithm's saved bucket buffers."""
+        entries = []
+        for b in self._buckets or ():
+            entry = {"numel": b.numel}
+            for name in ("worker_error", "server_error", *self.saved_bucket_buffers):
+                if name in b.flats:
+                    entry[name] = b.flats[name]
+            entries.append(entry)
+        return entries
+
+    # --- torch.optim's contract: state-dict hooks, copies and pickling ---------------------------
+    @torch._disable_dynamo
+    def state_dict(self) -> dict:
+        """torch's state dict (``state``, ``param_groups``) plus ``"compressed_opt"``: the stage,
+        counters and this rank's error-feedback buffers (see the module doc). State-dict pre hooks
+        run first and post hooks last, on the whole dict (``"compressed_opt"`` included), as
+        ``torch.optim.Optimizer.state_dict`` runs them."""
+        post_hooks = self._optimizer_state_dict_post_hooks
+        self._optimizer_state_dict_post_hooks = type(post_hooks)()  # run below, on the whole dict
+        try:
+            sd = self._state_dict()
+        finally:
+            self._optimizer_state_dict_post_hooks = post_hooks
+        for hook in list(post_hooks.values()):
+            result = hook(self, sd)
+            if result is not None:
+                sd = result
+        return sd
+
+    @torch._disable_dynamo
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a state dict of this optimizer class (see ``state_dict()``). The optimizer keeps
+        copies: the given dict's tensors are not used afterwards. Load-state-dict pre hooks get
+        (a shallow copy of) the whole dict and may return a replacement; post hooks run once the
+        optimizer is fully restored, as with ``torch.optim.Optimizer.load_state_dict``."""
+        state_dict = dict(state_dict)  # shallow copy, as torch's
+        pre_hooks = self._optimizer_load_state_dict_pre_hooks
+        post_hooks = self._optimizer_load_state_dict_post_hooks
+        for hook in list(pre_hooks.values()):
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        self._optimizer_load_state_dict_pre_hooks = type(pre_hooks)()
+        self._optimizer_load_state_dict_post_hooks = type(post_hooks)()
+        try:
+            self._load_state_dict(state_dict)
+        finally:
+            self._optimizer_load_state_dict_pre_hooks = pre_hooks
+            self._optimizer_load_state_dict_post_hooks = post_hooks
+        # the bucket buffers wait for the buckets (built at the next step): copies, not the caller's
+        pending = self.__dict__.get("_pending_bucket_state")
+        if pending:
+            self._pending_bucket_state = [
+                {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
+                for entry in pending
+            ]
+        for hook in list(post_hooks.values()):
+            hook(self)
+
+    #: what belongs to this process's run rather than to the algorithm: not carried by
+    #: ``copy.deepcopy`` or pickle, made again by the copy (see ``__getstate__``)
+    _runtime_attributes = frozenset({
+        "backend", "_launcher", "_buckets", "_layout_key", "_param_places", "_ddp", "_ddp_scratch",
+        "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
+        "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
+        "_optimizer_load_state_dict_post_hooks",
+    })
+
+    def _algorithm_state(self, how: str) -> dict:
+        """What a copy carries: every attribute but the runtime ones, with the bucket buffers
+        (error feedback and the algorithm's saved buffers) as ``state_dict()`` carries them."""
+        name = type(self).__name__
+        if self.__dict__.get("_ddp") is not None:
+            raise RuntimeError(
+                f"{how} of a {name} that drives a DistributedDataParallel communication hook is not "
+                "supported: the hook belongs to the DDP model. Save state_dict() and load it into a new "
+                "optimizer (whose first forward through the DDP model attaches it again)"
+            )
+        launcher = self.__dict__.get("_launcher")
+        if launcher is not None and not launcher.idle():
+            raise RuntimeError(
+                f"{how} of a {name} between backward() and step(): this step's gradient communication "
+                "has started (and may have changed the momentum and error feedback), which a copy cannot "
+                "carry. Copy the optimizer between steps (after step(), before the next backward)"
+            )
+        cls = type(self)
+        state = {
+            k: v for k, v in self.__dict__.items()
+            # nor methods patched onto the instance (an LR scheduler wraps ``step``: that wrapper
+            # would step the original), as torch's optimizers' copies drop them
+            if k not in self._runtime_attributes and not (callable(v) and callable(getattr(cls, k, None)))
+        }
+        if self._buckets is not None:
+            state["_pending_bucket_state"] = self._bucket_entries()
+        state["_ranks_checked"] = False  # the copy checks again that the ranks agree
+        state["_speculate"] = False  # and watches the loop again before exchanging from backward
+        # (an unpickled optimizer whose backend is still to be made carries its spec and place)
+        backend = self.__dict__.get("backend")
+        state["_copy_of"] = None if backend is None else (backend.rank, backend.world_size)
+        return state
+
+    def __copy__(self):
+        raise TypeError(
+            f"copy.copy() of a {type(self).__name__} is not supported: the copy would share the original's "
+            "state tensors and parameters, and both would hook the same gradients. Use copy.deepcopy() "
+            "(a working, independent optimizer), or state_dict() and load_state_dict() of a new one"
+        )
+
+    def __deepcopy__(self, memo):
+        """An independent, working optimizer in the same state: ``step()`` on the same gradients
+        gives the same result as the original's. It carries what ``state_dict()`` carries (stage,
+        counters, moments, error-feedback buffers, every other attribute), deep-copied with
+        ``memo`` (deep-copy ``(model, optimizer)`` together and the copy optimizes the copied
+        model's parameters); its runtime parts are made anew: buckets (at its first step),
+        gradient hooks on its own parameters, and a backend of the same kind over the same
+        communicator (``TorchBackend`` on the same process group, ``MPIBackend`` on the same
+        communicator; a backend of another class is shared with the original). Hooks registered
+        with ``register_*_hook`` are not copied, as with ``torch.optim``. Raises between
+        ``backward()`` and ``step()`` and under a DDP communication hook."""
+        state = self._algorithm_state("copy.deepcopy()")
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        state = copy.deepcopy(state, memo)
+        if "backend" in self.__dict__:
+            state["backend"] = _backend_like(self.backend)
+        copied.__setstate__(state)
+        return copied
+
+    def __getstate__(self) -> dict:
+        """Pickling (``pickle``, ``torch.save(optimizer)``): what ``copy.deepcopy`` carries, with
+        the backend as its kind (``"single"``, ``"torch"`` on the default process group,
+        ``"mpi"`` on ``COMM_WORLD``), made by ``get_backend`` when the unpickled optimizer first
+        needs it (so it may be unpickled before ``init_process_group``), on the same rank of the
+        same world size (else it raises: the error-feedback buffers belong to that rank; to move
+        between world sizes use ``state_dict()``). A backend that cannot be made again that way
+        (another process group or communicator, another class) raises ``TypeError`` here."""
+        state = self._algorithm_state("pickling")
+        if "backend" in self.__dict__:
+            state["_backend_spec"] = _backend_spec(self.backend, type(self).__name__)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        had_differentiable = "differentiable" in (state.get("defaults") or self.__dict__.get("defaults") or {})
+        if "_copy_of" not in state:
+            # torch's own use: load_state_dict sets ``state`` and ``param_groups`` this way
+            super().__setstate__(state)
+        else:
+            state = dict(state)
+            place = state.pop("_copy_of")
+            super().__setstate__(state)  # fresh (empty) hook dicts, the step wrapper
+            if "backend" not in state and place is not None:
+                self._unpickled_place = place  # checked when the backend is made (__getattr__)
+            self._buckets = None
+            self._layout_key = None
+            self._param_places = None
+            self._ddp = None
+            self._launcher = BucketLauncher(self, self.accumulation_steps)
+            if not self.__dict__.get("_closed", False):
+                self._launcher.watch(p for g in self.param_groups for p in g["params"])
+                take = getattr(self, "_take_parameters", None)  # as __init__: one owner per parameter
+                if take is not None:
+                    take()
+                if self.global_step == 0 and torch.distributed.is_available() and torch.distributed.is_initialized():
+                    ddp.watch_for_ddp(self)
+        if not had_differentiable:
+            self.defaults.pop("differentiable", None)  # torch's __setstate__ adds it; we have none
+
+    def __getattr__(self, name: str):
+        # only reached for attributes that are missing: an unpickled optimizer's backend, made on
+        # first use from the kind it was pickled with
+        spec = self.__dict__.get("_backend_spec") if name == "backend" else None
+        if spec is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        kind, kwargs = spec
+        backend = get_backend(kind, **kwargs)
+        place = self.__dict__.get("_unpickled_place")
+        if place is not None and place != (backend.rank, backend.world_size):
+            raise RuntimeError(
+                f"this {type(self).__name__} was pickled on rank {place[0]} of {place[1]} and is used on rank "
+                f"{backend.rank} of {backend.world_size}: its error-feedback buffers (and ZeRO shards) belong "
+                "to that rank. Unpickle it on the same rank of the same world size, or move between world "
+                "sizes with state_dict() / load_state_dict()"
+            )
+        self.__dict__["backend"] = backend
+        del self.__dict__["_backend_spec"]
+        self.__dict__.pop("_unpickled_place", None)
+        return backend
+
+
+def _flag(found_inf) -> bool:
+    """A GradScaler's ``found_inf`` tensor as a bool (``None``: no scaler)."""
+    return found_inf is not None and found_inf.numel() > 0 and float(found_inf.detach().reshape(-1)[0]) != 0
+
+
+def _tell_grad_scaler_found_inf() -> None:
+    """Another rank's GradScaler found inf/NaN and every rank skips the step: mark it found in
+    the GradScaler that called ``step()`` too, so that its ``update()`` lowers the scale as the
+    other ranks' do (scales that drift apart would mix in a later full-precision average).
+    GradScaler keeps its per-device flags in ``step()``'s ``optimizer_state``, out of the
+    optimizer's reach: found in the calling frame."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        scaler, state = frame.f_locals.get("self"), frame.f_locals.get("optimizer_state")
+        if isinstance(scaler, torch.amp.GradScaler) and isinstance(state, dict) and "found_inf_per_device" in state:
+            for flag in state["found_inf_per_device"].values():
+                flag.fill_(1.0)
+            return
+        frame = frame.f_back
+    warnings.warn("compressed_opt: another rank's GradScaler found inf/NaN, but the GradScaler of this rank "
+                  "could not be told: call scaler.step(optimizer) so that every rank's scale stays the same",
+                  RuntimeWarning, stacklevel=3)
+
+
+def _finite(buffers: list[torch.Tensor]) -> bool:
+    """Whether every element is finite: one reduction pass (a sum is inf/NaN iff an element is)."""
+    if not buffers:
+        return True
+    return bool(torch.stack([b.sum() for b in buffers]).sum().isfinite())
 
 
 def _plain(value) -> bool:
@@ -504,3 +909,41 @@ def bias_corrections(beta1: float, beta2: float, step: int, enabled: bool) -> tu
     if not enabled:
         return 1.0, 1.0
     return 1.0 - beta1**step, math.sqrt(1.0 - beta2**step)
+
+
+def _backend_like(backend: Backend) -> Backend:
+    """A new backend of the same kind over the same communicator, for a deep copy (its own
+    workspaces and byte counts); a backend of another class is shared."""
+    from compressed_opt.comm import SingleProcessBackend
+
+    kind = type(backend)
+    if kind is SingleProcessBackend:
+        return SingleProcessBackend()
+    if kind.__name__ == "TorchBackend" and kind.__module__ == "compressed_opt.comm.torch_backend":
+        return kind(group=backend.group)
+    if kind.__name__ == "MPIBackend" and kind.__module__ == "compressed_opt.comm.mpi_backend":
+        return kind(comm=backend.comm, cuda_aware=backend.cuda_aware)
+    return backend
+
+
+def _backend_spec(backend: Backend, owner: str) -> tuple[str, dict]:
+    """``(kind, kwargs)`` for ``get_backend`` that makes ``backend`` again in another process;
+    ``TypeError`` if none can."""
+    from compressed_opt.comm import SingleProcessBackend
+
+    kind = type(backend)
+    if kind is SingleProcessBackend:
+        return "single", {}
+    if kind.__name__ == "TorchBackend" and kind.__module__ == "compressed_opt.comm.torch_backend":
+        import torch.distributed as dist
+
+        if backend.group is None or backend.group is dist.group.WORLD:
+            return "torch", {}
+    elif kind.__name__ == "MPIBackend" and kind.__module__ == "compressed_opt.comm.mpi_backend":
+        if backend.comm is backend._mpi.COMM_WORLD:
+            return "mpi", {"cuda_aware": backend.cuda_aware}
+    raise TypeError(
+        f"cannot pickle a {owner} whose backend is {backend!r}: only backends that get_backend() can make "
+        "again in the loading process are pickled (single process, torch.distributed's default group, "
+        "MPI's COMM_WORLD). Save state_dict() instead, or deep-copy within this process"
+    )

@@ -85,19 +85,24 @@ def grad_buffer(opt, bucket: Bucket) -> torch.Tensor:
 
 
 def average(opt, bucket: Bucket, grad: torch.Tensor) -> None:
-    """Stage 1: all-reduce. Stage 2: reduce-scatter into this rank's chunk (``grad_shard``)."""
+    """Stage 1: all-reduce. Stage 2: reduce-scatter, then an all-gather of the averaged chunks,
+    so that ``p.grad`` can hold the whole average after backward (as DDP leaves it, for the
+    loop's clipping) without one rank's chunk being summed differently on another."""
     if opt.zero_stage == 1:
         opt.backend.all_reduce(grad, op="avg")
         return
     world = opt.backend.world_size
     c = chunk_numel(bucket.numel, world)
-    opt.backend.reduce_scatter(shard(bucket, "grad_shard", c), bucket.flats["grad_padded"], op="avg")
+    padded = bucket.flats["grad_padded"]
+    mine = shard(bucket, "grad_shard", c)
+    opt.backend.reduce_scatter(mine, padded, op="avg")
+    opt.backend.all_gather(padded, mine)
 
 
 def own_grad(opt, bucket: Bucket, grad: torch.Tensor) -> torch.Tensor:
     """This rank's chunk of the averaged gradient (after :func:`average`)."""
     lo, hi, _ = own_range(opt, bucket)
-    return grad[lo:hi] if opt.zero_stage == 1 else bucket.flats["grad_shard"][: hi - lo]
+    return grad[lo:hi]
 
 
 def moments(opt, bucket: Bucket, g: torch.Tensor, beta1: float, beta2: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,7 +149,7 @@ def warmup_update(opt, bucket: Bucket, group: dict, grad: torch.Tensor, step: in
 
     lo, hi, c = own_range(opt, bucket)
     beta1, beta2 = group["betas"]
-    lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+    lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]  # lr: a float or a 1-element tensor
     bc1, bc2_sqrt = bias_corrections(beta1, beta2, step, group["bias_correction"])
     m, v = moments(opt, bucket, own_grad(opt, bucket, grad), beta1, beta2)
     direction = shard(bucket, "update_shard", c)[: hi - lo]

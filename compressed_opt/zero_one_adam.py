@@ -212,6 +212,9 @@ class ZeroOneAdam(CompressedOptimizer):
     def compressing(self) -> bool:
         return self.frozen or self.var_interval > 1
 
+    def _stage_code(self):
+        return 2 if self.frozen else int(self.var_interval > 1)
+
     def _needs_average(self, step):
         return not self.frozen and step % self.var_interval == 0
 

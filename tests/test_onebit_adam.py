@@ -333,8 +333,8 @@ def test_state_is_visible_per_parameter_and_loads_with_weights_only():
 @pytest.mark.parametrize(
     "kwargs, exc, match",
     [
-        (dict(lr=-1.0), ValueError, "Invalid lr"),
-        (dict(eps=-1e-8), ValueError, "Invalid eps"),
+        (dict(lr=-1.0), ValueError, "Invalid learning rate"),
+        (dict(eps=-1e-8), ValueError, "Invalid epsilon value"),
         (dict(weight_decay=-0.1), ValueError, "Invalid weight_decay"),
         (dict(betas=(1.0, 0.999)), ValueError, "beta parameter at index 0"),
         (dict(betas=(0.9, -0.1)), ValueError, "beta parameter at index 1"),
@@ -354,8 +354,8 @@ def test_bad_arguments_name_the_argument(kwargs, exc, match):
 def test_sparse_and_complex_are_rejected():
     emb = nn.Embedding(10, 3, sparse=True)
     opt = OnebitAdam(emb.parameters(), freeze_step=1)
-    emb(torch.tensor([1, 2])).sum().backward()
-    with pytest.raises(TypeError, match="sparse gradients"):
+    with pytest.raises(TypeError, match="sparse gradients"):  # at the end of backward, before any exchange
+        emb(torch.tensor([1, 2])).sum().backward()
         opt.step()
     with pytest.raises(TypeError, match="complex parameters"):
         OnebitAdam([nn.Parameter(torch.zeros(2, dtype=torch.complex64))])
@@ -369,7 +369,7 @@ def test_single_process_backend_by_default_and_the_auto_string():
 
 def test_rejected_param_group_is_not_kept():
     opt = OnebitAdam(nn.Linear(2, 2).parameters(), freeze_step=1)
-    with pytest.raises(ValueError, match="Invalid lr"):
+    with pytest.raises(ValueError, match="Invalid learning rate"):
         opt.add_param_group({"params": nn.Linear(2, 2).parameters(), "lr": -1.0})
     assert len(opt.param_groups) == 1
 
