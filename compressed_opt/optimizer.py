@@ -90,6 +90,8 @@ class CompressedOptimizer(Optimizer):
         self._speculate = False
         self._closed = False
         self._broadcast_done = False
+        self._layout_agreed = False  # the ranks checked a layout once: agree on it every step after
+        self._layout_hash = 0
         #: steps skipped on every rank because some rank's gradients held inf/NaN (no GradScaler)
         self.nonfinite_steps = 0
         self._take_parameters()
@@ -139,6 +141,7 @@ class CompressedOptimizer(Optimizer):
             self._launcher.reset()
         self._buckets = build_buckets(self.param_groups, self.bucket_cap_bytes)
         self._layout_key = key
+        self._layout_hash = _layout_hash(self._buckets)
         for b in self._buckets:
             for name in self.bucket_state_names:
                 flat = b.flat(name)
@@ -272,6 +275,7 @@ class CompressedOptimizer(Optimizer):
         steps: only while the ranks agreed that the loop leaves ``p.grad`` alone, and not under a
         GradScaler, whose skip decision must come first)."""
         self._ensure_buckets()
+        self._agree_on_layout()
         full = self._needs_average(self.global_step + 1)
         ahead = full or (self._speculate and not self._scaler_seen)
         self._launcher.launch_ahead = self.overlap and self._ranks_checked and ahead
@@ -328,12 +332,33 @@ class CompressedOptimizer(Optimizer):
                 launcher.nonfinite = True
             self.exchange(b)
 
+    def _agree_on_layout(self) -> None:
+        """Before a step's first collective (once the ranks were checked): one all-gather of a hash
+        of the bucket layout, so that a rank whose trainable parameters changed alone (a
+        ``requires_grad`` flip, a param group added on one rank) makes every rank raise instead of
+        pairing collectives of different buckets (a hang or an abort)."""
+        if self.backend.world_size == 1 or not self._layout_agreed:
+            return
+        device = self._buckets[0].device if self._buckets else torch.device("cpu")
+        world = self.backend.world_size
+        rows = torch.empty(world, dtype=torch.int64, device=device)
+        self.backend.all_gather(rows, torch.tensor([self._layout_hash], dtype=torch.int64, device=device))
+        rows = rows.tolist()
+        differ = [r for r, h in enumerate(rows) if h != rows[0]]
+        if differ:
+            raise ValueError(
+                f"{type(self).__name__}: at step {self.global_step + 1} the trainable parameters of rank(s) "
+                f"{differ} differ from rank 0's (requires_grad changed, or a param group was added, on some "
+                "ranks only): change them on every rank alike, before the same step"
+            )
+
     def _check_ranks(self) -> None:
         for b in self._buckets:
             for p in b.params:
                 if p.grad is not None and p.grad.layout != torch.strided:
                     raise TypeError(f"{type(self).__name__} does not support sparse gradients")
         self._check_ranks_agree()
+        self._layout_agreed = True
         if self.global_step == 0 and not self._broadcast_done:
             self._broadcast_parameters()  # before the first update, once the shapes are known to agree
             self._broadcast_done = True
@@ -362,6 +387,7 @@ class CompressedOptimizer(Optimizer):
             launcher.wait()  # nothing of ours may be in flight while this thread communicates
             if not launcher.finished:
                 self._ensure_buckets()
+                self._agree_on_layout()
             if not self._ranks_checked:
                 self._check_ranks()
             step = self.global_step + 1
@@ -860,6 +886,15 @@ class CompressedOptimizer(Optimizer):
         del self.__dict__["_backend_spec"]
         self.__dict__.pop("_unpickled_place", None)
         return backend
+
+
+def _layout_hash(buckets: list[Bucket]) -> int:
+    """A 63-bit hash of the buckets' parameter shapes and dtypes, in order (the same on every rank
+    whose trainable parameters are the same)."""
+    h = hashlib.blake2b(digest_size=8)
+    for b in buckets:
+        h.update(repr((b.index, b.group_index, [(tuple(p.shape), str(p.dtype)) for p in b.params])).encode())
+    return int.from_bytes(h.digest(), "little") >> 1
 
 
 def _flag(found_inf) -> bool:

@@ -777,18 +777,7 @@ def test_float64_params_train_with_fp32_state(info, stage):
     params = [nn.Parameter(p.detach().double()) for p in make_params()]
     x = X[0].double()
     opt = info.make(params, stage, lr=1e-2)
-
-    def loss():
-        return (params[0].mv(x) + params[1]).pow(2).sum()
-
-    with torch.no_grad():
-        initial = loss().item()
-    for _ in range(20):
-        opt.zero_grad()
-        loss().backward()
-        opt.step()
-    with torch.no_grad():
-        assert loss().item() < initial
+    _assert_descends(opt, params, x)
     assert all(p.dtype == torch.float64 for p in params)
     assert opt.state[params[0]]["exp_avg"].dtype == torch.float32
 
@@ -821,14 +810,18 @@ def test_loss_goes_down(info, stage, index, scheduled):
     params = make_params()
     opt = info.make(params, stage, **info.inputs()[index].kwargs)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.9) if scheduled else None
-    x = X[0]
+    _assert_descends(opt, params, X[0], sched)
+
+
+def _assert_descends(opt, params, x, sched=None, steps=20):
+    """``steps`` steps on the quadratic ``||W x + b||^2`` lower it."""
 
     def loss():
         return (params[0].mv(x) + params[1]).pow(2).sum()
 
     with torch.no_grad():
         initial = loss().item()
-    for _ in range(20):
+    for _ in range(steps):
         opt.zero_grad()
         loss().backward()
         opt.step()
