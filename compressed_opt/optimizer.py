@@ -359,7 +359,7 @@ class CompressedOptimizer(Optimizer):
                     raise TypeError(f"{type(self).__name__} does not support sparse gradients")
         self._check_ranks_agree()
         self._layout_agreed = True
-        if self.global_step == 0 and not self._broadcast_done:
+        if self.global_step == 0 and not self._broadcast_done and self._ddp is None:  # (DDP broadcast already)
             self._broadcast_parameters()  # before the first update, once the shapes are known to agree
             self._broadcast_done = True
         if not self._ranks_checked and self._ddp is None and self.backend.world_size > 1 and self.global_step == 0:

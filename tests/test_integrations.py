@@ -1,0 +1,94 @@
+"""The framework recipes of ``examples/`` (issue 9): the HF transformers Trainer, Lightning's DDP
+strategy and an accelerate loop each wrap the model in DistributedDataParallel themselves; the
+optimizer, made with default arguments (but ``lr`` and the freeze step), must find that DDP module
+and make it send only what the optimizer sends alone.
+
+Each example runs as users launch it (torchrun for the Trainer and accelerate, Lightning's own
+launcher for Lightning), 2 ranks on Gloo, 8 steps across a freeze at step 4, in a subprocess with
+a timeout (a hang fails fast). Checked: exit code 0; the ranks' final parameters identical; a
+second run of the same seed bit-identical; finite losses; warmup bytes per step no more than
+AdamW's (nothing sent twice); compression-stage bytes per step at most 1/20 of the framework's
+own AdamW run's; no backward through DDP's built-in full-precision all-reduce. As root, the jobs
+run in a private network namespace (``unshare --net``) and the bytes on its loopback interface
+are checked too (at most 1/10 of AdamW's: they include TCP/IP headers and the frameworks' own
+small collectives). The frameworks are test dependencies (``pip install -e '.[dev]'``): a missing
+one fails these tests at collection.
+
+Knobs for checking the harness against another library tree (not needed otherwise):
+``CO_INTEGRATIONS_COMPAT=manual-hook`` runs the examples with ``--compat manual-hook``, and
+``CO_INTEGRATIONS_PYTHONPATH`` is put on the jobs' ``PYTHONPATH``.
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import pytest
+
+# the frameworks must be importable: a missing one is a failure (collection error), not a skip
+import accelerate  # noqa: F401
+import pytorch_lightning  # noqa: F401
+import transformers  # noqa: F401
+from distributed import child_env
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+import harness  # noqa: E402  (examples/harness.py: the launcher, the JSON)
+
+STEPS, FREEZE, SEED = 8, 4, 0
+TIMEOUT = 240  # seconds per job; the frameworks import slowly (10-20 s per rank on 2 busy cores)
+BYTES_RATIO = 20  # compression stage vs AdamW, counted bytes (1-bit: ~32x)
+WIRE_RATIO = 10  # the same on the wire (headers, the frameworks' own collectives)
+NETNS = harness.private_netns()
+
+
+def run_example(script: str, optimizer: str, tmp_path, tag: str) -> dict:
+    env = child_env()
+    if os.environ.get("CO_INTEGRATIONS_PYTHONPATH"):
+        env["PYTHONPATH"] = os.environ["CO_INTEGRATIONS_PYTHONPATH"]
+    run = harness.launch(script, optimizer, steps=STEPS, freeze=FREEZE, seed=SEED,
+                         out=str(tmp_path / f"{script}-{optimizer}-{tag}.json"),
+                         compat=os.environ.get("CO_INTEGRATIONS_COMPAT", "none"),
+                         timeout=TIMEOUT, netns=NETNS, env=env)
+    what = f"{script} --optimizer {optimizer}"
+    if run["timed_out"]:
+        pytest.fail(f"{what} hung (killed after {TIMEOUT} s):\n{run['output'][-6000:]}")
+    assert run["returncode"] == 0, f"{what} exited {run['returncode']}:\n{run['output'][-6000:]}"
+    result = run["result"]
+    assert result is not None, f"{what} wrote no results:\n{run['output'][-6000:]}"
+    assert result["steps"] == STEPS and len(result["loss"]) == STEPS, result["loss"]
+    assert result["params_identical"], f"{what}: the ranks' parameters differ: {result['ranks']}"
+    assert result["losses_finite"] and math.isfinite(result["eval_loss"]), (result["loss"], result["eval_loss"])
+    return result
+
+
+def _check_sends_little(result: dict, adamw_bytes: dict, adamw_wire: dict | None) -> None:
+    name = f"{result['framework']}/{result['optimizer']}"
+    b = result["bytes"]
+    assert b["unhooked_steps"] == [], (
+        f"{name}: steps {b['unhooked_steps']} ran backward through DDP's own full-precision all-reduce "
+        f"(no compressed_opt comm hook on the DDP module: {result['ddp_comm_hook']})")
+    assert b["warmup"] <= 1.05 * adamw_bytes["warmup"], (
+        f"{name}: warmup sends {b['warmup']:.0f} bytes/step, AdamW {adamw_bytes['warmup']:.0f}")
+    assert b["compression"] * BYTES_RATIO <= adamw_bytes["compression"], (
+        f"{name}: compression stage sends {b['compression']:.0f} bytes/step, more than 1/{BYTES_RATIO} of "
+        f"AdamW's {adamw_bytes['compression']:.0f}: {b['total_per_step']}")
+    if adamw_wire is not None:
+        wire = result["wire"]
+        assert wire["compression"] * WIRE_RATIO <= adamw_wire["compression"], (
+            f"{name}: {wire['compression']:.0f} wire bytes/step in the compression stage, AdamW "
+            f"{adamw_wire['compression']:.0f}: {wire['per_step']}")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(3 * TIMEOUT + 60)
+@pytest.mark.parametrize("script", ["hf_trainer", "lightning_ddp", "accelerate_loop"])
+def test_recipe_onebit_adam_against_adamw(script, tmp_path):
+    first = run_example(script, "onebitadam", tmp_path, "first")
+    again = run_example(script, "onebitadam", tmp_path, "again")
+    adamw = run_example(script, "adamw", tmp_path, "adamw")
+    assert first["params_sha256"] == again["params_sha256"], "two runs of the same seed differ"
+    assert first["loss"] == again["loss"]
+    assert adamw["bytes"]["compression"] == adamw["bytes"]["gradient_bytes"], adamw["bytes"]  # 2 ranks: 2(N-1)/N = 1
+    _check_sends_little(first, adamw["bytes"], adamw["wire"])
