@@ -103,7 +103,11 @@ def abort_job(message: str, errorcode: int = 1) -> None:
     ``COMM_WORLD``): a rank that cannot go on must not leave the others in a collective."""
     try:
         sys.stderr.write(message.rstrip("\n") + "\n")
+        sys.stdout.flush()
         sys.stderr.flush()
+        # the launcher forwards each rank's output asynchronously: give it a moment, or the
+        # traceback printed just before can be cut off when MPI_Abort tears the job down
+        time.sleep(0.2)
     finally:
         _import_mpi().COMM_WORLD.Abort(errorcode)
 

@@ -356,9 +356,16 @@ def _run_mpi_fault(case, *args, env_timeout=None):
     return proc.returncode, out, ended - float(fault.group(1)), ended - started
 
 
-def _ranks_left():
-    ps = subprocess.run(["ps", "-eo", "pid,stat,args"], capture_output=True, text=True).stdout
-    return [line for line in ps.splitlines() if str(FAULTS_WORKER) in line and "ps -eo" not in line]
+def _ranks_left(grace_s: float = 5.0):
+    """The worker processes still alive, after up to ``grace_s`` for aborted ranks to finish
+    exiting (mpiexec may return while the kernel still tears one down)."""
+    deadline = time.time() + grace_s
+    while True:
+        ps = subprocess.run(["ps", "-eo", "pid,stat,args"], capture_output=True, text=True).stdout
+        left = [line for line in ps.splitlines() if str(FAULTS_WORKER) in line and "ps -eo" not in line]
+        if not left or time.time() > deadline:
+            return left
+        time.sleep(0.1)
 
 
 @pytest.mark.mpi

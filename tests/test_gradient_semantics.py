@@ -15,7 +15,7 @@ from compressed_opt import OnebitAdam, OnebitLamb, ZeroOneAdam
 from distributed import run_ranks
 from optim_tasks import mlp, shard_batches
 
-STEPS, FREEZE = 9, 4
+STEPS, FREEZE = 7, 4  # warmup 1-4; step 5 watches the loop; 6-7 launch from backward (if allowed)
 OPTIMIZERS = {
     "adam": (OnebitAdam, dict(lr=3e-3, freeze_step=FREEZE)),
     "lamb": (OnebitLamb, dict(lr=2e-2, freeze_step=FREEZE, max_coeff=0.25)),

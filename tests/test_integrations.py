@@ -7,11 +7,12 @@ Each example runs as users launch it (torchrun for the Trainer and accelerate, L
 launcher for Lightning), 2 ranks on Gloo, 8 steps across a freeze at step 4, in a subprocess with
 a timeout (a hang fails fast). Checked: exit code 0; the ranks' final parameters identical; a
 second run of the same seed bit-identical; finite losses; warmup bytes per step no more than
-AdamW's (nothing sent twice); compression-stage bytes per step at most 1/20 of the framework's
-own AdamW run's; no backward through DDP's built-in full-precision all-reduce. As root, the jobs
-run in a private network namespace (``unshare --net``) and the bytes on its loopback interface
-are checked too (at most 1/10 of AdamW's: they include TCP/IP headers and the frameworks' own
-small collectives). The frameworks are test dependencies (``pip install -e '.[dev]'``): a missing
+AdamW's (nothing sent twice); compression-stage bytes per step at most 1/20 of AdamW's (DDP's
+all-reduce of every gradient, 2(N-1)/N times their bytes: measured with a counting hook by
+``benchmarks/integrations.py``); no backward through DDP's built-in full-precision all-reduce.
+As root, the jobs run in a private network namespace (``unshare --net``) and the bytes on its
+loopback interface are checked too (at most 1/10 of AdamW's: they include TCP/IP headers and the
+frameworks' own small collectives). The frameworks are test dependencies (``pip install -e '.[dev]'``): a missing
 one fails these tests at collection.
 
 Knobs for checking the harness against another library tree (not needed otherwise):
@@ -82,13 +83,16 @@ def _check_sends_little(result: dict, adamw_bytes: dict, adamw_wire: dict | None
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(3 * TIMEOUT + 60)
+@pytest.mark.timeout(2 * TIMEOUT + 60)
 @pytest.mark.parametrize("script", ["hf_trainer", "lightning_ddp", "accelerate_loop"])
 def test_recipe_onebit_adam_against_adamw(script, tmp_path):
     first = run_example(script, "onebitadam", tmp_path, "first")
     again = run_example(script, "onebitadam", tmp_path, "again")
-    adamw = run_example(script, "adamw", tmp_path, "adamw")
     assert first["params_sha256"] == again["params_sha256"], "two runs of the same seed differ"
     assert first["loss"] == again["loss"]
-    assert adamw["bytes"]["compression"] == adamw["bytes"]["gradient_bytes"], adamw["bytes"]  # 2 ranks: 2(N-1)/N = 1
-    _check_sends_little(first, adamw["bytes"], adamw["wire"])
+    # AdamW under DDP all-reduces every gradient every step: 2 (N-1)/N * their bytes, the bytes
+    # themselves on 2 ranks (what benchmarks/integrations.py measures with a counting hook, 482,304
+    # for this model; not re-launched here, the frameworks' imports make each launch ~25 CPU-s)
+    grads = first["bytes"]["gradient_bytes"]
+    wire = {"compression": grads} if first.get("wire") else None
+    _check_sends_little(first, {"warmup": grads, "compression": grads}, wire)
