@@ -94,9 +94,16 @@ class CompressedOptimizer(Optimizer):
         self._layout_hash = 0
         #: steps skipped on every rank because some rank's gradients held inf/NaN (no GradScaler)
         self.nonfinite_steps = 0
+        self._start_hooks()
+
+    def _start_hooks(self) -> None:
+        """The runtime side of an optimizer that was just made or copied: it owns its parameters
+        (an older optimizer on them is closed), hooks their gradients, and, before its first step
+        in a multi-rank job, watches for a DDP wrapper (:func:`compressed_opt.ddp.watch_for_ddp`)."""
         self._take_parameters()
         self._launcher.watch(p for g in self.param_groups for p in g["params"])
-        ddp.watch_for_ddp(self)
+        if self.global_step == 0 and torch.distributed.is_available() and torch.distributed.is_initialized():
+            ddp.watch_for_ddp(self)
 
     # --- parameters and buckets ---------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
@@ -857,12 +864,7 @@ class CompressedOptimizer(Optimizer):
             self._ddp = None
             self._launcher = BucketLauncher(self, self.accumulation_steps)
             if not self.__dict__.get("_closed", False):
-                self._launcher.watch(p for g in self.param_groups for p in g["params"])
-                take = getattr(self, "_take_parameters", None)  # as __init__: one owner per parameter
-                if take is not None:
-                    take()
-                if self.global_step == 0 and torch.distributed.is_available() and torch.distributed.is_initialized():
-                    ddp.watch_for_ddp(self)
+                self._start_hooks()
         if not had_differentiable:
             self.defaults.pop("differentiable", None)  # torch's __setstate__ adds it; we have none
 
