@@ -29,7 +29,7 @@ from compressed_opt.comm import chunk_numel
 #: keys of ``state_dict()["compressed_opt"]`` that every format-1 checkpoint has
 REQUIRED_KEYS = ("format", "algorithm", "global_step", "rank", "world_size", "buckets")
 #: keys of an optimizer's ``_extra_state()`` that a load reads with a default (not required)
-_OPTIONAL_EXTRA = frozenset({"freeze_rule", "last_step_kind", "ddp_errors"})
+_OPTIONAL_EXTRA = frozenset({"freeze_rule", "last_step_kind", "ddp_errors", "exchange"})
 #: keys that differ between the ranks of one run by design (not compared across ranks)
 _PER_RANK = frozenset({"rank", "buckets", "ddp_errors", "freeze_rule", "format", "world_size", "algorithm"})
 

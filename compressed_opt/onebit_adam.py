@@ -11,6 +11,24 @@ Compression stage: no gradient allreduce. Each rank forms its local momentum
 ``m_i = b1 m + (1 - b1) g_i`` and ``m = compressed_allreduce(m_i)`` (error feedback, identical on
 every rank); ``p <- p (1 - lr wd) - lr * (m / (1 - b1^t)) / (sqrt(v_f) + eps)``.
 
+*The preconditioned exchange* (``exchange="preconditioned"``, the default; docs/design.md,
+"Numerics"). The paper exchanges ``m_i`` itself. One 1-bit scale then serves a whole bucket, so a
+coordinate whose frozen variance is tiny (GPT-2's attention key bias: gradients ~1e-11, ``v_f``
+~1e-24) receives ``+-scale`` of the bucket's typical momentum, and ``scale / (sqrt(v_f) + eps)``
+moves it by up to ``lr * scale / eps`` per step: a key bias of 5e-6 jumped to 145 at the first
+compressed step. Since ``v_f`` is the same on every rank, the average commutes with any fixed
+per-coordinate factor, so we exchange the *preconditioned* momentum instead::
+
+    R = c_l / (sqrt(v_f) + eps)          per coordinate, fixed from the freeze on (0 where v_f == 0)
+    y = compressed_allreduce(R * m_i)    (error feedback in this space)
+    m = y / R;   p <- p (1 - lr wd) - lr * (y / c_l) / (1 - b1^t)
+
+``R m`` is Adam's own update direction, times a per-layer coefficient ``c_l = mean_k s_k / s_l``
+(``s_l``: the RMS of layer ``l``'s ``m / (sqrt(v_f) + eps)`` at the first compressed step, the same
+on every rank, kept in ``state[p]["scaling_coeff"]``; :mod:`compressed_opt.scaling`). Every layer
+reaches the compressor at one size, and what 1-bit noise a coordinate gets is at most the size of
+its own layer's Adam steps, never ``scale / eps``. ``exchange="momentum"`` is the paper's exchange.
+
 Beyond the paper: a coordinate whose frozen variance is exactly 0 (it never received a gradient
 in warmup, e.g. the weight of an input that is always 0) is not moved by the momentum in the
 compression stage. 1-bit compression sends it ``+-scale`` like every other coordinate, and
@@ -21,12 +39,13 @@ compression stage. 1-bit compression sends it ``+-scale`` like every other coord
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
 from compressed_opt.comm import compressed_allreduce
 
-from . import zero
+from . import scaling, zero
 from .freeze import VarianceStabilityRule, resolve_rule, restore_rule
 from .optimizer import CompressedOptimizer, bias_corrections, frozen_denominator_of
 from .validation import check_adam_group, check_step_count
@@ -43,10 +62,18 @@ class _FreezingAdam(CompressedOptimizer):
     _keeps_previous_momentum = False
     #: ZeRO: bucket buffers a checkpoint must hold (the rank's shards, and what was gathered)
     _zero_saved_buffers = ("exp_avg_shard", "exp_avg_sq_shard", "exp_avg", "frozen_denominator",
-                           "momentum_rows", "master_shard")
+                           "momentum_rows", "master_shard", "preconditioner")
+
+    EXCHANGES = ("preconditioned", "momentum")
+    #: whether the compression stage still divides by ``sqrt(v_f) + eps`` itself (1-bit LAMB's
+    #: factor does), or needs only the exchange's factors ``R`` and ``A``
+    _keeps_denominator = False
 
     def __init__(self, params, defaults, freeze_step, backend, bucket_cap_mb, overlap=True, accumulation_steps=1,
-                 zero_stage=0, master_resync_interval=100):
+                 zero_stage=0, master_resync_interval=100, exchange="preconditioned"):
+        if exchange not in self.EXCHANGES:
+            raise ValueError(f"Invalid exchange: {exchange!r} (must be one of {', '.join(map(repr, self.EXCHANGES))})")
+        self.exchange_mode = exchange
         freeze_step = check_step_count("freeze_step", freeze_step, allow_auto=True, minimum=1) \
             if not isinstance(freeze_step, VarianceStabilityRule) else freeze_step
         if zero_stage not in (0, 1, 2) or isinstance(zero_stage, bool):
@@ -112,6 +139,11 @@ class _FreezingAdam(CompressedOptimizer):
         """``sqrt(v_f) + eps`` of the bucket (``inf`` where ``v_f == 0``), made once at the freeze
         (or after a checkpoint load) from ``exp_avg_sq`` and the freeze step."""
         denom = bucket.flats.get("frozen_denominator")
+        r = bucket.flats.get("preconditioner")
+        if denom is None and r is not None:  # ZeRO keeps R = c_l / sqrt(v_f) instead: made for one step
+            denom = torch.reciprocal(r)
+            scaling.scale_(bucket.views(denom), [self.state[p]["scaling_coeff"] for p in bucket.params])
+            return denom.add_(self.param_groups[bucket.group_index]["eps"])
         if denom is None:
             group = self.param_groups[bucket.group_index]
             denom = frozen_denominator_of(bucket.flat("exp_avg_sq"), group, self.freeze_step)
@@ -126,7 +158,8 @@ class _FreezingAdam(CompressedOptimizer):
         if self.zero_stage and self.frozen:  # the local momentum is formed from p.grad directly
             beta1 = self.param_groups[bucket.group_index]["betas"][0]
             zero.local_momentum(self, bucket, grad, beta1, keep_previous=self._keeps_previous_momentum,
-                                row_scales=self._exchange_scales(bucket))
+                                row_scales=self._exchange_scales(bucket),
+                                preconditioner=self._exchange_preconditioner(bucket))
         else:
             super()._gather(bucket, grad, step)
 
@@ -134,6 +167,111 @@ class _FreezingAdam(CompressedOptimizer):
         """Per parameter of the bucket, the factor its momentum is multiplied by for the 1-bit
         exchange (``None``: not scaled)."""
         return None
+
+    # --- the preconditioned exchange ----------------------------------------------------------
+    def _exchange_preconditioner(self, bucket) -> torch.Tensor | None:
+        """Per element of the bucket, the fixed factor its momentum is multiplied by for the 1-bit
+        exchange (``None``: the momentum itself is exchanged, ``exchange="momentum"``):
+        ``R = c_l / sqrt(v_f)`` per element (0 where ``v_f == 0``), made (with ``A``, see
+        :meth:`_direction_from_exchange_`, where the optimizer does not divide by ``sqrt(v_f) + eps``
+        itself) at the first compressed exchange from ``v_f`` and the
+        momentum, both the same on every rank; after a load, from ``v_f`` and the saved ``c_l``."""
+        if self.exchange_mode != "preconditioned":
+            return None
+        r = bucket.flats.get("preconditioner")
+        if r is None:
+            group = self.param_groups[bucket.group_index]
+            denom = self.frozen_denominator(bucket)  # sqrt(v_f) + eps, inf where v_f == 0
+            # sqrt(v_f), from the denominator every mode holds (inf where v_f == 0); floored where
+            # it sank below eps's rounding (R and A only need to agree with each other)
+            root = torch.sub(denom, group["eps"]).clamp_(min=group["eps"] * 2.0**-20)
+            r = torch.reciprocal(root)  # 0 where v_f == 0
+            coeffs = self._preconditioned_coeffs(bucket, r)
+            scaling.scale_(bucket.views(r), coeffs)
+            bucket.flats["preconditioner"] = r
+            if not self._keeps_denominator:  # R (and A) replace it; ZeRO checkpoints hold R
+                if not self.zero_stage:  # (ZeRO saves the memory: A = 1 / (c_l + eps R), per step)
+                    a = torch.div(root, denom).nan_to_num_(nan=0.0)  # sqrt(v_f) / (sqrt(v_f) + eps), 0 where v_f == 0
+                    scaling.unscale_(bucket.views(a), coeffs)
+                    bucket.flats["direction_factor"] = a
+                bucket.flats.pop("frozen_denominator", None)
+        return r
+
+    def _direction_from_exchange_(self, bucket, y: torch.Tensor) -> None:
+        """``y`` (the exchanged ``R m``) <- ``m / (sqrt(v_f) + eps) = A y`` with ``A =
+        sqrt(v_f) / (sqrt(v_f) + eps) / c_l`` (0 where ``v_f == 0``). ZeRO, which keeps no ``A``,
+        uses ``A = 1 / (c_l + eps R)`` (the same, from ``R = c_l / sqrt(v_f)``) for one step."""
+        r = self._exchange_preconditioner(bucket)
+        if not self.zero_stage:
+            y.mul_(bucket.flats["direction_factor"])
+            return
+        views = bucket.views(y)
+        if views:
+            a_inv = torch._foreach_mul(bucket.views(r), self.param_groups[bucket.group_index]["eps"])
+            torch._foreach_add_(a_inv, [self.state[p]["scaling_coeff"] for p in bucket.params])
+            torch._foreach_div_(views, a_inv)
+        idx = self._no_variance(bucket)
+        if idx.numel():
+            y.index_fill_(0, idx, 0.0)
+
+    def _exchange_bounds(self, bucket) -> list[float]:
+        """Per layer, the bound ``c_l K`` on the exchanged ``|R m_i|``, ``K = max(1, (1 - b1) /
+        sqrt(1 - b2))``: Adam's own bound on ``|m / sqrt(v)|``."""
+        b1, b2 = self.param_groups[bucket.group_index]["betas"]
+        k = max(1.0, (1 - b1) / math.sqrt(1 - b2))
+        return [k * self.state[p]["scaling_coeff"] for p in bucket.params]
+
+    def _bound_(self, bucket, x: torch.Tensor) -> None:
+        """Clip the exchanged ``R m_i`` to ``+-c_l K`` (:meth:`_exchange_bounds`)."""
+        views, bounds = bucket.views(x), self._exchange_bounds(bucket)
+        if views:
+            torch._foreach_clamp_max_(views, bounds)
+            torch._foreach_clamp_min_(views, [-b for b in bounds])
+
+    def _preconditioned_coeffs(self, bucket, inv_root: torch.Tensor) -> list[float]:
+        """Each layer's ``c_l = mean_k s_k / s_l``, ``s_l`` the RMS of ``m / sqrt(v_f)`` over layer
+        ``l``: set once, from the momentum of the freeze (whole on every rank), and kept in
+        ``state[p]["scaling_coeff"]`` (checkpoints carry it)."""
+        states = [self.state[p] for p in bucket.params]
+        if any("scaling_coeff" not in st for st in states):
+            m = bucket.flats.get("exp_avg")
+            if m is None:
+                raise RuntimeError(f"{type(self).__name__}: the exchange's scaling coefficients are missing from "
+                                   "the state of a checkpoint saved in the compression stage")
+            sizes = [p.numel() for p in bucket.params]
+            whitened = torch.mul(m, inv_root)
+            norms = torch.stack(list(torch._foreach_norm(bucket.views(whitened)))).tolist() if sizes else []
+            coeffs = scaling.coefficients(scaling.rms_from_norms(norms, sizes), sizes)
+            for st, c in zip(states, coeffs):
+                st["scaling_coeff"] = c
+        return [st["scaling_coeff"] for st in states]
+
+    def _no_variance(self, bucket) -> torch.Tensor:
+        """Indices of the bucket's elements with ``v_f == 0`` (usually none): ``m = y / R`` is
+        0 / 0 there, and is set to 0."""
+        idx = bucket.flats.get("no_variance")
+        if idx is None:
+            idx = bucket.flats["no_variance"] = torch.nonzero(self._exchange_preconditioner(bucket) == 0).view(-1)
+        return idx
+
+    def _precondition_(self, bucket, x: torch.Tensor) -> None:
+        """The exchanged vector from the local momentum in ``x`` (stage 0: ``m_i``, ZeRO: already
+        ``R m_i``, see :func:`zero.local_momentum`): ``R m_i``, 0 where ``v_f == 0``, clipped to
+        ``+-c_l K``."""
+        if not self.zero_stage:
+            x.mul_(self._exchange_preconditioner(bucket))
+        else:  # the kept rows carry the exchange's +-t where v_f == 0 (stage 0's m is 0 there)
+            idx = self._no_variance(bucket)
+            if idx.numel():
+                x.index_fill_(0, idx, 0.0)
+        self._bound_(bucket, x)
+
+    def _momentum_from_exchange(self, bucket, y: torch.Tensor, out: torch.Tensor) -> None:
+        """``m = y / R`` into ``out`` (0 where ``v_f == 0``)."""
+        torch.div(y, self._exchange_preconditioner(bucket), out=out)
+        idx = self._no_variance(bucket)
+        if idx.numel():
+            out.index_fill_(0, idx, 0.0)
 
     def _average(self, bucket, grad):
         zero.average(self, bucket, grad) if self.zero_stage else super()._average(bucket, grad)
@@ -145,6 +283,14 @@ class _FreezingAdam(CompressedOptimizer):
                 f"it cannot be loaded on rank {self.backend.rank} of {self.backend.world_size}. Resume with "
                 "the same world size, each rank loading its own file (or train with zero_stage=0 to move "
                 "between world sizes)"
+            )
+        # checkpoints from before the preconditioned exchange carry no "exchange": the paper's
+        saved = extra.get("exchange", "momentum")
+        if extra["frozen"] and saved != self.exchange_mode:
+            raise ValueError(
+                f"this checkpoint was saved in the compression stage of {type(self).__name__}(exchange={saved!r}); "
+                f"its error-feedback buffers hold errors of that exchange, not of exchange={self.exchange_mode!r}. "
+                f"Resume it with {type(self).__name__}(..., exchange={saved!r})"
             )
         self.frozen = bool(extra["frozen"])
         self.freeze_step = extra["freeze_step"]
@@ -164,11 +310,13 @@ class _FreezingAdam(CompressedOptimizer):
             "frozen": self.frozen,
             "freeze_step": self.freeze_step,
             "freeze_rule": None if self.freeze_rule is None else self.freeze_rule.state_dict(),
+            "exchange": self.exchange_mode,
         }
 
     def _extra_signature(self):
         rule = None if self.freeze_rule is None else self.freeze_rule.state_dict()
-        return (self.freeze_step, rule and (rule["window"], rule["rtol"], rule["min_step"], rule["max_step"]))
+        return (self.freeze_step, rule and (rule["window"], rule["rtol"], rule["min_step"], rule["max_step"]),
+                self.exchange_mode)
 
 
 class OnebitAdam(_FreezingAdam):
@@ -195,23 +343,30 @@ class OnebitAdam(_FreezingAdam):
         master_resync_interval: with ZeRO and bf16/fp16 parameters, every this many
             compression-stage steps the parameters are replaced by the gathered fp32 master
             chunks (:mod:`compressed_opt.zero`).
+        exchange: ``"preconditioned"`` (default): the compression stage exchanges
+            ``c_l m / (sqrt(v_f) + eps)``, so no coordinate's 1-bit noise exceeds its layer's
+            Adam step; ``"momentum"``: the paper's exchange of ``m`` (see the module doc).
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, freeze_step=100000,
                  *, bias_correction=True, backend=None, bucket_cap_mb=25.0, overlap=True, accumulation_steps=1,
-                 zero_stage=0, master_resync_interval=100):
+                 zero_stage=0, master_resync_interval=100, exchange="preconditioned"):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bool(bias_correction))
         super().__init__(params, defaults, freeze_step, backend, bucket_cap_mb, overlap, accumulation_steps,
-                         zero_stage, master_resync_interval)
+                         zero_stage, master_resync_interval, exchange)
 
     def _bucket_communicate(self, bucket, group, grad, step):
-        """Compression stage: local momentum ``m_i = b1 m + (1 - b1) g_i`` into ``grad``, then its
-        compressed average over the ranks, in place (``m`` takes it in :meth:`_bucket_step`)."""
+        """Compression stage: local momentum ``m_i = b1 m + (1 - b1) g_i`` into ``grad`` (as
+        ``R m_i``, bounded, for the preconditioned exchange), then its compressed average over the
+        ranks, in place (``m`` takes it in :meth:`_bucket_step`)."""
+        if not self.zero_stage:  # (ZeRO: grad holds m_i already, _gather)
+            # into the gradient buffer: m changes only in _bucket_step (a skipped step leaves it alone)
+            torch.lerp(bucket.flat("exp_avg"), grad, 1 - group["betas"][0], out=grad)
+        if self.exchange_mode == "preconditioned":
+            self._precondition_(bucket, grad)
         if self.zero_stage:
-            zero.exchange(self, bucket, grad)  # grad holds m_i already (_gather)
+            zero.exchange(self, bucket, grad)
             return
-        # into the gradient buffer: m changes only in _bucket_step (a skipped step leaves it alone)
-        torch.lerp(bucket.flat("exp_avg"), grad, 1 - group["betas"][0], out=grad)
         worker_error, server_error = self.error_buffers(bucket)
         compressed_allreduce(grad, worker_error, server_error, self.backend)
 
@@ -232,6 +387,10 @@ class OnebitAdam(_FreezingAdam):
             v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
             torch.sqrt(v, out=direction).div_(bc2_sqrt).add_(eps)
             torch.div(m, direction, out=direction)
+        elif self.exchange_mode == "preconditioned":  # grad holds y, the average of R m_i
+            if not self.zero_stage:
+                self._momentum_from_exchange(bucket, grad, out=bucket.flat("exp_avg"))
+            self._direction_from_exchange_(bucket, direction)  # m / (sqrt(v_f) + eps) = A y
         else:  # compression stage: grad is already the compressed average (_bucket_communicate)
             if not self.zero_stage:
                 bucket.flat("exp_avg").copy_(grad)

@@ -18,10 +18,14 @@ layer's trust ratio is frozen (``r_f``: its bias-corrected EMA), and a fresh var
 
 Compression stage: no gradient allreduce. Each rank forms its local momentum
 ``m_i = b1 m + (1 - b1) g_i`` and all the momenta of a bucket go through ONE compressed
-allreduce. Since one scale serves the whole buffer, each layer's momentum is multiplied by a
-fixed coefficient ``c_l = mean_k RMS(m_k) / RMS(m_l)`` (``k`` over the layers of the bucket, set
-from the momentum at the first compression step, identical on every rank) before the exchange and
-divided by it after. From the averaged momentum ``m_t`` the averaged gradient is reconstructed,
+allreduce. By default (``exchange="preconditioned"``) what goes through it is OnebitAdam's
+preconditioned momentum ``R m_i``, ``R = c_l / sqrt(v_f)``, bounded, and ``m_t = y / R``
+(:mod:`compressed_opt.onebit_adam`): every coordinate reaches the compressor normalised by its own
+gradient scale, so a coordinate of tiny variance gets 1-bit noise of its own size. With
+``exchange="momentum"`` (the paper's) one scale serves the whole buffer, so each layer's momentum
+is multiplied by a fixed coefficient ``c_l = mean_k RMS(m_k) / RMS(m_l)`` (``k`` over the layers
+of the bucket, set from the momentum at the first compression step, identical on every rank)
+before the exchange and divided by it after. From the averaged momentum ``m_t`` the averaged gradient is reconstructed,
 ``g~ = (m_t - b1 m_{t-1}) / (1 - b1)``, and ``v_fresh = b2 v_fresh + (1 - b2) g~^2``. Per layer::
 
     factor = max_k (sqrt(v_f) + eps) / (sqrt(v_fresh_hat) + eps)
@@ -105,16 +109,24 @@ class OnebitLamb(_FreezingAdam):
             see the module doc). Checkpoints then hold this rank's shards.
         master_resync_interval: with ZeRO and bf16/fp16 parameters, every this many
             compression-stage steps the parameters are replaced by the gathered fp32 master chunks.
+        exchange: ``"preconditioned"`` (default): exchange ``c_l m / sqrt(v_f)``, as
+            :class:`OnebitAdam`; ``"momentum"``: the paper's exchange of ``c_l m`` with ``c_l``
+            from the momentum's RMS (see the module doc).
     """
 
     bucket_state_names = ("exp_avg", "exp_avg_sq", "exp_avg_sq_fresh")
     _keeps_previous_momentum = True
+
+    @property
+    def _keeps_denominator(self) -> bool:
+        # the factor and the update divide by sqrt(v_f) + eps; ZeRO remakes it from R each step
+        return not self.zero_stage
     _zero_saved_buffers = (*_FreezingAdam._zero_saved_buffers, "exp_avg_sq_fresh_shard")
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, freeze_step=100000,
                  *, max_coeff=10.0, min_coeff=0.01, coeff_beta=0.9, factor_max=4.0, factor_min=0.5,
                  factor_threshold=0.1, bias_correction=True, backend=None, bucket_cap_mb=25.0, overlap=True,
-                 accumulation_steps=1, zero_stage=0, master_resync_interval=100):
+                 accumulation_steps=1, zero_stage=0, master_resync_interval=100, exchange="preconditioned"):
         defaults = dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
             max_coeff=max_coeff, min_coeff=min_coeff, coeff_beta=coeff_beta,
@@ -122,7 +134,7 @@ class OnebitLamb(_FreezingAdam):
             bias_correction=bool(bias_correction),
         )
         super().__init__(params, defaults, freeze_step, backend, bucket_cap_mb, overlap, accumulation_steps,
-                         zero_stage, master_resync_interval)
+                         zero_stage, master_resync_interval, exchange)
 
     def _validate_group(self, group):
         super()._validate_group(group)
@@ -229,6 +241,8 @@ class OnebitLamb(_FreezingAdam):
         return [st["scaling_coeff"] for st in states]
 
     def _exchange_scales(self, bucket):
+        if self.exchange_mode == "preconditioned":
+            return None  # the per-layer coefficients are inside the preconditioner
         # ZeRO: set at the first exchange, while the momentum gathered at the freeze is whole
         return self._scaling_coeffs(bucket, bucket.flats.get("exp_avg"))
 
@@ -236,6 +250,17 @@ class OnebitLamb(_FreezingAdam):
         """Compression stage, as soon as the bucket's gradients are ready: the local momentum
         ``b1 m + (1 - b1) g_i`` into the gradient buffer (``m`` keeps ``m_{t-1}``, needed to
         reconstruct the gradient), scaled per layer by ``c_l``, compressed-allreduced, unscaled."""
+        if self.exchange_mode == "preconditioned":
+            if not self.zero_stage:  # (ZeRO: grad holds R m_i already, zero.local_momentum)
+                torch.lerp(bucket.flat("exp_avg"), grad, 1 - group["betas"][0], out=grad)
+            self._precondition_(bucket, grad)
+            if self.zero_stage:
+                zero.exchange(self, bucket, grad)
+            else:
+                worker_error, server_error = self.error_buffers(bucket)
+                compressed_allreduce(grad, worker_error, server_error, self.backend)
+            self._momentum_from_exchange(bucket, grad, out=grad)  # m_t = y / R
+            return
         if self.zero_stage:  # grad holds the local momentum already (zero.local_momentum)
             coeffs = self._exchange_scales(bucket)
         else:

@@ -213,30 +213,44 @@ def freeze(opt, bucket: Bucket) -> None:
 
 
 def local_momentum(opt, bucket: Bucket, x: torch.Tensor, beta1: float, keep_previous: bool = False,
-                   row_scales: list[float] | None = None) -> None:
+                   row_scales: list[float] | None = None, preconditioner: torch.Tensor | None = None) -> None:
     """``x`` <- ``b1 m + (1 - b1) g_i`` with ``m`` expanded from the kept rows (or the momentum
     gathered at the freeze) and ``g_i`` read straight from ``p.grad``. ``row_scales``: per layer,
     what the exchanged momentum was multiplied by (1-bit LAMB's scaling coefficients), divided
-    out after expanding. ``keep_previous``: also keep this rank's chunk of ``m``
+    out after expanding. ``preconditioner``: per element, the fixed factor ``R`` of an exchange of
+    ``R m`` (OnebitAdam's preconditioned exchange): ``x`` <- ``b1 R m + (1 - b1) R g_i``, with
+    ``R m`` the kept rows themselves. ``keep_previous``: also keep this rank's chunk of ``m``
     (``momentum_prev_shard``, for 1-bit LAMB's fresh variance)."""
     if "exp_avg" in bucket.flats:
         x.copy_(bucket.flats["exp_avg"])
+        if preconditioner is not None:
+            x.mul_(preconditioner)
     else:
         expand_result_rows(bucket.flats["momentum_rows"], bucket.numel, opt.backend.world_size, x)
         if row_scales is not None:
             scaling.unscale_(bucket.views(x), row_scales)
     if keep_previous:
         lo, hi, c = own_range(opt, bucket)
-        shard(bucket, "momentum_prev_shard", c)[: hi - lo].copy_(x[lo:hi])
+        previous = shard(bucket, "momentum_prev_shard", c)[: hi - lo]
+        if preconditioner is None:
+            previous.copy_(x[lo:hi])
+        else:  # m = (R m) / R; 0 where R == 0 (v_f == 0)
+            torch.div(x[lo:hi], preconditioner[lo:hi], out=previous).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
     x.mul_(beta1)
     alpha = (1 - beta1) * (opt._gather_inv_scale if opt._gather_inv_scale is not None else 1.0)
     views, grads = [], []
-    for p, view in zip(bucket.params, bucket.views(x)):
+    factors = bucket.views(preconditioner) if preconditioner is not None else None
+    scales = []
+    for i, (p, view) in enumerate(zip(bucket.params, bucket.views(x))):
         if p.grad is not None:
             views.append(view)
             grads.append(p.grad if p.grad.dtype == torch.float32 else p.grad.float())
-    if views:
+            if factors is not None:
+                scales.append(factors[i])
+    if views and factors is None:
         torch._foreach_add_(views, grads, alpha=alpha)
+    elif views:
+        torch._foreach_addcmul_(views, scales, grads, value=alpha)
 
 
 def exchange(opt, bucket: Bucket, x: torch.Tensor) -> None:

@@ -43,9 +43,9 @@ def rank_grads(model, xs_ys):
 
 
 # --- multi-rank runs (one spawn each, several checks) --------------------------------------
-def _warmup_and_compression(rank, world, steps, freeze_step):
+def _warmup_and_compression(rank, world, steps, freeze_step, exchange="preconditioned"):
     model = mlp()
-    opt = OnebitAdam(model.parameters(), freeze_step=freeze_step, **HP)
+    opt = OnebitAdam(model.parameters(), freeze_step=freeze_step, exchange=exchange, **HP)
     snapshots = []
     for x, y in gaussian_batches(rank, world, steps):
         opt.zero_grad()
@@ -56,7 +56,22 @@ def _warmup_and_compression(rank, world, steps, freeze_step):
     return snapshots, stats, opt.frozen
 
 
-def reference_run(world, steps, freeze_step):
+def preconditioned_exchange(m, v_f, sizes, eps, betas):
+    """The preconditioned exchange's fixed factors, written out from the module doc: per element
+    ``R = c_l / sqrt(v_f)`` and ``A = sqrt(v_f) / (sqrt(v_f) + eps) / c_l`` (both 0 where
+    ``v_f == 0``), per element the bound ``K c_l``; ``c_l = mean_k s_k / s_l`` with ``s_l`` the RMS
+    of ``m / sqrt(v_f)`` over layer ``l`` (1 for an all-zero layer)."""
+    denom = (v_f.sqrt() + eps).masked_fill(v_f == 0, float("inf"))
+    root = (denom - eps).clamp(min=eps * 2.0**-20)
+    rms = [(piece.pow(2).mean().sqrt().item()) for piece in (m / root).split(sizes)]
+    mean = sum(rms) / len(rms)
+    coeff = [mean / r if r > 0 else 1.0 for r in rms]
+    per_element = torch.cat([torch.full((n,), c) for n, c in zip(sizes, coeff)])
+    k = max(1.0, (1 - betas[0]) / (1 - betas[1]) ** 0.5)
+    return per_element / root, torch.nan_to_num(root / denom, nan=0.0) / per_element, k * per_element
+
+
+def reference_run(world, steps, freeze_step, exchange="preconditioned"):
     """AdamW on the averaged gradient for the warmup, then the compression stage by hand."""
     model = mlp()
     params = list(model.parameters())
@@ -77,11 +92,18 @@ def reference_run(world, steps, freeze_step):
             if t == freeze_step:
                 m = torch.cat([ref.state[p]["exp_avg"].reshape(-1) for p in flat_order])
                 v_f = torch.cat([ref.state[p]["exp_avg_sq"].reshape(-1) for p in flat_order]) / (1 - b2**t)
+                if exchange == "preconditioned":
+                    r, a, bound = preconditioned_exchange(m, v_f, [p.numel() for p in flat_order], HP["eps"], HP["betas"])
         else:
             local = [b1 * m + (1 - b1) * torch.cat([g[i].reshape(-1) for i in reversed(range(len(params)))]) for g in grads]
-            m = simulate(local, we, se)
-            direction = (m / (1 - b1**t)) / (v_f.sqrt() + HP["eps"])
-            direction[v_f == 0] = 0  # coordinates that never had a gradient stay put
+            if exchange == "preconditioned":
+                y = simulate([torch.minimum(torch.maximum(r * x, -bound), bound) for x in local], we, se)
+                m = torch.where(v_f == 0, 0.0, y / r)
+                direction = y * a / (1 - b1**t)
+            else:
+                m = simulate(local, we, se)
+                direction = (m / (1 - b1**t)) / (v_f.sqrt() + HP["eps"])
+                direction[v_f == 0] = 0  # coordinates that never had a gradient stay put
             with torch.no_grad():
                 offset = 0
                 for p in flat_order:
@@ -93,11 +115,11 @@ def reference_run(world, steps, freeze_step):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("world", [2, 3])
-def test_warmup_is_adamw_and_compression_matches_reference(world):
+@pytest.mark.parametrize("world,exchange", [(2, "preconditioned"), (3, "preconditioned"), (2, "momentum")])
+def test_warmup_is_adamw_and_compression_matches_reference(world, exchange):
     steps, freeze = 8, 4
-    results = run_ranks(_warmup_and_compression, world, steps, freeze)
-    ref = reference_run(world, steps, freeze)
+    results = run_ranks(_warmup_and_compression, world, steps, freeze, exchange)
+    ref = reference_run(world, steps, freeze, exchange)
     for snaps, _, frozen in results:
         assert frozen
         warm = max((a - b).abs().max().item() for s in range(freeze) for a, b in zip(snaps[s], ref[s]))
@@ -388,3 +410,46 @@ def test_group_of_follows_load_state_dict():
     extra = nn.Parameter(torch.zeros(2))
     opt.add_param_group({"params": [extra], "betas": (0.8, 0.99)})
     assert opt.group_of(extra)["betas"] == (0.8, 0.99) and opt.param_index(extra) == 2
+
+
+# --- coordinates of tiny variance (GPT-2's key bias) ---------------------------------------------
+def _tiny_variance_run(exchange, steps=40, freeze=10, lr=1e-3):
+    """One tensor like GPT-2's ``c_attn.bias``: 32 coordinates with O(1) gradients, 32 with
+    gradients of ~1e-11 (a softmax-invariant key bias), in one bucket with a larger weight.
+    Returns (max |update| per step, max |p_tiny| per step) of OnebitAdam (world 1, 1-bit
+    compression all the same) and of AdamW on the same gradients."""
+    g = torch.Generator().manual_seed(3)
+    grads = []
+    for _ in range(steps):
+        bias = torch.randn(64, generator=g)
+        bias[32:] *= 1e-11
+        grads.append((torch.randn(256, generator=g) * 0.1 + 0.02, bias))
+    out = {}
+    for name in ("onebit", "adamw"):
+        w, b = torch.zeros(256, requires_grad=True), torch.zeros(64, requires_grad=True)
+        opt = (OnebitAdam([w, b], lr=lr, freeze_step=freeze, exchange=exchange, backend=SingleProcessBackend())
+               if name == "onebit" else torch.optim.AdamW([w, b], lr=lr, weight_decay=0.0))
+        updates, tiny = [], []
+        for gw, gb in grads:
+            before = torch.cat([w.detach(), b.detach()]).clone()
+            w.grad, b.grad = gw.clone(), gb.clone()
+            opt.step()
+            updates.append((torch.cat([w.detach(), b.detach()]) - before).abs().max().item())
+            tiny.append(b.detach()[32:].abs().max().item())
+        out[name] = updates, tiny
+    return out
+
+
+@pytest.mark.parametrize("exchange", ["preconditioned", "momentum"])
+def test_tiny_variance_coordinates_move_no_more_than_adam_would(exchange):
+    lr, freeze = 1e-3, 10
+    out = _tiny_variance_run(exchange, freeze=freeze, lr=lr)
+    (updates, tiny), (_, tiny_adamw) = out["onebit"], out["adamw"]
+    adam_bound = lr * max(1.0, 0.1 / 0.001**0.5)  # lr (1 - b1) / sqrt(1 - b2): Adam's worst step
+    worst_update = max(updates[freeze:])
+    worst_ratio = max(a / b for a, b in zip(tiny[freeze:], tiny_adamw[freeze:]))
+    if exchange == "momentum":  # the paper's exchange: +-scale / eps throws them far away
+        assert worst_update > 1e3 * adam_bound and worst_ratio > 1e6
+    else:
+        assert worst_update <= 1.5 * adam_bound, worst_update
+        assert worst_ratio <= 2.0, worst_ratio

@@ -35,9 +35,10 @@ def small_model(seed=0):
 class Reference:
     """1-bit LAMB (and plain LAMB before ``freeze``) for ``world`` ranks in one process."""
 
-    def __init__(self, model, world, freeze, hp=HP, bias_correction=True):
+    def __init__(self, model, world, freeze, hp=HP, bias_correction=True, exchange="preconditioned"):
         self.model, self.world, self.freeze, self.hp = model, world, freeze, hp
         self.bc = bias_correction
+        self.exchange = exchange
         self.params = list(model.parameters())
         self.order = list(reversed(self.params))  # the bucket's order: reverse registration
         self.st = {p: dict(m=torch.zeros_like(p), v=torch.zeros_like(p), ema=0.0) for p in self.params}
@@ -94,18 +95,35 @@ class Reference:
     def _compressed(self, rank_grads):
         hp, t, T = self.hp, self.t, self.freeze
         b1, b2 = hp["betas"]
+        pre = self.exchange == "preconditioned"
         if "c" not in self.st[self.params[0]]:
-            rms = {p: self.st[p]["m"].norm().item() / math.sqrt(p.numel()) for p in self.params}
+            for p in self.params:  # preconditioned: R = c / sqrt(v_f), bounded by +-K c (OnebitAdam's)
+                s = self.st[p]
+                denom = ((s["v"] / self.corr(b2, T)).sqrt() + hp["eps"]).masked_fill(s["v"] == 0, math.inf)
+                s["root"] = (denom - hp["eps"]).clamp(min=hp["eps"] * 2.0**-20)
+            value = (lambda p: self.st[p]["m"] / self.st[p]["root"]) if pre else (lambda p: self.st[p]["m"])
+            rms = {p: value(p).norm().item() / math.sqrt(p.numel()) for p in self.params}
             mean = sum(rms.values()) / len(rms)
             for p in self.params:
                 self.st[p]["c"] = mean / rms[p]
-        local = [torch.cat([((b1 * self.st[p]["m"] + (1 - b1) * gr[p]) * self.st[p]["c"]).reshape(-1)
-                            for p in self.order]) for gr in rank_grads]
+                self.st[p]["R"] = self.st[p]["c"] / self.st[p]["root"] if pre else self.st[p]["c"]
+        bound = max(1.0, (1 - b1) / math.sqrt(1 - b2))
+        local = []
+        for gr in rank_grads:
+            pieces = []
+            for p in self.order:
+                x = (b1 * self.st[p]["m"] + (1 - b1) * gr[p]) * self.st[p]["R"]
+                if pre:
+                    x = x.clamp(-bound * self.st[p]["c"], bound * self.st[p]["c"])
+                pieces.append(x.reshape(-1))
+            local.append(torch.cat(pieces))
         out = simulate(local, self.we, self.se)
         offset, coeffs = 0, {}
         for p in self.order:
             s = self.st[p]
-            m_t = out[offset: offset + p.numel()].view_as(p) / s["c"]
+            m_t = out[offset: offset + p.numel()].view_as(p) / s["R"]
+            if pre:
+                m_t = m_t.masked_fill(s["v"] == 0, 0.0)
             offset += p.numel()
             g_rec = (m_t - b1 * s["m"]) / (1 - b1)
             s["v_fresh"] = b2 * s["v_fresh"] + (1 - b2) * g_rec * g_rec
@@ -151,13 +169,14 @@ def test_warmup_is_lamb_single_process():
         assert st["exp_avg_sq_fresh"].shape == p.shape
 
 
-@pytest.mark.parametrize("bias_correction", [True, False])
-def test_single_process_matches_reference_through_the_freeze(bias_correction):
+@pytest.mark.parametrize("bias_correction,exchange", [(True, "preconditioned"), (False, "preconditioned"),
+                                                       (True, "momentum")])
+def test_single_process_matches_reference_through_the_freeze(bias_correction, exchange):
     """World 1: warmup, freeze, and the compression stage (1-bit compression with one rank)."""
     steps, freeze = 10, 4
     model = small_model()
-    ref = Reference(copy.deepcopy(model), 1, freeze, bias_correction=bias_correction)
-    opt = OnebitLamb(model.parameters(), freeze_step=freeze, bias_correction=bias_correction, **HP)
+    ref = Reference(copy.deepcopy(model), 1, freeze, bias_correction=bias_correction, exchange=exchange)
+    opt = OnebitLamb(model.parameters(), freeze_step=freeze, bias_correction=bias_correction, exchange=exchange, **HP)
     for k, batch in enumerate(live_batches(0, 1, steps), start=1):
         run_steps(model, opt, [batch])
         ref.step([batch])

@@ -1,0 +1,404 @@
+"""Convergence on real model families: every compressed optimizer against its uncompressed twin.
+
+    python -P benchmarks/convergence.py                      # every model, optimizer and seed
+    python -P benchmarks/convergence.py --models gpt2 --seeds 0 --optimizers onebitadam,adamw
+
+Models (nothing is downloaded; the corpus is the bytes of Python's own help texts):
+
+* ``gpt2``: a GPT-2 from a ``transformers`` config (2 layers, width 64, byte vocabulary), next-byte
+  prediction: the model of the key-bias report (docs/design.md, "Numerics");
+* ``bert``: a BERT masked LM from a ``transformers`` config (2 layers, width 64; 15% of the bytes
+  masked; a padding row and a token type that are never seen);
+* ``gpt``: the end-to-end benchmark's GPT (``compressed_opt.bench``, preset ``tiny``);
+* ``digits``: scikit-learn's digits, a 64-64-64-10 tanh MLP.
+
+Optimizers and their uncompressed twins: ``onebitadam`` and ``zerooneadam`` against ``adamw``
+(``torch.optim.AdamW`` on the gradient all-reduced at full precision), ``onebitlamb`` against
+``lamb`` (``OnebitLamb`` that never freezes: LAMB on the full-precision average). ``--variant``
+adds OnebitAdam with ``exchange="momentum"`` (the paper's exchange) as ``onebitadam-momentum``.
+
+Each (model, optimizer, seed) trains on 2 Gloo ranks (one process pair per model; every run of
+that model in it) on the same global batches. Recorded per run: the global training loss of every
+step, the held-out loss at the end, the largest ``|p|`` of every parameter tensor every
+``--probe`` steps, and, in the compression stage, the time and the bytes (the optimizer's backend
+counters) per step. The summary compares each optimizer with its twin at equal steps: the final
+loss (mean of the last 10% of steps), each seed's and their mean ratio; the worst parameter
+tensor's ``max|p|`` ratio over every probe; for GPT-2 the attention key bias (the middle third of
+``c_attn.bias``). Results: ``benchmarks/results/convergence.json`` and ``convergence.png``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results")
+WORLD = 2
+TWIN = {"onebitadam": "adamw", "onebitadam-momentum": "adamw", "zerooneadam": "adamw", "onebitlamb": "lamb"}
+OPTIMIZERS = ("adamw", "onebitadam", "zerooneadam", "lamb", "onebitlamb")
+LAMB_LR = 1e-2
+SEQ_LEN = 64
+
+
+# --- models and data -------------------------------------------------------------------------------------
+def _corpus() -> tuple[torch.Tensor, torch.Tensor]:
+    from pydoc_data.topics import topics
+
+    data = torch.frombuffer(bytearray("\n\n".join(topics[k] for k in sorted(topics)).encode()), dtype=torch.uint8)
+    data = data.long()
+    split = int(len(data) * 0.95)
+    return data[:split], data[split:]
+
+
+class ByteTask:
+    """Random windows of the training bytes, the same global batch on every rank (rank ``r`` takes
+    its rows); a fixed set of held-out windows for the final loss."""
+
+    batch = 8  # sequences per rank
+
+    def __init__(self, seed: int):
+        self.train, self.val = _corpus()
+        self.seed = seed
+
+    def windows(self, data, step, count, rank=0, world=1, salt=0):
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step * 7 + salt)
+        starts = torch.randint(0, len(data) - SEQ_LEN - 1, (count * world,), generator=g)[rank * count:(rank + 1) * count]
+        return data[starts[:, None] + torch.arange(SEQ_LEN)[None, :]]
+
+    def batch_for(self, step, rank, world):
+        return self.windows(self.train, step, self.batch, rank, world)
+
+    def eval_batches(self):
+        return [self.windows(self.val, -1, 32, salt=i) for i in range(4)]
+
+
+class GPT2Task(ByteTask):
+    lr = 2e-3
+
+    def model(self):
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        cfg = GPT2Config(vocab_size=256, n_positions=SEQ_LEN, n_embd=64, n_layer=2, n_head=2, bos_token_id=0,
+                         eos_token_id=0)
+        return GPT2LMHeadModel(cfg)
+
+    def loss(self, model, x):
+        return model(input_ids=x, labels=x).loss
+
+
+class BertTask(ByteTask):
+    """Masked-byte prediction: 15% of positions replaced by ``[MASK]`` (id 256); id 257 (padding)
+    and token type 1 never occur, so their embedding rows never get a gradient."""
+
+    lr = 2e-3
+    MASK = 256
+
+    def model(self):
+        from transformers import BertConfig, BertForMaskedLM
+
+        cfg = BertConfig(vocab_size=258, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                         intermediate_size=256, max_position_embeddings=SEQ_LEN, pad_token_id=257)
+        return BertForMaskedLM(cfg)
+
+    def _masked(self, x, salt):
+        g = torch.Generator().manual_seed(self.seed * 7919 + salt)
+        chosen = torch.rand(x.shape, generator=g) < 0.15
+        labels = torch.where(chosen, x, torch.full_like(x, -100))
+        return torch.where(chosen, torch.full_like(x, self.MASK), x), labels
+
+    def batch_for(self, step, rank, world):
+        return self._masked(super().batch_for(step, rank, world), step * WORLD + rank)
+
+    def eval_batches(self):
+        return [self._masked(x, -1 - i) for i, x in enumerate(super().eval_batches())]
+
+    def loss(self, model, batch):
+        x, labels = batch
+        return model(input_ids=x, labels=labels).loss
+
+
+class GPTTask(ByteTask):
+    lr = 2e-3
+
+    def model(self):
+        from compressed_opt.bench import PRESETS, TinyGPT
+
+        return TinyGPT(PRESETS["tiny"])
+
+    def loss(self, model, x):
+        logits = model(x[:, :-1])
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
+
+
+class DigitsTask:
+    lr = 3e-3
+    batch = 64
+
+    def __init__(self, seed: int):
+        from sklearn.datasets import load_digits
+
+        data = load_digits()
+        self.x = torch.tensor(data.data, dtype=torch.float32) / 16.0
+        self.y = torch.tensor(data.target, dtype=torch.long)
+        self.seed = seed
+
+    def model(self):
+        return nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 10))
+
+    def batch_for(self, step, rank, world):
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        idx = torch.randint(0, len(self.x), (self.batch * world,), generator=g)[rank * self.batch:(rank + 1) * self.batch]
+        return self.x[idx], self.y[idx]
+
+    def eval_batches(self):
+        return [(self.x, self.y)]
+
+    def loss(self, model, batch):
+        x, y = batch
+        return F.cross_entropy(model(x), y)
+
+
+TASKS = {"gpt2": GPT2Task, "bert": BertTask, "gpt": GPTTask, "digits": DigitsTask}
+# steps, freeze step: digits as in the report (400, 80); the transformers 300 steps, freeze at 50
+SCHEDULE = {"gpt2": (300, 50), "bert": (300, 50), "gpt": (300, 50), "digits": (400, 80)}
+
+
+def make_optimizer(name: str, params, lr: float, freeze: int):
+    import compressed_opt
+
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    if name == "onebitadam":
+        return compressed_opt.OnebitAdam(params, lr=lr, freeze_step=freeze)
+    if name == "onebitadam-momentum":
+        return compressed_opt.OnebitAdam(params, lr=lr, freeze_step=freeze, exchange="momentum")
+    if name == "zerooneadam":
+        return compressed_opt.ZeroOneAdam(params, lr=lr, var_freeze_step=freeze)
+    if name == "lamb":
+        return compressed_opt.OnebitLamb(params, lr=LAMB_LR, freeze_step=10**9)
+    if name == "onebitlamb":
+        return compressed_opt.OnebitLamb(params, lr=LAMB_LR, freeze_step=freeze)
+    raise ValueError(f"unknown optimizer {name!r}")
+
+
+# --- one rank ----------------------------------------------------------------------------------------------
+def _max_abs(model) -> dict[str, float]:
+    out = {name: float(p.detach().abs().max()) for name, p in model.named_parameters() if p.numel()}
+    for name, p in model.named_parameters():  # GPT-2's key bias: the middle third of c_attn.bias
+        if name.endswith("attn.c_attn.bias"):
+            d = p.numel() // 3
+            out[name.replace("c_attn.bias", "key_bias")] = float(p.detach()[d:2 * d].abs().max())
+    return out
+
+
+def run_one(task, model_name: str, name: str, seed: int, steps: int, freeze: int, probe: int, rank: int) -> dict:
+    torch.manual_seed(seed)
+    model = task.model()
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = make_optimizer(name, params, task.lr, freeze)
+    plain = isinstance(opt, torch.optim.AdamW)
+    losses, probes, step_s, step_bytes = [], {}, [], []
+    loss_buf = torch.zeros(1)
+    for step in range(1, steps + 1):
+        batch = task.batch_for(step, rank, WORLD)
+        t0 = time.perf_counter()
+        sent0 = 0 if plain else opt.backend.stats.total_bytes
+        loss = task.loss(model, batch)
+        loss.backward()
+        if plain:  # AdamW on the full-precision average, as DDP gives it
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            dist.all_reduce(flat)
+            flat /= WORLD
+            pieces = flat.split([p.numel() for p in params])
+            torch._foreach_copy_([p.grad for p in params], [g.view_as(p) for g, p in zip(pieces, params)])
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        elapsed = time.perf_counter() - t0
+        if not plain and getattr(opt, "compressing", False):
+            step_s.append(elapsed)
+            step_bytes.append(opt.backend.stats.total_bytes - sent0)
+        loss_buf.fill_(loss.item())
+        dist.all_reduce(loss_buf)
+        losses.append(loss_buf.item() / WORLD)
+        if step % probe == 0 or step == steps:
+            probes[step] = _max_abs(model)
+    model.eval()
+    with torch.no_grad():
+        held = [task.loss(model, b).item() for b in task.eval_batches()]
+    if hasattr(opt, "close"):
+        opt.close()
+    tail = max(1, steps // 10)
+    return {
+        "model": model_name, "optimizer": name, "seed": seed, "losses": losses,
+        "final_loss": sum(losses[-tail:]) / tail, "eval_loss": sum(held) / len(held), "max_abs": probes,
+        "compression_step_ms": 1e3 * _median(step_s[2:]) if len(step_s) > 2 else None,
+        "compression_bytes_per_step": _median(step_bytes[2:]) if len(step_bytes) > 2 else None,
+        "finite": all(math.isfinite(v) for v in losses),
+    }
+
+
+def _median(values):
+    s = sorted(values)
+    return s[len(s) // 2] if s else None
+
+
+def _worker(rank: int, store_path: str, model_name: str, runs: list, probe: int, out_dir: str):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, WORLD)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=timedelta(seconds=300))
+    try:
+        steps, freeze = SCHEDULE[model_name]
+        for name, seed in runs:
+            task = TASKS[model_name](seed)
+            result = run_one(task, model_name, name, seed, steps, freeze, probe, rank)
+            if rank == 0:
+                with open(os.path.join(out_dir, f"{model_name}-{name}-{seed}.json"), "w") as f:
+                    json.dump(result, f)
+                print(f"  {model_name:6s} {name:20s} seed {seed}: final {result['final_loss']:.4f} "
+                      f"held-out {result['eval_loss']:.4f}", flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+# --- the summary ---------------------------------------------------------------------------------------------
+def summarize(results: list[dict]) -> dict:
+    by = {(r["model"], r["optimizer"], r["seed"]): r for r in results}
+    summary = {}
+    for (model, name, seed), r in sorted(by.items()):
+        twin = TWIN.get(name)
+        entry = summary.setdefault(model, {}).setdefault(name, {"seeds": {}})
+        entry["seeds"][seed] = row = {"final_loss": r["final_loss"], "eval_loss": r["eval_loss"],
+                                      "finite": r["finite"], "compression_step_ms": r["compression_step_ms"],
+                                      "compression_bytes_per_step": r["compression_bytes_per_step"]}
+        t = by.get((model, twin, seed)) if twin else None
+        if t is None:
+            continue
+        row["loss_ratio"] = r["final_loss"] / t["final_loss"]
+        row["eval_ratio"] = r["eval_loss"] / t["eval_loss"]
+        worst = (0.0, None, None)
+        for step, layers in r["max_abs"].items():
+            for layer, value in layers.items():
+                ref = t["max_abs"][step][layer]
+                ratio = value / ref if ref > 0 else (math.inf if value > 0 else 1.0)
+                if not math.isfinite(value):
+                    ratio = math.inf
+                if ratio > worst[0]:
+                    worst = (ratio, layer, int(step))
+        row["worst_magnitude_ratio"], row["worst_layer"], row["worst_step"] = worst
+        keys = [k for k in r["max_abs"][str(max(map(int, r["max_abs"])))] if k.endswith("key_bias")]
+        if keys:
+            row["key_bias_ratio"] = max(r["max_abs"][s][k] / t["max_abs"][s][k] for s in r["max_abs"] for k in keys)
+            last = str(max(map(int, r["max_abs"])))
+            row["key_bias_final"] = max(r["max_abs"][last][k] for k in keys)
+            row["key_bias_final_twin"] = max(t["max_abs"][last][k] for k in keys)
+    for model, names in summary.items():
+        for name, entry in names.items():
+            rows = list(entry["seeds"].values())
+            for key in ("final_loss", "eval_loss", "loss_ratio", "eval_ratio", "worst_magnitude_ratio", "key_bias_ratio"):
+                vals = [row[key] for row in rows if row.get(key) is not None]
+                if vals:
+                    entry[f"mean_{key}"] = sum(vals) / len(vals)
+            worst = max(rows, key=lambda row: row.get("worst_magnitude_ratio", 0.0))
+            if "worst_layer" in worst:
+                entry["worst"] = {k: worst[k] for k in ("worst_magnitude_ratio", "worst_layer", "worst_step")}
+    return summary
+
+
+def format_summary(summary: dict) -> str:
+    lines = [f"{'model':7s} {'optimizer':20s} {'loss (mean)':>11s} {'vs twin':>8s} {'per seed':>24s} "
+             f"{'held-out':>9s} {'max|p| ratio (worst layer)':>40s}"]
+    for model, names in summary.items():
+        for name, e in names.items():
+            seeds = " ".join(f"{row['loss_ratio']:.3f}" for row in e["seeds"].values() if "loss_ratio" in row)
+            ratio = f"{e['mean_loss_ratio']:.3f}" if "mean_loss_ratio" in e else "-"
+            eval_ratio = f"{e['mean_eval_ratio']:.3f}" if "mean_eval_ratio" in e else "-"
+            worst = e.get("worst")
+            worst_s = f"{worst['worst_magnitude_ratio']:.2f} ({worst['worst_layer']})" if worst else "-"
+            lines.append(f"{model:7s} {name:20s} {e['mean_final_loss']:11.4f} {ratio:>8s} {seeds:>24s} "
+                         f"{eval_ratio:>9s} {worst_s:>40s}")
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = sorted({r["model"] for r in results})
+    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        names = sorted({r["optimizer"] for r in results if r["model"] == model})
+        for name in names:
+            runs = [r["losses"] for r in results if r["model"] == model and r["optimizer"] == name]
+            mean = [sum(v) / len(v) for v in zip(*runs)]
+            k = max(1, len(mean) // 30)
+            smooth = [sum(mean[max(0, i - k):i + 1]) / len(mean[max(0, i - k):i + 1]) for i in range(len(mean))]
+            ax.plot(range(1, len(smooth) + 1), smooth, label=name, linestyle="--" if name in ("adamw", "lamb") else "-")
+        ax.set_title(f"{model} (2 ranks, mean of seeds)")
+        ax.set_xlabel("step")
+        ax.set_ylabel("training loss (running mean)")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="gpt2,bert,gpt,digits")
+    p.add_argument("--optimizers", default=",".join(OPTIMIZERS))
+    p.add_argument("--variant", action="store_true", help="also OnebitAdam with exchange='momentum'")
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--probe", type=int, default=10, help="record max|p| per tensor every this many steps")
+    p.add_argument("--out", default=os.path.join(RESULTS, "convergence.json"))
+    p.add_argument("--timeout", type=float, default=3600, help="seconds per model")
+    args = p.parse_args(argv)
+    names = args.optimizers.split(",") + (["onebitadam-momentum"] if args.variant else [])
+    seeds = [int(s) for s in args.seeds.split(",")]
+    results = []
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        for model_name in args.models.split(","):
+            if model_name not in TASKS:
+                p.error(f"unknown model {model_name!r} (choose from {', '.join(TASKS)})")
+            print(f"{model_name}: {len(names) * len(seeds)} runs on {WORLD} ranks", flush=True)
+            runs = [(n, s) for s in seeds for n in names]
+            ctx = mp.start_processes(_worker, args=(os.path.join(tmp, f"store-{model_name}"), model_name, runs,
+                                                    args.probe, tmp), nprocs=WORLD, join=False, start_method="spawn")
+            deadline = time.monotonic() + args.timeout
+            while not ctx.join(timeout=5):
+                if time.monotonic() > deadline:
+                    for proc in ctx.processes:
+                        proc.kill()
+                    raise SystemExit(f"{model_name}: no result within {args.timeout} s")
+            for n, s in runs:
+                with open(os.path.join(tmp, f"{model_name}-{n}-{s}.json")) as f:
+                    results.append(json.load(f))
+    summary = summarize(results)
+    print(format_summary(summary))
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"config": {"world": WORLD, "schedule": SCHEDULE, "seeds": seeds, "lamb_lr": LAMB_LR,
+                              "lr": {m: TASKS[m].lr for m in TASKS}, "seconds": time.perf_counter() - started},
+                   "summary": summary, "runs": results}, f, indent=1)
+    plot(results, os.path.splitext(args.out)[0] + ".png")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
