@@ -72,7 +72,7 @@ import torch
 
 from compressed_opt.comm import compressed_allreduce
 
-from . import scaling
+from . import scaling, zero
 from .freeze import VarianceStabilityRule, resolve_rule, restore_rule
 from .optimizer import CompressedOptimizer
 from .validation import check_adam_group, check_step_count
@@ -147,6 +147,10 @@ class ZeroOneAdam(CompressedOptimizer):
             ``no_sync()``); communication happens once, after the last.
         zero_stage: only 0: 0/1 Adam's state is not sharded (the error for 1 or 2 says why; see
             :mod:`compressed_opt.zero`).
+        exchange: ``"preconditioned"`` (default): every 1-bit exchange sends its values divided
+            by ``sqrt(v)`` (whitened, bounded), so a coordinate of tiny variance gets 1-bit noise
+            of its own size (see the module doc); ``"momentum"``: the paper's exchanges, with
+            per-layer coefficients.
 
     Per-parameter state (views of per-bucket fp32 buffers): ``exp_avg``, ``exp_avg_sq``,
     ``momentum_accumulator`` (``acc``) and ``sync_params`` (the parameters at the last
@@ -160,12 +164,17 @@ class ZeroOneAdam(CompressedOptimizer):
     """
 
     bucket_state_names = ("exp_avg", "exp_avg_sq", "momentum_accumulator", "sync_params")
-    scratch_names = CompressedOptimizer.scratch_names | {"no_variance"}
+    # (the preconditioner is made again from v and the coefficients: derived, not state)
+    scratch_names = CompressedOptimizer.scratch_names | {"no_variance", "preconditioner"}
+    EXCHANGES = ("preconditioned", "momentum")
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *,
                  var_freeze_step=100000, var_update_scaler=16, local_step_scaler=32678, local_step_clipper=16,
                  bias_correction=True, backend=None, bucket_cap_mb=25.0, overlap=True, accumulation_steps=1,
-                 zero_stage=0):
+                 zero_stage=0, exchange="preconditioned"):
+        if exchange not in self.EXCHANGES:
+            raise ValueError(f"Invalid exchange: {exchange!r} (must be one of {', '.join(map(repr, self.EXCHANGES))})")
+        self.exchange_mode = exchange
         if zero_stage != 0 or isinstance(zero_stage, bool):
             raise ValueError(
                 f"Invalid zero_stage: {zero_stage!r}. ZeroOneAdam's state is not sharded (only 0 is accepted): "
@@ -249,14 +258,86 @@ class ZeroOneAdam(CompressedOptimizer):
         for st, c in zip(states, new):
             st["scaling_coeff"] = c
 
-    def _exchange(self, bucket, x) -> None:
-        """``x`` <- the 1-bit compressed average of the ranks' ``x``, each layer scaled by its
-        coefficient for the exchange."""
+    def _exchange(self, bucket, x, lr_sum: float = 1.0) -> None:
+        """``x`` <- the 1-bit compressed average of the ranks' ``x``: whitened and bounded
+        (``exchange="preconditioned"``, :meth:`_preconditioner`), or each layer scaled by its
+        coefficient (``"momentum"``). ``lr_sum``: phase B's sum of lr over the interval (the bound
+        of ``sum lr m / sqrt(v)``)."""
+        worker_error, server_error = self.error_buffers(bucket)
+        if self.exchange_mode == "preconditioned":
+            r = self._preconditioner(bucket)
+            x.mul_(r)
+            views, bounds = bucket.views(x), self._exchange_bounds(bucket, lr_sum)
+            if views:
+                torch._foreach_clamp_max_(views, bounds)
+                torch._foreach_clamp_min_(views, [-b for b in bounds])
+            compressed_allreduce(x, worker_error, server_error, self.backend)
+            x.div_(r)  # 0 / 0 where v == 0: the callers zero those coordinates (_no_variance_no_move_)
+            return
         coeffs, views = self._layer_coeffs(bucket), bucket.views(x)
         scaling.scale_(views, coeffs)
-        worker_error, server_error = self.error_buffers(bucket)
         compressed_allreduce(x, worker_error, server_error, self.backend)
         scaling.unscale_(views, coeffs)
+
+    # --- the preconditioned exchange -------------------------------------------------------------
+    def _preconditioner(self, bucket) -> torch.Tensor:
+        """``R`` per element, 0 where ``v == 0``. Phase A: ``1 / sqrt(v_hat)`` (the exchanged gradient
+        ``R g_i`` has RMS ~1 in every layer: no coefficients needed), fixed between refreshes.
+        Phase B: ``c_l / sqrt(v_f)`` with ``c_l = mean_k s_k / s_l``, ``s_l`` the RMS of ``m /
+        sqrt(v_f)`` over layer ``l`` at the freeze (as OnebitAdam's exchange, :mod:`compressed_opt.
+        onebit_adam`). Made again from ``v`` and the coefficients after a load."""
+        r = bucket.flats.get("preconditioner")
+        if r is None:
+            r = bucket.flats["preconditioner"] = self._make_preconditioner(bucket, self.var_refreshes)
+        return r
+
+    def _make_preconditioner(self, bucket, refreshes: int) -> torch.Tensor:
+        """``R`` from ``v`` after ``refreshes`` refreshes: ``v`` bias-corrected whatever
+        ``bias_correction`` says (an EMA of few refreshes is ``1 - b2^r`` of the mean square it
+        estimates, and the bound is relative to the mean square)."""
+        v = bucket.flat("exp_avg_sq")
+        group = self.param_groups[bucket.group_index]
+        corrected = self.frozen and group["bias_correction"]  # the freeze bias-corrected v
+        correction = 1.0 if corrected else 1.0 - group["betas"][1] ** max(refreshes, 1)
+        r = torch.sqrt(v).reciprocal_().mul_(math.sqrt(correction)).masked_fill_(v == 0, 0.0)
+        if self.frozen:
+            scaling.scale_(bucket.views(r), [self.state[p]["scaling_coeff"] for p in bucket.params])
+        return r
+
+    def _exchange_bounds(self, bucket, lr_sum: float) -> list[float]:
+        """Per layer, the bound on ``|R x_i|``. Phase A (gradients): ``1 / sqrt(1 - b2)``, what
+        ``|g| / sqrt(v)`` could be had ``g`` been folded into ``v``. Phase B (``sum lr m``):
+        ``c_l lr_sum K``, ``K = max(1, (1 - b1) / sqrt(1 - b2))`` Adam's own bound on ``|m /
+        sqrt(v)|``."""
+        b1, b2 = self.param_groups[bucket.group_index]["betas"]
+        if not self.frozen:
+            return [1.0 / math.sqrt(1 - b2)] * len(bucket.params)
+        k = max(1.0, (1 - b1) / math.sqrt(1 - b2)) * lr_sum
+        return [k * self.state[p]["scaling_coeff"] for p in bucket.params]
+
+    def _refresh_preconditioner(self, bucket, old: torch.Tensor) -> None:
+        """After a refresh (``v`` changed; ``old``: the ``R`` before it): the new ``R``, and the
+        error buffers carried over to it (they hold errors of ``R_old x``: each element times
+        ``R_new / R_old``)."""
+        new = bucket.flats["preconditioner"] = self._make_preconditioner(bucket, self.var_refreshes + 1)
+        if "worker_error" not in bucket.flats:
+            return
+        ratio = torch.div(new, old).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        worker_error, server_error = self.error_buffers(bucket)
+        worker_error.mul_(ratio)
+        lo, hi, _ = zero.own_range(self, bucket)
+        server_error[: hi - lo].mul_(ratio[lo:hi])
+
+    def _set_freeze_coeffs(self, bucket) -> None:
+        """At the freeze (``m``, ``v`` bias-corrected): phase B's per-layer coefficients from the
+        RMS of ``m / sqrt(v_f)``, and its ``R``."""
+        sizes = [p.numel() for p in bucket.params]  # (a per-layer RMS ratio: v's correction cancels)
+        whitened = torch.sqrt(bucket.flat("exp_avg_sq")).reciprocal_().mul_(bucket.flat("exp_avg"))
+        whitened.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        norms = torch.stack(list(torch._foreach_norm(bucket.views(whitened)))).tolist() if sizes else []
+        for p, c in zip(bucket.params, scaling.coefficients(scaling.rms_from_norms(norms, sizes), sizes)):
+            self.state[p]["scaling_coeff"] = c
+        bucket.flats.pop("preconditioner", None)
 
     # --- the step ------------------------------------------------------------------------------
     def _bucket_communicate(self, bucket, group, grad, step):
@@ -264,6 +345,8 @@ class ZeroOneAdam(CompressedOptimizer):
         of the ranks' gradients (phase B communicates only in ``_local_step``, which needs lr)."""
         if not self.frozen:
             self._exchange(bucket, grad)
+            if self.exchange_mode == "preconditioned":  # g = y / R is 0 / 0 where v == 0
+                _no_variance_no_move_(grad, bucket, bucket.flat("exp_avg_sq"), False)
 
     def _bucket_step(self, bucket, group, grad, step, averaged):
         if self.frozen:
@@ -278,7 +361,11 @@ class ZeroOneAdam(CompressedOptimizer):
         # grad is the full-precision average (refresh) or the 1-bit average (_bucket_communicate)
         _momentum_(m, grad, beta1)
         if refresh:
+            whitened = self.exchange_mode == "preconditioned"
+            old = self._preconditioner(bucket) if whitened else None  # (after a load: made from v)
             _variance_(v, grad, beta2)
+            if whitened:
+                self._refresh_preconditioner(bucket, old)
         _no_variance_no_move_(m, bucket, v, refresh)
         bc1 = bc2 = 1.0
         if group["bias_correction"]:
@@ -311,7 +398,7 @@ class ZeroOneAdam(CompressedOptimizer):
         if lr_sum > 0:
             # y = average of acc * (sqrt(v) + eps) = sum lr m, identical on every rank
             acc.mul_(denom)
-            self._exchange(bucket, acc)
+            self._exchange(bucket, acc, lr_sum)
             _no_variance_no_move_(acc, bucket, v, False)
             torch.div(acc, lr_sum, out=m)
             acc.div_(denom)
@@ -330,7 +417,8 @@ class ZeroOneAdam(CompressedOptimizer):
         self.last_step_kind = "refresh" if refreshed else "compressed"
         if refreshed:
             for b in self._buckets:  # v changed: so do the layers' coefficients
-                self._set_layer_coeffs(b)
+                if self.exchange_mode == "momentum":  # (preconditioned: in _phase_a_step)
+                    self._set_layer_coeffs(b)
             self.var_refreshes += 1
             self.var_counter += 1
             if self.var_counter >= self.var_update_scaler:
@@ -390,7 +478,10 @@ class ZeroOneAdam(CompressedOptimizer):
             torch._foreach_copy_(b.views(b.flat("sync_params")), b.params)
         self.reset_error_buffers()
         for b in self._buckets:  # from the frozen v: the typical size of each layer's momentum
-            self._set_layer_coeffs(b)
+            if self.exchange_mode == "preconditioned":
+                self._set_freeze_coeffs(b)
+            else:
+                self._set_layer_coeffs(b)
         self.frozen = True
         self.var_freeze_step = step
         self.steps_since_sync = 0
@@ -423,9 +514,18 @@ class ZeroOneAdam(CompressedOptimizer):
             "lr_sums": list(lr_sums),
             "decays": list(decays),
             "last_step_kind": self.last_step_kind,
+            "exchange": self.exchange_mode,
         }
 
     def _load_extra_state(self, extra):
+        # checkpoints from before the preconditioned exchange carry no "exchange": the paper's
+        saved = extra.get("exchange", "momentum")
+        if saved != self.exchange_mode and int(extra.get("global_step", 0)) > 0:
+            raise ValueError(
+                f"this checkpoint was saved by ZeroOneAdam(exchange={saved!r}); its error-feedback buffers hold "
+                f"errors of that exchange, not of exchange={self.exchange_mode!r}. Resume it with "
+                f"ZeroOneAdam(..., exchange={saved!r})"
+            )
         self.frozen = bool(extra["frozen"])
         self.var_freeze_step = extra["var_freeze_step"]
         self.freeze_rule = restore_rule(self.freeze_rule, extra.get("freeze_rule"))
@@ -444,4 +544,5 @@ class ZeroOneAdam(CompressedOptimizer):
             self.var_update_scaler,
             self.local_step_scaler,
             self.local_step_clipper,
+            self.exchange_mode,
         )

@@ -62,11 +62,15 @@ def _local_grad(model, flat_params, x, y):
     return _flat(p.grad for p in _bucket_order(model))
 
 
-def reference_run(hp, steps, world):
+def reference_run(hp, steps, world, exchange="preconditioned"):
     """0/1 Adam written out from DESIGN 2.5 on flat tensors, simulating the ranks in one process;
     the compressed allreduce is ``allreduce_reference.simulate``, each layer scaled by its
     coefficient (``compressed_opt.scaling``; its formula has a test of its own) from ``v`` after
-    every refresh and at the freeze. Per step: (kind, params per rank)."""
+    every refresh and at the freeze; or (``exchange="preconditioned"``) whitened: times ``R``
+    (phase A ``1 / sqrt(v)``, phase B ``c_l / sqrt(v_f)`` with ``c_l`` from the RMS of ``m /
+    sqrt(v_f)``), clipped (phase A ``1 / sqrt(1 - b2)``, phase B ``K c_l lr_sum``), divided by
+    ``R`` after, the errors carried over at each refresh. Per step: (kind, params per rank)."""
+    pre = exchange == "preconditioned"
     lr, (b1, b2), eps, wd = hp["lr"], hp["betas"], hp["eps"], hp["weight_decay"]
     model = mlp()
     p = [_flat_params(model).clone() for _ in range(world)]
@@ -94,7 +98,22 @@ def reference_run(hp, steps, world):
             server_err[r][: min(n, (r + 1) * c) - r * c].mul_(ratio[r * c : (r + 1) * c])
         return new
 
+    def whitening(v, refreshes, coeffs=None):  # 1 / sqrt(v_hat), bias-corrected
+        r = torch.where(v == 0, 0.0, math.sqrt(1 - b2**refreshes) / v.sqrt())
+        return r if coeffs is None else r * coeffs
+
+    def carry_errors(ratio):
+        c = chunk_of(n, world)
+        for r in range(world):
+            worker_err[r].mul_(ratio)
+            server_err[r][: min(n, (r + 1) * c) - r * c].mul_(ratio[r * c : (r + 1) * c])
+
+    bound = torch.full((n,), 1 / math.sqrt(1 - b2))
+
     def exchange(xs):  # the 1-bit average, each layer scaled by its coefficient
+        if pre:
+            y = simulate([torch.minimum(torch.maximum(x * coef, -bound), bound) for x in xs], worker_err, server_err)
+            return torch.where(v == 0, 0.0, y / coef)
         return simulate([x * coef for x in xs], worker_err, server_err) / coef
 
     out = []
@@ -105,7 +124,12 @@ def reference_run(hp, steps, world):
             if refresh:
                 avg = sum(g) * (1.0 / world)
                 v = b2 * v + (1 - b2) * avg * avg
-                coef = new_coefficients(v)
+                if pre:
+                    new = whitening(v, refreshes + 1)
+                    carry_errors(torch.nan_to_num(new / coef, nan=0.0, posinf=0.0, neginf=0.0))
+                    coef = new
+                else:
+                    coef = new_coefficients(v)
                 refreshes += 1
                 var_counter += 1
                 if var_counter == hp["var_update_scaler"]:
@@ -123,7 +147,14 @@ def reference_run(hp, steps, world):
                 anchor = p[0].clone()
                 for e in worker_err + server_err:
                     e.zero_()
-                coef = new_coefficients(v)
+                if pre:
+                    whitened = m[0] * whitening(v, 1)  # (v is bias-corrected by now)
+                    rms = [piece.pow(2).mean().sqrt().item() for piece in whitened.split(sizes)]
+                    layer = torch.cat([torch.full((k,), c) for k, c in zip(sizes, scaling.coefficients(rms, sizes))])
+                    coef = whitening(v, 10**9, layer)
+                    k_adam = max(1.0, (1 - b1) / math.sqrt(1 - b2))
+                else:
+                    coef = new_coefficients(v)
             continue
         denom = v.sqrt() + eps
         m = [b1 * mi + (1 - b1) * gi for mi, gi in zip(m, g)]
@@ -135,6 +166,8 @@ def reference_run(hp, steps, world):
         kind = "local"
         if since_sync >= local_interval:
             kind = "sync"
+            if pre:
+                bound = k_adam * lr_sum * layer
             y = exchange([ai * denom for ai in acc])
             m = [y / lr_sum for _ in range(world)]
             anchor = anchor * decay - y / denom
@@ -148,9 +181,9 @@ def reference_run(hp, steps, world):
     return out
 
 
-def _train_recording(rank, world, hp, steps):
+def _train_recording(rank, world, hp, steps, exchange="preconditioned"):
     model = mlp()
-    opt = ZeroOneAdam(model.parameters(), **hp)
+    opt = ZeroOneAdam(model.parameters(), exchange=exchange, **hp)
     record = []
     for x, y in _random_batches(rank, world, steps):
         opt.zero_grad()
@@ -161,9 +194,10 @@ def _train_recording(rank, world, hp, steps):
 
 
 @pytest.mark.multiprocess
-def test_two_ranks_match_reference_and_agree_after_every_sync(two_ranks):
-    ranks = [r["recording"] for r in two_ranks]
-    reference = reference_run(HP, STEPS, WORLD)
+@pytest.mark.parametrize("exchange", ["preconditioned", "momentum"])
+def test_two_ranks_match_reference_and_agree_after_every_sync(two_ranks, exchange):
+    ranks = [r["recording", exchange] for r in two_ranks]
+    reference = reference_run(HP, STEPS, WORLD, exchange)
     kinds = [k for k, _, _ in ranks[0]]
     assert kinds == [k for k, _ in reference]
     assert kinds[:8] == ["refresh", "refresh", "compressed", "refresh", "compressed", "refresh", "compressed", "refresh"]
@@ -192,7 +226,7 @@ def test_two_ranks_match_reference_and_agree_after_every_sync(two_ranks):
 def _on_each_rank(rank, world):
     """What every 2-rank test below needs, from one start of the ranks (starting costs seconds)."""
     return {
-        "recording": _train_recording(rank, world, HP, STEPS),
+        **{("recording", ex): _train_recording(rank, world, HP, STEPS, ex) for ex in ("preconditioned", "momentum")},
         "digits": _digits_zero_one_adam(rank, world, CONV_HP, CONV_STEPS),
         "resume": _resume(rank, world, RESUME_HP, RESUME_STEPS, CUTS),
     }
