@@ -15,7 +15,8 @@ Models (nothing is downloaded; the corpus is the bytes of Python's own help text
 Optimizers and their uncompressed twins: ``onebitadam`` and ``zerooneadam`` against ``adamw``
 (``torch.optim.AdamW`` on the gradient all-reduced at full precision), ``onebitlamb`` against
 ``lamb`` (``OnebitLamb`` that never freezes: LAMB on the full-precision average). ``--variant``
-adds OnebitAdam with ``exchange="momentum"`` (the paper's exchange) as ``onebitadam-momentum``.
+adds OnebitAdam with ``exchange="momentum"`` (the paper's exchange) as ``onebitadam-momentum``;
+``--freeze-study`` OnebitAdam frozen at other steps and with ``freeze_step="auto"`` (``onebitadam@F``).
 
 Each (model, optimizer, seed) trains on 2 Gloo ranks (one process pair per model; every run of
 that model in it) on the same global batches. Recorded per run: the global training loss of every
@@ -47,6 +48,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 WORLD = 2
 TWIN = {"onebitadam": "adamw", "onebitadam-momentum": "adamw", "zerooneadam": "adamw", "onebitlamb": "lamb"}
+FREEZE_STUDY = ("onebitadam@20", "onebitadam@100", "onebitadam@150", "onebitadam@auto")
 OPTIMIZERS = ("adamw", "onebitadam", "zerooneadam", "lamb", "onebitlamb")
 LAMB_LR = 1e-2
 SEQ_LEN = 64
@@ -176,7 +178,12 @@ SCHEDULE = {"gpt2": (300, 50), "bert": (300, 50), "gpt": (300, 50), "digits": (4
 
 
 def make_optimizer(name: str, params, lr: float, freeze: int):
+    """The optimizer ``name``; ``name@F`` overrides the freeze step (``F`` an int or ``auto``)."""
     import compressed_opt
+
+    if "@" in name:
+        name, _, at = name.partition("@")
+        freeze = at if at == "auto" else int(at)
 
     if name == "adamw":
         return torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
@@ -238,6 +245,7 @@ def run_one(task, model_name: str, name: str, seed: int, steps: int, freeze: int
     model.eval()
     with torch.no_grad():
         held = [task.loss(model, b).item() for b in task.eval_batches()]
+    chosen = getattr(opt, "freeze_step", None) if not plain else None
     if hasattr(opt, "close"):
         opt.close()
     tail = max(1, steps // 10)
@@ -246,7 +254,7 @@ def run_one(task, model_name: str, name: str, seed: int, steps: int, freeze: int
         "final_loss": sum(losses[-tail:]) / tail, "eval_loss": sum(held) / len(held), "max_abs": probes,
         "compression_step_ms": 1e3 * _median(step_s[2:]) if len(step_s) > 2 else None,
         "compression_bytes_per_step": _median(step_bytes[2:]) if len(step_bytes) > 2 else None,
-        "finite": all(math.isfinite(v) for v in losses),
+        "finite": all(math.isfinite(v) for v in losses), "freeze_step": chosen,
     }
 
 
@@ -279,9 +287,10 @@ def summarize(results: list[dict]) -> dict:
     by = {(r["model"], r["optimizer"], r["seed"]): r for r in results}
     summary = {}
     for (model, name, seed), r in sorted(by.items()):
-        twin = TWIN.get(name)
+        twin = TWIN.get(name.partition("@")[0])
         entry = summary.setdefault(model, {}).setdefault(name, {"seeds": {}})
         entry["seeds"][seed] = row = {"final_loss": r["final_loss"], "eval_loss": r["eval_loss"],
+                                      "freeze_step": r.get("freeze_step"),
                                       "finite": r["finite"], "compression_step_ms": r["compression_step_ms"],
                                       "compression_bytes_per_step": r["compression_bytes_per_step"]}
         t = by.get((model, twin, seed)) if twin else None
@@ -362,12 +371,15 @@ def main(argv=None) -> int:
     p.add_argument("--models", default="gpt2,bert,gpt,digits")
     p.add_argument("--optimizers", default=",".join(OPTIMIZERS))
     p.add_argument("--variant", action="store_true", help="also OnebitAdam with exchange='momentum'")
+    p.add_argument("--freeze-study", action="store_true",
+                   help="also OnebitAdam frozen at steps 20, 100, 150 and 'auto' (the default schedule freezes at 50)")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--probe", type=int, default=10, help="record max|p| per tensor every this many steps")
     p.add_argument("--out", default=os.path.join(RESULTS, "convergence.json"))
     p.add_argument("--timeout", type=float, default=3600, help="seconds per model")
     args = p.parse_args(argv)
-    names = args.optimizers.split(",") + (["onebitadam-momentum"] if args.variant else [])
+    names = (args.optimizers.split(",") + (["onebitadam-momentum"] if args.variant else [])
+             + (list(FREEZE_STUDY) if args.freeze_study else []))
     seeds = [int(s) for s in args.seeds.split(",")]
     results = []
     started = time.perf_counter()

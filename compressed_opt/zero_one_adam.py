@@ -301,6 +301,8 @@ class ZeroOneAdam(CompressedOptimizer):
         correction = 1.0 if corrected else 1.0 - group["betas"][1] ** max(refreshes, 1)
         r = torch.sqrt(v).reciprocal_().mul_(math.sqrt(correction)).masked_fill_(v == 0, 0.0)
         if self.frozen:
+            if any("scaling_coeff" not in self.state[p] for p in bucket.params):  # parameters added in phase B
+                self._set_freeze_coeffs(bucket)
             scaling.scale_(bucket.views(r), [self.state[p]["scaling_coeff"] for p in bucket.params])
         return r
 
