@@ -45,18 +45,26 @@ def main(argv=None) -> int:
     p.add_argument("--elements", type=int, default=4_200_000)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--json", default=None)
+    p.add_argument("--exchanges", default="preconditioned",
+                   help="comma-separated exchange= values to time (e.g. 'momentum,preconditioned': the "
+                        "preconditioned exchange's element-wise cost against the paper's, same run)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     from compressed_opt import OnebitAdam, OnebitLamb, ZeroOneAdam
     from compressed_opt.comm import SingleProcessBackend
 
-    makers = {
-        "OnebitAdam": lambda ps: OnebitAdam(ps, lr=1e-4, freeze_step=2, backend=SingleProcessBackend()),
-        "OnebitLamb": lambda ps: OnebitLamb(ps, lr=1e-4, freeze_step=2, backend=SingleProcessBackend()),
-        "ZeroOneAdam": lambda ps: ZeroOneAdam(ps, lr=1e-4, var_freeze_step=2, backend=SingleProcessBackend()),
-    }
+    makers = {}
+    for ex in args.exchanges.split(","):
+        suffix = "" if args.exchanges == "preconditioned" else f"[{ex}]"
+        single = dict(backend=SingleProcessBackend(), exchange=ex)
+        makers.update({
+            f"OnebitAdam{suffix}": lambda ps, kw=single: OnebitAdam(ps, lr=1e-4, freeze_step=2, **kw),
+            f"OnebitLamb{suffix}": lambda ps, kw=single: OnebitLamb(ps, lr=1e-4, freeze_step=2, **kw),
+            # phase B synchronises every step at first (local_step_interval 1): an exchange per step
+            f"ZeroOneAdam{suffix}": lambda ps, kw=single: ZeroOneAdam(ps, lr=1e-4, var_freeze_step=2, **kw),
+        })
     results = []
-    print(f"{'optimizer':<12} {'few (2 tensors) ms':>19} {f'many ({args.tensors} tensors) ms':>24} {'many/few':>9}")
+    print(f"{'optimizer':<28} {'few (2 tensors) ms':>19} {f'many ({args.tensors} tensors) ms':>24} {'many/few':>9}")
     for name, make in makers.items():
         row = {"optimizer": name}
         for label, n in (("few", 2), ("many", args.tensors)):
@@ -65,7 +73,7 @@ def main(argv=None) -> int:
                           "step_s": time_steps(make(params), params, args.steps)}
         row["many_over_few"] = row["many"]["step_s"] / row["few"]["step_s"]
         results.append(row)
-        print(f"{name:<12} {row['few']['step_s'] * 1e3:19.1f} {row['many']['step_s'] * 1e3:24.1f} "
+        print(f"{name:<28} {row['few']['step_s'] * 1e3:19.1f} {row['many']['step_s'] * 1e3:24.1f} "
               f"{row['many_over_few']:9.2f}")
     if args.json:
         with open(args.json, "w") as f:
