@@ -453,3 +453,26 @@ def test_tiny_variance_coordinates_move_no_more_than_adam_would(exchange):
     else:
         assert worst_update <= 1.5 * adam_bound, worst_update
         assert worst_ratio <= 2.0, worst_ratio
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps, ex: OnebitAdam(ps, lr=1e-3, freeze_step=2, exchange=ex, backend=SingleProcessBackend()),
+    lambda ps, ex: __import__("compressed_opt").OnebitLamb(ps, lr=1e-3, freeze_step=2, exchange=ex,
+                                                           backend=SingleProcessBackend()),
+    lambda ps, ex: __import__("compressed_opt").ZeroOneAdam(ps, lr=1e-3, var_freeze_step=2, exchange=ex,
+                                                            backend=SingleProcessBackend()),
+], ids=["OnebitAdam", "OnebitLamb", "ZeroOneAdam"])
+def test_a_checkpoint_of_the_other_exchange_is_refused_and_of_the_same_one_loads(make):
+    """Error buffers of the paper's exchange hold errors of m, the whitened exchange's of R m: a
+    compression-stage checkpoint moves only between optimizers of the same exchange."""
+    model = mlp()
+    opt = make(list(model.parameters()), "momentum")
+    run_steps(model, opt, list(shard_batches(0, 1, 4)))
+    saved = opt.state_dict()
+    assert saved["compressed_opt"]["exchange"] == "momentum"
+    with pytest.raises(ValueError, match="exchange='momentum'"):
+        make(list(mlp().parameters()), "preconditioned").load_state_dict(saved)
+    again = make(list(mlp().parameters()), "momentum")
+    again.load_state_dict(saved)  # the same exchange: fine
+    with pytest.raises(ValueError, match="Invalid exchange"):
+        make(list(mlp().parameters()), "sign")
