@@ -164,8 +164,7 @@ class ZeroOneAdam(CompressedOptimizer):
     """
 
     bucket_state_names = ("exp_avg", "exp_avg_sq", "momentum_accumulator", "sync_params")
-    # (the preconditioner is made again from v and the coefficients: derived, not state)
-    scratch_names = CompressedOptimizer.scratch_names | {"no_variance", "preconditioner"}
+    scratch_names = CompressedOptimizer.scratch_names | {"no_variance"}
     EXCHANGES = ("preconditioned", "momentum")
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *,
