@@ -238,11 +238,7 @@ class _FreezingAdam(CompressedOptimizer):
             if m is None:
                 raise RuntimeError(f"{type(self).__name__}: the exchange's scaling coefficients are missing from "
                                    "the state of a checkpoint saved in the compression stage")
-            sizes = [p.numel() for p in bucket.params]
-            whitened = torch.mul(m, inv_root)
-            norms = torch.stack(list(torch._foreach_norm(bucket.views(whitened)))).tolist() if sizes else []
-            coeffs = scaling.coefficients(scaling.rms_from_norms(norms, sizes), sizes)
-            for st, c in zip(states, coeffs):
+            for st, c in zip(states, scaling.coefficients_of(bucket.views(torch.mul(m, inv_root)))):
                 st["scaling_coeff"] = c
         return [st["scaling_coeff"] for st in states]
 
@@ -265,6 +261,14 @@ class _FreezingAdam(CompressedOptimizer):
             if idx.numel():
                 x.index_fill_(0, idx, 0.0)
         self._bound_(bucket, x)
+
+    def _exchange_1bit(self, bucket, x: torch.Tensor) -> None:
+        """``x`` <- the 1-bit compressed average of the ranks' ``x`` (ZeRO also keeps its rows)."""
+        if self.zero_stage:
+            zero.exchange(self, bucket, x)
+        else:
+            worker_error, server_error = self.error_buffers(bucket)
+            compressed_allreduce(x, worker_error, server_error, self.backend)
 
     def _momentum_from_exchange(self, bucket, y: torch.Tensor, out: torch.Tensor) -> None:
         """``m = y / R`` into ``out`` (0 where ``v_f == 0``)."""
@@ -364,11 +368,7 @@ class OnebitAdam(_FreezingAdam):
             torch.lerp(bucket.flat("exp_avg"), grad, 1 - group["betas"][0], out=grad)
         if self.exchange_mode == "preconditioned":
             self._precondition_(bucket, grad)
-        if self.zero_stage:
-            zero.exchange(self, bucket, grad)
-            return
-        worker_error, server_error = self.error_buffers(bucket)
-        compressed_allreduce(grad, worker_error, server_error, self.backend)
+        self._exchange_1bit(bucket, grad)
 
     def _bucket_step(self, bucket, group, grad, step, averaged):
         if self.zero_stage and averaged:

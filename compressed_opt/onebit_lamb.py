@@ -66,7 +66,6 @@ import numbers
 
 import torch
 
-from compressed_opt.comm import compressed_allreduce
 
 from . import scaling, zero
 from .onebit_adam import _FreezingAdam
@@ -234,9 +233,7 @@ class OnebitLamb(_FreezingAdam):
         if any("scaling_coeff" not in st for st in states):
             if m is None:  # cannot happen: the coefficients are set when the momentum is whole
                 raise RuntimeError("1-bit LAMB: scaling coefficients missing after the first exchange")
-            sizes = [p.numel() for p in bucket.params]
-            rms = scaling.rms_from_norms(torch.stack(_norms(bucket.views(m))).tolist(), sizes)
-            for st, c in zip(states, scaling.coefficients(rms, sizes)):
+            for st, c in zip(states, scaling.coefficients_of(bucket.views(m))):
                 st["scaling_coeff"] = c
         return [st["scaling_coeff"] for st in states]
 
@@ -250,31 +247,22 @@ class OnebitLamb(_FreezingAdam):
         """Compression stage, as soon as the bucket's gradients are ready: the local momentum
         ``b1 m + (1 - b1) g_i`` into the gradient buffer (``m`` keeps ``m_{t-1}``, needed to
         reconstruct the gradient), scaled per layer by ``c_l``, compressed-allreduced, unscaled."""
-        if self.exchange_mode == "preconditioned":
-            if not self.zero_stage:  # (ZeRO: grad holds R m_i already, zero.local_momentum)
-                torch.lerp(bucket.flat("exp_avg"), grad, 1 - group["betas"][0], out=grad)
-            self._precondition_(bucket, grad)
-            if self.zero_stage:
-                zero.exchange(self, bucket, grad)
-            else:
-                worker_error, server_error = self.error_buffers(bucket)
-                compressed_allreduce(grad, worker_error, server_error, self.backend)
-            self._momentum_from_exchange(bucket, grad, out=grad)  # m_t = y / R
-            return
-        if self.zero_stage:  # grad holds the local momentum already (zero.local_momentum)
-            coeffs = self._exchange_scales(bucket)
+        preconditioned = self.exchange_mode == "preconditioned"
+        if self.zero_stage:  # grad holds the local momentum (R m_i) already (zero.local_momentum)
+            coeffs = self._exchange_scales(bucket)  # (None when preconditioned)
         else:
             m = bucket.flat("exp_avg")
-            coeffs = self._scaling_coeffs(bucket, m)
+            coeffs = None if preconditioned else self._scaling_coeffs(bucket, m)
             torch.lerp(m, grad, 1 - group["betas"][0], out=grad)
-        views = bucket.views(grad)
-        scaling.scale_(views, coeffs)
-        if self.zero_stage:
-            zero.exchange(self, bucket, grad)
+        if preconditioned:
+            self._precondition_(bucket, grad)
         else:
-            worker_error, server_error = self.error_buffers(bucket)
-            compressed_allreduce(grad, worker_error, server_error, self.backend)
-        scaling.unscale_(views, coeffs)
+            scaling.scale_(bucket.views(grad), coeffs)
+        self._exchange_1bit(bucket, grad)
+        if preconditioned:
+            self._momentum_from_exchange(bucket, grad, out=grad)  # m_t = y / R
+        else:
+            scaling.unscale_(bucket.views(grad), coeffs)
 
     def _compressed_step(self, bucket, group, momentum, step):
         """``momentum`` holds ``m_t`` (the compressed average), ``exp_avg`` still ``m_{t-1}``

@@ -29,6 +29,14 @@ def coefficients(rms: list[float], sizes: list[int]) -> list[float]:
     return [mean / r if r > 0 and mean > 0 and math.isfinite(mean / r) else 1.0 for r in rms]
 
 
+def coefficients_of(views: list[torch.Tensor]) -> list[float]:
+    """The coefficients of fp32 layers ``views`` (one fused norm pass): ``mean_k s_k / s_l``, ``s_l``
+    each layer's RMS."""
+    sizes = [v.numel() for v in views]
+    norms = torch.stack(list(torch._foreach_norm(views))).tolist() if views else []
+    return coefficients(rms_from_norms(norms, sizes), sizes)
+
+
 def rms_from_norms(norms: list[float], sizes: list[int]) -> list[float]:
     """The RMS of each layer from its L2 norm."""
     return [n / math.sqrt(k) if k else 0.0 for n, k in zip(norms, sizes)]

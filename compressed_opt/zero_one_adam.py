@@ -332,11 +332,10 @@ class ZeroOneAdam(CompressedOptimizer):
     def _set_freeze_coeffs(self, bucket) -> None:
         """At the freeze (``m``, ``v`` bias-corrected): phase B's per-layer coefficients from the
         RMS of ``m / sqrt(v_f)``, and its ``R``."""
-        sizes = [p.numel() for p in bucket.params]  # (a per-layer RMS ratio: v's correction cancels)
+        # (a per-layer RMS ratio: v's correction cancels)
         whitened = torch.sqrt(bucket.flat("exp_avg_sq")).reciprocal_().mul_(bucket.flat("exp_avg"))
         whitened.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-        norms = torch.stack(list(torch._foreach_norm(bucket.views(whitened)))).tolist() if sizes else []
-        for p, c in zip(bucket.params, scaling.coefficients(scaling.rms_from_norms(norms, sizes), sizes)):
+        for p, c in zip(bucket.params, scaling.coefficients_of(bucket.views(whitened))):
             self.state[p]["scaling_coeff"] = c
         bucket.flats.pop("preconditioner", None)
 
