@@ -6,6 +6,7 @@ The ratio many / few is what the optimizer pays per parameter tensor (Python loo
 kernel launches) on top of the element-wise work both share. Median of the last steps.
 
     python -P benchmarks/step_overhead.py [--tensors 2000] [--elements 4200000] [--json out.json]
+    python -P benchmarks/step_overhead.py --tracking on,off    # the variance tracking's cost
 """
 from __future__ import annotations
 
@@ -48,7 +49,11 @@ def main(argv=None) -> int:
     p.add_argument("--exchanges", default="preconditioned",
                    help="comma-separated exchange= values to time (e.g. 'momentum,preconditioned': the "
                         "preconditioned exchange's element-wise cost against the paper's, same run)")
+    p.add_argument("--tracking", default="on",
+                   help="comma-separated variance_tracking settings of OnebitAdam and ZeroOneAdam to time "
+                        "('on,off': the tracking's cost, same run; OnebitLamb has none)")
     args = p.parse_args(argv)
+    trackings = [{"on": True, "off": False}[t] for t in args.tracking.split(",")]
     torch.set_num_threads(1)
     from compressed_opt import OnebitAdam, OnebitLamb, ZeroOneAdam
     from compressed_opt.comm import SingleProcessBackend
@@ -57,14 +62,15 @@ def main(argv=None) -> int:
     for ex in args.exchanges.split(","):
         suffix = "" if args.exchanges == "preconditioned" else f"[{ex}]"
         single = dict(backend=SingleProcessBackend(), exchange=ex)
-        makers.update({
-            f"OnebitAdam{suffix}": lambda ps, kw=single: OnebitAdam(ps, lr=1e-4, freeze_step=2, **kw),
-            f"OnebitLamb{suffix}": lambda ps, kw=single: OnebitLamb(ps, lr=1e-4, freeze_step=2, **kw),
-            # phase B synchronises every step at first (local_step_interval 1): an exchange per step
-            f"ZeroOneAdam{suffix}": lambda ps, kw=single: ZeroOneAdam(ps, lr=1e-4, var_freeze_step=2, **kw),
-        })
+        tags = [(suffix + ("" if len(trackings) == 1 else f"[tracking {'on' if t else 'off'}]"),
+                 dict(single, variance_tracking=t)) for t in trackings]
+        for tag, kw in tags:
+            makers[f"OnebitAdam{tag}"] = lambda ps, kw=kw: OnebitAdam(ps, lr=1e-4, freeze_step=2, **kw)
+        makers[f"OnebitLamb{suffix}"] = lambda ps, kw=single: OnebitLamb(ps, lr=1e-4, freeze_step=2, **kw)
+        for tag, kw in tags:  # phase B synchronises every step at first (local_step_interval 1)
+            makers[f"ZeroOneAdam{tag}"] = lambda ps, kw=kw: ZeroOneAdam(ps, lr=1e-4, var_freeze_step=2, **kw)
     results = []
-    print(f"{'optimizer':<28} {'few (2 tensors) ms':>19} {f'many ({args.tensors} tensors) ms':>24} {'many/few':>9}")
+    print(f"{'optimizer':<34} {'few (2 tensors) ms':>19} {f'many ({args.tensors} tensors) ms':>24} {'many/few':>9}")
     for name, make in makers.items():
         row = {"optimizer": name}
         for label, n in (("few", 2), ("many", args.tensors)):
@@ -73,7 +79,7 @@ def main(argv=None) -> int:
                           "step_s": time_steps(make(params), params, args.steps)}
         row["many_over_few"] = row["many"]["step_s"] / row["few"]["step_s"]
         results.append(row)
-        print(f"{name:<28} {row['few']['step_s'] * 1e3:19.1f} {row['many']['step_s'] * 1e3:24.1f} "
+        print(f"{name:<34} {row['few']['step_s'] * 1e3:19.1f} {row['many']['step_s'] * 1e3:24.1f} "
               f"{row['many_over_few']:9.2f}")
     if args.json:
         with open(args.json, "w") as f:

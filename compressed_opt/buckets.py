@@ -33,6 +33,11 @@ class Bucket:
         """Whether some parameter is not fp32 (bf16/fp16): ZeRO keeps fp32 masters then."""
         return any(p.dtype != torch.float32 for p in self.params)
 
+    @functools.cached_property
+    def layer_numels(self) -> torch.Tensor:
+        """Per parameter, its number of elements (at least 1), as float64 on the bucket's device."""
+        return torch.tensor([max(p.numel(), 1) for p in self.params], dtype=torch.float64, device=self.device)
+
     def flat(self, name: str) -> torch.Tensor:
         """The fp32 buffer ``name`` of this bucket (zeros on first use)."""
         buf = self.flats.get(name)

@@ -29,7 +29,7 @@ from compressed_opt.comm import chunk_numel
 #: keys of ``state_dict()["compressed_opt"]`` that every format-1 checkpoint has
 REQUIRED_KEYS = ("format", "algorithm", "global_step", "rank", "world_size", "buckets")
 #: keys of an optimizer's ``_extra_state()`` that a load reads with a default (not required)
-_OPTIONAL_EXTRA = frozenset({"freeze_rule", "last_step_kind", "ddp_errors", "exchange"})
+_OPTIONAL_EXTRA = frozenset({"freeze_rule", "last_step_kind", "ddp_errors", "exchange", "variance_tracking"})
 #: keys that differ between the ranks of one run by design (not compared across ranks)
 _PER_RANK = frozenset({"rank", "buckets", "ddp_errors", "freeze_rule", "format", "world_size", "algorithm"})
 
@@ -221,6 +221,12 @@ def _check_param_state(optimizer, state_dict: Mapping) -> None:
             if tuple(value.shape) != tuple(params[i].shape):
                 _fail(optimizer, f"state of parameter {i}, {field!r}: shape {tuple(value.shape)} in the checkpoint, "
                                  f"but the parameter's shape is {tuple(params[i].shape)} (a checkpoint of another model?)")
+        for field, width in optimizer.layer_state.items():
+            value = st.get(field)
+            if value is not None and (not isinstance(value, torch.Tensor) or not value.is_floating_point()
+                                      or tuple(value.shape) != (width,)):
+                _fail(optimizer, f"state of parameter {i}, {field!r}: expected a floating-point tensor of shape "
+                                 f"({width},), got {getattr(value, 'shape', type(value).__name__)}")
 
 
 def _check_buckets(optimizer, buckets, world: int) -> None:

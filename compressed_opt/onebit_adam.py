@@ -46,6 +46,7 @@ import torch
 from compressed_opt.comm import compressed_allreduce
 
 from . import scaling, zero
+from . import variance_tracking as tracking
 from .freeze import VarianceStabilityRule, resolve_rule, restore_rule
 from .optimizer import CompressedOptimizer, bias_corrections, frozen_denominator_of
 from .validation import check_adam_group, check_step_count
@@ -53,7 +54,7 @@ from .validation import check_adam_group, check_step_count
 logger = logging.getLogger("compressed_opt")
 
 
-class _FreezingAdam(CompressedOptimizer):
+class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
     """Adam-family optimizers with one variance freeze: warmup, then compression."""
 
     bucket_state_names = ("exp_avg", "exp_avg_sq")
@@ -70,10 +71,13 @@ class _FreezingAdam(CompressedOptimizer):
     _keeps_denominator = False
 
     def __init__(self, params, defaults, freeze_step, backend, bucket_cap_mb, overlap=True, accumulation_steps=1,
-                 zero_stage=0, master_resync_interval=100, exchange="preconditioned"):
+                 zero_stage=0, master_resync_interval=100, exchange="preconditioned", variance_tracking=False):
         if exchange not in self.EXCHANGES:
             raise ValueError(f"Invalid exchange: {exchange!r} (must be one of {', '.join(map(repr, self.EXCHANGES))})")
+        if not isinstance(variance_tracking, bool):
+            raise TypeError(f"variance_tracking must be True or False, got {variance_tracking!r}")
         self.exchange_mode = exchange
+        self._init_variance_tracking(variance_tracking)
         freeze_step = check_step_count("freeze_step", freeze_step, allow_auto=True, minimum=1) \
             if not isinstance(freeze_step, VarianceStabilityRule) else freeze_step
         if zero_stage not in (0, 1, 2) or isinstance(zero_stage, bool):
@@ -130,9 +134,8 @@ class _FreezingAdam(CompressedOptimizer):
         self.frozen = True
         self.freeze_step = step
         self.reset_error_buffers()
-        if self.zero_stage:
-            for b in self._buckets:
-                zero.freeze(self, b)
+        for b in self._buckets:
+            self._start_variance_tracking(b, zero.freeze(self, b) if self.zero_stage else b.flat("exp_avg_sq"))
         logger.info("%s: variance frozen at the end of step %d; compression starts", type(self).__name__, step)
 
     def frozen_denominator(self, bucket) -> torch.Tensor:
@@ -150,11 +153,16 @@ class _FreezingAdam(CompressedOptimizer):
             bucket.flats["frozen_denominator"] = denom
         return denom
 
+    # --- per-layer variance tracking (compressed_opt.variance_tracking) ------------------------
+    def _tracking_clock(self, step):
+        return step - self.freeze_step, step, self.freeze_step
+
     # --- ZeRO: the hooks of the base class, sharded (compressed_opt.zero) ---------------------
     def _grad_buffer(self, bucket):
         return zero.grad_buffer(self, bucket) if self.zero_stage else super()._grad_buffer(bucket)
 
     def _gather(self, bucket, grad, step):
+        self._observe_local_gradient(bucket)
         if self.zero_stage and self.frozen:  # the local momentum is formed from p.grad directly
             beta1 = self.param_groups[bucket.group_index]["betas"][0]
             zero.local_momentum(self, bucket, grad, beta1, keep_previous=self._keeps_previous_momentum,
@@ -288,6 +296,14 @@ class _FreezingAdam(CompressedOptimizer):
                 "the same world size, each rank loading its own file (or train with zero_stage=0 to move "
                 "between world sizes)"
             )
+        tracked = extra.get("variance_tracking", False)  # (older checkpoints: not tracked)
+        if extra["frozen"] and tracked != self.variance_tracking:
+            raise ValueError(
+                f"this checkpoint was saved in the compression stage of {type(self).__name__}"
+                f"(variance_tracking={tracked}); its per-layer variance tracking cannot be "
+                f"{'made up' if self.variance_tracking else 'dropped'} mid-run. Resume it with "
+                f"{type(self).__name__}(..., variance_tracking={tracked})"
+            )
         # checkpoints from before the preconditioned exchange carry no "exchange": the paper's
         saved = extra.get("exchange", "momentum")
         if extra["frozen"] and saved != self.exchange_mode:
@@ -315,12 +331,13 @@ class _FreezingAdam(CompressedOptimizer):
             "freeze_step": self.freeze_step,
             "freeze_rule": None if self.freeze_rule is None else self.freeze_rule.state_dict(),
             "exchange": self.exchange_mode,
+            "variance_tracking": self.variance_tracking,
         }
 
     def _extra_signature(self):
         rule = None if self.freeze_rule is None else self.freeze_rule.state_dict()
         return (self.freeze_step, rule and (rule["window"], rule["rtol"], rule["min_step"], rule["max_step"]),
-                self.exchange_mode)
+                self.exchange_mode, self.variance_tracking)
 
 
 class OnebitAdam(_FreezingAdam):
@@ -350,14 +367,18 @@ class OnebitAdam(_FreezingAdam):
         exchange: ``"preconditioned"`` (default): the compression stage exchanges
             ``c_l m / (sqrt(v_f) + eps)``, so no coordinate's 1-bit noise exceeds its layer's
             Adam step; ``"momentum"``: the paper's exchange of ``m`` (see the module doc).
+        variance_tracking: ``True`` (default): in the compression stage each layer's step follows
+            the change of its gradients' second moment since the freeze, measured on the ranks'
+            local gradients (:mod:`compressed_opt.variance_tracking`; ``L`` floats per step in
+            the step's existing all-gather); ``False``: the paper's frozen variance.
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, freeze_step=100000,
                  *, bias_correction=True, backend=None, bucket_cap_mb=25.0, overlap=True, accumulation_steps=1,
-                 zero_stage=0, master_resync_interval=100, exchange="preconditioned"):
+                 zero_stage=0, master_resync_interval=100, exchange="preconditioned", variance_tracking=True):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bool(bias_correction))
         super().__init__(params, defaults, freeze_step, backend, bucket_cap_mb, overlap, accumulation_steps,
-                         zero_stage, master_resync_interval, exchange)
+                         zero_stage, master_resync_interval, exchange, variance_tracking)
 
     def _bucket_communicate(self, bucket, group, grad, step):
         """Compression stage: local momentum ``m_i = b1 m + (1 - b1) g_i`` into ``grad`` (as
@@ -371,6 +392,8 @@ class OnebitAdam(_FreezingAdam):
         self._exchange_1bit(bucket, grad)
 
     def _bucket_step(self, bucket, group, grad, step, averaged):
+        if averaged:
+            self._observe_averaged_gradient(bucket, grad)
         if self.zero_stage and averaged:
             zero.warmup_update(self, bucket, group, grad, step)
             return
@@ -395,6 +418,8 @@ class OnebitAdam(_FreezingAdam):
             if not self.zero_stage:
                 bucket.flat("exp_avg").copy_(grad)
             torch.div(m, self.frozen_denominator(bucket), out=direction)
+        if not averaged:
+            self._variance_factors_(bucket, direction)
         if wd != 0:
             torch._foreach_mul_(bucket.params, 1 - lr * wd)
         torch._foreach_add_(bucket.params, bucket.views(direction), alpha=-lr / bc1)

@@ -57,6 +57,9 @@ class CompressedOptimizer(Optimizer):
     _step_supports_amp_scaling = True
     #: per-bucket fp32 buffers shown per parameter in ``optimizer.state[p][name]``
     bucket_state_names: tuple[str, ...] = ()
+    #: per-parameter state that is a row of a small float64 per-bucket tensor of per-layer
+    #: numbers, ``(layers, width)``: name -> width
+    layer_state: dict[str, int] = {}
     #: further per-bucket buffers (any size) saved in ``state_dict()["compressed_opt"]["buckets"]``
     saved_bucket_buffers: tuple[str, ...] = ()
 
@@ -159,6 +162,13 @@ class CompressedOptimizer(Optimizer):
                     else:
                         self._new_state(p, name, view)
                     self.state[p][name] = view
+            for name in self.layer_state:
+                rows = b.flats[name] = self._new_layer_rows(name, b)
+                for p, row in zip(b.params, rows):
+                    old = self.state[p].get(name)
+                    if old is not None:
+                        row.copy_(old)
+                    self.state[p][name] = row
         self._launcher.attach(self._buckets)
         self._ranks_checked = False if rebuilt else self._ranks_checked
         pending, self._pending_bucket_state = self._pending_bucket_state, None
@@ -175,6 +185,11 @@ class CompressedOptimizer(Optimizer):
     def _new_state(self, param, name: str, view: torch.Tensor) -> None:
         """A parameter's state ``name`` was just made (zeros), as ``view``: subclasses set its
         first value where zero is wrong."""
+
+    def _new_layer_rows(self, name: str, bucket: Bucket) -> torch.Tensor:
+        """The ``(layers, layer_state[name])`` float64 tensor of the bucket's per-layer state
+        ``name`` before any step (each parameter's ``state[p][name]`` becomes a view of its row)."""
+        raise NotImplementedError
 
     def _check_rebuild(self) -> None:
         """Raise if this optimizer cannot carry its state over to new buckets."""
@@ -445,6 +460,7 @@ class CompressedOptimizer(Optimizer):
                 self._speculate = not anyone_touched  # agreed: the same on every rank
             if not (full and launcher.finished):
                 launcher.run_inline(range(done, len(self._buckets)), gather=False)
+            self._before_update(step, full)
             for b in self._buckets:
                 self._bucket_step(b, self.param_groups[b.group_index], self._grad_buffer(b), step, full)
             self.global_step = step
@@ -463,12 +479,18 @@ class CompressedOptimizer(Optimizer):
         GradScaler skip, some rank touched, some rank non-finite)."""
         inf = int(_flag(found_inf))
         mine = [step, self._stage_code(), self._hyperparameter_hash(), inf, int(touched), int(nonfinite)]
-        if self.backend.world_size == 1:
-            return bool(inf), touched, nonfinite
         device = self._buckets[0].device if self._buckets else torch.device("cpu")
-        rows = torch.empty(self.backend.world_size * len(mine), dtype=torch.int64, device=device)
-        self.backend.all_gather(rows, torch.tensor(mine, dtype=torch.int64, device=device))
-        rows = rows.view(self.backend.world_size, -1).tolist()
+        statistics = self._step_statistics(step).to(device=device, dtype=torch.float64)
+        if self.backend.world_size == 1:
+            self._rank_statistics = statistics.view(1, -1)
+            return bool(inf), touched, nonfinite
+        # the statistics travel as the bits of their float64 values
+        payload = torch.cat([torch.tensor(mine, dtype=torch.int64, device=device), statistics.view(torch.int64)])
+        rows = torch.empty(self.backend.world_size * payload.numel(), dtype=torch.int64, device=device)
+        self.backend.all_gather(rows, payload)
+        rows = rows.view(self.backend.world_size, -1)
+        self._rank_statistics = rows[:, len(mine):].contiguous().view(torch.float64)
+        rows = rows[:, :len(mine)].tolist()
         problems = []
         for r, row in enumerate(rows[1:], start=1):
             if row[:2] != rows[0][:2]:
@@ -483,6 +505,15 @@ class CompressedOptimizer(Optimizer):
                 "every rank from the checkpoint of the same step."
             )
         return any(row[3] for row in rows), any(row[4] for row in rows), any(row[5] for row in rows)
+
+    def _step_statistics(self, step: int) -> torch.Tensor:
+        """Floats of this rank that the step's agreement all-gather carries to every rank (the same
+        number on every rank; :attr:`_rank_statistics` holds everyone's, one row per rank)."""
+        return torch.zeros(0, dtype=torch.float64)
+
+    def _before_update(self, step: int, averaged: bool) -> None:
+        """After the ranks agreed to take the step and the exchanges ran, before any bucket's
+        update."""
 
     def _stage_code(self) -> int:
         """A number for where the algorithm is (every rank must be at the same)."""
@@ -656,6 +687,9 @@ class CompressedOptimizer(Optimizer):
             for name in self.bucket_state_names:
                 if name in saved:
                     self.state[p][name] = saved[name].to(device=p.device, dtype=torch.float32).clone()
+            for name in self.layer_state:
+                if name in saved:
+                    self.state[p][name] = saved[name].to(device=p.device, dtype=torch.float64).clone()
         self.global_step = int(extra["global_step"])
         self._load_extra_state(extra)
         self._buckets = None
@@ -768,7 +802,7 @@ class CompressedOptimizer(Optimizer):
     #: what belongs to this process's run rather than to the algorithm: not carried by
     #: ``copy.deepcopy`` or pickle, made again by the copy (see ``__getstate__``)
     _runtime_attributes = frozenset({
-        "backend", "_launcher", "_buckets", "_layout_key", "_param_places", "_ddp", "_ddp_scratch",
+        "backend", "_launcher", "_buckets", "_layout_key", "_param_places", "_ddp", "_ddp_scratch", "_rank_statistics",
         "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
         "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
         "_optimizer_load_state_dict_post_hooks",

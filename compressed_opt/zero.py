@@ -194,9 +194,10 @@ def compression_update(opt, bucket: Bucket, step: int, decay, delta: torch.Tenso
         torch._foreach_copy_(bucket.params, bucket.views(padded[: bucket.numel]))
 
 
-def freeze(opt, bucket: Bucket) -> None:
+def freeze(opt, bucket: Bucket) -> torch.Tensor:
     """Gather the chunks of ``m`` and ``v`` once: the full momentum (until the first compressed
-    exchange replaces it by its 1-bit rows) and the frozen denominator of every element."""
+    exchange replaces it by its 1-bit rows) and the frozen denominator of every element. Returns
+    the whole raw ``v`` (a scratch buffer: valid until the bucket's next collective)."""
     from .optimizer import frozen_denominator_of
 
     world = opt.backend.world_size
@@ -210,6 +211,7 @@ def freeze(opt, bucket: Bucket) -> None:
     bucket.flats["frozen_denominator"] = frozen_denominator_of(padded[:n], group, opt.freeze_step)
     # the momentum lives on whole, then as 1-bit rows; the variance only as the denominator
     del bucket.flats["exp_avg_shard"], bucket.flats["exp_avg_sq_shard"]
+    return padded[:n]
 
 
 def local_momentum(opt, bucket: Bucket, x: torch.Tensor, beta1: float, keep_previous: bool = False,

@@ -73,6 +73,7 @@ import torch
 from compressed_opt.comm import compressed_allreduce
 
 from . import scaling, zero
+from . import variance_tracking as tracking
 from .freeze import VarianceStabilityRule, resolve_rule, restore_rule
 from .optimizer import CompressedOptimizer
 from .validation import check_adam_group, check_step_count
@@ -121,7 +122,7 @@ def _denominator(v: torch.Tensor, out: torch.Tensor, eps: float, bc2: float = 1.
     return out.add_(eps)
 
 
-class ZeroOneAdam(CompressedOptimizer):
+class ZeroOneAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
     """0/1 Adam: sparse variance refreshes with 1-bit gradients, then a frozen variance with
     local steps and 1-bit synchronisations at growing intervals.
 
@@ -151,6 +152,10 @@ class ZeroOneAdam(CompressedOptimizer):
             by ``sqrt(v)`` (whitened, bounded), so a coordinate of tiny variance gets 1-bit noise
             of its own size (see the module doc); ``"momentum"``: the paper's exchanges, with
             per-layer coefficients.
+        variance_tracking: ``True`` (default): in phase B each layer's steps follow the change of
+            its gradients' second moment since the freeze, measured on the ranks' local gradients
+            (:mod:`compressed_opt.variance_tracking`; the factor is set at the first step of each
+            synchronisation interval and kept through it); ``False``: the paper's frozen variance.
 
     Per-parameter state (views of per-bucket fp32 buffers): ``exp_avg``, ``exp_avg_sq``,
     ``momentum_accumulator`` (``acc``) and ``sync_params`` (the parameters at the last
@@ -170,10 +175,13 @@ class ZeroOneAdam(CompressedOptimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *,
                  var_freeze_step=100000, var_update_scaler=16, local_step_scaler=32678, local_step_clipper=16,
                  bias_correction=True, backend=None, bucket_cap_mb=25.0, overlap=True, accumulation_steps=1,
-                 zero_stage=0, exchange="preconditioned"):
+                 zero_stage=0, exchange="preconditioned", variance_tracking=True):
         if exchange not in self.EXCHANGES:
             raise ValueError(f"Invalid exchange: {exchange!r} (must be one of {', '.join(map(repr, self.EXCHANGES))})")
         self.exchange_mode = exchange
+        self._init_variance_tracking(variance_tracking)
+        if variance_tracking:  # the factor of the current synchronisation interval, per layer
+            self.layer_state = {**self.layer_state, "interval_factor": 1}
         if zero_stage != 0 or isinstance(zero_stage, bool):
             raise ValueError(
                 f"Invalid zero_stage: {zero_stage!r}. ZeroOneAdam's state is not sharded (only 0 is accepted): "
@@ -339,6 +347,31 @@ class ZeroOneAdam(CompressedOptimizer):
             self.state[p]["scaling_coeff"] = c
         bucket.flats.pop("preconditioner", None)
 
+    # --- per-layer variance tracking (compressed_opt.variance_tracking) ------------------------
+    def _tracking_clock(self, step):
+        # v had var_refreshes updates at the freeze; Adam's would have one more each step since
+        since = step - self.var_freeze_step
+        return since, self.var_refreshes + since, self.var_refreshes
+
+    def _new_layer_rows(self, name, bucket):
+        if name == "interval_factor":
+            return torch.ones(len(bucket.params), 1, dtype=torch.float64, device=bucket.device)
+        return super()._new_layer_rows(name, bucket)
+
+    def _gather(self, bucket, grad, step):
+        self._observe_local_gradient(bucket)
+        super()._gather(bucket, grad, step)
+
+    def _interval_factors(self, bucket) -> list[float] | None:
+        """Phase B: the per-layer factors of this synchronisation interval (set at its first
+        step: a sync undoes the interval's local steps and redoes them with one factor)."""
+        if not self.variance_tracking:
+            return None
+        rows = bucket.flats["interval_factor"]
+        if self.steps_since_sync == 0:
+            rows[:, 0] = torch.tensor(self._layer_factors[bucket.index], dtype=rows.dtype)
+        return rows[:, 0].tolist()
+
     # --- the step ------------------------------------------------------------------------------
     def _bucket_communicate(self, bucket, group, grad, step):
         """Phase A, a step without variance refresh: ``grad`` becomes the 1-bit compressed average
@@ -361,6 +394,7 @@ class ZeroOneAdam(CompressedOptimizer):
         # grad is the full-precision average (refresh) or the 1-bit average (_bucket_communicate)
         _momentum_(m, grad, beta1)
         if refresh:
+            self._observe_averaged_gradient(bucket, grad)
             whitened = self.exchange_mode == "preconditioned"
             old = self._preconditioner(bucket) if whitened else None  # (after a load: made from v)
             _variance_(v, grad, beta2)
@@ -386,8 +420,11 @@ class ZeroOneAdam(CompressedOptimizer):
         _no_variance_no_move_(m, bucket, v, False)
         denom = _denominator(v, grad, eps)  # frozen v_hat; the gradient buffer is free
         acc.addcdiv_(m, denom, value=lr)  # acc += lr * m / (sqrt(v) + eps)
+        factors = self._interval_factors(bucket)
         if not self._syncs_now():
             direction = torch.div(m, denom, out=denom)
+            if factors is not None and bucket.params:
+                torch._foreach_mul_(bucket.views(direction), factors)
             if wd != 0:
                 torch._foreach_mul_(bucket.params, 1 - lr * wd)
             torch._foreach_add_(bucket.params, bucket.views(direction), alpha=-lr)
@@ -402,6 +439,8 @@ class ZeroOneAdam(CompressedOptimizer):
             _no_variance_no_move_(acc, bucket, v, False)
             torch.div(acc, lr_sum, out=m)
             acc.div_(denom)
+            if factors is not None and bucket.params:
+                torch._foreach_mul_(bucket.views(acc), factors)
             if decay != 1.0:
                 anchor.mul_(decay)
             anchor.sub_(acc)
@@ -469,6 +508,7 @@ class ZeroOneAdam(CompressedOptimizer):
 
     def _freeze(self, step):
         for b in self._buckets:
+            self._start_variance_tracking(b, b.flat("exp_avg_sq"))  # (raw v)
             group = self.param_groups[b.group_index]
             if group["bias_correction"]:
                 beta1, beta2 = group["betas"]
@@ -515,9 +555,17 @@ class ZeroOneAdam(CompressedOptimizer):
             "decays": list(decays),
             "last_step_kind": self.last_step_kind,
             "exchange": self.exchange_mode,
+            "variance_tracking": self.variance_tracking,
         }
 
     def _load_extra_state(self, extra):
+        tracked = extra.get("variance_tracking", False)  # (older checkpoints: not tracked)
+        if extra["frozen"] and tracked != self.variance_tracking:
+            raise ValueError(
+                f"this checkpoint was saved in phase B of ZeroOneAdam(variance_tracking={tracked}); its per-layer "
+                f"variance tracking cannot be {'made up' if self.variance_tracking else 'dropped'} mid-run. "
+                f"Resume it with ZeroOneAdam(..., variance_tracking={tracked})"
+            )
         # checkpoints from before the preconditioned exchange carry no "exchange": the paper's
         saved = extra.get("exchange", "momentum")
         if saved != self.exchange_mode and int(extra.get("global_step", 0)) > 0:
@@ -545,4 +593,5 @@ class ZeroOneAdam(CompressedOptimizer):
             self.local_step_scaler,
             self.local_step_clipper,
             self.exchange_mode,
+            self.variance_tracking,
         )

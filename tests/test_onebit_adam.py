@@ -10,6 +10,7 @@ from allreduce_reference import simulate
 from compressed_opt import OnebitAdam, VarianceStabilityRule
 from compressed_opt.comm import SingleProcessBackend, chunk_numel
 from distributed import run_ranks, spawn_ranks
+from tracking_reference import TrackingReference
 from optim_tasks import (MODES, digits, full_loss, in_mode, mlp, resume_run, run_steps, shard_batches,
                          steps_with_overflow)
 
@@ -43,9 +44,9 @@ def rank_grads(model, xs_ys):
 
 
 # --- multi-rank runs (one spawn each, several checks) --------------------------------------
-def _warmup_and_compression(rank, world, steps, freeze_step, exchange="preconditioned"):
+def _warmup_and_compression(rank, world, steps, freeze_step, exchange="preconditioned", tracking=True):
     model = mlp()
-    opt = OnebitAdam(model.parameters(), freeze_step=freeze_step, exchange=exchange, **HP)
+    opt = OnebitAdam(model.parameters(), freeze_step=freeze_step, exchange=exchange, variance_tracking=tracking, **HP)
     snapshots = []
     for x, y in gaussian_batches(rank, world, steps):
         opt.zero_grad()
@@ -71,7 +72,7 @@ def preconditioned_exchange(m, v_f, sizes, eps, betas):
     return per_element / root, torch.nan_to_num(root / denom, nan=0.0) / per_element, k * per_element
 
 
-def reference_run(world, steps, freeze_step, exchange="preconditioned"):
+def reference_run(world, steps, freeze_step, exchange="preconditioned", tracking=True):
     """AdamW on the averaged gradient for the warmup, then the compression stage by hand."""
     model = mlp()
     params = list(model.parameters())
@@ -82,6 +83,7 @@ def reference_run(world, steps, freeze_step, exchange="preconditioned"):
     we = [torch.zeros(n) for _ in range(world)]
     se = [torch.zeros(chunk_numel(n, world)) for _ in range(world)]
     b1, b2 = HP["betas"]
+    track = TrackingReference(flat_order)
     snapshots = []
     for t, batches in enumerate(global_batches(world, steps), start=1):
         grads = rank_grads(model, batches)
@@ -89,7 +91,9 @@ def reference_run(world, steps, freeze_step, exchange="preconditioned"):
             for p, *gs in zip(params, *grads):
                 p.grad = sum(gs) / world
             ref.step()
+            track.warmup([p.grad for p in flat_order])
             if t == freeze_step:
+                track.freeze([ref.state[p]["exp_avg_sq"] for p in flat_order])
                 m = torch.cat([ref.state[p]["exp_avg"].reshape(-1) for p in flat_order])
                 v_f = torch.cat([ref.state[p]["exp_avg_sq"].reshape(-1) for p in flat_order]) / (1 - b2**t)
                 if exchange == "preconditioned":
@@ -104,22 +108,26 @@ def reference_run(world, steps, freeze_step, exchange="preconditioned"):
                 m = simulate(local, we, se)
                 direction = (m / (1 - b1**t)) / (v_f.sqrt() + HP["eps"])
                 direction[v_f == 0] = 0  # coordinates that never had a gradient stay put
+            factors = [1.0] * len(flat_order)
+            if tracking:
+                factors = track.factors([list(reversed(g)) for g in grads], t - freeze_step, t, freeze_step, b2)
             with torch.no_grad():
                 offset = 0
-                for p in flat_order:
+                for p, f in zip(flat_order, factors):
                     p.mul_(1 - HP["lr"] * HP["weight_decay"])
-                    p.sub_(HP["lr"] * direction[offset : offset + p.numel()].view_as(p))
+                    p.sub_(HP["lr"] * f * direction[offset : offset + p.numel()].view_as(p))
                     offset += p.numel()
         snapshots.append([p.detach().clone() for p in params])
     return snapshots
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("world,exchange", [(2, "preconditioned"), (3, "preconditioned"), (2, "momentum")])
-def test_warmup_is_adamw_and_compression_matches_reference(world, exchange):
-    steps, freeze = 8, 4
-    results = run_ranks(_warmup_and_compression, world, steps, freeze, exchange)
-    ref = reference_run(world, steps, freeze, exchange)
+@pytest.mark.parametrize("world,exchange,tracking", [(2, "preconditioned", True), (3, "preconditioned", True),
+                                                     (2, "momentum", True), (2, "preconditioned", False)])
+def test_warmup_is_adamw_and_compression_matches_reference(world, exchange, tracking):
+    steps, freeze = 17, 4  # (past the tracking's 10 calibration steps)
+    results = run_ranks(_warmup_and_compression, world, steps, freeze, exchange, tracking)
+    ref = reference_run(world, steps, freeze, exchange, tracking)
     for snaps, _, frozen in results:
         assert frozen
         warm = max((a - b).abs().max().item() for s in range(freeze) for a, b in zip(snaps[s], ref[s]))
@@ -476,3 +484,4 @@ def test_a_checkpoint_of_the_other_exchange_is_refused_and_of_the_same_one_loads
     again.load_state_dict(saved)  # the same exchange: fine
     with pytest.raises(ValueError, match="Invalid exchange"):
         make(list(mlp().parameters()), "sign")
+

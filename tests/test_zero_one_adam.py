@@ -14,6 +14,7 @@ from compressed_opt.comm import SingleProcessBackend
 from compressed_opt.freeze import VarianceStabilityRule
 from compressed_opt.zero_one_adam import ZeroOneAdam
 from distributed import run_ranks
+from tracking_reference import TrackingReference
 from optim_tasks import checkpoint_round_trip, full_loss, mlp, run_steps, shard_batches, train
 
 WORLD = 2
@@ -62,14 +63,16 @@ def _local_grad(model, flat_params, x, y):
     return _flat(p.grad for p in _bucket_order(model))
 
 
-def reference_run(hp, steps, world, exchange="preconditioned"):
+def reference_run(hp, steps, world, exchange="preconditioned", tracking=True):
     """0/1 Adam written out from DESIGN 2.5 on flat tensors, simulating the ranks in one process;
     the compressed allreduce is ``allreduce_reference.simulate``, each layer scaled by its
     coefficient (``compressed_opt.scaling``; its formula has a test of its own) from ``v`` after
     every refresh and at the freeze; or (``exchange="preconditioned"``) whitened: times ``R``
     (phase A ``1 / sqrt(v)``, phase B ``c_l / sqrt(v_f)`` with ``c_l`` from the RMS of ``m /
     sqrt(v_f)``), clipped (phase A ``1 / sqrt(1 - b2)``, phase B ``K c_l lr_sum``), divided by
-    ``R`` after, the errors carried over at each refresh. Per step: (kind, params per rank)."""
+    ``R`` after, the errors carried over at each refresh. ``tracking``: phase B's per-layer variance
+    tracking (``tests/tracking_reference.py``), its factor set at each interval's first step. Per
+    step: (kind, params per rank)."""
     pre = exchange == "preconditioned"
     lr, (b1, b2), eps, wd = hp["lr"], hp["betas"], hp["eps"], hp["weight_decay"]
     model = mlp()
@@ -86,6 +89,8 @@ def reference_run(hp, steps, world, exchange="preconditioned"):
     batches = [list(_random_batches(r, world, steps)) for r in range(world)]
     sizes = [q.numel() for q in _bucket_order(model)]
     coef = torch.ones(n)  # per element: its layer's scaling coefficient (compressed_opt.scaling)
+    track = TrackingReference(sizes)
+    factor = torch.ones(n)  # per element: its layer's tracking factor of the current interval
 
     def new_coefficients(v):
         """The layers' coefficients from v; the errors carried over to them (scaled values)."""
@@ -123,6 +128,7 @@ def reference_run(hp, steps, world, exchange="preconditioned"):
             refresh = t % var_interval == 0
             if refresh:
                 avg = sum(g) * (1.0 / world)
+                track.warmup(avg.split(sizes))
                 v = b2 * v + (1 - b2) * avg * avg
                 if pre:
                     new = whitening(v, refreshes + 1)
@@ -142,6 +148,7 @@ def reference_run(hp, steps, world, exchange="preconditioned"):
             p = [pi * (1 - lr * wd) - lr * m_hat / (v_hat.sqrt() + eps) for pi in p]
             out.append(("refresh" if refresh else "compressed", [pi.clone() for pi in p]))
             if t == hp["var_freeze_step"]:  # phase B starts from the bias-corrected m, v
+                track.freeze(v.split(sizes))
                 m = [mi / (1 - b1**t) for mi in m]
                 v = v / (1 - b2**refreshes)
                 anchor = p[0].clone()
@@ -157,9 +164,13 @@ def reference_run(hp, steps, world, exchange="preconditioned"):
                     coef = new_coefficients(v)
             continue
         denom = v.sqrt() + eps
+        since = t - hp["var_freeze_step"]
+        fs = track.factors([gi.split(sizes) for gi in g], since, refreshes + since, refreshes, b2)
+        if tracking and since_sync == 0:
+            factor = torch.cat([torch.full((k,), f) for k, f in zip(sizes, fs)])
         m = [b1 * mi + (1 - b1) * gi for mi, gi in zip(m, g)]
         acc = [ai + lr * mi / denom for ai, mi in zip(acc, m)]
-        p = [pi * (1 - lr * wd) - lr * mi / denom for pi, mi in zip(p, m)]
+        p = [pi * (1 - lr * wd) - lr * factor * mi / denom for pi, mi in zip(p, m)]
         lr_sum += lr
         decay *= 1 - lr * wd
         since_sync += 1
@@ -170,7 +181,7 @@ def reference_run(hp, steps, world, exchange="preconditioned"):
                 bound = k_adam * lr_sum * layer
             y = exchange([ai * denom for ai in acc])
             m = [y / lr_sum for _ in range(world)]
-            anchor = anchor * decay - y / denom
+            anchor = anchor * decay - factor * y / denom
             p = [anchor.clone() for _ in range(world)]
             acc = [torch.zeros(n) for _ in range(world)]
             lr_sum, decay, since_sync = 0.0, 1.0, 0

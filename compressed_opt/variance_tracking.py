@@ -1,0 +1,194 @@
+"""Per-layer variance tracking for a frozen-variance compression stage (beyond the papers).
+
+1-bit Adam divides by the variance frozen at step ``F``, ``v_f``, for the rest of training. Where
+the gradients keep shrinking after ``F`` (a loss that keeps falling at a constant learning rate),
+Adam's own ``v`` shrinks with them and the frozen one does not: every step after the freeze is
+smaller than Adam's, by ``sqrt(v_f / v(t))``. Measured on scikit-learn's digits (2 ranks, 400
+steps, freeze at 80), with the compressed exchange replaced by the exact average: 1.26x AdamW's
+final loss, all of it from the frozen variance (docs/design.md, 2.3.2).
+
+The fix keeps ``v_f``'s per-coordinate shape and follows one scalar per layer (parameter tensor)
+``l``, ``rho_l(t) ~ mean_l v(t) / mean_l v(F)``, from the ranks' *local* gradients, which every rank
+has in the compression stage; their per-layer means of squares are averaged over the ranks in the
+step's existing agreement all-gather (``L`` floats per step, no extra collective). A local
+gradient's second moment exceeds the average's (it carries ``world`` times the noise), so it is
+calibrated once against the averaged gradient of the last warmup steps::
+
+    warmup:       a_l = EMA_0.9 of mean_l(g^2)     (g: the averaged gradient; bias-corrected)
+    freeze F:     cal_l = mean_l v(F) / a_l         (v raw, not bias-corrected); rho_l = 1
+    step t > F:   w_l = mean over the ranks of mean_l(g_i^2)
+                  ref_l = cal_l * (mean of w_l over the steps F+1 .. F+min(t-F, C))      (C = 10)
+                  rho_l = b2 rho_l + (1 - b2) w_l / ref_l
+                  factor_l = clip((rho_l c(t))^(-1/2), 1/B, B),  c(t) = (1 - b2^F) / (1 - b2^t)
+                             (c = 1 without bias correction), B = 4
+    update:       p <- p - lr factor_l m_hat / (sqrt(v_f) + eps)
+
+``w_l / ref_l`` is the averaged gradient's second moment now in units of ``v(F)``, so ``rho_l``
+follows Adam's recursion ``v = b2 v + (1 - b2) g^2`` for the layer's mean, and ``factor_l`` is
+``sqrt(v_f / v_hat(t))`` for it. The factor scales the step after the exchange: the exchanged
+vector, its bound and its error feedback are untouched.
+
+The five numbers per layer (:data:`COLUMNS`) are one row of a ``(L, 5)`` float64 tensor per
+bucket; each parameter's ``optimizer.state[p]["layer_variance"]`` is a view of its row, so
+checkpoints carry them exactly. :class:`LayerVarianceTracking` plugs this into an optimizer.
+"""
+from __future__ import annotations
+
+import torch
+
+#: the columns of a layer's row: the warmup EMA of the sum of squares of the averaged gradient
+#: (of this rank's chunk under ZeRO until the freeze, then the layer's mean), the EMA's number of
+#: updates, rho, the reference ``ref_l`` and the calibration ``cal_l``
+COLUMNS = ("grad_sq_ema", "ema_updates", "ratio", "reference", "calibration")
+EMA, UPDATES, RATIO, REFERENCE, CALIBRATION = range(len(COLUMNS))
+#: the EMA's coefficient for ``a_l``: about the last 10 warmup steps
+EMA_BETA = 0.9
+#: compression steps whose local second moments are averaged into the reference
+CALIBRATION_STEPS = 10
+#: the factor stays within [1/FACTOR_BOUND, FACTOR_BOUND]
+FACTOR_BOUND = 4.0
+
+
+def new_rows(n_layers: int, device) -> torch.Tensor:
+    """The rows of a bucket's layers before any step: no EMA yet, ``rho = 1``."""
+    rows = torch.zeros(n_layers, len(COLUMNS), dtype=torch.float64, device=device)
+    rows[:, RATIO] = 1.0
+    return rows
+
+
+def _norms(tensors: list[torch.Tensor | None], order: int, device) -> torch.Tensor:
+    """Per tensor, its ``order``-norm in float64 on ``device`` (0 for ``None`` or empty); one
+    fused call per dtype (half precision accumulates in fp32)."""
+    out = torch.zeros(len(tensors), dtype=torch.float64, device=device)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        if t is not None and t.numel():
+            by_dtype.setdefault(t.dtype, []).append(i)
+    for dtype, where in by_dtype.items():
+        wide = {"dtype": torch.float32} if dtype in (torch.float16, torch.bfloat16) else {}
+        out[where] = torch.stack(torch._foreach_norm([tensors[i] for i in where], order, **wide)).to(out)
+    return out
+
+
+def square_sums(tensors: list[torch.Tensor | None], device, scale: float | None = None) -> torch.Tensor:
+    """Per tensor, the sum of squares in float64 on ``device`` (0 for ``None``), times ``scale ** 2``."""
+    out = _norms(tensors, 2, device).square_()
+    return out.mul_(scale * scale) if scale is not None else out
+
+
+def sums(tensors: list[torch.Tensor], device) -> torch.Tensor:
+    """Per tensor of non-negative values, their sum in float64 on ``device``."""
+    return _norms(tensors, 1, device)
+
+
+def observe_warmup(rows: torch.Tensor, sums: torch.Tensor) -> None:
+    """One warmup step: ``sums`` (per layer, the averaged gradient's sum of squares, or this
+    rank's chunk's) into the EMA."""
+    rows[:, EMA].mul_(EMA_BETA).add_(sums.to(rows), alpha=1 - EMA_BETA)
+    rows[:, UPDATES].add_(1.0)
+
+
+def start(rows: torch.Tensor, grad_sq_sums: torch.Tensor, variance_sums: torch.Tensor, numels: torch.Tensor) -> None:
+    """At the freeze: ``cal_l`` from the layers' whole EMA sums (``grad_sq_sums``) and sums of the
+    raw variance ``v(F)``; ``rho = 1``. A layer without gradients in warmup gets ``cal = 0`` (its
+    factor stays 1)."""
+    numels = numels.to(rows)
+    debias = 1.0 - EMA_BETA ** rows[:, UPDATES].clamp(min=1.0)
+    a = grad_sq_sums.to(rows) / numels / debias
+    rows[:, CALIBRATION] = torch.where(a > 0, variance_sums.to(rows) / numels / a, torch.zeros_like(a))
+    rows[:, RATIO] = 1.0
+    rows[:, REFERENCE] = 0.0
+
+
+def track(rows: torch.Tensor, local_means: torch.Tensor, since_freeze: int, beta2: float) -> None:
+    """Compression step ``F + since_freeze``: ``local_means`` (per layer, the ranks' mean of
+    ``mean_l(g_i^2)``, identical on every rank) into the reference (the first
+    :data:`CALIBRATION_STEPS` steps) and into ``rho``."""
+    w = local_means.to(rows)
+    if since_freeze <= CALIBRATION_STEPS:
+        target = w * rows[:, CALIBRATION]
+        rows[:, REFERENCE].add_((target - rows[:, REFERENCE]) / since_freeze)
+    ref = rows[:, REFERENCE]
+    ratio = torch.where(ref > 0, w / ref, torch.ones_like(w))
+    rows[:, RATIO].mul_(beta2).add_(ratio, alpha=1 - beta2)
+
+
+def factors(rows: torch.Tensor, step: int, freeze_step: int, beta2: float, bias_correction: bool) -> list[float]:
+    """Per layer, ``factor_l`` for the update of step ``step`` (``step`` and ``freeze_step``: the
+    numbers of updates in ``v`` then and at the freeze, for ``c(t)``)."""
+    c = (1.0 - beta2 ** freeze_step) / (1.0 - beta2 ** step) if bias_correction else 1.0
+    f = (rows[:, RATIO] * c).rsqrt().clamp_(1.0 / FACTOR_BOUND, FACTOR_BOUND)
+    return f.tolist()
+
+
+class LayerVarianceTracking:
+    """The tracking in an optimizer (a mixin of :class:`~compressed_opt.optimizer.CompressedOptimizer`
+    with a ``frozen`` flag): it calls :meth:`_observe_averaged_gradient` with each warmup (or
+    refresh) step's averaged gradient, :meth:`_start_variance_tracking` at the freeze,
+    :meth:`_observe_local_gradient` where it gathers a compression step's gradients and
+    :meth:`_variance_factors_` on each compression-stage update direction, and says where the
+    frozen variance's updates are counted (:meth:`_tracking_clock`). The per-step all-gather and
+    the update of ``rho`` come through the base class's hooks."""
+
+    def _init_variance_tracking(self, enabled) -> None:
+        if not isinstance(enabled, bool):
+            raise TypeError(f"variance_tracking must be True or False, got {enabled!r}")
+        self.variance_tracking = enabled
+        self.layer_state = {"layer_variance": len(COLUMNS)} if enabled else {}
+        self._local_square_sums = {}  # bucket index -> this step's per-layer sums of g_i^2
+        self._layer_factors = {}  # bucket index -> this step's per-layer factors
+
+    def _tracking_clock(self, step: int) -> tuple[int, int, int]:
+        """``(t - F, t', F')`` at step ``t``: the compression steps so far, and the number of
+        updates in Adam's ``v`` now and at the freeze (``c(t) = (1 - b2^F') / (1 - b2^t')``)."""
+        raise NotImplementedError
+
+    def _new_layer_rows(self, name, bucket):
+        return new_rows(len(bucket.params), bucket.device)
+
+    def _observe_averaged_gradient(self, bucket, grad) -> None:
+        """Warmup: the averaged gradient's per-layer sums of squares into the EMA."""
+        if self.variance_tracking:
+            observe_warmup(bucket.flats["layer_variance"], square_sums(bucket.views(grad[: bucket.numel]), bucket.device))
+
+    def _start_variance_tracking(self, bucket, v) -> None:
+        """At the freeze, from the bucket's whole raw variance ``v`` (not bias-corrected), the
+        same on every rank."""
+        if self.variance_tracking:
+            rows = bucket.flats["layer_variance"]
+            start(rows, rows[:, EMA].clone(), sums(bucket.views(v[: bucket.numel]), bucket.device), bucket.layer_numels)
+
+    def _observe_local_gradient(self, bucket) -> None:
+        """Compression stage, where the optimizer gathers a bucket's gradients: this rank's
+        per-layer sums of ``g_i^2`` (``p.grad`` as the loop left it, unscaled)."""
+        if self.variance_tracking and self.frozen:
+            self._local_square_sums[bucket.index] = square_sums(
+                [p.grad for p in bucket.params], bucket.device, self._gather_inv_scale)
+
+    def _step_statistics(self, step):
+        if not (self.variance_tracking and self.frozen):
+            return super()._step_statistics(step)
+        return torch.cat([self._local_square_sums[b.index].to(b.device) for b in self._buckets])
+
+    def _before_update(self, step, averaged):
+        """Compression stage: every rank's per-layer sums into ``rho``, and this step's factors."""
+        super()._before_update(step, averaged)
+        if not (self.variance_tracking and self.frozen):
+            return
+        means = self._rank_statistics.mean(dim=0)  # (the same rows, in rank order, on every rank)
+        offset = 0
+        for b in self._buckets:
+            rows, n = b.flats["layer_variance"], len(b.params)
+            group = self.param_groups[b.group_index]
+            beta2 = group["betas"][1]
+            since, now, then = self._tracking_clock(step)
+            track(rows, means[offset: offset + n].to(rows) / b.layer_numels, since, beta2)
+            self._layer_factors[b.index] = factors(rows, now, then, beta2, group["bias_correction"])
+            offset += n
+
+    def _variance_factors_(self, bucket, direction) -> None:
+        """Compression stage: each layer's part of ``direction`` times its factor."""
+        if self.variance_tracking:
+            views = bucket.views(direction[: bucket.numel])
+            if views:
+                torch._foreach_mul_(views, self._layer_factors[bucket.index])

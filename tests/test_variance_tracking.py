@@ -1,0 +1,100 @@
+"""Per-layer variance tracking (compressed_opt.variance_tracking) in OnebitAdam and ZeroOneAdam:
+steps that follow gradients shrinking after the freeze, checkpoints. The exact math, on 2 and 3
+ranks and through 0/1 Adam's intervals, is checked in each optimizer's reference test."""
+import pytest
+import torch
+from torch import nn
+
+from compressed_opt import OnebitAdam, ZeroOneAdam
+from compressed_opt.comm import SingleProcessBackend
+from optim_tasks import mlp, run_steps, shard_batches
+
+OPTIMIZERS = {
+    "OnebitAdam": lambda ps, freeze, tracking, **hp: OnebitAdam(ps, freeze_step=freeze, variance_tracking=tracking,
+                                                                backend=SingleProcessBackend(), **hp),
+    "ZeroOneAdam": lambda ps, freeze, tracking, **hp: ZeroOneAdam(ps, var_freeze_step=freeze, variance_tracking=tracking,
+                                                                  backend=SingleProcessBackend(), **hp),
+}
+
+
+def _step_sizes(make, steps=400, freeze=20, drop_at=40, scale=1 / 3, lr=1e-3):
+    """Per step, the mean |update| of one parameter under a gradient that does not depend on it,
+    ``s_t (d + 0.1 n_t)``, with ``s_t`` dropping from 1 to ``scale`` at step ``drop_at``."""
+    g = torch.Generator().manual_seed(3)
+    d = torch.randn(512, generator=g)
+    w = nn.Parameter(torch.zeros(512))
+    opt = make([w], lr=lr, betas=(0.9, 0.99), weight_decay=0.0)
+    sizes = []
+    for t in range(1, steps + 1):
+        before = w.detach().clone()
+        w.grad = (scale if t >= drop_at else 1.0) * (d + 0.1 * torch.randn(512, generator=g))
+        opt.step()
+        sizes.append((w.detach() - before).abs().mean().item())
+    return sizes
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_steps_follow_gradients_that_shrink_after_the_freeze(name):
+    """After the freeze the gradients shrink 3x: Adam's steps keep their size (its variance
+    shrinks too), a frozen variance makes every step 3x smaller, the tracked one recovers Adam's."""
+    make = OPTIMIZERS[name]
+    runs = {
+        "adamw": _step_sizes(torch.optim.AdamW),
+        "frozen": _step_sizes(lambda ps, **hp: make(ps, 20, False, **hp)),
+        "tracked": _step_sizes(lambda ps, **hp: make(ps, 20, True, **hp)),
+    }
+    adamw, frozen, tracked = (sum(runs[k][-100:]) for k in ("adamw", "frozen", "tracked"))
+    assert frozen < 0.45 * adamw, (frozen, adamw)
+    assert 0.85 * adamw < tracked < 1.15 * adamw, (tracked, adamw)
+    # before the drop the tracking changes little
+    a, t = sum(runs["adamw"][25:39]), sum(runs["tracked"][25:39])
+    assert 0.9 * a < t < 1.1 * a, (t, a)
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_a_compression_stage_checkpoint_of_the_other_setting_is_refused(name):
+    make = OPTIMIZERS[name]
+    model = mlp()
+    plain = make(model.parameters(), 2, False, lr=1e-3)
+    run_steps(model, plain, list(shard_batches(0, 1, 1)))
+    make(mlp().parameters(), 2, True, lr=1e-3).load_state_dict(plain.state_dict())  # warmup: starts from there
+    run_steps(model, plain, list(shard_batches(0, 1, 3)))
+    saved = plain.state_dict()
+    assert saved["compressed_opt"]["variance_tracking"] is False
+    with pytest.raises(ValueError, match="variance_tracking=False"):
+        make(mlp().parameters(), 2, True, lr=1e-3).load_state_dict(saved)
+    make(mlp().parameters(), 2, False, lr=1e-3).load_state_dict(saved)
+    tracked = make(model.parameters(), 2, True, lr=1e-3)
+    run_steps(model, tracked, list(shard_batches(0, 1, 4)))
+    state = tracked.state_dict()["state"][0]
+    assert state["layer_variance"].dtype == torch.float64 and state["layer_variance"].shape == (5,)
+    bad = tracked.state_dict()
+    bad["state"][0] = {**bad["state"][0], "layer_variance": torch.zeros(3)}
+    with pytest.raises(ValueError, match="layer_variance"):
+        make(mlp().parameters(), 2, True, lr=1e-3).load_state_dict(bad)
+    with pytest.raises(TypeError, match="variance_tracking"):
+        make(mlp().parameters(), 2, "yes", lr=1e-3)
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_the_state_rows_survive_a_resume_bit_for_bit(name):
+    """The per-layer rows are views of one tensor per bucket: after a load they are rebuilt from
+    the checkpoint's rows, and the resumed run's parameters equal the uninterrupted run's."""
+    make = OPTIMIZERS[name]
+    batches = list(shard_batches(0, 1, 16))
+    torch.manual_seed(0)
+    model = mlp()
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = make(model.parameters(), 3, True, lr=1e-3)
+    run_steps(model, opt, batches)
+    straight = [p.detach().clone() for p in model.parameters()]
+    model.load_state_dict(start)
+    first = make(model.parameters(), 3, True, lr=1e-3)
+    run_steps(model, first, batches[:7])  # mid-calibration (the freeze at 3, 10 calibration steps)
+    saved = first.state_dict()
+    second = make(model.parameters(), 3, True, lr=1e-3)
+    second.load_state_dict(saved)
+    run_steps(model, second, batches[7:])
+    assert all(torch.equal(a, b) for a, b in zip(straight, model.parameters()))
+    rows = second.state[next(iter(model.parameters()))]["layer_variance"]
+    assert rows._base is not None  # a view of the bucket's rows again
