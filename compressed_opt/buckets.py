@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from compressed_opt.comm import chunk_numel
+
 
 @dataclass
 class Bucket:
@@ -32,6 +34,13 @@ class Bucket:
     def low_precision(self) -> bool:
         """Whether some parameter is not fp32 (bf16/fp16): ZeRO keeps fp32 masters then."""
         return any(p.dtype != torch.float32 for p in self.params)
+
+    def chunk_range(self, world: int, rank: int) -> tuple[int, int, int]:
+        """``(lo, hi, chunk)``: the elements ``[lo, hi)`` of the bucket in rank ``rank``'s chunk of
+        the compressed allreduce (its server part, and its ZeRO shard), and the chunk size."""
+        c = chunk_numel(self.numel, world)
+        lo = min(rank * c, self.numel)
+        return lo, min(lo + c, self.numel), c
 
     @functools.cached_property
     def layer_numels(self) -> torch.Tensor:

@@ -26,6 +26,8 @@ import torch
 
 from compressed_opt.comm import chunk_numel
 
+#: the version of the ``state_dict()["compressed_opt"]`` layout this library writes and reads
+FORMAT = 1
 #: keys of ``state_dict()["compressed_opt"]`` that every format-1 checkpoint has
 REQUIRED_KEYS = ("format", "algorithm", "global_step", "rank", "world_size", "buckets")
 #: keys of an optimizer's ``_extra_state()`` that a load reads with a default (not required)
@@ -117,8 +119,6 @@ def _is_int(value) -> bool:
 
 
 def _check_locally(optimizer, state_dict) -> None:
-    from .optimizer import _STATE_FORMAT  # (optimizer.py imports this module)
-
     name = type(optimizer).__name__
     if not isinstance(state_dict, Mapping):
         _fail(optimizer, f"expected a state dict (a dict), got {type(state_dict).__name__}")
@@ -132,10 +132,10 @@ def _check_locally(optimizer, state_dict) -> None:
     if "format" not in extra:
         _fail(optimizer, "state_dict['compressed_opt'] has no 'format' key: not a checkpoint of compressed_opt")
     fmt = extra["format"]
-    if not _is_int(fmt) or fmt != _STATE_FORMAT:
+    if not _is_int(fmt) or fmt != FORMAT:
         _fail(optimizer,
               f"checkpoint format {fmt!r} is not the format this version of compressed_opt reads "
-              f"({_STATE_FORMAT}); it was written by another version, or is damaged")
+              f"({FORMAT}); it was written by another version, or is damaged")
     missing = [k for k in REQUIRED_KEYS if k not in extra]
     if missing:
         _fail(optimizer, f"state_dict['compressed_opt'] lacks the key(s) {', '.join(map(repr, missing))}")
@@ -160,8 +160,10 @@ def _check_locally(optimizer, state_dict) -> None:
             _fail(optimizer, f"ddp_errors[{key!r}] must be a dict, got {type(entry).__name__}")
         for field in ("worker_error", "server_error"):
             if not isinstance(entry.get(field), torch.Tensor):
-                _fail(optimizer, f"ddp_errors[{key!r}][{field!r}] must be a tensor, got {type(entry.get(field)).__name__}")
-    if getattr(optimizer, "zero_stage", 0) and (world != optimizer.backend.world_size or rank != optimizer.backend.rank):
+                _fail(optimizer, f"ddp_errors[{key!r}][{field!r}] must be a tensor, "
+                                 f"got {type(entry.get(field)).__name__}")
+    if getattr(optimizer, "zero_stage", 0) and (world != optimizer.backend.world_size
+                                                 or rank != optimizer.backend.rank):
         _fail(optimizer,
               f"this ZeRO checkpoint holds the shards of rank {rank} of {world}; it cannot be loaded on rank "
               f"{optimizer.backend.rank} of {optimizer.backend.world_size}. Resume with the same world size, each "
@@ -220,7 +222,8 @@ def _check_param_state(optimizer, state_dict: Mapping) -> None:
                                  f"{getattr(value, 'dtype', type(value).__name__)}")
             if tuple(value.shape) != tuple(params[i].shape):
                 _fail(optimizer, f"state of parameter {i}, {field!r}: shape {tuple(value.shape)} in the checkpoint, "
-                                 f"but the parameter's shape is {tuple(params[i].shape)} (a checkpoint of another model?)")
+                                 f"but the parameter's shape is {tuple(params[i].shape)} "
+                                 f"(a checkpoint of another model?)")
         for field, width in optimizer.layer_state.items():
             value = st.get(field)
             if value is not None and (not isinstance(value, torch.Tensor) or not value.is_floating_point()

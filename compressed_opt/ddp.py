@@ -109,9 +109,7 @@ def register_ddp_comm_hook(ddp_model, optimizer, process_group=None) -> DDPHookS
     """Let ``ddp_model``'s reducer carry ``optimizer``'s full-precision averaging and send
     nothing else (see the module docstring). Done automatically at the first forward of a
     DDP-wrapped model; calling it by hand, before the first backward, is still allowed."""
-    from .optimizer import CompressedOptimizer
-
-    if not isinstance(optimizer, CompressedOptimizer):
+    if not callable(getattr(optimizer, "_attach_ddp", None)):  # (a CompressedOptimizer)
         raise TypeError(f"optimizer must be a compressed_opt optimizer, got {type(optimizer).__name__}")
     if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
         raise TypeError(f"ddp_model must be a DistributedDataParallel module, got {type(ddp_model).__name__}")

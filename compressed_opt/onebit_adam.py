@@ -48,7 +48,8 @@ from compressed_opt.comm import compressed_allreduce
 from . import scaling, zero
 from . import variance_tracking as tracking
 from .freeze import VarianceStabilityRule, resolve_rule, restore_rule
-from .optimizer import CompressedOptimizer, bias_corrections, frozen_denominator_of
+from .moments import bias_corrections, denominator_, frozen_denominator_of, momentum_, variance_
+from .optimizer import CompressedOptimizer
 from .validation import check_adam_group, check_step_count
 
 logger = logging.getLogger("compressed_opt")
@@ -296,14 +297,7 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
                 "the same world size, each rank loading its own file (or train with zero_stage=0 to move "
                 "between world sizes)"
             )
-        tracked = extra.get("variance_tracking", False)  # (older checkpoints: not tracked)
-        if extra["frozen"] and tracked != self.variance_tracking:
-            raise ValueError(
-                f"this checkpoint was saved in the compression stage of {type(self).__name__}"
-                f"(variance_tracking={tracked}); its per-layer variance tracking cannot be "
-                f"{'made up' if self.variance_tracking else 'dropped'} mid-run. Resume it with "
-                f"{type(self).__name__}(..., variance_tracking={tracked})"
-            )
+        self._check_tracking_of(extra)
         # checkpoints from before the preconditioned exchange carry no "exchange": the paper's
         saved = extra.get("exchange", "momentum")
         if extra["frozen"] and saved != self.exchange_mode:
@@ -406,10 +400,9 @@ class OnebitAdam(_FreezingAdam):
         if averaged:
             # warmup: AdamW on the averaged gradient
             v = bucket.flat("exp_avg_sq")
-            m.lerp_(grad, 1 - beta1)
-            v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-            torch.sqrt(v, out=direction).div_(bc2_sqrt).add_(eps)
-            torch.div(m, direction, out=direction)
+            momentum_(m, grad, beta1)
+            variance_(v, grad, beta2)
+            torch.div(m, denominator_(v, direction, eps, bc2_sqrt), out=direction)
         elif self.exchange_mode == "preconditioned":  # grad holds y, the average of R m_i
             if not self.zero_stage:
                 self._momentum_from_exchange(bucket, grad, out=bucket.flat("exp_avg"))

@@ -69,7 +69,7 @@ import torch
 
 from . import scaling, zero
 from .onebit_adam import _FreezingAdam
-from .optimizer import bias_corrections
+from .moments import bias_corrections, denominator_, momentum_, variance_
 from .validation import check_nonneg_float
 
 __all__ = ["OnebitLamb"]
@@ -183,10 +183,10 @@ class OnebitLamb(_FreezingAdam):
         beta1, beta2 = group["betas"]
         lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]
         bc1, bc2_sqrt = bias_corrections(beta1, beta2, step, group["bias_correction"])
-        m.lerp_(grad, 1 - beta1)
-        v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        momentum_(m, grad, beta1)
+        variance_(v, grad, beta2)
         update = grad  # the gradient buffer is free now: u = m_hat / (sqrt(v_hat) + eps) + wd p
-        torch.sqrt(v, out=update).div_(bc2_sqrt).add_(eps).mul_(bc1)
+        denominator_(v, update, eps, bc2_sqrt).mul_(bc1)
         torch.div(m, update, out=update)
         params, views = bucket.params, bucket.views(update)
         if wd != 0:
@@ -206,7 +206,7 @@ class OnebitLamb(_FreezingAdam):
         bc1, bc2_sqrt = bias_corrections(beta1, beta2, step, group["bias_correction"])
         m, v = zero.moments(self, bucket, zero.own_grad(self, bucket, grad), beta1, beta2)
         update = zero.shard(bucket, "update_shard", c)[: hi - lo]
-        torch.sqrt(v, out=update).div_(bc2_sqrt).add_(eps).mul_(bc1)
+        denominator_(v, update, eps, bc2_sqrt).mul_(bc1)
         torch.div(m, update, out=update)
         values = zero.own_values(self, bucket)
         if wd != 0:

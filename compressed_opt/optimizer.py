@@ -27,7 +27,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import logging
-import math
 import struct
 import sys
 import warnings
@@ -38,19 +37,17 @@ from torch.optim import Optimizer
 
 from compressed_opt.comm import Backend, error_buffer_sizes, get_backend
 
-from . import zero
+from . import checkpoint, ddp, zero
 from .buckets import Bucket, build_buckets
 from .checkpoint import validate_state_dict
-from . import ddp
 from .overlap import BucketLauncher, GradientsChangedAfterLaunch
 from .validation import check_nonneg_float, check_step_count
 
 logger = logging.getLogger("compressed_opt")
 
-_STATE_FORMAT = 1
 
 #: which open compressed optimizer holds each parameter (by id; the optimizer holds the parameter)
-_OWNERS: "weakref.WeakValueDictionary[int, CompressedOptimizer]" = weakref.WeakValueDictionary()
+_OWNERS: weakref.WeakValueDictionary[int, CompressedOptimizer] = weakref.WeakValueDictionary()
 
 
 class CompressedOptimizer(Optimizer):
@@ -238,7 +235,8 @@ class CompressedOptimizer(Optimizer):
         places = getattr(self, "_param_places", None)
         if places is None:
             places = self._param_places = {
-                p: (i, gi) for i, (gi, p) in enumerate((gi, p) for gi, g in enumerate(self.param_groups) for p in g["params"])
+                p: (i, gi)
+                for i, (gi, p) in enumerate((gi, p) for gi, g in enumerate(self.param_groups) for p in g["params"])
             }
         return places[param]
 
@@ -436,8 +434,10 @@ class CompressedOptimizer(Optimizer):
                 checked = self._buckets[done:]
                 for b in checked:
                     self.gather(b)
-            nonfinite = launcher.nonfinite or (found_inf is None and not _finite([self._grad_buffer(b) for b in checked]))
-            skip, anyone_touched, anyone_nonfinite = self._agree_on_step(step, found_inf, touched and not full, nonfinite)
+            nonfinite = launcher.nonfinite or (found_inf is None
+                                               and not _finite([self._grad_buffer(b) for b in checked]))
+            skip, anyone_touched, anyone_nonfinite = self._agree_on_step(step, found_inf, touched and not full,
+                                                                         nonfinite)
             if skip:  # a GradScaler found inf/NaN on some rank: every rank skips the step ...
                 if not _flag(found_inf):
                     _tell_grad_scaler_found_inf()  # ... and every rank's scaler backs off alike
@@ -656,7 +656,7 @@ class CompressedOptimizer(Optimizer):
         sd = super().state_dict()
         buckets = self._bucket_entries()
         sd["compressed_opt"] = {
-            "format": _STATE_FORMAT,
+            "format": checkpoint.FORMAT,
             "algorithm": type(self).__name__,
             "global_step": self.global_step,
             "rank": self.backend.rank,
@@ -966,20 +966,6 @@ def _finite(buffers: list[torch.Tensor]) -> bool:
 
 def _plain(value) -> bool:
     return isinstance(value, (int, float, str, bool, tuple, type(None)))
-
-
-def frozen_denominator_of(v: torch.Tensor, group: dict, freeze_step: int) -> torch.Tensor:
-    """``sqrt(v / (1 - b2^freeze_step)) + eps`` (a new tensor), ``inf`` where ``v == 0``: the
-    compression stage's divisor; an infinite one keeps a coordinate without variance in place."""
-    _, bc2_sqrt = bias_corrections(*group["betas"], freeze_step, group["bias_correction"])
-    return torch.sqrt(v).div_(bc2_sqrt).add_(group["eps"]).masked_fill_(v == 0, float("inf"))
-
-
-def bias_corrections(beta1: float, beta2: float, step: int, enabled: bool) -> tuple[float, float]:
-    """``(1 - beta1^t, sqrt(1 - beta2^t))``, or ``(1, 1)`` without bias correction."""
-    if not enabled:
-        return 1.0, 1.0
-    return 1.0 - beta1**step, math.sqrt(1.0 - beta2**step)
 
 
 def _backend_like(backend: Backend) -> Backend:

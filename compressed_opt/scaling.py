@@ -1,7 +1,7 @@
 """Per-layer scaling coefficients for a bucket compressed with one 1-bit scale.
 
 The compressed allreduce sends each element of a buffer as ``+-scale``, one ``scale`` (the RMS)
-for the whole buffer (DESIGN 2.1). A bucket holds many layers whose values differ in magnitude
+for the whole buffer (docs/design.md 2.1). A bucket holds many layers whose values differ in magnitude
 by orders: with one scale, a layer of small values gets 1-bit noise of the size of the large ones
 (error feedback corrects it only over many steps). 1-bit LAMB's paper fixes this with a
 coefficient per layer; we use the same for every optimizer that exchanges a bucket:
@@ -65,12 +65,12 @@ def rescale_errors(opt, bucket, old: list[float], new: list[float]) -> None:
     """Carry the bucket's error-feedback buffers from coefficients ``old`` to ``new``: both hold
     errors of scaled values (the worker's of its whole input, the server's of its chunk), so each
     element is multiplied by ``new / old`` of its layer."""
-    from . import zero
-
     if "worker_error" not in bucket.flats or old == new:
         return
     ratios = [n / o for n, o in zip(new, old)]
     worker_error, server_error = opt.error_buffers(bucket)
     torch._foreach_mul_(bucket.views(worker_error), ratios)
-    lo, hi, _ = zero.own_range(opt, bucket)
-    server_error[: hi - lo].mul_(zero.per_element(opt, bucket, ratios, "coeff_shard"))
+    per_element = torch.ones(bucket.numel, dtype=server_error.dtype, device=server_error.device)
+    torch._foreach_mul_(bucket.views(per_element), ratios)
+    lo, hi, _ = bucket.chunk_range(opt.backend.world_size, opt.backend.rank)
+    server_error[: hi - lo].mul_(per_element[lo:hi])

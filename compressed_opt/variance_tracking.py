@@ -138,6 +138,18 @@ class LayerVarianceTracking:
         self._local_square_sums = {}  # bucket index -> this step's per-layer sums of g_i^2
         self._layer_factors = {}  # bucket index -> this step's per-layer factors
 
+    def _check_tracking_of(self, extra: dict) -> None:
+        """A checkpoint saved in the compression stage must have been tracked as this optimizer
+        tracks (older checkpoints: not tracked)."""
+        tracked = extra.get("variance_tracking", False)
+        if extra["frozen"] and tracked != self.variance_tracking:
+            name = type(self).__name__
+            raise ValueError(
+                f"this checkpoint was saved in the compression stage of {name}(variance_tracking={tracked}); its "
+                f"per-layer variance tracking cannot be {'made up' if self.variance_tracking else 'dropped'} "
+                f"mid-run. Resume it with {name}(..., variance_tracking={tracked})"
+            )
+
     def _tracking_clock(self, step: int) -> tuple[int, int, int]:
         """``(t - F, t', F')`` at step ``t``: the compression steps so far, and the number of
         updates in Adam's ``v`` now and at the freeze (``c(t) = (1 - b2^F') / (1 - b2^t')``)."""
@@ -149,7 +161,8 @@ class LayerVarianceTracking:
     def _observe_averaged_gradient(self, bucket, grad) -> None:
         """Warmup: the averaged gradient's per-layer sums of squares into the EMA."""
         if self.variance_tracking:
-            observe_warmup(bucket.flats["layer_variance"], square_sums(bucket.views(grad[: bucket.numel]), bucket.device))
+            observe_warmup(bucket.flats["layer_variance"],
+                           square_sums(bucket.views(grad[: bucket.numel]), bucket.device))
 
     def _start_variance_tracking(self, bucket, v) -> None:
         """At the freeze, from the bucket's whole raw variance ``v`` (not bias-corrected), the

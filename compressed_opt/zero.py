@@ -53,21 +53,16 @@ from compressed_opt.comm import chunk_numel, compressed_allreduce, expand_result
 
 from . import scaling
 from .buckets import Bucket
+from .moments import bias_corrections, denominator_, frozen_denominator_of, momentum_, variance_
 
 #: bucket buffers of ZeRO that are workspace (not saved, not counted as state)
 SCRATCH = frozenset({"grad_padded", "grad_shard", "update_shard", "momentum_prev_shard", "layer_ids",
                      "square_shard", "coeff_shard"})
 
 
-def shard_range(bucket: Bucket, world: int, rank: int) -> tuple[int, int, int]:
-    """``(lo, hi, chunk)``: this rank's elements ``[lo, hi)`` of the bucket, and the chunk size."""
-    c = chunk_numel(bucket.numel, world)
-    lo = min(rank * c, bucket.numel)
-    return lo, min(lo + c, bucket.numel), c
-
-
 def own_range(opt, bucket: Bucket) -> tuple[int, int, int]:
-    return shard_range(bucket, opt.backend.world_size, opt.backend.rank)
+    """``(lo, hi, chunk)``: this rank's elements ``[lo, hi)`` of the bucket, and the chunk size."""
+    return bucket.chunk_range(opt.backend.world_size, opt.backend.rank)
 
 
 def shard(bucket: Bucket, name: str, numel: int, dtype=torch.float32) -> torch.Tensor:
@@ -110,8 +105,8 @@ def moments(opt, bucket: Bucket, g: torch.Tensor, beta1: float, beta2: float) ->
     lo, hi, c = own_range(opt, bucket)
     m = shard(bucket, "exp_avg_shard", c)[: hi - lo]
     v = shard(bucket, "exp_avg_sq_shard", c)[: hi - lo]
-    m.lerp_(g, 1 - beta1)
-    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    momentum_(m, g, beta1)
+    variance_(v, g, beta2)
     return m, v
 
 
@@ -145,16 +140,13 @@ def publish(opt, bucket: Bucket, values: torch.Tensor) -> None:
 
 def warmup_update(opt, bucket: Bucket, group: dict, grad: torch.Tensor, step: int) -> None:
     """AdamW on this rank's chunk; one all-gather brings every rank the new parameters."""
-    from .optimizer import bias_corrections
-
     lo, hi, c = own_range(opt, bucket)
     beta1, beta2 = group["betas"]
     lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]  # lr: a float or a 1-element tensor
     bc1, bc2_sqrt = bias_corrections(beta1, beta2, step, group["bias_correction"])
     m, v = moments(opt, bucket, own_grad(opt, bucket, grad), beta1, beta2)
     direction = shard(bucket, "update_shard", c)[: hi - lo]
-    torch.sqrt(v, out=direction).div_(bc2_sqrt).add_(eps)
-    torch.div(m, direction, out=direction)
+    torch.div(m, denominator_(v, direction, eps, bc2_sqrt), out=direction)
     values = own_values(opt, bucket)
     values.mul_(1 - lr * wd).add_(direction, alpha=-lr / bc1)
     publish(opt, bucket, values)
@@ -198,8 +190,6 @@ def freeze(opt, bucket: Bucket) -> torch.Tensor:
     """Gather the chunks of ``m`` and ``v`` once: the full momentum (until the first compressed
     exchange replaces it by its 1-bit rows) and the frozen denominator of every element. Returns
     the whole raw ``v`` (a scratch buffer: valid until the bucket's next collective)."""
-    from .optimizer import frozen_denominator_of
-
     world = opt.backend.world_size
     c = chunk_numel(bucket.numel, world)
     padded = shard(bucket, "grad_padded", world * c)

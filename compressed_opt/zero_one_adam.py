@@ -6,7 +6,7 @@ needs a full-precision warmup to freeze the variance. 0/1 Adam removes both cost
 
 **Phase A** (steps ``1..var_freeze_step``): the variance ``v`` is refreshed only on steps with
 ``t % var_interval == 0``, from the full-precision average gradient ``g``; every other step the
-gradient goes through the 1-bit compressed allreduce (error feedback, DESIGN 2.2) and only ``m``
+gradient goes through the 1-bit compressed allreduce (error feedback, docs/design.md 2.2) and only ``m``
 is updated::
 
     refresh step:     m = b1 m + (1 - b1) g;    v = b2 v + (1 - b2) g^2     (g: fp32 average)
@@ -75,6 +75,7 @@ from compressed_opt.comm import compressed_allreduce
 from . import scaling, zero
 from . import variance_tracking as tracking
 from .freeze import VarianceStabilityRule, resolve_rule, restore_rule
+from .moments import denominator_, momentum_, variance_
 from .optimizer import CompressedOptimizer
 from .validation import check_adam_group, check_step_count
 
@@ -86,16 +87,6 @@ STEP_KINDS = ("refresh", "compressed", "local", "sync")
 
 
 # --- the math, on flat buffers -------------------------------------------------------------------
-def _momentum_(m: torch.Tensor, grad: torch.Tensor, beta1: float) -> None:
-    """``m = b1 m + (1 - b1) g``."""
-    m.lerp_(grad, 1 - beta1)
-
-
-def _variance_(v: torch.Tensor, grad: torch.Tensor, beta2: float) -> None:
-    """``v = b2 v + (1 - b2) g^2``."""
-    v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-
-
 def _no_variance_no_move_(t: torch.Tensor, bucket, v: torch.Tensor, refreshed: bool) -> None:
     """``t = 0`` where ``v == 0``: a coordinate that never had a gradient on a refresh step is
     not moved. 1-bit compression gives it ``+-scale`` like every coordinate, and divided by
@@ -112,14 +103,6 @@ def _no_variance_no_move_(t: torch.Tensor, bucket, v: torch.Tensor, refreshed: b
         t.masked_fill_(zeros, 0.0)
     elif zeros.numel():
         t.index_fill_(0, zeros, 0.0)
-
-
-def _denominator(v: torch.Tensor, out: torch.Tensor, eps: float, bc2: float = 1.0) -> torch.Tensor:
-    """``sqrt(v / bc2) + eps`` into ``out``."""
-    torch.sqrt(v, out=out)
-    if bc2 != 1.0:
-        out.div_(math.sqrt(bc2))
-    return out.add_(eps)
 
 
 class ZeroOneAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
@@ -162,7 +145,7 @@ class ZeroOneAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
     synchronisation). Progress: ``phase`` ("A"/"B"), ``var_interval``, ``local_step_interval``,
     ``last_step_kind``.
 
-    A bucket is compressed with one scale (its RMS, DESIGN 2.1); each layer is multiplied by its
+    A bucket is compressed with one scale (its RMS, docs/design.md 2.1); each layer is multiplied by its
     coefficient ``c_l = mean_k s_k / s_l``, ``s_l = sqrt(mean v_l)``, before every 1-bit exchange
     and divided after (:mod:`compressed_opt.scaling`; ``optimizer.state[p]["scaling_coeff"]``),
     so that a layer with small gradients is not drowned in the 1-bit noise of the large ones.
@@ -392,12 +375,12 @@ class ZeroOneAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
         beta1, beta2 = group["betas"]
         lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]
         # grad is the full-precision average (refresh) or the 1-bit average (_bucket_communicate)
-        _momentum_(m, grad, beta1)
+        momentum_(m, grad, beta1)
         if refresh:
             self._observe_averaged_gradient(bucket, grad)
             whitened = self.exchange_mode == "preconditioned"
             old = self._preconditioner(bucket) if whitened else None  # (after a load: made from v)
-            _variance_(v, grad, beta2)
+            variance_(v, grad, beta2)
             if whitened:
                 self._refresh_preconditioner(bucket, old)
         _no_variance_no_move_(m, bucket, v, refresh)
@@ -405,7 +388,7 @@ class ZeroOneAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
         if group["bias_correction"]:
             refreshes = self.var_refreshes + (1 if refresh else 0)
             bc1, bc2 = 1.0 - beta1**step, 1.0 - beta2**refreshes
-        direction = _denominator(v, grad, eps, bc2)  # the gradient buffer is free: reuse it
+        direction = denominator_(v, grad, eps, math.sqrt(bc2))  # the gradient buffer is free: reuse it
         torch.div(m, direction, out=direction)
         if wd != 0:
             torch._foreach_mul_(bucket.params, 1 - lr * wd)
@@ -416,9 +399,9 @@ class ZeroOneAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
         acc, anchor = bucket.flat("momentum_accumulator"), bucket.flat("sync_params")
         beta1 = group["betas"][0]
         lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]
-        _momentum_(m, grad, beta1)
+        momentum_(m, grad, beta1)
         _no_variance_no_move_(m, bucket, v, False)
-        denom = _denominator(v, grad, eps)  # frozen v_hat; the gradient buffer is free
+        denom = denominator_(v, grad, eps)  # frozen v_hat; the gradient buffer is free
         acc.addcdiv_(m, denom, value=lr)  # acc += lr * m / (sqrt(v) + eps)
         factors = self._interval_factors(bucket)
         if not self._syncs_now():
@@ -559,13 +542,7 @@ class ZeroOneAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
         }
 
     def _load_extra_state(self, extra):
-        tracked = extra.get("variance_tracking", False)  # (older checkpoints: not tracked)
-        if extra["frozen"] and tracked != self.variance_tracking:
-            raise ValueError(
-                f"this checkpoint was saved in phase B of ZeroOneAdam(variance_tracking={tracked}); its per-layer "
-                f"variance tracking cannot be {'made up' if self.variance_tracking else 'dropped'} mid-run. "
-                f"Resume it with ZeroOneAdam(..., variance_tracking={tracked})"
-            )
+        self._check_tracking_of(extra)
         # checkpoints from before the preconditioned exchange carry no "exchange": the paper's
         saved = extra.get("exchange", "momentum")
         if saved != self.exchange_mode and int(extra.get("global_step", 0)) > 0:

@@ -1,0 +1,47 @@
+"""Adam's moment formulas, each written once; every optimizer and every layout (replicated or
+ZeRO-sharded) calls these. In place on flat fp32 buffers (or chunks of them)::
+
+    m = b1 m + (1 - b1) g                      momentum_
+    v = b2 v + (1 - b2) g^2                    variance_
+    (1 - b1^t, sqrt(1 - b2^t))                 bias_corrections ((1, 1) without correction)
+    sqrt(v) / sqrt(1 - b2^t) + eps             denominator_
+    sqrt(v / (1 - b2^F)) + eps, inf at v == 0  frozen_denominator_of (the compression stage's divisor)
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def momentum_(m: torch.Tensor, g: torch.Tensor, beta1: float) -> None:
+    """``m = b1 m + (1 - b1) g``."""
+    m.lerp_(g, 1 - beta1)
+
+
+def variance_(v: torch.Tensor, g: torch.Tensor, beta2: float) -> None:
+    """``v = b2 v + (1 - b2) g^2``."""
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+
+
+def bias_corrections(beta1: float, beta2: float, step: int, enabled: bool) -> tuple[float, float]:
+    """``(1 - beta1^t, sqrt(1 - beta2^t))``, or ``(1, 1)`` without bias correction."""
+    if not enabled:
+        return 1.0, 1.0
+    return 1.0 - beta1**step, math.sqrt(1.0 - beta2**step)
+
+
+def denominator_(v: torch.Tensor, out: torch.Tensor, eps: float, bc2_sqrt: float = 1.0) -> torch.Tensor:
+    """``sqrt(v) / bc2_sqrt + eps`` into ``out`` (``bc2_sqrt``: the square root of ``v``'s bias
+    correction)."""
+    torch.sqrt(v, out=out)
+    if bc2_sqrt != 1.0:
+        out.div_(bc2_sqrt)
+    return out.add_(eps)
+
+
+def frozen_denominator_of(v: torch.Tensor, group: dict, freeze_step: int) -> torch.Tensor:
+    """``sqrt(v / (1 - b2^freeze_step)) + eps`` (a new tensor), ``inf`` where ``v == 0``: the
+    compression stage's divisor; an infinite one keeps a coordinate without variance in place."""
+    _, bc2_sqrt = bias_corrections(*group["betas"], freeze_step, group["bias_correction"])
+    return torch.sqrt(v).div_(bc2_sqrt).add_(group["eps"]).masked_fill_(v == 0, float("inf"))
