@@ -15,7 +15,10 @@ Models (nothing is downloaded; the corpus is the bytes of Python's own help text
 Optimizers and their uncompressed twins: ``onebitadam`` and ``zerooneadam`` against ``adamw``
 (``torch.optim.AdamW`` on the gradient all-reduced at full precision), ``onebitlamb`` against
 ``lamb`` (``OnebitLamb`` that never freezes: LAMB on the full-precision average). ``--variant``
-adds OnebitAdam with ``exchange="momentum"`` (the paper's exchange) as ``onebitadam-momentum``;
+adds OnebitAdam with ``exchange="momentum"`` (the paper's exchange) as ``onebitadam-momentum``, and
+OnebitAdam and ZeroOneAdam with ``variance_tracking=False`` (the paper's frozen variance) as
+``onebitadam-frozen`` and ``zerooneadam-frozen``, and ZeroOneAdam refreshing its variance at every
+phase-A step (full precision until the freeze) as ``zerooneadam-dense``;
 ``--freeze-study`` OnebitAdam frozen at other steps and with ``freeze_step="auto"`` (``onebitadam@F``).
 
 Each (model, optimizer, seed) trains on 2 Gloo ranks (one process pair per model; every run of
@@ -47,7 +50,9 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 WORLD = 2
-TWIN = {"onebitadam": "adamw", "onebitadam-momentum": "adamw", "zerooneadam": "adamw", "onebitlamb": "lamb"}
+TWIN = {"onebitadam": "adamw", "onebitadam-momentum": "adamw", "onebitadam-frozen": "adamw", "zerooneadam": "adamw",
+        "zerooneadam-frozen": "adamw", "zerooneadam-dense": "adamw", "onebitlamb": "lamb"}
+VARIANTS = ("onebitadam-momentum", "onebitadam-frozen", "zerooneadam-frozen", "zerooneadam-dense")
 FREEZE_STUDY = ("onebitadam@20", "onebitadam@100", "onebitadam@150", "onebitadam@auto")
 OPTIMIZERS = ("adamw", "onebitadam", "zerooneadam", "lamb", "onebitlamb")
 LAMB_LR = 1e-2
@@ -76,7 +81,8 @@ class ByteTask:
 
     def windows(self, data, step, count, rank=0, world=1, salt=0):
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + step * 7 + salt)
-        starts = torch.randint(0, len(data) - SEQ_LEN - 1, (count * world,), generator=g)[rank * count:(rank + 1) * count]
+        starts = torch.randint(0, len(data) - SEQ_LEN - 1, (count * world,),
+                               generator=g)[rank * count:(rank + 1) * count]
         return data[starts[:, None] + torch.arange(SEQ_LEN)[None, :]]
 
     def batch_for(self, step, rank, world):
@@ -161,7 +167,8 @@ class DigitsTask:
 
     def batch_for(self, step, rank, world):
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        idx = torch.randint(0, len(self.x), (self.batch * world,), generator=g)[rank * self.batch:(rank + 1) * self.batch]
+        idx = torch.randint(0, len(self.x), (self.batch * world,),
+                            generator=g)[rank * self.batch:(rank + 1) * self.batch]
         return self.x[idx], self.y[idx]
 
     def eval_batches(self):
@@ -189,6 +196,12 @@ def make_optimizer(name: str, params, lr: float, freeze: int):
         return torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     if name == "onebitadam":
         return compressed_opt.OnebitAdam(params, lr=lr, freeze_step=freeze)
+    if name == "onebitadam-frozen":
+        return compressed_opt.OnebitAdam(params, lr=lr, freeze_step=freeze, variance_tracking=False)
+    if name == "zerooneadam-dense":  # var_interval never doubles: every phase-A step refreshes
+        return compressed_opt.ZeroOneAdam(params, lr=lr, var_freeze_step=freeze, var_update_scaler=10**9)
+    if name == "zerooneadam-frozen":
+        return compressed_opt.ZeroOneAdam(params, lr=lr, var_freeze_step=freeze, variance_tracking=False)
     if name == "onebitadam-momentum":
         return compressed_opt.OnebitAdam(params, lr=lr, freeze_step=freeze, exchange="momentum")
     if name == "zerooneadam":
@@ -314,10 +327,11 @@ def summarize(results: list[dict]) -> dict:
             last = str(max(map(int, r["max_abs"])))
             row["key_bias_final"] = max(r["max_abs"][last][k] for k in keys)
             row["key_bias_final_twin"] = max(t["max_abs"][last][k] for k in keys)
-    for model, names in summary.items():
-        for name, entry in names.items():
+    for _model, names in summary.items():
+        for _name, entry in names.items():
             rows = list(entry["seeds"].values())
-            for key in ("final_loss", "eval_loss", "loss_ratio", "eval_ratio", "worst_magnitude_ratio", "key_bias_ratio"):
+            for key in ("final_loss", "eval_loss", "loss_ratio", "eval_ratio", "worst_magnitude_ratio",
+                        "key_bias_ratio"):
                 vals = [row[key] for row in rows if row.get(key) is not None]
                 if vals:
                     entry[f"mean_{key}"] = sum(vals) / len(vals)
@@ -370,7 +384,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="gpt2,bert,gpt,digits")
     p.add_argument("--optimizers", default=",".join(OPTIMIZERS))
-    p.add_argument("--variant", action="store_true", help="also OnebitAdam with exchange='momentum'")
+    p.add_argument("--variant", action="store_true",
+                   help="also OnebitAdam with exchange='momentum', OnebitAdam and ZeroOneAdam with "
+                        "variance_tracking=False")
     p.add_argument("--freeze-study", action="store_true",
                    help="also OnebitAdam frozen at steps 20, 100, 150 and 'auto' (the default schedule freezes at 50)")
     p.add_argument("--seeds", default="0,1,2")
@@ -378,7 +394,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=os.path.join(RESULTS, "convergence.json"))
     p.add_argument("--timeout", type=float, default=3600, help="seconds per model")
     args = p.parse_args(argv)
-    names = (args.optimizers.split(",") + (["onebitadam-momentum"] if args.variant else [])
+    names = (args.optimizers.split(",") + (list(VARIANTS) if args.variant else [])
              + (list(FREEZE_STUDY) if args.freeze_study else []))
     seeds = [int(s) for s in args.seeds.split(",")]
     results = []
