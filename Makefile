@@ -20,6 +20,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check .
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -P -m pytest -q -p no:cacheprovider --durations=15
 
 # make demo (the main job), make bench, make bench-micro

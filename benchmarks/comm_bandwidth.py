@@ -5,7 +5,7 @@ operations run on the same buffers in the same run, through the library's backen
 (``compressed_opt.comm``), so the numbers are comparable and the MPI backend is measured the same
 way as ``torch.distributed``.
 
-What is reported, per size and operation (conventions of nccl-tests, DESIGN section 4):
+What is reported, per size and operation (conventions of nccl-tests, docs/design.md section 4):
 
 * ``time_s``: time per call. Every call starts with a barrier; each rank times its own call;
   an iteration's time is the **maximum over ranks** (the slowest rank finishes the collective);
@@ -64,7 +64,8 @@ OPS = ("fp32", "bf16", "compressed")
 
 # --- arguments -------------------------------------------------------------------------------------
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes-mb", default="1,4,16,64,256",
                    help="comma-separated buffer sizes in MiB of fp32 (default 1,4,16,64,256)")
     p.add_argument("--iters", type=int, default=20, help="timed calls per size and operation (default 20)")

@@ -58,7 +58,7 @@ class Run:
     """A model, its OnebitAdam and this rank's data stream; ``it`` counts the loop's iterations
     (the "step" of the scenarios; it equals ``opt.global_step`` unless a step was skipped)."""
 
-    current: "Run | None" = None
+    current: Run | None = None
 
     def __init__(self, seed: int = 0, ddp_after: bool = False):
         torch.manual_seed(seed)
@@ -73,7 +73,7 @@ class Run:
         self.bytes = {}  # iteration -> bytes this rank's backend sent in it
         Run.current = self
 
-    def train(self, iterations: int, before=None, nan_at=None, clip=False) -> "Run":
+    def train(self, iterations: int, before=None, nan_at=None, clip=False) -> Run:
         for _ in range(iterations):
             self.it += 1
             if before is not None:

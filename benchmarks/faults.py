@@ -1,4 +1,4 @@
-"""Acceptance of issue 10: every fault scenario re-run as users launch jobs, one table.
+"""Faults: every fault scenario re-run as users launch jobs, one table.
 
 Each scenario is ``benchmarks/fault_child.py --scenario NAME`` on 2 CPU ranks, launched by
 ``torchrun --standalone --nproc-per-node 2`` (Gloo) or ``mpiexec -n 2 python`` (MPI), with a

@@ -1,4 +1,4 @@
-"""Acceptance of issue 9: the compressed optimizers, made with default arguments (but ``lr`` and the
+"""Drop-in under the frameworks: the compressed optimizers, made with default arguments (but ``lr`` and the
 freeze step), under the three frameworks that wrap the model in DistributedDataParallel
 themselves — the HF transformers ``Trainer``, Lightning's DDP strategy, an accelerate loop
 (``examples/``).
@@ -144,7 +144,8 @@ def table(rows: list[dict]) -> str:
         held = f"{r['eval_loss']:.3f}" + (f" ({b['eval_loss']:.3f})" if b else "")
         ran = "yes" if r["ok"] else "partly"
         if r["unhooked_steps"]:
-            ran += f"; DDP's own all-reduce at steps {r['unhooked_steps'][:3]}{'...' if len(r['unhooked_steps']) > 3 else ''}"
+            ran += (f"; DDP's own all-reduce at steps {r['unhooked_steps'][:3]}"
+                    f"{'...' if len(r['unhooked_steps']) > 3 else ''}")
         out.append(f"| {r['framework']} | {NAMES[r['optimizer']]} | {ran} | {r['ranks_identical']} | "
                    f"{r['runs_identical']} | {_fmt(r['bytes_warmup'])} | {_fmt(r['bytes_compression'])} | "
                    f"{_fmt(ratio, '{:.1f}x')} | {wire} | {_fmt(r['final_loss'], '{:.3f}')} | {held} |")
@@ -152,8 +153,10 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--frameworks", default=",".join(harness.SCRIPTS), help="comma-separated: " + ", ".join(harness.SCRIPTS))
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--frameworks", default=",".join(harness.SCRIPTS),
+                   help="comma-separated: " + ", ".join(harness.SCRIPTS))
     p.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="comma-separated: " + ", ".join(OPTIMIZERS))
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--freeze-step", type=int, default=50)
@@ -187,7 +190,8 @@ def main(argv=None) -> int:
             for optimizer in optimizers:
                 rows.append(run_row(script, optimizer, args, netns, tmp))
     result = {
-        "what": "issue 9 acceptance: compressed optimizers with default arguments under HF Trainer, Lightning DDP, accelerate",
+        "what": "drop-in acceptance: compressed optimizers with default arguments under HF Trainer, Lightning DDP, "
+                "accelerate",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "config": {"steps": args.steps, "freeze_step": args.freeze_step, "repeats": args.repeats, "seed": args.seed,
                    "compat": args.compat, "world_size": 2, "wire": netns is not None, "model": "GPT-2, 2 layers, "

@@ -1,4 +1,4 @@
-"""Kernel throughput: the compression kernels against a plain copy of the same bytes (DESIGN 4).
+"""Kernel throughput: the compression kernels against a plain copy of the same bytes (docs/design.md 4).
 
 For each size (``--sizes-mb``, in MiB of fp32: 64 means n = 16 Mi fp32 elements) and in the same
 run, through the public dispatch functions of ``compressed_opt.cuda`` (the CuPy kernels for

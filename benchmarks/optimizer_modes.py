@@ -1,6 +1,6 @@
 """The optimizer's modes measured: per-rank state memory, bytes per step, overlap's step time.
 
-Two measurements (DESIGN section 4; issue "Overlap ... DDP hook; ZeRO-sharded state"):
+Two measurements (docs/design.md section 4):
 
 ``memory``: on N local Gloo ranks, an optimizer (``--optimizer``: OnebitAdam by default,
 OnebitLamb, ZeroOneAdam) trains a deep MLP in every mode it runs in — standalone synchronous,
@@ -84,7 +84,7 @@ def run_mode(mode: str, args, rank: int, world: int) -> dict:
     times = {"warmup": [], "compression": []}
     sent = {"warmup": [], "compression": []}
     memory = {}
-    for step, (x, y) in enumerate(batches(rank, world, args.steps, args.width, args.batch), start=1):
+    for _step, (x, y) in enumerate(batches(rank, world, args.steps, args.width, args.batch), start=1):
         stage = "compression" if opt.frozen else "warmup"  # 0/1 Adam: phase B, and A
         dist.barrier()
         before = opt.backend.stats.total_bytes
@@ -136,8 +136,8 @@ def rank_main(args) -> None:
 
 
 def format_table(report: dict) -> str:
-    lines = [f"# {report.get('optimizer', 'onebit_adam')} modes on {report['world_size']} ranks, {report['results'][0]['params']:,} parameters, "
-             f"{report['results'][0]['buckets']} buckets",
+    lines = [f"# {report.get('optimizer', 'onebit_adam')} modes on {report['world_size']} ranks, "
+             f"{report['results'][0]['params']:,} parameters, {report['results'][0]['buckets']} buckets",
              f"{'mode':<9} {'state warmup':>13} {'state 1-bit':>12} {'sent warmup':>12} {'sent 1-bit':>11} "
              f"{'DDP+AdamW':>11} {'1-bit vs DDP':>12} {'step warm ms':>12} {'step 1-bit ms':>13}"]
     base = next((r for r in report["results"] if r["mode"] in ("overlap", "sync")), report["results"][0])

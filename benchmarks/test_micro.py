@@ -6,7 +6,7 @@ Not part of ``make test`` (``testpaths = tests``): these measure, they do not ch
     python -P -m pytest benchmarks/test_micro.py --benchmark-json benchmarks/results/micro.json
 
 Each benchmark puts its ratios into ``benchmark.extra_info`` (shown in ``--benchmark-json``),
-measured in the same run (DESIGN section 4):
+measured in the same run (docs/design.md section 4):
 
 * kernels (``compress_``, ``average_compress_`` of 2 rows, ``decompress_``, on the CPU path):
   ``ratio_to_copy`` = time of a plain copy of the same fp32 bytes / kernel time (1.0: as fast

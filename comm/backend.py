@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import abc
 import collections
-from typing import Callable, Hashable
+from typing import Callable
+from collections.abc import Hashable
 
 import torch
 
@@ -161,7 +162,8 @@ class Backend(abc.ABC):
         self.stats.record("all_to_all", (n - 1) / n * nbytes(input))
         return self._finish(self._all_to_all(output, input, async_op), async_op)
 
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", async_op: bool = False) -> Work:
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum",
+                       async_op: bool = False) -> Work:
         """``output`` (``input.numel() / world_size`` elements) gets chunk ``rank`` of the sum
         (``op="sum"``) or mean (``op="avg"``) over ranks of ``input``."""
         check_flat("input", input)

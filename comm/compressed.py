@@ -1,4 +1,4 @@
-"""Compressed allreduce with error feedback (DESIGN 2.2; Tang et al., 1-bit Adam, ICML 2021).
+"""Compressed allreduce with error feedback (docs/design.md 2.2; Tang et al., 1-bit Adam, ICML 2021).
 
 Each rank ``i`` holds ``x_i`` (``n`` elements), a *worker error* ``e_i`` (``n``) and a *server
 error* ``E_i`` (one chunk of ``c`` elements: rank ``j`` serves elements ``[j c, (j+1) c)``):
@@ -205,7 +205,8 @@ def _validate(tensor, worker_error, server_error, backend) -> None:
     if not isinstance(backend, Backend):
         raise TypeError(f"backend must be a compressed_opt.comm.Backend, got {type(backend).__name__}")
     worker_numel, server_numel = error_buffer_sizes(tensor.numel(), backend.world_size)
-    for name, buf, expected in (("worker_error", worker_error, worker_numel), ("server_error", server_error, server_numel)):
+    for name, buf, expected in (("worker_error", worker_error, worker_numel),
+                                ("server_error", server_error, server_numel)):
         if not isinstance(buf, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(buf).__name__}")
         if buf.dtype != torch.float32:

@@ -402,7 +402,8 @@ class MPIBackend(Backend):
             then = self._copy_back(None, None, None, buf, where)
         else:
             then = self._copy_back(tensor, buf, where, None, None)
-        return self._work(request, then, (tensor, data), f"broadcast of {tensor.numel()} x {tensor.dtype} from rank {src}")
+        return self._work(request, then, (tensor, data),
+                          f"broadcast of {tensor.numel()} x {tensor.dtype} from rank {src}")
 
     def _copy_back(self, output, recv, recv_at, send, send_at) -> Callable[[], None]:
         def then():

@@ -1,5 +1,5 @@
 """End-to-end training benchmark: compressed optimizers against the data-parallel peers a user
-would pick instead, on the same model, data and seeds (DESIGN section 4).
+would pick instead, on the same model, data and seeds (docs/design.md section 4).
 
 A small GPT-style causal language model (byte-level, vocabulary 256; presets ``tiny`` ~1M and
 ``small`` ~9M parameters, or any ``--layers/--width/--heads/--context``) is trained on a corpus
@@ -1044,7 +1044,8 @@ def run_link(spec: str, cfg: dict, tmp: str, display: _Display, index: int, tota
         for attempt in range(2):  # a link that could not be set up is tried once more
             try:
                 res = slowlink.run_two_ranks(_worker_cmd(spec, config, out, prog), rate=rate,
-                                             timeout=cfg["method_timeout"], env={"OMP_NUM_THREADS": str(cfg["threads"])},
+                                             timeout=cfg["method_timeout"],
+                                             env={"OMP_NUM_THREADS": str(cfg["threads"])},
                                              grace=cfg["grace"], port=29500 + index)
                 break
             except slowlink.SlowLinkError as e:
@@ -1055,7 +1056,8 @@ def run_link(spec: str, cfg: dict, tmp: str, display: _Display, index: int, tota
         stop.set()
         shower.join()
     if res is None:
-        return {"spec": spec, "status": "failed", "error": f"slow link: {error}", "elapsed_s": time.monotonic() - started}
+        return {"spec": spec, "status": "failed", "error": f"slow link: {error}",
+                "elapsed_s": time.monotonic() - started}
     link = {k: res.get(k) for k in ("rate", "tbf", "tx_bytes", "rx_bytes", "tx_packets", "elapsed_s", "gso")}
     codes = res["returncodes"]
     return _collect(spec, out, prog, codes if not res["timed_out"] else [c if c == 0 else None for c in codes],
@@ -1492,7 +1494,7 @@ def main(argv=None) -> int:
         try:
             parse_spec(s, cfg["overlap"], cfg["ddp_hook"])
         except ValueError as e:
-            raise SystemExit(str(e))
+            raise SystemExit(str(e)) from None
     if cfg["batch"] * cfg["launch"] > 0 and cfg["device"] == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no usable CUDA device")
     slowlink = None
@@ -1533,7 +1535,8 @@ def main(argv=None) -> int:
             entries.append(entry)
     comparison = compare(entries, cfg)
     print(format_table(entries, comparison, cfg), flush=True)
-    name = args.name or f"train-{cfg['model_preset']}-{cfg['link'] or ('torchrun' if cfg['mode'] == 'torchrun' else 'local')}"
+    name = args.name or (f"train-{cfg['model_preset']}-"
+                         f"{cfg['link'] or ('torchrun' if cfg['mode'] == 'torchrun' else 'local')}")
     os.makedirs(args.out_dir, exist_ok=True)
     report = {"config": cfg, "environment": _environment(), "comparison": comparison,
               "wall_time_s": time.monotonic() - started, "methods": entries}

@@ -16,7 +16,8 @@ from compressed_opt.comm import get_backend
 _COMMON = {"lr", "betas", "eps", "weight_decay", "bias_correction", "cuda_aware", "comm_backend_name"}
 _KEYS = {
     "onebitadam": _COMMON | {"freeze_step"},
-    "onebitlamb": _COMMON | {"freeze_step", "max_coeff", "min_coeff", "coeff_beta", "factor_max", "factor_min", "factor_threshold"},
+    "onebitlamb": _COMMON | {"freeze_step", "max_coeff", "min_coeff", "coeff_beta", "factor_max", "factor_min",
+                             "factor_threshold"},
     "zerooneadam": _COMMON | {"var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper"},
 }
 

@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable
 
 import torch
 
@@ -163,7 +162,8 @@ class BucketLauncher:
             self.nonfinite = True
         executor = self._pool.get("executor")
         if executor is None:
-            executor = self._pool["executor"] = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compressed_opt_comm")
+            executor = self._pool["executor"] = ThreadPoolExecutor(max_workers=1,
+                                                                    thread_name_prefix="compressed_opt_comm")
         self._futures[index] = executor.submit(self._owner.exchange, bucket)
         self._next = index + 1
 

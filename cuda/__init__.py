@@ -1,6 +1,6 @@
 """Element-wise kernels of error-feedback 1-bit compression, dispatched by tensor device.
 
-Three kernels carry all element-wise work of the compressed allreduce (DESIGN 2.1, 2.2); each
+Three kernels carry all element-wise work of the compressed allreduce (docs/design.md 2.1, 2.2); each
 works in place on flat, contiguous buffers that the caller owns and reuses:
 
 ``compress_(x, error, packed, scale_out, finish=True)``

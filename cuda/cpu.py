@@ -72,7 +72,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def library() -> ctypes.CDLL | None:
     """The compiled kernel library, or ``None`` if no compiler could build it."""
     compiler = os.environ.get("CC", "cc")

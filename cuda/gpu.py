@@ -1,7 +1,7 @@
 """CuPy path of the compression kernels: ``onebit.cu``, compiled with NVRTC at first use.
 
 Same three functions as :mod:`compressed_opt.cuda.cpu`, on CUDA tensors (validated by the
-dispatcher in ``compressed_opt.cuda``), with the math of DESIGN 2.1 and 2.2:
+dispatcher in ``compressed_opt.cuda``), with the math of docs/design.md 2.1 and 2.2:
 
 * ``compress_``: ``u = x + e``; ``b = [u >= 0]``; ``s = ||u|| / sqrt(n)``; ``e <- u - s (2b - 1)``.
 * ``average_compress_``: ``z = e + sum_i (s_i / N) (2 b_i - 1)``, then compress ``z`` with ``e``.
@@ -145,7 +145,7 @@ class _Kernels:
                 runtime.setDevice(previous)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _kernels(index: int) -> _Kernels:
     return _Kernels(index)
 
@@ -195,7 +195,7 @@ def decompress_(packed, scales, out):
     kernels.run(plan, stream)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _works_on(index: int) -> bool:
     try:
         if not torch.cuda.is_available() or index >= torch.cuda.device_count():

@@ -1,5 +1,5 @@
 /*
- * CUDA kernels of error-feedback 1-bit compression (DESIGN 2.1, 2.2).
+ * CUDA kernels of error-feedback 1-bit compression (docs/design.md 2.1, 2.2).
  *
  * Compiled at first use by compressed_opt.cuda.gpu with CuPy (NVRTC): no host code, no #include.
  * Same contract as onebit_cpu.c and reference.py, on fp32 buffers:

@@ -1,7 +1,7 @@
 """Reference implementation of the compression kernels in plain PyTorch.
 
 Readable, allocating, slow: the definition the fast paths (``cpu``, ``gpu``) are tested against,
-and the CPU fallback where no C compiler is available. The math (DESIGN 2.1, 2.2):
+and the CPU fallback where no C compiler is available. The math (docs/design.md 2.1, 2.2):
 
 * compress: ``u = x + e``; ``s = ||u|| / sqrt(n)``; ``b_k = [u_k >= 0]``; ``e <- u - s (2b - 1)``.
 * average-compress (server): ``z = e + (1/N) sum_i s_i (2 b_i - 1)``, then compress ``z`` with ``e``.

@@ -9,7 +9,7 @@ through MPI.) The recipe is the optimizer passed to ``accelerator.prepare`` with
 the data; ``Accelerator`` must come first: it initialises torch.distributed, which the
 optimizer's backend needs. The loop clips with ``accelerator.clip_grad_norm_(..., 1.0)`` as
 accelerate's examples do. The measurements (``harness.Meter``) are not part of the recipe.
-"""
+"""  # noqa: E501 - the torchrun command line above is kept whole, for copying
 import itertools
 import os
 import sys

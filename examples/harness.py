@@ -365,7 +365,8 @@ def private_netns() -> list[str] | None:
 
 
 def launch(script: str, optimizer: str, *, steps: int, freeze: int, seed: int, out: str, compat: str = "none",
-           timeout: float = 240, netns: list[str] | None = None, env: dict | None = None, cwd: str | None = None) -> dict:
+           timeout: float = 240, netns: list[str] | None = None, env: dict | None = None,
+           cwd: str | None = None) -> dict:
     """Run ``examples/<script>.py`` on 2 ranks as users launch it, in its own session (a job past
     ``timeout`` is killed whole). ``{"returncode", "timed_out", "output", "seconds", "result"}``;
     ``result`` is the ``--out`` JSON (``None`` if it was not written)."""

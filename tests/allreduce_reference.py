@@ -1,4 +1,4 @@
-"""A single-process reference of the compressed allreduce (DESIGN 2.2), written from the math
+"""A single-process reference of the compressed allreduce (docs/design.md 2.2), written from the math
 with plain tensor operations, independent of the library's kernels and buffers."""
 from __future__ import annotations
 

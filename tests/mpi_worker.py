@@ -264,7 +264,8 @@ def case_compressed_allreduce(be):
         ref_we = [torch.zeros(numel) for _ in range(n)]
         ref_se = [torch.zeros(chunk_numel(numel, n)) for _ in range(n)]
         for step in range(3):
-            inputs = [torch.randn(numel, generator=torch.Generator().manual_seed(97 * step + 13 * k)) + k for k in range(n)]
+            inputs = [torch.randn(numel, generator=torch.Generator().manual_seed(97 * step + 13 * k)) + k
+                      for k in range(n)]
             got = compressed_allreduce(inputs[be.rank].clone(), we, se, be)
             want = simulate(inputs, ref_we, ref_se)
             bad = mismatches(got, want)

@@ -18,7 +18,8 @@ def digits(dtype=torch.float32):
 
 def mlp(seed: int = 0, hidden: int = 64, dtype=torch.float32) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(64, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, 10)).to(dtype)
+    return nn.Sequential(nn.Linear(64, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(),
+                         nn.Linear(hidden, 10)).to(dtype)
 
 
 def shard_batches(rank: int, world: int, steps: int, batch: int = 64, seed: int = 1):

@@ -1,6 +1,6 @@
 """Smoke tests of the benchmark scripts: they run, and what they write has the expected shape.
 
-Nothing here asserts a speed (DESIGN section 4: speed only as ratios inside benchmarks).
+Nothing here asserts a speed (docs/design.md section 4: speed only as ratios inside benchmarks).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""compressed_allreduce (DESIGN 2.2) against the single-process reference, on 1-4 Gloo ranks."""
+"""compressed_allreduce (docs/design.md 2.2) against the single-process reference, on 1-4 Gloo ranks."""
 import pytest
 import torch
 
@@ -166,10 +166,12 @@ def test_wire_bytes_are_about_32x_below_fp32_allreduce():
     "tensor, we, se, exc, match",
     [
         (torch.ones(8, dtype=torch.int32), torch.zeros(8), torch.zeros(32), TypeError, "float32, bfloat16 or float16"),
-        (torch.ones(8, dtype=torch.float64), torch.zeros(8), torch.zeros(32), TypeError, "float32, bfloat16 or float16"),
+        (torch.ones(8, dtype=torch.float64), torch.zeros(8), torch.zeros(32), TypeError,
+         "float32, bfloat16 or float16"),
         (torch.ones(8), torch.zeros(9), torch.zeros(32), ValueError, "worker_error must be a contiguous buffer of 8"),
         (torch.ones(8), torch.zeros(8), torch.zeros(8), ValueError, "server_error must be a contiguous buffer of 32"),
-        (torch.ones(8), torch.zeros(8, dtype=torch.float16), torch.zeros(32), TypeError, "worker_error must be float32"),
+        (torch.ones(8), torch.zeros(8, dtype=torch.float16), torch.zeros(32), TypeError,
+         "worker_error must be float32"),
         (torch.ones(8), torch.zeros(8, device="meta"), torch.zeros(32), ValueError, "worker_error is on meta"),
     ],
 )

@@ -37,7 +37,7 @@ def test_onebit_adam_under_ddp_hook():
     steps, freeze = 8, 4
     results = run_ranks(_ddp_run, 2, "adam", steps, freeze)
     ref = reference_run(2, steps, freeze)
-    for snaps, stats, _ in results:
+    for snaps, _stats, _ in results:
         warm = max((a - b).abs().max().item() for s in range(freeze) for a, b in zip(snaps[s], ref[s]))
         assert warm < 1e-6, f"warmup under DDP differs from AdamW by {warm}"
     for s in range(steps):

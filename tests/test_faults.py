@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from compressed_opt import OnebitAdam, ZeroOneAdam
-from compressed_opt.comm import SingleProcessBackend, compressed_allreduce, error_buffer_sizes, get_backend
+from compressed_opt.comm import SingleProcessBackend, compressed_allreduce, error_buffer_sizes
 from distributed import spawn_ranks
 from optim_tasks import checkpoint_round_trip
 from test_mpi_backend import MPIEXEC, needs_mpi4py, needs_mpiexec
@@ -106,12 +106,14 @@ CORRUPTIONS = {
     "no buckets": (_set(("compressed_opt", "buckets"), _DELETE), r"lacks the key\(s\) 'buckets'"),
     "no frozen": (_set(("compressed_opt", "frozen"), _DELETE), r"lacks the key\(s\) 'frozen'"),
     "not a dict": (_set(("compressed_opt",), [1, 2]), r"\['compressed_opt'\] must be a dict, got list"),
-    "step not a number": (_set(("compressed_opt", "global_step"), "abc"), r"global_step must be an int >= 0, got 'abc'"),
+    "step not a number": (_set(("compressed_opt", "global_step"), "abc"),
+                          r"global_step must be an int >= 0, got 'abc'"),
     "step negative": (_set(("compressed_opt", "global_step"), -3), r"global_step must be an int >= 0, got -3"),
     "step a float": (_set(("compressed_opt", "global_step"), 2.5), r"global_step must be an int >= 0, got 2.5"),
     "rank past world": (_set(("compressed_opt", "rank"), 4), r"0 <= rank < world_size, got rank 4"),
     "exp_avg shape": (_param_state(2, "exp_avg", torch.zeros(3, 4)),
-                      r"parameter 2, 'exp_avg': shape \(3, 4\) in the checkpoint, but the parameter's shape is \(3, 5\)"),
+                      r"parameter 2, 'exp_avg': shape \(3, 4\) in the checkpoint, "
+                      r"but the parameter's shape is \(3, 5\)"),
     "exp_avg_sq flat": (_param_state(0, "exp_avg_sq", torch.zeros(30)),
                         r"parameter 0, 'exp_avg_sq': shape \(30,\) .* is \(5, 6\)"),
     "exp_avg not a tensor": (_param_state(1, "exp_avg", [0.0] * 5),
@@ -277,8 +279,8 @@ def test_ranks_with_different_bucket_cap_mb_are_told_so(disagreeing):
     assert r0["bucket_cap_mb"][2] == 1 and r1["bucket_cap_mb"][2] > 1  # the layouts really differ
     for kind, value, _ in (r0["bucket_cap_mb"], r1["bucket_cap_mb"]):
         assert kind == "raised" and "the ranks disagree" in value, value
-        assert re.search(r"rank 1 has bucket_cap_mb=9.9\d*e-05 unlike rank 0's 25 \(the ranks would cut different buckets\)",
-                         value), value
+        assert re.search(r"rank 1 has bucket_cap_mb=9.9\d*e-05 unlike rank 0's 25 "
+                         r"\(the ranks would cut different buckets\)", value), value
 
 
 # --- E. a stalled rank under Gloo: the process group's timeout bounds the wait ---------------------
@@ -382,7 +384,8 @@ def test_mpi_uncaught_exception_on_one_rank_aborts_the_job(case, where):
     assert "UNEXPECTED" not in out, out
     assert after_fault < MPI_BOUND_S, (after_fault, out)
     assert not _ranks_left()
-    print(f"FAULT mpi {case}: exit code {rc}, every rank gone {after_fault:.2f} s after the fault ({total:.1f} s in all)")
+    print(f"FAULT mpi {case}: exit code {rc}, every rank gone {after_fault:.2f} s after the fault "
+          f"({total:.1f} s in all)")
 
 
 @pytest.mark.mpi

@@ -1,4 +1,4 @@
-"""The framework recipes of ``examples/`` (issue 9): the HF transformers Trainer, Lightning's DDP
+"""The framework recipes of ``examples/``: the HF transformers Trainer, Lightning's DDP
 strategy and an accelerate loop each wrap the model in DistributedDataParallel themselves; the
 optimizer, made with default arguments (but ``lr`` and the freeze step), must find that DDP module
 and make it send only what the optimizer sends alone.

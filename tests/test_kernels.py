@@ -1,4 +1,4 @@
-"""Compression invariants of the kernels (DESIGN 2.1), on every CPU path, and agreement of the
+"""Compression invariants of the kernels (docs/design.md 2.1), on every CPU path, and agreement of the
 native CPU path with the PyTorch reference."""
 import math
 
@@ -76,7 +76,8 @@ def test_cpu_path_matches_reference(n, world):
     x = torch.randn(n, generator=g)
     e1 = torch.randn(n, generator=g)
     e2 = e1.clone()
-    p1, p2 = torch.empty(kernels.packed_numel(n) + 3, dtype=torch.uint8), torch.empty(kernels.packed_numel(n) + 3, dtype=torch.uint8)
+    p1, p2 = (torch.empty(kernels.packed_numel(n) + 3, dtype=torch.uint8),
+              torch.empty(kernels.packed_numel(n) + 3, dtype=torch.uint8))
     s1, s2 = torch.empty(1), torch.empty(1)
     reference.compress_(x, e1, p1, s1)
     cpu.compress_(x, e2, p2, s2)

@@ -52,7 +52,8 @@ def _zero_one(rank, world):
         return (model, *in_mode(ZeroOneAdam, model, mode, **fast))
 
     # checkpoints in phase A (1-bit steps) and in phase B inside a local-step interval
-    resumed = {mode: [resume_diff(lambda: fresh(mode), batches[:26], cut) for cut in (7, 20)] for mode in ZERO_ONE_MODES}
+    resumed = {mode: [resume_diff(lambda: fresh(mode), batches[:26], cut) for cut in (7, 20)]
+               for mode in ZERO_ONE_MODES}
     return losses, kinds, resumed
 
 

@@ -21,7 +21,8 @@ import pytest
 WORKER = Path(__file__).with_name("mpi_worker.py")
 TIMEOUT_S = 120
 HAVE_MPI4PY = importlib.util.find_spec("mpi4py") is not None
-needs_mpi4py = pytest.mark.skipif(not HAVE_MPI4PY, reason="mpi4py is not installed (pip install 'compressed-opt[mpi]' mpich)")
+needs_mpi4py = pytest.mark.skipif(not HAVE_MPI4PY,
+                                  reason="mpi4py is not installed (pip install 'compressed-opt[mpi]' mpich)")
 
 
 def find_mpiexec() -> str | None:

@@ -97,9 +97,11 @@ def reference_run(world, steps, freeze_step, exchange="preconditioned", tracking
                 m = torch.cat([ref.state[p]["exp_avg"].reshape(-1) for p in flat_order])
                 v_f = torch.cat([ref.state[p]["exp_avg_sq"].reshape(-1) for p in flat_order]) / (1 - b2**t)
                 if exchange == "preconditioned":
-                    r, a, bound = preconditioned_exchange(m, v_f, [p.numel() for p in flat_order], HP["eps"], HP["betas"])
+                    r, a, bound = preconditioned_exchange(m, v_f, [p.numel() for p in flat_order], HP["eps"],
+                                                          HP["betas"])
         else:
-            local = [b1 * m + (1 - b1) * torch.cat([g[i].reshape(-1) for i in reversed(range(len(params)))]) for g in grads]
+            local = [b1 * m + (1 - b1) * torch.cat([g[i].reshape(-1) for i in reversed(range(len(params)))])
+                     for g in grads]
             if exchange == "preconditioned":
                 y = simulate([torch.minimum(torch.maximum(r * x, -bound), bound) for x in local], we, se)
                 m = torch.where(v_f == 0, 0.0, y / r)
@@ -132,7 +134,8 @@ def test_warmup_is_adamw_and_compression_matches_reference(world, exchange, trac
         assert frozen
         warm = max((a - b).abs().max().item() for s in range(freeze) for a, b in zip(snaps[s], ref[s]))
         assert warm < 1e-6, f"warmup differs from AdamW by {warm}"
-        comp = max(((a - b).abs() / (b.abs() + 1e-3)).max().item() for s in range(freeze, steps) for a, b in zip(snaps[s], ref[s]))
+        comp = max(((a - b).abs() / (b.abs() + 1e-3)).max().item()
+                   for s in range(freeze, steps) for a, b in zip(snaps[s], ref[s]))
         assert comp < 1e-4, f"compression stage differs from the reference by {comp} (relative)"
         for s in range(steps):  # every rank holds the same parameters
             assert all(torch.equal(a, b) for a, b in zip(snaps[s], results[0][0][s]))
@@ -170,7 +173,8 @@ def test_converges_like_adamw_on_digits_in_every_mode():
     losses = results[0]
     assert losses["adamw"] < 0.5, "did not learn"
     for mode in MODES:
-        assert losses[mode] / losses["adamw"] < 1.05, f"{mode}: final loss {losses[mode]:.4f} vs AdamW {losses['adamw']:.4f}"
+        assert losses[mode] / losses["adamw"] < 1.05, (f"{mode}: final loss {losses[mode]:.4f} "
+                                                      f"vs AdamW {losses['adamw']:.4f}")
 
 
 def _resume(rank, world, total, stop_at, freeze, mode="overlap"):
@@ -267,7 +271,8 @@ def _disagreeing_lr(rank, world):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("fn, message", [(_disagreeing_shapes, "parameter shapes"), (_disagreeing_lr, "hyperparameters differ")])
+@pytest.mark.parametrize("fn, message", [(_disagreeing_shapes, "parameter shapes"),
+                                         (_disagreeing_lr, "hyperparameters differ")])
 def test_ranks_that_disagree_raise_on_every_rank(fn, message):
     for status, value in spawn_ranks(fn, 2, timeout=60):
         assert status == "error" and message in value

@@ -1,4 +1,4 @@
-"""OnebitLamb (DESIGN 2.4) against LAMB and a single-process simulation written from the math."""
+"""OnebitLamb (docs/design.md 2.4) against LAMB and a single-process simulation written from the math."""
 import copy
 import math
 import os
@@ -132,7 +132,8 @@ class Reference:
             ratio = denom / ((s["v_fresh"] / self.corr(b2, t)).sqrt() + hp["eps"])
             factor = ratio.masked_fill(s["v"] == 0, 0.0).max().item()
             factor = min(max(factor, hp["factor_min"]), hp["factor_max"])
-            factor = min(max(factor, s["last"] * (1 - hp["factor_threshold"])), s["last"] * (1 + hp["factor_threshold"]))
+            factor = min(max(factor, s["last"] * (1 - hp["factor_threshold"])),
+                         s["last"] * (1 + hp["factor_threshold"]))
             s["last"] = factor
             u = (m_t / self.corr(b1, t)) / denom + hp["weight_decay"] * p
             p -= hp["lr"] * s["r_f"] * factor * u
@@ -284,7 +285,8 @@ def _two_rank_suite(rank, world, steps, freeze, cuts, folder):
 
 def _on_two_ranks(rank, world, folder):
     """Everything the two-rank tests need, from one spawn of the ranks (spawning costs seconds)."""
-    return {"suite": _two_rank_suite(rank, world, STEPS, FREEZE, CUTS, folder), "convergence": _convergence(rank, world)}
+    return {"suite": _two_rank_suite(rank, world, STEPS, FREEZE, CUTS, folder),
+            "convergence": _convergence(rank, world)}
 
 
 @pytest.fixture(scope="module")
@@ -426,7 +428,8 @@ def test_bad_arguments_name_the_argument(kwargs, error, name):
 def test_bad_group_override_names_the_argument():
     model = small_model()
     with pytest.raises(ValueError, match="factor_min"):
-        OnebitLamb([{"params": list(model[0].parameters())}, {"params": list(model[2].parameters()), "factor_min": 0.0}])
+        OnebitLamb([{"params": list(model[0].parameters())},
+                    {"params": list(model[2].parameters()), "factor_min": 0.0}])
     opt = OnebitLamb(list(model[0].parameters()))
     with pytest.raises(ValueError, match="coeff_beta"):
         opt.add_param_group({"params": list(model[4].parameters()), "coeff_beta": 1.5})

@@ -1,4 +1,4 @@
-"""torch.optim's contract for OnebitAdam, OnebitLamb and ZeroOneAdam (issue 9, part 4).
+"""torch.optim's contract for OnebitAdam, OnebitLamb and ZeroOneAdam (the properties of PyTorch's own optimizer tests).
 
 The properties PyTorch's own optimizer suite checks for the torch.optim optimizers, where they
 apply to ours, written here for ours (PyTorch's test file is not used): state-dict round trip and
@@ -687,7 +687,7 @@ def test_unpickled_backend_is_made_on_first_use_on_the_same_rank(info):
     _, elsewhere = pickle.loads(state)
     elsewhere._unpickled_place = (1, 2)  # as if pickled on rank 1 of 2
     with pytest.raises(RuntimeError, match="pickled on rank 1 of 2"):
-        elsewhere.backend
+        elsewhere.backend  # noqa: B018 - the property access is what raises
 
 
 class _CustomBackend(SingleProcessBackend):

@@ -1,7 +1,7 @@
 """Smoke test of the end-to-end training benchmark (``compressed_opt.bench``): it runs, its JSON
 has the fields users read, and methods whose ranks crash or hang are reported as failed.
 
-Nothing here asserts a speed (DESIGN section 4): speed is measured by the benchmark, not tested.
+Nothing here asserts a speed (docs/design.md section 4): speed is measured by the benchmark, not tested.
 """
 from __future__ import annotations
 

@@ -12,7 +12,8 @@ from optim_tasks import mlp, run_steps, shard_batches
 OPTIMIZERS = {
     "OnebitAdam": lambda ps, freeze, tracking, **hp: OnebitAdam(ps, freeze_step=freeze, variance_tracking=tracking,
                                                                 backend=SingleProcessBackend(), **hp),
-    "ZeroOneAdam": lambda ps, freeze, tracking, **hp: ZeroOneAdam(ps, var_freeze_step=freeze, variance_tracking=tracking,
+    "ZeroOneAdam": lambda ps, freeze, tracking, **hp: ZeroOneAdam(ps, var_freeze_step=freeze,
+                                                                  variance_tracking=tracking,
                                                                   backend=SingleProcessBackend(), **hp),
 }
 

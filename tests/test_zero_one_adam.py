@@ -1,4 +1,4 @@
-"""ZeroOneAdam (DESIGN 2.5): both phases against a single-process reference written from the math,
+"""ZeroOneAdam (docs/design.md 2.5): both phases against a single-process reference written from the math,
 parameters identical on every rank after each synchronisation, the interval schedules,
 convergence on the digits task against AdamW, bit-exact resume, argument checks."""
 import logging
@@ -64,7 +64,7 @@ def _local_grad(model, flat_params, x, y):
 
 
 def reference_run(hp, steps, world, exchange="preconditioned", tracking=True):
-    """0/1 Adam written out from DESIGN 2.5 on flat tensors, simulating the ranks in one process;
+    """0/1 Adam written out from docs/design.md 2.5 on flat tensors, simulating the ranks in one process;
     the compressed allreduce is ``allreduce_reference.simulate``, each layer scaled by its
     coefficient (``compressed_opt.scaling``; its formula has a test of its own) from ``v`` after
     every refresh and at the freeze; or (``exchange="preconditioned"``) whitened: times ``R``
@@ -200,7 +200,8 @@ def _train_recording(rank, world, hp, steps, exchange="preconditioned"):
         opt.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
-        record.append((opt.last_step_kind, _flat_params(model).clone(), _flat(opt.state[p]["exp_avg"] for p in _bucket_order(model))))
+        record.append((opt.last_step_kind, _flat_params(model).clone(),
+                       _flat(opt.state[p]["exp_avg"] for p in _bucket_order(model))))
     return record
 
 
@@ -211,14 +212,16 @@ def test_two_ranks_match_reference_and_agree_after_every_sync(two_ranks, exchang
     reference = reference_run(HP, STEPS, WORLD, exchange)
     kinds = [k for k, _, _ in ranks[0]]
     assert kinds == [k for k, _ in reference]
-    assert kinds[:8] == ["refresh", "refresh", "compressed", "refresh", "compressed", "refresh", "compressed", "refresh"]
+    assert kinds[:8] == ["refresh", "refresh", "compressed", "refresh", "compressed", "refresh", "compressed",
+                         "refresh"]
     assert [t - 8 for t, k in enumerate(kinds, start=1) if k == "sync"] == [1, 2, 4, 7, 10, 13]
     diffs = {"phase A": 0.0, "phase B": 0.0}
-    for t, (kind, expected) in enumerate(reference, start=1):
+    for t, (_kind, expected) in enumerate(reference, start=1):
         phase = "phase A" if t <= HP["var_freeze_step"] else "phase B"
         for rank in range(WORLD):
             diffs[phase] = max(diffs[phase], (ranks[rank][t - 1][1] - expected[rank]).abs().max().item())
-    full_precision_only = max((ranks[r][t][1] - reference[t][1][r]).abs().max().item() for r in range(WORLD) for t in (0, 1))
+    full_precision_only = max((ranks[r][t][1] - reference[t][1][r]).abs().max().item()
+                              for r in range(WORLD) for t in (0, 1))
     print(f"max |params - reference|: {diffs}; steps 1-2 (full precision only): {full_precision_only}")
     assert full_precision_only < 1e-7
     assert diffs["phase A"] < 1e-5 and diffs["phase B"] < 1e-5, diffs  # float rounding (|params| < 1)
@@ -286,7 +289,8 @@ def test_var_interval_doubles_after_every_var_update_scaler_refreshes():
 
 
 def test_local_step_interval_doubles_every_local_step_scaler_steps_up_to_the_clipper():
-    _, opt, trace = _tiny_run(3 + 40, var_freeze_step=3, var_update_scaler=100, local_step_scaler=3, local_step_clipper=8)
+    _, opt, trace = _tiny_run(3 + 40, var_freeze_step=3, var_update_scaler=100, local_step_scaler=3,
+                              local_step_clipper=8)
     phase_b = trace[3:]
     intervals = [s["local_interval"] for s in phase_b]  # after each phase-B step
     assert intervals[:15] == [1, 1, 2, 2, 2, 4, 4, 4, 8, 8, 8, 8, 8, 8, 8]
@@ -338,7 +342,8 @@ def test_group_with_zero_lr_skips_its_synchronisations_and_stays_put():
     assert syncs == 5  # phase-B steps 1, 2, 4, 6, 8 of 9
     assert opt.backend.stats.calls["all_to_all"] == syncs  # the weight's bucket only
     assert torch.equal(model.bias.detach(), bias0)
-    assert all(torch.isfinite(torch.as_tensor(t)).all() for p in (model.weight, model.bias) for t in opt.state[p].values())
+    assert all(torch.isfinite(torch.as_tensor(t)).all()
+               for p in (model.weight, model.bias) for t in opt.state[p].values())
 
 
 def test_low_precision_parameters_through_both_phases():
@@ -365,7 +370,8 @@ def test_auto_freeze_is_logged_and_kept_in_checkpoints(caplog):
     with caplog.at_level(logging.INFO, logger="compressed_opt"):
         model, opt, trace = _tiny_run(30, var_freeze_step=rule, var_update_scaler=2)
     assert opt.phase == "B" and 3 <= opt.var_freeze_step < 30
-    assert trace[opt.var_freeze_step - 1]["kind"] == "refresh" and trace[opt.var_freeze_step]["kind"] in ("sync", "local")
+    assert (trace[opt.var_freeze_step - 1]["kind"] == "refresh"
+            and trace[opt.var_freeze_step]["kind"] in ("sync", "local"))
     assert f"variance frozen at the end of step {opt.var_freeze_step}" in caplog.text
     sd = opt.state_dict()["compressed_opt"]
     assert sd["var_freeze_step"] == opt.var_freeze_step and sd["freeze_rule"]["window"] == 2
@@ -374,7 +380,8 @@ def test_auto_freeze_is_logged_and_kept_in_checkpoints(caplog):
     assert fresh.var_freeze_step == opt.var_freeze_step and fresh.phase == "B"
     assert fresh.freeze_rule.window == 2
     # max_step is a hard limit even between refreshes
-    _, opt, _ = _tiny_run(12, var_freeze_step=VarianceStabilityRule(window=50, min_step=1, max_step=7), var_update_scaler=1)
+    _, opt, _ = _tiny_run(12, var_freeze_step=VarianceStabilityRule(window=50, min_step=1, max_step=7),
+                          var_update_scaler=1)
     assert opt.var_freeze_step == 7
 
 
@@ -382,7 +389,8 @@ def test_bias_correction_off_is_plain_adam_without_correction():
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
     w0 = model.weight.detach().clone()
-    opt = ZeroOneAdam(model.parameters(), lr=0.1, bias_correction=False, var_freeze_step=5, backend=SingleProcessBackend())
+    opt = ZeroOneAdam(model.parameters(), lr=0.1, bias_correction=False, var_freeze_step=5,
+                      backend=SingleProcessBackend())
     model.weight.grad = torch.full_like(model.weight, 2.0)
     model.bias.grad = torch.zeros_like(model.bias)
     opt.step()
@@ -408,7 +416,8 @@ def _digits_zero_one_adam(rank, world, hp, steps):
     assert opt.last_step_kind == "sync"  # the loss is measured on synchronised parameters
     # "auto" on 2 ranks: rank 0 decides, every rank freezes at the same step
     model = mlp()
-    auto = ZeroOneAdam(model.parameters(), lr=1e-2, var_freeze_step=VarianceStabilityRule(**AUTO_RULE), var_update_scaler=2)
+    auto = ZeroOneAdam(model.parameters(), lr=1e-2, var_freeze_step=VarianceStabilityRule(**AUTO_RULE),
+                       var_update_scaler=2)
     train(model, auto, rank, world, AUTO_RULE["max_step"] + 2)
     return loss, opt.local_step_interval, auto.var_freeze_step
 
@@ -518,7 +527,8 @@ def test_bad_param_group_is_rejected():
 
 def test_defaults_and_auto_accepted():
     opt = ZeroOneAdam(nn.Linear(2, 2).parameters(), backend=SingleProcessBackend())
-    assert (opt.var_freeze_step, opt.var_update_scaler, opt.local_step_scaler, opt.local_step_clipper) == (100000, 16, 32678, 16)
+    assert (opt.var_freeze_step, opt.var_update_scaler, opt.local_step_scaler,
+            opt.local_step_clipper) == (100000, 16, 32678, 16)
     assert opt.phase == "A" and opt.var_interval == 1 and opt.local_step_interval == 1
     auto = ZeroOneAdam(nn.Linear(2, 2).parameters(), var_freeze_step="auto", backend=SingleProcessBackend())
     assert auto.var_freeze_step is None and isinstance(auto.freeze_rule, VarianceStabilityRule)

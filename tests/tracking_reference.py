@@ -22,14 +22,15 @@ class TrackingReference:
         self.rho, self.ref = [1.0] * self.n, [0.0] * self.n
 
     def factors(self, local, since, now, then, beta2, debiased=True):
-        """``local[r][l]``: rank ``r``'s gradient of layer ``l``; ``since``: compression steps so
+        """``local[r][layer]``: rank ``r``'s gradient of that layer; ``since``: compression steps so
         far (this one included); ``now``, ``then``: updates of Adam's v now and at the freeze."""
         out = []
-        for l in range(self.n):
-            w = sum(float((g[l].double() ** 2).mean()) for g in local) / len(local)
+        for layer in range(self.n):
+            w = sum(float((g[layer].double() ** 2).mean()) for g in local) / len(local)
             if since <= 10:
-                self.ref[l] += (w * self.cal[l] - self.ref[l]) / since
-            self.rho[l] = beta2 * self.rho[l] + (1 - beta2) * (w / self.ref[l] if self.ref[l] > 0 else 1.0)
+                self.ref[layer] += (w * self.cal[layer] - self.ref[layer]) / since
+            self.rho[layer] = (beta2 * self.rho[layer]
+                               + (1 - beta2) * (w / self.ref[layer] if self.ref[layer] > 0 else 1.0))
             c = (1 - beta2**then) / (1 - beta2**now) if debiased else 1.0
-            out.append(min(4.0, max(0.25, (self.rho[l] * c) ** -0.5)))
+            out.append(min(4.0, max(0.25, (self.rho[layer] * c) ** -0.5)))
         return out

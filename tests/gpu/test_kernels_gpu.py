@@ -249,7 +249,7 @@ def test_decompress_partial_rows(dev, n):
 
 
 def test_round_trip_compressed_allreduce_shapes(dev):
-    """Worker compress -> server average-compress -> decompress, as in DESIGN 2.2, on one device."""
+    """Worker compress -> server average-compress -> decompress, as in docs/design.md 2.2, on one device."""
     g = torch.Generator().manual_seed(9)
     world, n = 4, 4 * 8 * 1000
     chunk = n // world
