@@ -37,8 +37,8 @@ from __future__ import annotations
 import torch
 
 #: the columns of a layer's row: the warmup EMA of the sum of squares of the averaged gradient
-#: (of this rank's chunk under ZeRO until the freeze, then the layer's mean), the EMA's number of
-#: updates, rho, the reference ``ref_l`` and the calibration ``cal_l``
+#: (whole on every rank in every mode, ZeRO included), the EMA's number of updates, rho, the
+#: reference ``ref_l`` and the calibration ``cal_l``
 COLUMNS = ("grad_sq_ema", "ema_updates", "ratio", "reference", "calibration")
 EMA, UPDATES, RATIO, REFERENCE, CALIBRATION = range(len(COLUMNS))
 #: the EMA's coefficient for ``a_l``: about the last 10 warmup steps
@@ -82,19 +82,18 @@ def sums(tensors: list[torch.Tensor], device) -> torch.Tensor:
 
 
 def observe_warmup(rows: torch.Tensor, sums: torch.Tensor) -> None:
-    """One warmup step: ``sums`` (per layer, the averaged gradient's sum of squares, or this
-    rank's chunk's) into the EMA."""
+    """One warmup step: ``sums`` (per layer, the averaged gradient's sum of squares) into the EMA."""
     rows[:, EMA].mul_(EMA_BETA).add_(sums.to(rows), alpha=1 - EMA_BETA)
     rows[:, UPDATES].add_(1.0)
 
 
-def start(rows: torch.Tensor, grad_sq_sums: torch.Tensor, variance_sums: torch.Tensor, numels: torch.Tensor) -> None:
-    """At the freeze: ``cal_l`` from the layers' whole EMA sums (``grad_sq_sums``) and sums of the
-    raw variance ``v(F)``; ``rho = 1``. A layer without gradients in warmup gets ``cal = 0`` (its
-    factor stays 1)."""
+def start(rows: torch.Tensor, variance_sums: torch.Tensor, numels: torch.Tensor) -> None:
+    """At the freeze: ``cal_l`` from the EMA and the layers' sums of the raw variance ``v(F)``;
+    ``rho = 1``. A layer that never had a gradient gets ``cal = 0`` (its ``v_f`` is 0: it does not
+    move anyway)."""
     numels = numels.to(rows)
     debias = 1.0 - EMA_BETA ** rows[:, UPDATES].clamp(min=1.0)
-    a = grad_sq_sums.to(rows) / numels / debias
+    a = rows[:, EMA] / numels / debias
     rows[:, CALIBRATION] = torch.where(a > 0, variance_sums.to(rows) / numels / a, torch.zeros_like(a))
     rows[:, RATIO] = 1.0
     rows[:, REFERENCE] = 0.0
@@ -169,7 +168,7 @@ class LayerVarianceTracking:
         same on every rank."""
         if self.variance_tracking:
             rows = bucket.flats["layer_variance"]
-            start(rows, rows[:, EMA].clone(), sums(bucket.views(v[: bucket.numel]), bucket.device), bucket.layer_numels)
+            start(rows, sums(bucket.views(v[: bucket.numel]), bucket.device), bucket.layer_numels)
 
     def _observe_local_gradient(self, bucket) -> None:
         """Compression stage, where the optimizer gathers a bucket's gradients: this rank's
