@@ -48,6 +48,7 @@ def main():
         meter.step_end(loss.item())
     # ---------------------------------------------------------------------------------------------
     meter.finish(accelerator.unwrap_model(model))
+    accelerator.end_training()  # (the recipe) destroys the process group: an orderly exit on every rank
 
 
 if __name__ == "__main__":
