@@ -75,8 +75,6 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
                  zero_stage=0, master_resync_interval=100, exchange="preconditioned", variance_tracking=False):
         if exchange not in self.EXCHANGES:
             raise ValueError(f"Invalid exchange: {exchange!r} (must be one of {', '.join(map(repr, self.EXCHANGES))})")
-        if not isinstance(variance_tracking, bool):
-            raise TypeError(f"variance_tracking must be True or False, got {variance_tracking!r}")
         self.exchange_mode = exchange
         self._init_variance_tracking(variance_tracking)
         freeze_step = check_step_count("freeze_step", freeze_step, allow_auto=True, minimum=1) \
