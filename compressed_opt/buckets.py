@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from compressed_opt.comm import chunk_numel
+from compressed_opt.cuda import Segments
 
 
 @dataclass
@@ -29,6 +30,9 @@ class Bucket:
     #: views of the bucket's own buffers, by (address, dtype, device): made once (a model with
     #: thousands of parameters would otherwise spend most of a step slicing)
     _views: dict = field(default_factory=dict, repr=False, compare=False)
+    #: values an optimizer derives from the bucket's buffers and keeps while they last (keyed by
+    #: what they were made from; runtime only, never saved)
+    derived: dict = field(default_factory=dict, repr=False, compare=False)
 
     @functools.cached_property
     def low_precision(self) -> bool:
@@ -46,6 +50,12 @@ class Bucket:
     def layer_numels(self) -> torch.Tensor:
         """Per parameter, its number of elements (at least 1), as float64 on the bucket's device."""
         return torch.tensor([max(p.numel(), 1) for p in self.params], dtype=torch.float64, device=self.device)
+
+    @functools.cached_property
+    def segments(self) -> Segments:
+        """The parameters as consecutive segments of the bucket's flat buffers, for the segmented
+        passes of :mod:`compressed_opt.cuda.segmented`."""
+        return Segments([p.numel() for p in self.params])
 
     def flat(self, name: str) -> torch.Tensor:
         """The fp32 buffer ``name`` of this bucket (zeros on first use)."""

@@ -43,6 +43,7 @@ import math
 
 import torch
 
+from compressed_opt import cuda as kernels
 from compressed_opt.comm import compressed_allreduce
 
 from . import scaling, zero
@@ -161,14 +162,15 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
         return zero.grad_buffer(self, bucket) if self.zero_stage else super()._grad_buffer(bucket)
 
     def _gather(self, bucket, grad, step):
-        self._observe_local_gradient(bucket)
         if self.zero_stage and self.frozen:  # the local momentum is formed from p.grad directly
+            self._observe_local_gradient(bucket)
             beta1 = self.param_groups[bucket.group_index]["betas"][0]
             zero.local_momentum(self, bucket, grad, beta1, keep_previous=self._keeps_previous_momentum,
                                 row_scales=self._exchange_scales(bucket),
                                 preconditioner=self._exchange_preconditioner(bucket))
         else:
             super()._gather(bucket, grad, step)
+            self._observe_local_gradient(bucket, grad)
 
     def _exchange_scales(self, bucket) -> list[float] | None:
         """Per parameter of the bucket, the factor its momentum is multiplied by for the 1-bit
@@ -205,13 +207,10 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
         return r
 
     def _direction_from_exchange_(self, bucket, y: torch.Tensor) -> None:
-        """``y`` (the exchanged ``R m``) <- ``m / (sqrt(v_f) + eps) = A y`` with ``A =
-        sqrt(v_f) / (sqrt(v_f) + eps) / c_l`` (0 where ``v_f == 0``). ZeRO, which keeps no ``A``,
-        uses ``A = 1 / (c_l + eps R)`` (the same, from ``R = c_l / sqrt(v_f)``) for one step."""
+        """ZeRO: ``y`` (the exchanged ``R m``) <- ``m / (sqrt(v_f) + eps) = A y`` with ``A = 1 /
+        (c_l + eps R)`` (0 where ``v_f == 0``), made for this step from ``R = c_l / sqrt(v_f)``
+        (stage 0 keeps ``A = sqrt(v_f) / (sqrt(v_f) + eps) / c_l``, :meth:`_unprecondition_`)."""
         r = self._exchange_preconditioner(bucket)
-        if not self.zero_stage:
-            y.mul_(bucket.flats["direction_factor"])
-            return
         views = bucket.views(y)
         if views:
             a_inv = torch._foreach_mul(bucket.views(r), self.param_groups[bucket.group_index]["eps"])
@@ -223,10 +222,16 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
 
     def _exchange_bounds(self, bucket) -> list[float]:
         """Per layer, the bound ``c_l K`` on the exchanged ``|R m_i|``, ``K = max(1, (1 - b1) /
-        sqrt(1 - b2))``: Adam's own bound on ``|m / sqrt(v)|``."""
-        b1, b2 = self.param_groups[bucket.group_index]["betas"]
-        k = max(1.0, (1 - b1) / math.sqrt(1 - b2))
-        return [k * self.state[p]["scaling_coeff"] for p in bucket.params]
+        sqrt(1 - b2))``: Adam's own bound on ``|m / sqrt(v)|``. Made once per preconditioner
+        (``c_l`` is set with it) and betas."""
+        betas = tuple(self.param_groups[bucket.group_index]["betas"])
+        key = (self._exchange_preconditioner(bucket), betas)
+        cached = bucket.derived.get("exchange_bounds")
+        if cached is None or cached[0][0] is not key[0] or cached[0][1] != betas:
+            k = max(1.0, (1 - betas[0]) / math.sqrt(1 - betas[1]))
+            cached = (key, [k * self.state[p]["scaling_coeff"] for p in bucket.params])
+            bucket.derived["exchange_bounds"] = cached
+        return cached[1]
 
     def _bound_(self, bucket, x: torch.Tensor) -> None:
         """Clip the exchanged ``R m_i`` to ``+-c_l K`` (:meth:`_exchange_bounds`)."""
@@ -257,16 +262,18 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
             idx = bucket.flats["no_variance"] = torch.nonzero(self._exchange_preconditioner(bucket) == 0).view(-1)
         return idx
 
-    def _precondition_(self, bucket, x: torch.Tensor) -> None:
-        """The exchanged vector from the local momentum in ``x`` (stage 0: ``m_i``, ZeRO: already
-        ``R m_i``, see :func:`zero.local_momentum`): ``R m_i``, 0 where ``v_f == 0``, clipped to
-        ``+-c_l K``."""
+    def _precondition_(self, bucket, x: torch.Tensor, beta1: float) -> None:
+        """The exchanged vector ``clip(R m_i, +-c_l K)`` (0 where ``v_f == 0``) into ``x``, from the
+        local momentum ``m_i = b1 m + (1 - b1) g_i``. Stage 0: ``x`` holds ``g_i`` and one pass forms
+        it (:func:`~compressed_opt.cuda.lerp_scale_clamp_`); ZeRO: ``x`` holds ``R m_i`` already
+        (:func:`zero.local_momentum`)."""
         if not self.zero_stage:
-            x.mul_(self._exchange_preconditioner(bucket))
-        else:  # the kept rows carry the exchange's +-t where v_f == 0 (stage 0's m is 0 there)
-            idx = self._no_variance(bucket)
-            if idx.numel():
-                x.index_fill_(0, idx, 0.0)
+            kernels.lerp_scale_clamp_(x, bucket.flat("exp_avg"), 1 - beta1, self._exchange_preconditioner(bucket),
+                                      self._exchange_bounds(bucket), bucket.segments)
+            return
+        idx = self._no_variance(bucket)  # the kept rows carry the exchange's +-t where v_f == 0
+        if idx.numel():
+            x.index_fill_(0, idx, 0.0)
         self._bound_(bucket, x)
 
     def _exchange_1bit(self, bucket, x: torch.Tensor) -> None:
@@ -279,6 +286,9 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
 
     def _momentum_from_exchange(self, bucket, y: torch.Tensor, out: torch.Tensor) -> None:
         """``m = y / R`` into ``out`` (0 where ``v_f == 0``)."""
+        if not self.zero_stage:
+            kernels.unprecondition_(y, self._exchange_preconditioner(bucket), out, segments=bucket.segments)
+            return
         torch.div(y, self._exchange_preconditioner(bucket), out=out)
         idx = self._no_variance(bucket)
         if idx.numel():
@@ -375,12 +385,12 @@ class OnebitAdam(_FreezingAdam):
     def _bucket_communicate(self, bucket, group, grad, step):
         """Compression stage: local momentum ``m_i = b1 m + (1 - b1) g_i`` into ``grad`` (as
         ``R m_i``, bounded, for the preconditioned exchange), then its compressed average over the
-        ranks, in place (``m`` takes it in :meth:`_bucket_step`)."""
-        if not self.zero_stage:  # (ZeRO: grad holds m_i already, _gather)
-            # into the gradient buffer: m changes only in _bucket_step (a skipped step leaves it alone)
-            torch.lerp(bucket.flat("exp_avg"), grad, 1 - group["betas"][0], out=grad)
+        ranks, in place (``m`` takes it in :meth:`_bucket_step`). Into the gradient buffer: ``m``
+        changes only in :meth:`_bucket_step` (a skipped step leaves it alone)."""
         if self.exchange_mode == "preconditioned":
-            self._precondition_(bucket, grad)
+            self._precondition_(bucket, grad, group["betas"][0])
+        elif not self.zero_stage:  # (ZeRO: grad holds m_i already, _gather)
+            torch.lerp(bucket.flat("exp_avg"), grad, 1 - group["betas"][0], out=grad)
         self._exchange_1bit(bucket, grad)
 
     def _bucket_step(self, bucket, group, grad, step, averaged):
@@ -401,15 +411,18 @@ class OnebitAdam(_FreezingAdam):
             momentum_(m, grad, beta1)
             variance_(v, grad, beta2)
             torch.div(m, denominator_(v, direction, eps, bc2_sqrt), out=direction)
-        elif self.exchange_mode == "preconditioned":  # grad holds y, the average of R m_i
-            if not self.zero_stage:
-                self._momentum_from_exchange(bucket, grad, out=bucket.flat("exp_avg"))
+        elif self.exchange_mode == "preconditioned" and not self.zero_stage:  # grad holds y = avg of R m_i
+            # one pass: m = y / R, and the direction m / (sqrt(v_f) + eps) = A y times the layer's factor
+            kernels.unprecondition_(grad, self._exchange_preconditioner(bucket), bucket.flat("exp_avg"),
+                                    bucket.flats["direction_factor"], self._variance_factors_of(bucket),
+                                    bucket.segments)
+        elif self.exchange_mode == "preconditioned":
             self._direction_from_exchange_(bucket, direction)  # m / (sqrt(v_f) + eps) = A y
+            self._variance_factors_(bucket, direction)
         else:  # compression stage: grad is already the compressed average (_bucket_communicate)
             if not self.zero_stage:
                 bucket.flat("exp_avg").copy_(grad)
             torch.div(m, self.frozen_denominator(bucket), out=direction)
-        if not averaged:
             self._variance_factors_(bucket, direction)
         if wd != 0:
             torch._foreach_mul_(bucket.params, 1 - lr * wd)

@@ -248,15 +248,16 @@ class OnebitLamb(_FreezingAdam):
         ``b1 m + (1 - b1) g_i`` into the gradient buffer (``m`` keeps ``m_{t-1}``, needed to
         reconstruct the gradient), scaled per layer by ``c_l``, compressed-allreduced, unscaled."""
         preconditioned = self.exchange_mode == "preconditioned"
-        if self.zero_stage:  # grad holds the local momentum (R m_i) already (zero.local_momentum)
-            coeffs = self._exchange_scales(bucket)  # (None when preconditioned)
+        if preconditioned:  # (ZeRO: grad holds the local momentum R m_i already, zero.local_momentum)
+            coeffs = None
+            self._precondition_(bucket, grad, group["betas"][0])
         else:
-            m = bucket.flat("exp_avg")
-            coeffs = None if preconditioned else self._scaling_coeffs(bucket, m)
-            torch.lerp(m, grad, 1 - group["betas"][0], out=grad)
-        if preconditioned:
-            self._precondition_(bucket, grad)
-        else:
+            if self.zero_stage:  # grad holds the local momentum already
+                coeffs = self._exchange_scales(bucket)
+            else:
+                m = bucket.flat("exp_avg")
+                coeffs = self._scaling_coeffs(bucket, m)
+                torch.lerp(m, grad, 1 - group["betas"][0], out=grad)
             scaling.scale_(bucket.views(grad), coeffs)
         self._exchange_1bit(bucket, grad)
         if preconditioned:

@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import torch
 
+from compressed_opt.cuda import segment_sumsq
+
 #: the columns of a layer's row: the warmup EMA of the sum of squares of the averaged gradient
 #: (whole on every rank in every mode, ZeRO included), the EMA's number of updates, rho, the
 #: reference ``ref_l`` and the calibration ``cal_l``
@@ -170,12 +172,21 @@ class LayerVarianceTracking:
             rows = bucket.flats["layer_variance"]
             start(rows, sums(bucket.views(v[: bucket.numel]), bucket.device), bucket.layer_numels)
 
-    def _observe_local_gradient(self, bucket) -> None:
+    def _observe_local_gradient(self, bucket, gathered: torch.Tensor | None = None) -> None:
         """Compression stage, where the optimizer gathers a bucket's gradients: this rank's
-        per-layer sums of ``g_i^2`` (``p.grad`` as the loop left it, unscaled)."""
-        if self.variance_tracking and self.frozen:
+        per-layer sums of ``g_i^2``, from the bucket's ``gathered`` flat gradient (unscaled), in
+        one pass, or else from ``p.grad`` as the loop left it."""
+        if not (self.variance_tracking and self.frozen):
+            return
+        if gathered is None:
             self._local_square_sums[bucket.index] = square_sums(
                 [p.grad for p in bucket.params], bucket.device, self._gather_inv_scale)
+            return
+        out = self._local_square_sums.get(bucket.index)
+        if out is None or out.numel() != len(bucket.params) or out.device != gathered.device:
+            out = torch.empty(len(bucket.params), dtype=torch.float64, device=gathered.device)
+            self._local_square_sums[bucket.index] = out
+        segment_sumsq(gathered, bucket.segments, out)
 
     def _step_statistics(self, step):
         if not (self.variance_tracking and self.frozen):
@@ -197,6 +208,10 @@ class LayerVarianceTracking:
             track(rows, means[offset: offset + n].to(rows) / b.layer_numels, since, beta2)
             self._layer_factors[b.index] = factors(rows, now, then, beta2, group["bias_correction"])
             offset += n
+
+    def _variance_factors_of(self, bucket) -> list[float] | None:
+        """This compression step's per-layer factors of the bucket (``None``: not tracked)."""
+        return self._layer_factors[bucket.index] if self.variance_tracking else None
 
     def _variance_factors_(self, bucket, direction) -> None:
         """Compression stage: each layer's part of ``direction`` times its factor."""

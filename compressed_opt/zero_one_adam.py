@@ -70,6 +70,7 @@ import math
 
 import torch
 
+from compressed_opt import cuda as kernels
 from compressed_opt.comm import compressed_allreduce
 
 from . import scaling, zero
@@ -256,11 +257,7 @@ class ZeroOneAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
         worker_error, server_error = self.error_buffers(bucket)
         if self.exchange_mode == "preconditioned":
             r = self._preconditioner(bucket)
-            x.mul_(r)
-            views, bounds = bucket.views(x), self._exchange_bounds(bucket, lr_sum)
-            if views:
-                torch._foreach_clamp_max_(views, bounds)
-                torch._foreach_clamp_min_(views, [-b for b in bounds])
+            kernels.scale_clamp_(x, r, self._exchange_bounds(bucket, lr_sum), bucket.segments)  # one pass
             compressed_allreduce(x, worker_error, server_error, self.backend)
             x.div_(r)  # 0 / 0 where v == 0: the callers zero those coordinates (_no_variance_no_move_)
             return
@@ -342,8 +339,8 @@ class ZeroOneAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
         return super()._new_layer_rows(name, bucket)
 
     def _gather(self, bucket, grad, step):
-        self._observe_local_gradient(bucket)
         super()._gather(bucket, grad, step)
+        self._observe_local_gradient(bucket, grad)
 
     def _interval_factors(self, bucket) -> list[float] | None:
         """Phase B: the per-layer factors of this synchronisation interval (set at its first
@@ -394,6 +391,18 @@ class ZeroOneAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
             torch._foreach_mul_(bucket.params, 1 - lr * wd)
         torch._foreach_add_(bucket.params, bucket.views(direction), alpha=-lr / bc1)
 
+    @staticmethod
+    def _frozen_denominator(bucket, v: torch.Tensor, eps: float) -> torch.Tensor:
+        """Phase B's ``sqrt(v_hat) + eps``, made once while ``v`` (frozen) and ``eps`` stay as they
+        are (a load or a change of ``eps`` makes it again): one buffer of the bucket's size in
+        place of two passes per step."""
+        key = (v.data_ptr(), v._version, eps)
+        cached = bucket.derived.get("frozen_denominator")
+        if cached is None or cached[0] != key:
+            cached = (key, denominator_(v, torch.empty_like(v), eps))
+            bucket.derived["frozen_denominator"] = cached
+        return cached[1]
+
     def _local_step(self, bucket, group, grad):
         m, v = bucket.flat("exp_avg"), bucket.flat("exp_avg_sq")
         acc, anchor = bucket.flat("momentum_accumulator"), bucket.flat("sync_params")
@@ -401,11 +410,11 @@ class ZeroOneAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
         lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]
         momentum_(m, grad, beta1)
         _no_variance_no_move_(m, bucket, v, False)
-        denom = denominator_(v, grad, eps)  # frozen v_hat; the gradient buffer is free
+        denom = self._frozen_denominator(bucket, v, eps)
         acc.addcdiv_(m, denom, value=lr)  # acc += lr * m / (sqrt(v) + eps)
         factors = self._interval_factors(bucket)
         if not self._syncs_now():
-            direction = torch.div(m, denom, out=denom)
+            direction = torch.div(m, denom, out=grad)  # the gradient buffer is free
             if factors is not None and bucket.params:
                 torch._foreach_mul_(bucket.views(direction), factors)
             if wd != 0:

@@ -18,6 +18,9 @@ works in place on flat, contiguous buffers that the caller owns and reuses:
     every server's decompressed chunk. ``packed`` is ``uint8 [N, row_bytes]``; its rows may be
     strided (``packed.stride(0) >= row_bytes``), e.g. a view that skips a header in each row.
 
+:mod:`~compressed_opt.cuda.segmented` holds the segmented element-wise passes around them (the
+update's preconditioning and its inverse, per-segment sums of squares).
+
 Bits: bit ``k`` is bit ``k % 8`` of byte ``k // 8``; bits past the valid elements are 1.
 Float buffers are fp32. CUDA tensors run the CuPy kernels of ``onebit.cu`` on the current stream
 (no synchronisation); CPU tensors run ``onebit_cpu.c`` (compiled at first use), or the PyTorch
@@ -40,6 +43,7 @@ import warnings
 import torch
 
 from . import reference
+from .segmented import Segments, lerp_scale_clamp_, scale_clamp_, segment_sumsq, unprecondition_
 
 __all__ = [
     "compress_",
@@ -49,6 +53,11 @@ __all__ = [
     "packed_numel",
     "kernel_path",
     "reference",
+    "Segments",
+    "segment_sumsq",
+    "lerp_scale_clamp_",
+    "scale_clamp_",
+    "unprecondition_",
 ]
 
 

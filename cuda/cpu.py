@@ -69,6 +69,14 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.co_decompress.argtypes = [p, p, i64, i64, i64, p, i64]
     lib.co_decompress.restype = None
     lib.co_has_avx2.restype = ctypes.c_int
+    lib.co_segment_sumsq.argtypes = [p, p, i64, p]
+    lib.co_segment_sumsq.restype = None
+    lib.co_lerp_scale_clamp.argtypes = [p, p, f32, p, p, p, i64]
+    lib.co_lerp_scale_clamp.restype = None
+    lib.co_scale_clamp.argtypes = [p, p, p, p, i64]
+    lib.co_scale_clamp.restype = None
+    lib.co_unprecondition.argtypes = [p, p, p, p, p, p, i64]
+    lib.co_unprecondition.restype = None
     return lib
 
 

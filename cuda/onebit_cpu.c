@@ -1,5 +1,6 @@
 /*
- * CPU kernels of error-feedback 1-bit compression (DESIGN 2.1, 2.2).
+ * CPU kernels of error-feedback 1-bit compression (docs/design.md 2.1, 2.2), and the segmented
+ * element-wise passes around it (compressed_opt.cuda.segmented).
  *
  * Compiled at first use by compressed_opt.cuda.cpu with the system C compiler and loaded with
  * ctypes. Same contract as the CUDA kernels in onebit.cu:
@@ -174,5 +175,117 @@ void co_decompress(const uint8_t *packed, const float *scales, int64_t rows, int
         }
 #endif
         for (int64_t k = 8 * full_bytes; k < valid; ++k) dst[k] = (row[k / 8] >> (k % 8)) & 1u ? s : -s;
+    }
+}
+
+/*
+ * Segmented passes: segment s is [off[s], off[s + 1]) of a flat buffer, off[0] = 0; per-segment
+ * scalars are doubles, used as floats (as torch uses a Python scalar on an fp32 tensor).
+ */
+
+/* out[s] = sum of x^2 over segment s, accumulated in double (8 independent sums). */
+void co_segment_sumsq(const float *x, const int64_t *off, int64_t nseg, double *out) {
+    for (int64_t s = 0; s < nseg; ++s) {
+        double acc[8] = {0};
+        int64_t i = off[s], end = off[s + 1];
+        for (; i + 8 <= end; i += 8)
+            for (int j = 0; j < 8; ++j) acc[j] += (double)x[i + j] * x[i + j];
+        double total = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+        for (; i < end; ++i) total += (double)x[i] * x[i];
+        out[s] = total;
+    }
+}
+
+/*
+ * x <- clamp(r * lerp(m, x, w), -b_s, b_s) over segment s, with torch.lerp's formula
+ * (m + w (x - m) for |w| < 1/2, else x - (x - m)(1 - w)); NaN stays NaN.
+ */
+void co_lerp_scale_clamp(float *x, const float *m, float w, const float *r, const double *bounds,
+                         const int64_t *off, int64_t nseg) {
+    const int small = w < 0.5f && w > -0.5f;
+    const float wc = 1.0f - w;
+    for (int64_t s = 0; s < nseg; ++s) {
+        const float b = (float)bounds[s], nb = -b;
+        const int64_t lo = off[s], n = off[s + 1] - off[s];
+        float *restrict xs = x + lo;
+        const float *restrict ms = m + lo, *restrict rs = r + lo;
+        if (small) {
+            for (int64_t i = 0; i < n; ++i) {
+                float v = rs[i] * (ms[i] + w * (xs[i] - ms[i]));
+                xs[i] = v > b ? b : (v < nb ? nb : v);
+            }
+        } else {
+            for (int64_t i = 0; i < n; ++i) {
+                float d = xs[i] - ms[i];
+                float v = rs[i] * (xs[i] - d * wc);
+                xs[i] = v > b ? b : (v < nb ? nb : v);
+            }
+        }
+    }
+}
+
+/* x <- clamp(r * x, -b_s, b_s) over segment s; NaN stays NaN. */
+void co_scale_clamp(float *x, const float *r, const double *bounds, const int64_t *off, int64_t nseg) {
+    for (int64_t s = 0; s < nseg; ++s) {
+        const float b = (float)bounds[s], nb = -b;
+        const int64_t lo = off[s], n = off[s + 1] - off[s];
+        float *restrict xs = x + lo;
+        const float *restrict rs = r + lo;
+        for (int64_t i = 0; i < n; ++i) {
+            float v = rs[i] * xs[i];
+            xs[i] = v > b ? b : (v < nb ? nb : v);
+        }
+    }
+}
+
+/* y / r, or +0 where r == 0: the division is done anyway and masked with integer operations, a
+ * form compilers vectorize (a float select after a division that may trap they do not). */
+static inline float quotient_or_zero(float y, float r) {
+    float q = y / r;
+    uint32_t bits;
+    memcpy(&bits, &q, sizeof bits);
+    bits &= -(uint32_t)(r != 0.0f);
+    memcpy(&q, &bits, sizeof q);
+    return q;
+}
+
+/*
+ * q <- y / r (0 where r == 0); then, if a is given, y <- (y * a) * f_s over segment s (f == NULL:
+ * f_s = 1). q may be y itself (then a must be NULL).
+ */
+void co_unprecondition(float *y, const float *r, float *q, const float *a, const double *f,
+                       const int64_t *off, int64_t nseg) {
+    for (int64_t s = 0; s < nseg; ++s) {
+        const int64_t lo = off[s], n = off[s + 1] - off[s];
+        if (a) { /* q is not y: restrict lets the loop vectorize */
+            float *restrict ys = y + lo, *restrict qs = q + lo;
+            const float *restrict rs = r + lo, *restrict as = a + lo;
+            const float fs = f ? (float)f[s] : 1.0f;
+            if (f) {
+                for (int64_t i = 0; i < n; ++i) {
+                    float yi = ys[i];
+                    qs[i] = quotient_or_zero(yi, rs[i]);
+                    ys[i] = (yi * as[i]) * fs;
+                }
+            } else {
+                for (int64_t i = 0; i < n; ++i) {
+                    float yi = ys[i];
+                    qs[i] = quotient_or_zero(yi, rs[i]);
+                    ys[i] = yi * as[i];
+                }
+            }
+        } else if (q == y) { /* in place */
+            float *restrict ys = y + lo;
+            const float *restrict rs = r + lo;
+            for (int64_t i = 0; i < n; ++i) {
+                ys[i] = quotient_or_zero(ys[i], rs[i]);
+            }
+        } else {
+            const float *restrict ys = y + lo, *restrict rs = r + lo;
+            float *restrict qs = q + lo;
+            for (int64_t i = 0; i < n; ++i) {
+                qs[i] = quotient_or_zero(ys[i], rs[i]);
+            }
+        }
     }
 }

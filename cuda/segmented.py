@@ -1,0 +1,154 @@
+"""Segmented element-wise passes: one pass over a flat fp32 buffer made of segments, each with
+scalars of its own (docs/design.md 2.3.1, 2.3.2).
+
+A :class:`Segments` is the partition of a flat buffer into consecutive segments (for the
+optimizers: a bucket's parameters). The passes fuse what would otherwise be one PyTorch call per
+operation and per segment:
+
+``segment_sumsq(x, segments, out)``
+    ``out[s] = sum_{k in s} x_k^2`` (float64).
+``lerp_scale_clamp_(x, m, weight, r, bounds, segments)``
+    ``x <- clamp(r * lerp(m, x, weight), -b_s, b_s)`` element-wise, ``b_s = bounds[s]``.
+``scale_clamp_(x, r, bounds, segments)``
+    ``x <- clamp(r * x, -b_s, b_s)``.
+``unprecondition_(y, r, out, a=None, factors=None, segments=None)``
+    ``out <- y / r`` (0 where ``r == 0``); then, with ``a``, ``y <- y * a * f_s`` (``factors``
+    ``f_s``, 1 without). ``out`` may be ``y`` itself when ``a`` is ``None``.
+
+CPU tensors run ``onebit_cpu.c`` (one pass, no per-segment call); other devices, and CPUs where
+no C compiler exists (or ``COMPRESSED_OPT_KERNELS=reference``), compose the same math from
+PyTorch's fused multi-tensor ops (``torch._foreach_*``), which on CUDA launch a few kernels per
+pass whatever the number of segments. Both compute in fp32 like PyTorch (the sums in float64);
+they may differ in the last bit (the C pass can contract ``a + w * b`` into one FMA).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import cpu
+
+
+class Segments:
+    """Consecutive segments of ``sizes[s]`` elements, starting at element 0 of a flat buffer."""
+
+    def __init__(self, sizes: list[int]):
+        self.sizes = [int(n) for n in sizes]
+        if any(n < 0 for n in self.sizes):
+            raise ValueError("segment sizes must be non-negative")
+        offsets = [0]
+        for n in self.sizes:
+            offsets.append(offsets[-1] + n)
+        self.offsets = torch.tensor(offsets, dtype=torch.int64)
+        self.numel = offsets[-1]
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def split(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return list(flat[: self.numel].split(self.sizes))
+
+
+def _native(*tensors: torch.Tensor):
+    """The C library when every tensor is a contiguous fp32 CPU tensor and it is allowed, else None."""
+    if os.environ.get("COMPRESSED_OPT_KERNELS") == "reference":
+        return None
+    if not all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors):
+        return None
+    return cpu.library()
+
+
+def _check(segments: Segments, *tensors: torch.Tensor) -> None:
+    for t in tensors:
+        if t.dim() != 1 or t.numel() < segments.numel:
+            raise ValueError(f"a flat buffer of at least {segments.numel} elements is needed, got shape "
+                             f"{tuple(t.shape)}")
+
+
+def _doubles(values, n: int) -> torch.Tensor:
+    out = torch.as_tensor(values, dtype=torch.float64)
+    if out.shape != (n,):
+        raise ValueError(f"one value per segment is needed ({n}), got shape {tuple(out.shape)}")
+    return out.contiguous()
+
+
+def segment_sumsq(x: torch.Tensor, segments: Segments, out: torch.Tensor) -> torch.Tensor:
+    """``out[s]`` <- the sum of squares of segment ``s`` of ``x`` (``out``: float64, on ``x``'s device)."""
+    _check(segments, x)
+    if out.shape != (len(segments),) or out.dtype != torch.float64:
+        raise ValueError(f"out must be float64 of shape ({len(segments)},)")
+    lib = _native(x) if out.device.type == "cpu" and out.is_contiguous() else None
+    if lib is not None:
+        lib.co_segment_sumsq(x.data_ptr(), segments.offsets.data_ptr(), len(segments), out.data_ptr())
+        return out
+    out.zero_()
+    views = segments.split(x)
+    nonempty = [i for i, n in enumerate(segments.sizes) if n]
+    if nonempty:
+        norms = torch._foreach_norm([views[i] for i in nonempty], 2)
+        out[nonempty] = torch.stack(norms).to(out).square_()
+    return out
+
+
+def lerp_scale_clamp_(x: torch.Tensor, m: torch.Tensor, weight: float, r: torch.Tensor, bounds,
+                      segments: Segments) -> None:
+    """``x`` <- ``clamp(r * lerp(m, x, weight), -bounds[s], bounds[s])`` on each segment ``s``."""
+    _check(segments, x, m, r)
+    b = _doubles(bounds, len(segments))
+    lib = _native(x, m, r)
+    if lib is not None:
+        lib.co_lerp_scale_clamp(x.data_ptr(), m.data_ptr(), float(weight), r.data_ptr(), b.data_ptr(),
+                                segments.offsets.data_ptr(), len(segments))
+        return
+    n = segments.numel
+    torch.lerp(m[:n], x[:n], weight, out=x[:n])
+    x[:n].mul_(r[:n])
+    _clamp_segments_(x, b.tolist(), segments)
+
+
+def scale_clamp_(x: torch.Tensor, r: torch.Tensor, bounds, segments: Segments) -> None:
+    """``x`` <- ``clamp(r * x, -bounds[s], bounds[s])`` on each segment ``s``."""
+    _check(segments, x, r)
+    b = _doubles(bounds, len(segments))
+    lib = _native(x, r)
+    if lib is not None:
+        lib.co_scale_clamp(x.data_ptr(), r.data_ptr(), b.data_ptr(), segments.offsets.data_ptr(), len(segments))
+        return
+    x[: segments.numel].mul_(r[: segments.numel])
+    _clamp_segments_(x, b.tolist(), segments)
+
+
+def _clamp_segments_(x: torch.Tensor, bounds: list[float], segments: Segments) -> None:
+    views = segments.split(x)
+    if views:
+        torch._foreach_clamp_max_(views, bounds)
+        torch._foreach_clamp_min_(views, [-v for v in bounds])
+
+
+def unprecondition_(y: torch.Tensor, r: torch.Tensor, out: torch.Tensor, a: torch.Tensor | None = None,
+                    factors=None, segments: Segments | None = None) -> None:
+    """``out`` <- ``y / r`` (0 where ``r == 0``); with ``a``: ``y`` <- ``y * a * factors[s]``."""
+    if segments is None:
+        raise ValueError("segments is required")
+    if a is None and factors is not None:
+        raise ValueError("factors scale y * a: pass a")
+    if a is not None and out.data_ptr() == y.data_ptr():
+        raise ValueError("out must not be y when y is scaled as well")
+    _check(segments, y, r, out, *([] if a is None else [a]))
+    f = None if factors is None else _doubles(factors, len(segments))
+    lib = _native(y, r, out, *([] if a is None else [a]))
+    if lib is not None:
+        lib.co_unprecondition(y.data_ptr(), r.data_ptr(), out.data_ptr(), None if a is None else a.data_ptr(),
+                              None if f is None else f.data_ptr(), segments.offsets.data_ptr(), len(segments))
+        return
+    n = segments.numel
+    y_, r_ = y[:n], r[:n]
+    zero = r_ == 0
+    torch.div(y_, r_, out=out[:n])
+    out[:n].masked_fill_(zero, 0.0)
+    if a is not None:
+        y_.mul_(a[:n])
+        views = segments.split(y)
+        if f is not None and views:
+            torch._foreach_mul_(views, f.tolist())

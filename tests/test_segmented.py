@@ -1,0 +1,131 @@
+"""The segmented passes (compressed_opt.cuda.segmented): the native CPU pass against the PyTorch
+composition and against the math written out per segment."""
+import pytest
+import torch
+
+from compressed_opt.cuda import cpu, segmented
+from compressed_opt.cuda.segmented import Segments
+
+PATHS = ["native", "reference"]
+
+
+@pytest.fixture(params=PATHS)
+def path(request, monkeypatch):
+    if request.param == "native":
+        if cpu.library() is None:
+            pytest.skip("no C compiler here")
+        monkeypatch.delenv("COMPRESSED_OPT_KERNELS", raising=False)
+    else:
+        monkeypatch.setenv("COMPRESSED_OPT_KERNELS", "reference")
+    return request.param
+
+
+def _case(seed: int, sizes=(5, 0, 17, 1, 64, 3)):
+    g = torch.Generator().manual_seed(seed)
+    segs = Segments(list(sizes))
+    n = segs.numel + 4  # a tail past the segments that no pass may touch
+    x, m = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    r = torch.rand(n, generator=g) * 3
+    r[::7] = 0.0
+    return segs, x, m, r, g
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_segment_sumsq(path, seed):
+    segs, x, *_ = _case(seed)
+    out = torch.full((len(segs),), -1.0, dtype=torch.float64)
+    segmented.segment_sumsq(x, segs, out)
+    expected = [float((v.double() ** 2).sum()) for v in segs.split(x)]
+    assert out.tolist() == pytest.approx(expected, rel=1e-6, abs=0)
+    assert out[1] == 0.0  # the empty segment
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_lerp_scale_clamp(path, seed):
+    segs, x, m, r, g = _case(seed)
+    bounds = (torch.rand(len(segs), generator=g) * 2).tolist()
+    tail = x[segs.numel:].clone()
+    expected = []
+    for xs, ms, rs, b in zip(segs.split(x), segs.split(m), segs.split(r), bounds):
+        expected.append((rs * torch.lerp(ms, xs, 0.1)).clamp(-b, b))
+    segmented.lerp_scale_clamp_(x, m, 0.1, r, bounds, segs)
+    torch.testing.assert_close(x[: segs.numel], torch.cat(expected), rtol=1e-6, atol=1e-7)
+    assert torch.equal(x[segs.numel:], tail)
+    assert all(abs(v) <= b for s, b in zip(segs.split(x), bounds) for v in s.tolist())
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_scale_clamp(path, seed):
+    segs, x, _, r, g = _case(seed)
+    bounds = (torch.rand(len(segs), generator=g) * 2).tolist()
+    x0 = x.clone()
+    segmented.scale_clamp_(x, r, bounds, segs)
+    expected = [(rs * xs).clamp(-b, b) for xs, rs, b in zip(segs.split(x0), segs.split(r), bounds)]
+    torch.testing.assert_close(x[: segs.numel], torch.cat(expected), rtol=0, atol=0)
+    assert torch.equal(x[segs.numel:], x0[segs.numel:])
+
+
+def test_lerp_scale_clamp_keeps_nan(path):
+    segs = Segments([3])
+    x = torch.tensor([float("nan"), 1.0, -1.0])
+    segmented.lerp_scale_clamp_(x, torch.zeros(3), 0.5, torch.ones(3), [0.25], segs)
+    assert torch.isnan(x[0]) and x[1:].tolist() == [0.25, -0.25]
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("with_factors", [False, True])
+def test_unprecondition(path, seed, with_factors):
+    segs, y, a, r, g = _case(seed)
+    factors = (torch.rand(len(segs), generator=g) + 0.5).tolist() if with_factors else None
+    y0 = y.clone()
+    q = torch.full_like(y, 7.0)
+    segmented.unprecondition_(y, r, q, a, factors, segs)
+    n = segs.numel
+    expected_q = torch.where(r[:n] != 0, y0[:n] / r[:n], torch.zeros(n))
+    torch.testing.assert_close(q[:n], expected_q, rtol=1e-6, atol=0)
+    assert (q[:n][r[:n] == 0] == 0).all() and (q[n:] == 7.0).all()
+    scaled = [ys * as_ * (factors[s] if factors else 1.0)
+              for s, (ys, as_) in enumerate(zip(segs.split(y0), segs.split(a)))]
+    torch.testing.assert_close(y[:n], torch.cat(scaled), rtol=1e-6, atol=0)
+    assert torch.equal(y[n:], y0[n:])
+
+
+def test_unprecondition_in_place(path):
+    segs, y, _, r, _ = _case(0)
+    y0 = y.clone()
+    segmented.unprecondition_(y, r, y, segments=segs)
+    n = segs.numel
+    torch.testing.assert_close(y[:n], torch.where(r[:n] != 0, y0[:n] / r[:n], torch.zeros(n)), rtol=1e-6, atol=0)
+
+
+def test_native_and_reference_agree(monkeypatch):
+    if cpu.library() is None:
+        pytest.skip("no C compiler here")
+    results = {}
+    for p in PATHS:
+        monkeypatch.setenv("COMPRESSED_OPT_KERNELS", "reference" if p == "reference" else "native")
+        segs, x, m, r, g = _case(5, sizes=(1000, 7, 33333, 0, 2))
+        bounds = [0.5, 1.0, 2.0, 1.0, 0.1]
+        segmented.lerp_scale_clamp_(x, m, 0.1, r, bounds, segs)
+        q = torch.zeros_like(x)
+        segmented.unprecondition_(x, r, q, m, [1.5, 0.25, 1.0, 2.0, 3.0], segs)
+        out = torch.empty(len(segs), dtype=torch.float64)
+        segmented.segment_sumsq(x, segs, out)
+        results[p] = (x, q, out)
+    for a, b in zip(results["native"], results["reference"]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_bad_input_is_refused():
+    segs = Segments([4, 4])
+    with pytest.raises(ValueError, match="at least 8"):
+        segmented.segment_sumsq(torch.zeros(5), segs, torch.zeros(2, dtype=torch.float64))
+    with pytest.raises(ValueError, match="float64"):
+        segmented.segment_sumsq(torch.zeros(8), segs, torch.zeros(2))
+    with pytest.raises(ValueError, match="one value per segment"):
+        segmented.lerp_scale_clamp_(torch.zeros(8), torch.zeros(8), 0.1, torch.ones(8), [1.0], segs)
+    with pytest.raises(ValueError, match="must not be y"):
+        y = torch.zeros(8)
+        segmented.unprecondition_(y, torch.ones(8), y, torch.ones(8), segments=segs)
+    with pytest.raises(ValueError, match="non-negative"):
+        Segments([3, -1])
