@@ -84,8 +84,9 @@ def check_link_possible(flag: str = "--link") -> None:
 
 
 def run_on_link(cmd: list[str], rate, threads: int | str | None = None, **kwargs) -> dict:
-    """``cmd`` as 2 ranks over a veth link limited to ``rate`` (``"none"`` or ``None``: no limit),
-    each with ``OMP_NUM_THREADS=threads`` (``None``: as here, else 1); ``kwargs`` and the result
-    are :func:`slowlink.run_two_ranks`'s. Raises ``slowlink.SlowLinkError`` when the link fails."""
+    """``cmd`` as 2 ranks over a veth link limited to ``rate`` (a tc rate such as ``"1gbit"``;
+    ``"none"`` or ``None``: no limit), each with ``OMP_NUM_THREADS=threads`` (``None``: as here,
+    else 1); ``kwargs`` and the result are ``slowlink.run_two_ranks``'s. Raises
+    ``slowlink.SlowLinkError`` when the link cannot be made."""
     env = {} if threads is None else {"OMP_NUM_THREADS": str(threads)}
-    return slowlink().run_two_ranks(cmd, rate=None if rate in (None, "none") else rate, env=env, **kwargs)
+    return slowlink().run_two_ranks(cmd, rate=rate, env=env, **kwargs)
