@@ -8,7 +8,7 @@
 #                     compute-bound
 #   make bench-micro  pytest-benchmark micro-benchmarks of the kernels and collectives
 BENCH_OUT ?= benchmarks/results
-BENCH_RUN = PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -P -m compressed_opt.bench --out-dir $(BENCH_OUT)
+BENCH_RUN = PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -P benchmarks/train.py --out-dir $(BENCH_OUT)
 DEMO_ARGS ?= --model tiny --launch 2 --steps 200 --freeze-step 80 --batch 8 --breakdown \
 	--methods ddp_adamw,ddp_fp16,ddp_powersgd+serial,onebit_adam,onebit_lamb,zero_one_adam
 # communication-bound on 1 Gbit/s: a 9M-parameter model, 2 x 32 bytes per rank and step.

@@ -22,6 +22,7 @@ What is reported, per size and operation (conventions of nccl-tests, docs/design
   ring-allreduce volume for allreduce, all-to-all and all-gather volumes for the compressed
   exchange); for the compressed allreduce also ``model_wire_bytes`` (``comm.wire_bytes``).
   These are what the algorithm sends; ``benchmarks/wire_bytes.py`` counts the bytes on a wire.
+  The table prints them in SI units (kB, MB, GB), as every benchmark here does.
 * ``--breakdown`` adds, for the compressed allreduce, each of its phases timed alone with the
   same buffer sizes (compress, header all-gather, bit all-to-all, server average+compress, row
   all-gather, decompress), to show where its time goes.
@@ -52,9 +53,11 @@ import time
 import traceback
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common, also under python -P
 
 import torch  # noqa: E402
 
+from common import fmt_bytes, sync  # noqa: E402
 from compressed_opt import comm  # noqa: E402
 from compressed_opt import cuda as kernels  # noqa: E402
 
@@ -152,20 +155,15 @@ def _device(args) -> torch.device:
 
 
 # --- timing ----------------------------------------------------------------------------------------
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def timed_call(backend, call, prepare, device: torch.device) -> float:
     """Seconds of one ``call()`` on this rank: ``prepare()`` first (untimed: e.g. refill the
     input), then a barrier, so that every rank starts the call together."""
     prepare()
-    _sync(device)
+    sync(device)
     backend.barrier()
     t0 = time.perf_counter()
     call()
-    _sync(device)
+    sync(device)
     return time.perf_counter() - t0
 
 
@@ -367,13 +365,6 @@ HEADER = (f"{'size':>9} {'op':<11} {'time ms':>9} {'algbw GB/s':>10} {'busbw GB/
           f"{'sent/rank':>11} {'vs fp32':>8}")
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit, div in (("GiB", 1 << 30), ("MiB", MiB), ("KiB", 1024)):
-        if n >= div:
-            return f"{n / div:.2f} {unit}"
-    return f"{n:.0f} B"
-
-
 def format_rows(entry: dict, world: int) -> str:
     lines = []
     for i, (op, r) in enumerate(entry["ops"].items()):
@@ -381,7 +372,7 @@ def format_rows(entry: dict, world: int) -> str:
         speed = f"{r['speedup_vs_fp32']:.2f}x" if r.get("speedup_vs_fp32") else "-"
         label = op + ("*" if op == "compressed" else "")
         lines.append(f"{size:>9} {label:<11} {r['time_s'] * 1e3:9.3f} {r['algbw_GBps']:10.3f} "
-                     f"{r['busbw_GBps']:10.3f} {_fmt_bytes(r['bytes_sent_per_rank']):>11} {speed:>8}")
+                     f"{r['busbw_GBps']:10.3f} {fmt_bytes(r['bytes_sent_per_rank']):>11} {speed:>8}")
     b = entry.get("compressed_breakdown_s")
     if b:
         parts = ", ".join(f"{k} {v * 1e3:.2f}" for k, v in b.items())

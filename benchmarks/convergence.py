@@ -9,7 +9,7 @@ Models (nothing is downloaded; the corpus is the bytes of Python's own help text
   prediction: the model of the key-bias report (docs/design.md, "Numerics");
 * ``bert``: a BERT masked LM from a ``transformers`` config (2 layers, width 64; 15% of the bytes
   masked; a padding row and a token type that are never seen);
-* ``gpt``: the end-to-end benchmark's GPT (``compressed_opt.bench``, preset ``tiny``);
+* ``gpt``: the end-to-end benchmark's GPT (``benchmarks/e2e/model.py``, preset ``tiny``);
 * ``digits``: scikit-learn's digits, a 64-64-64-10 tanh MLP.
 
 Optimizers and their uncompressed twins: ``onebitadam`` and ``zerooneadam`` against ``adamw``
@@ -48,6 +48,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)  # e2e (the end-to-end benchmark's GPT), also under python -P
 RESULTS = os.path.join(HERE, "results")
 WORLD = 2
 TWIN = {"onebitadam": "adamw", "onebitadam-momentum": "adamw", "onebitadam-frozen": "adamw", "zerooneadam": "adamw",
@@ -141,7 +142,7 @@ class GPTTask(ByteTask):
     lr = 2e-3
 
     def model(self):
-        from compressed_opt.bench import PRESETS, TinyGPT
+        from e2e.model import PRESETS, TinyGPT
 
         return TinyGPT(PRESETS["tiny"])
 

@@ -33,6 +33,10 @@ from dataclasses import dataclass, field
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)  # common, also under python -P
+
+from common import child_env  # noqa: E402
+
 CHILD = os.path.join(HERE, "fault_child.py")
 BIN = os.path.dirname(sys.executable)
 
@@ -202,7 +206,7 @@ def _pids(lines: list[str]) -> set[int]:
 def run(s: Scenario, limit: float) -> Result:
     cmd = (TORCHRUN if s.launcher == "torchrun" else MPIEXEC) + [CHILD, "--scenario", s.child or s.name, *s.args]
     res = Result(command=" ".join([*(f"{k}={v}" for k, v in s.env.items()), shlex.join(cmd)]))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **s.env)
+    env = child_env(threads=1, PYTHONUNBUFFERED="1", **s.env)
     if "COMPRESSED_OPT_TIMEOUT" not in s.env:
         env.pop("COMPRESSED_OPT_TIMEOUT", None)
     lines: list[str] = []

@@ -32,12 +32,15 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common, also under python -P
 
 import torch  # noqa: E402
 
+from common import sync  # noqa: E402
 from compressed_opt import cuda as kernels  # noqa: E402
 
 MiB = 1 << 20
@@ -125,8 +128,7 @@ def run(device: torch.device, sizes_mb: list[float], repeat: int, inner: int, wa
         for name, fn in _operations(b).items():
             for _ in range(warmup):
                 fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            sync(device)
             times = measure(fn)
             t = statistics.median(times)
             entry["ops"][name] = {"time_s": t, "time_min_s": min(times), "GBps": 4 * n / t / 1e9, "times_s": times}

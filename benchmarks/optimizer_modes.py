@@ -195,11 +195,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.what == "overlap" and "RANK" not in os.environ:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from slowlink import run_two_ranks
+        from common import run_on_link
 
         cmd = [sys.executable, "-P", os.path.abspath(__file__), *argv]  # ranks have RANK set: no relaunch
-        out = run_two_ranks(cmd, rate=None if args.link == "none" else args.link, timeout=args.timeout,
-                            env={"OMP_NUM_THREADS": "1"})
+        out = run_on_link(cmd, args.link, threads=1, timeout=args.timeout)
         print(out["outputs"][0])
         if out["returncode"]:
             print(out["outputs"][1], file=sys.stderr)

@@ -18,7 +18,7 @@ measured in the same run (docs/design.md section 4):
   / time: the effective bandwidth) and ``bytes_sent_per_rank`` from ``backend.stats``.
 
 Loopback has far more bandwidth than a network: on the CPU the compressed allreduce is bound by
-its kernels here, and wins only where the link is slower than them (``compressed_opt.bench --link``).
+its kernels here, and wins only where the link is slower than them (``benchmarks/train.py --link``).
 """
 from __future__ import annotations
 
@@ -30,10 +30,12 @@ import tempfile
 import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common, also for the peer under python -P
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from common import child_env  # noqa: E402
 from compressed_opt import comm  # noqa: E402
 from compressed_opt import cuda as kernels  # noqa: E402
 
@@ -175,8 +177,7 @@ class _Ranks:
         self.dist = dist
         self.tmp = tempfile.TemporaryDirectory(prefix="co-micro-")
         store = os.path.join(self.tmp.name, "store")
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        env.pop("PYTHONPATH", None)
+        env = child_env(threads=1, drop=("PYTHONPATH",))
         self.peer = subprocess.Popen([sys.executable, "-P", os.path.abspath(__file__), "--peer", store], env=env)
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=2)
         self.backend = comm.get_backend("torch")

@@ -1,18 +1,22 @@
 """End-to-end training benchmark: compressed optimizers against DDP + AdamW, fp16 and PowerSGD hooks.
 
-A thin entry point: everything lives in :mod:`compressed_opt.bench` (installed, so
-``python -P -m compressed_opt.bench`` is the same). Examples::
+The entry point of the package ``e2e`` beside this file (``e2e/__init__.py`` says what is
+measured and how; ``make demo`` and ``make bench`` run it). Examples::
 
     python -P benchmarks/train.py --model tiny --methods ddp_adamw,onebit_adam --steps 100
     python -P benchmarks/train.py --model small --link 1gbit --batch 1 --seq-len 32 --breakdown   # root
     torchrun --nproc-per-node 2 benchmarks/train.py --methods ddp_adamw,onebit_adam
 
-Run Python with ``-P`` (or from this folder) when the repository root would otherwise land on
-``sys.path`` (its ``cuda/`` folder shadows NVIDIA's ``cuda`` package).
+This folder goes on ``sys.path`` (for ``e2e`` and ``common``); the repository root must not (its
+``cuda/`` folder shadows NVIDIA's ``cuda`` package): run Python with ``-P``, as the Makefile does
+(torchrun runs a script without the current folder on ``sys.path``, so it is safe too).
 """
+import os
 import sys
 
-from compressed_opt.bench import cli
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from e2e.cli import cli  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(cli())

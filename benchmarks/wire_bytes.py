@@ -150,14 +150,14 @@ def main(argv=None) -> int:
     if args.worker:
         return worker(args)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import slowlink
+    from common import run_on_link, slowlink
 
     cmd = [sys.executable, "-P", os.path.abspath(__file__), "--worker", "--numel", str(args.numel),
            "--calls", str(args.calls), "--warmup", str(args.warmup), "--backend", args.backend]
     try:
-        run = slowlink.run_two_ranks(cmd, rate=args.rate, timeout=args.timeout,
-                                     mode="mpi" if args.backend == "mpi" else "torch", gso=not args.no_gso)
-    except slowlink.SlowLinkError as e:
+        run = run_on_link(cmd, args.rate, timeout=args.timeout, mode="mpi" if args.backend == "mpi" else "torch",
+                          gso=not args.no_gso)
+    except slowlink().SlowLinkError as e:
         print(f"wire_bytes: {e}", file=sys.stderr)
         return 2
     line = next((ln for ln in run["outputs"][0].splitlines() if ln.startswith(RESULT_TAG)), None)

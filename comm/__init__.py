@@ -2,6 +2,8 @@
 
 Backends (:class:`Backend`): :class:`TorchBackend` (NCCL/Gloo via ``torch.distributed``),
 :class:`MPIBackend` (mpi4py), :class:`SingleProcessBackend`; :func:`get_backend` picks one.
+Observers (:mod:`compressed_opt.comm.observe`: :func:`add_observer`, :func:`remove_observer`,
+:func:`observing`) see the compression kernels and the optimizers' waits for communication.
 """
 from .backend import Backend, CommStats, CompletedWork, SingleProcessBackend, Work  # noqa: F401
 from .compressed import (  # noqa: F401
@@ -14,6 +16,7 @@ from .compressed import (  # noqa: F401
     server_valid_numel,
     wire_bytes,
 )
+from .observe import add_observer, observing, remove_observer  # noqa: F401
 from .select import get_backend  # noqa: F401
 
 

@@ -29,6 +29,7 @@ import torch
 
 from compressed_opt import cuda as kernels
 
+from . import observe
 from .backend import Backend
 
 _DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
@@ -160,7 +161,8 @@ class CompressedAllreduce:
 
         # 1. worker compress, first pass (bits and scale); the scale goes out in the header
         scale_view = self.header_send[0:1].view(torch.float32)
-        kernels.compress_(x, worker_error, self.worker_bits, scale_view, finish=False)
+        with observe.span("kernel", "compress_"):
+            kernels.compress_(x, worker_error, self.worker_bits, scale_view, finish=False)
         code = _DTYPE_CODES[tensor.dtype]
         if code != self._header_dtype:
             self.header_send[3] = self._header_dtype = code
@@ -174,20 +176,23 @@ class CompressedAllreduce:
             return tensor
         self.worker_scales.copy_(self.header_recv.view(world, _HEADER_INTS)[:, 0].view(torch.float32))
         wait_bits = self._exchange(backend.all_to_all, self.server_bits_in, self.worker_bits, True, "a2a")
-        kernels.finish_(worker_error, scale_view)
+        with observe.span("kernel", "finish_"):
+            kernels.finish_(worker_error, scale_view)
         wait_bits()
 
         # 3. server: average this rank's chunk of every worker, compensate, compress
         mine = server_error[: self.server_numel]
         server_scale = self.server_row[0:4].view(torch.float32)
-        kernels.average_compress_(
-            self.server_bits_in.view(world, self.row_bytes), self.worker_scales, mine, self.server_row[4:],
-            server_scale, finish=False,
-        )
+        with observe.span("kernel", "average_compress_"):
+            kernels.average_compress_(
+                self.server_bits_in.view(world, self.row_bytes), self.worker_scales, mine, self.server_row[4:],
+                server_scale, finish=False,
+            )
 
         # 4. exchange 2: every server's [t_j | c_j], with the server's error update meanwhile
         wait_rows = self._exchange(backend.all_gather, self.gathered, self.server_row, False, "gather")
-        kernels.finish_(mine, server_scale)
+        with observe.span("kernel", "finish_"):
+            kernels.finish_(mine, server_scale)
         wait_rows()
 
         # 5. decompress the concatenation of the server chunks
@@ -300,5 +305,6 @@ def expand_result_rows(rows: torch.Tensor, numel: int, world_size: int, out: tor
     row_bytes = chunk_numel(numel, world_size) // 8
     framed = rows.view(world_size, 4 + row_bytes)
     scales = framed[:, 0:4].contiguous().view(torch.float32).view(world_size)
-    kernels.decompress_(framed[:, 4:], scales, out)
+    with observe.span("kernel", "decompress_"):
+        kernels.decompress_(framed[:, 4:], scales, out)
     return out

@@ -26,6 +26,9 @@ run ahead of ``step()`` when the loop does not touch the gradients in between: t
 watches (the gradients' version counters, recorded here when backward left them) and launches
 the 1-bit exchange from backward only while the ranks agree that the loop leaves ``p.grad`` alone.
 
+What holds the calling thread (:meth:`BucketLauncher.wait`, :meth:`BucketLauncher.run_inline`) is
+reported to the observers of :mod:`compressed_opt.comm.observe` (``kind="wait"``).
+
 Horovod's life cycle: launch, keep computing, wait. The hooks hold the launcher weakly and are
 removed by :meth:`BucketLauncher.close` or when the launcher is garbage collected, so a discarded
 optimizer stops communicating.
@@ -37,6 +40,8 @@ import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
+
+from compressed_opt.comm import observe
 
 from .buckets import Bucket
 
@@ -211,11 +216,12 @@ class BucketLauncher:
         error of the communication thread (after all of them ended); raises if gradients arrived
         after their bucket left."""
         done, errors = [], []
-        for i, fut in enumerate(self._futures):
-            if fut is not None:
-                if fut.exception() is not None:
-                    errors.append(fut.exception())
-                done.append(i)
+        with observe.span("wait", "wait"):  # fut.exception() blocks until the bucket is done
+            for i, fut in enumerate(self._futures):
+                if fut is not None:
+                    if fut.exception() is not None:
+                        errors.append(fut.exception())
+                    done.append(i)
         if errors:
             self._futures = [None] * len(self._futures)
             raise errors[0]
@@ -229,10 +235,11 @@ class BucketLauncher:
 
     def run_inline(self, indices, gather: bool = True) -> None:
         """Communicate these buckets now, on the calling thread, in bucket order."""
-        for i in sorted(indices):
-            if gather:
-                self._owner.gather(self._buckets[i])
-            self._owner.exchange(self._buckets[i])
+        with observe.span("wait", "run_inline"):
+            for i in sorted(indices):
+                if gather:
+                    self._owner.gather(self._buckets[i])
+                self._owner.exchange(self._buckets[i])
 
     def reset(self) -> None:
         """Forget this step's readiness (after ``step()`` or a skipped step)."""

@@ -57,7 +57,7 @@ def gpt2_config():
 
 def corpus() -> tuple[torch.Tensor, torch.Tensor]:
     """Python's own help texts (``pydoc_data.topics``, ~0.5 MB; the corpus of
-    ``compressed_opt.bench``) as bytes: the first 95% to train on, the last 5% held out."""
+    ``benchmarks/train.py``) as bytes: the first 95% to train on, the last 5% held out."""
     from pydoc_data.topics import topics
 
     data = torch.frombuffer(bytearray("\n\n".join(topics[k] for k in sorted(topics)).encode()), dtype=torch.uint8)

@@ -10,8 +10,6 @@ import ast
 import os
 import sys
 
-import pytest
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: the installed packages and the folders they come from (pyproject.toml's package-dir)
 PACKAGES = {"compressed_opt": "compressed_opt", "compressed_opt.comm": "comm", "compressed_opt.cuda": "cuda"}
@@ -108,8 +106,6 @@ def test_nothing_imported_from_benchmarks_or_tests():
             if f & {"benchmarks", "tests", "conftest", "examples"}} == {}
 
 
-@pytest.mark.xfail(strict=True, reason="compressed_opt/bench.py (the end-to-end benchmark, still inside the "
-                   "package) loads benchmarks/slowlink.py by path; it moves out to benchmarks/")
 def test_no_file_loaded_by_path():
     for module, path in modules().items():
         with open(path) as f:

@@ -1,4 +1,4 @@
-"""Smoke test of the end-to-end training benchmark (``compressed_opt.bench``): it runs, its JSON
+"""Smoke test of the end-to-end training benchmark (``benchmarks/train.py``): it runs, its JSON
 has the fields users read, and methods whose ranks crash or hang are reported as failed.
 
 Nothing here asserts a speed (docs/design.md section 4): speed is measured by the benchmark, not tested.
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 
@@ -14,6 +15,7 @@ import pytest
 
 from distributed import child_env
 
+TRAIN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "train.py")
 STEPS = 6
 FREEZE = 3
 
@@ -21,7 +23,7 @@ FREEZE = 3
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("train-bench")
-    cmd = [sys.executable, "-P", "-m", "compressed_opt.bench", "--model", "tiny", "--launch", "2",
+    cmd = [sys.executable, "-P", TRAIN, "--model", "tiny", "--launch", "2",
            "--methods", "ddp_adamw,onebit_adam,ddp_fp16,zero_one_adam", "--steps", str(STEPS),
            "--freeze-step", str(FREEZE), "--batch", "2", "--seq-len", "16", "--eval-sequences", "8", "--breakdown",
            "--inject-failure", "ddp_fp16:crash:2", "--inject-failure", "zero_one_adam:hang:2",

@@ -1,0 +1,92 @@
+"""Helpers shared by the benchmarks of this folder: byte formatting, device synchronisation, the
+environment of child processes, and the slow link (``slowlink.py``).
+
+Imported as the top-level module ``common``: a script of this folder puts the folder on
+``sys.path`` itself (``python -P`` does not, and the repository root must not be there: its
+``cuda/`` folder would shadow NVIDIA's ``cuda`` package)::
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import common
+
+Units: bytes print in SI units (kB, MB, GB: powers of 1000), as bandwidths do (GB/s = 1e9 bytes
+per second); a buffer size given in MiB (``--sizes-mb``) keeps its binary label.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+#: what a launcher (torchrun, torch.distributed.run) sets for a rank: a child process that
+#: inherited them would try to join its parent's job instead of starting its own
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                      "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")
+
+
+# --- formatting ------------------------------------------------------------------------------------
+def fmt_bytes(n) -> str:
+    """``n`` bytes in SI units: ``"1.14 MB"``, ``"512 B"``; ``"-"`` for ``None``."""
+    if n is None:
+        return "-"
+    for unit, div in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+# --- devices ---------------------------------------------------------------------------------------
+def sync(device) -> None:
+    """Wait for the work queued on ``device`` (CUDA); nothing on the CPU."""
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)
+
+
+# --- child processes -------------------------------------------------------------------------------
+def child_env(threads: int | str | None = None, drop: tuple[str, ...] = (), **extra: str) -> dict:
+    """The environment for a child process that starts work of its own: this process's, without
+    the launcher variables (:data:`LAUNCHER_VARIABLES`) and the names in ``drop``, with
+    ``OMP_NUM_THREADS`` set to ``threads`` (``None``: as it is here, else 1), plus ``extra``."""
+    env = dict(os.environ)
+    for var in LAUNCHER_VARIABLES + tuple(drop):
+        env.pop(var, None)
+    if threads is None:
+        env.setdefault("OMP_NUM_THREADS", "1")
+    else:
+        env["OMP_NUM_THREADS"] = str(threads)
+    env.update(extra)
+    return env
+
+
+# --- the slow link ---------------------------------------------------------------------------------
+def slowlink():
+    """The ``slowlink`` module of this folder (network namespaces joined by a rate-limited veth)."""
+    if HERE not in sys.path:
+        sys.path.insert(0, HERE)
+    import slowlink as module
+
+    return module
+
+
+def check_link_possible(flag: str = "--link") -> None:
+    """Exit with a message saying why when 2 ranks cannot run over a slow link here."""
+    if not sys.platform.startswith("linux"):
+        raise SystemExit(f"{flag} needs Linux network namespaces (ip netns); run without {flag}")
+    if os.geteuid() != 0:
+        raise SystemExit(f"{flag} creates network namespaces and a rate-limited veth pair, which needs root "
+                         f"(or CAP_NET_ADMIN and CAP_SYS_ADMIN): run as root, e.g. with sudo, or leave out {flag}")
+    ok, why = slowlink().netns_supported()
+    if not ok:
+        raise SystemExit(f"{flag}: network namespaces are not usable here ({why}); leave out {flag}")
+
+
+def run_on_link(cmd: list[str], rate, threads: int | str | None = None, **kwargs) -> dict:
+    """``cmd`` as 2 ranks over a veth link limited to ``rate`` (a tc rate such as ``"1gbit"``;
+    ``"none"`` or ``None``: no limit), each with ``OMP_NUM_THREADS=threads`` (``None``: as here,
+    else 1); ``kwargs`` and the result are ``slowlink.run_two_ranks``'s. Raises
+    ``slowlink.SlowLinkError`` when the link cannot be made."""
+    env = {} if threads is None else {"OMP_NUM_THREADS": str(threads)}
+    return slowlink().run_two_ranks(cmd, rate=rate, env=env, **kwargs)

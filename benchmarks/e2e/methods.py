@@ -1,0 +1,135 @@
+"""The methods compared: their names and options, and what each builds (the module to call, the
+optimizer, its stage, its byte count) on the ranks of an initialised process group."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from .instrument import RECORDER, OurTiming, install_counting_dist, timed_hook
+
+METHODS = {
+    "ddp_adamw": "DDP + AdamW (fp32 allreduce hook)",
+    "ddp_fp16": "DDP + AdamW + fp16 compression hook",
+    "ddp_bf16": "DDP + AdamW + bf16 compression hook (NCCL)",
+    "ddp_powersgd": "DDP + AdamW + PowerSGD hook",
+    "onebit_adam": "1-bit Adam",
+    "onebit_lamb": "1-bit LAMB",
+    "zero_one_adam": "0/1 Adam",
+}
+OURS = ("onebit_adam", "onebit_lamb", "zero_one_adam")
+DEFAULT_METHODS = ("ddp_adamw", "ddp_fp16", "ddp_powersgd", "ddp_powersgd+serial", "onebit_adam", "onebit_lamb",
+                   "zero_one_adam")
+BASELINE = "ddp_adamw"
+MODIFIERS = ("ddp", "overlap", "nooverlap", "serial")
+
+
+def parse_spec(spec: str, overlap: bool, ddp_hook: bool) -> dict:
+    """``spec`` (``name[+option...]``) as a dict; ``ValueError`` names what is wrong."""
+    name, *mods = spec.split("+")
+    if name not in METHODS:
+        raise ValueError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
+    for m in mods:
+        if m not in MODIFIERS:
+            raise ValueError(f"unknown option +{m} in {spec!r}; options: +{', +'.join(MODIFIERS)}")
+        if m == "serial" and name != "ddp_powersgd":
+            raise ValueError(f"+serial applies to ddp_powersgd only, not to {name}")
+        if m != "serial" and name not in OURS:
+            raise ValueError(f"+{m} applies to {', '.join(OURS)} only, not to {name}")
+    if "overlap" in mods:
+        overlap = True
+    if "nooverlap" in mods:
+        overlap = False
+    return {"spec": spec, "name": name, "overlap": overlap, "ddp_hook": ddp_hook or "ddp" in mods,
+            "serial": "serial" in mods}
+
+
+def lr_at(step: int, cfg: dict) -> float:
+    """Linear warmup over ``lr_warmup`` steps, then cosine decay to 10% at the last step."""
+    base, warm, total = cfg["lr"], cfg["lr_warmup"], cfg["steps"]
+    if step <= warm:
+        return base * step / max(1, warm)
+    frac = (step - warm) / max(1, total - warm)
+    return base * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+
+
+def one_bucket_at_a_time(hook):
+    """``ddp_powersgd+serial``: start a bucket's hook only once the previous bucket's exchange
+    has finished. PowerSGD launches allreduces from future callbacks; with several buckets in
+    flight the ranks can issue them in different orders, which Gloo (no tags) turns into a size
+    mismatch abort or a hang. Serialising the buckets fixes the order and costs overlap."""
+    previous = {}
+
+    def serial(state, bucket):
+        if bucket.index() > 0 and "fut" in previous:
+            previous.pop("fut").wait()
+        fut = hook(state, bucket)
+        previous["fut"] = fut
+        if bucket.is_last():
+            previous.clear()
+        return fut
+
+    serial.__name__ = getattr(hook, "__name__", "hook") + "_serial"
+    return serial
+
+
+def build(method: dict, model: nn.Module, cfg: dict, device: torch.device, timing: OurTiming | None = None):
+    """``(module to call, optimizer, stage(), bytes_sent(), extra)`` for ``method``. With
+    ``timing`` (ours, ``--breakdown``) the optimizer's backend and steps are timed by it."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import compressed_opt
+
+    name = method["name"]
+    hp = dict(lr=cfg["lr"], betas=tuple(cfg["betas"]), eps=cfg["eps"], weight_decay=cfg["weight_decay"])
+    ddp_kwargs = dict(bucket_cap_mb=cfg["ddp_bucket_mb"])
+    if device.type == "cuda":
+        ddp_kwargs["device_ids"] = [device.index]
+    if name.startswith("ddp_"):
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+        install_counting_dist()
+        module = DDP(model, **ddp_kwargs)
+        stage = lambda: "full"  # noqa: E731
+        if name == "ddp_adamw":
+            module.register_comm_hook(None, timed_hook(default_hooks.allreduce_hook))
+        elif name == "ddp_fp16":
+            module.register_comm_hook(None, timed_hook(default_hooks.fp16_compress_hook))
+        elif name == "ddp_bf16":
+            if dist.get_backend() != "nccl":
+                raise RuntimeError("ddp_bf16 needs NCCL (bf16 allreduce is not supported by Gloo); use ddp_fp16")
+            module.register_comm_hook(None, timed_hook(default_hooks.bf16_compress_hook))
+        else:
+            start = max(2, cfg["freeze_step"])
+            state = powerSGD_hook.PowerSGDState(
+                process_group=None, matrix_approximation_rank=cfg["powersgd_rank"], start_powerSGD_iter=start,
+                min_compression_rate=2, use_error_feedback=True, warm_start=True, random_seed=cfg["seed"])
+            hook = powerSGD_hook.powerSGD_hook
+            if method["serial"]:
+                hook = one_bucket_at_a_time(hook)
+            module.register_comm_hook(state, timed_hook(hook))
+            stage = lambda: "compression" if state.iter >= state.start_powerSGD_iter else "warmup"  # noqa: E731
+        opt = torch.optim.AdamW(model.parameters(), **hp)
+        return module, opt, stage, lambda: RECORDER.bytes, {"ddp": True}
+    backend = compressed_opt.get_backend("torch")
+    if timing is not None:
+        backend = timing.wrap(backend)  # counts bytes in the wrapped backend's stats
+    kwargs = dict(hp, backend=backend, bucket_cap_mb=cfg["bucket_mb"], overlap=method["overlap"])
+    if name == "onebit_adam":
+        opt = compressed_opt.OnebitAdam(model.parameters(), freeze_step=cfg["freeze_step"], **kwargs)
+    elif name == "onebit_lamb":
+        kwargs["lr"] = cfg["lamb_lr"]  # LAMB scales each layer's step by ||p|| / ||update||
+        opt = compressed_opt.OnebitLamb(model.parameters(), freeze_step=cfg["freeze_step"], **kwargs)
+    else:
+        opt = compressed_opt.ZeroOneAdam(model.parameters(), var_freeze_step=cfg["freeze_step"], **kwargs)
+    module = model
+    if method["ddp_hook"]:
+        module = DDP(model, **ddp_kwargs)
+        compressed_opt.register_ddp_comm_hook(module, opt)
+    if timing is not None:
+        timing.attach(opt)
+    stage = lambda: "compression" if opt.compressing else "warmup"  # noqa: E731
+    return module, opt, stage, lambda: backend.stats.total_bytes, {"ddp": method["ddp_hook"]}
+
