@@ -284,6 +284,10 @@ class CompressedOptimizer(Optimizer):
         """``grad`` <- this rank's gradients of the bucket (unscaled)."""
         bucket.gather_grads(grad, self._gather_inv_scale)
 
+    def _gathered_finite(self, buckets: list[Bucket]) -> bool:
+        """Whether every element of the buckets' gathered gradients is finite (one reduction)."""
+        return _finite([self._grad_buffer(b) for b in buckets])
+
     def _average(self, bucket: Bucket, grad: torch.Tensor) -> None:
         """The full-precision gradient average of a bucket (one collective)."""
         self.backend.all_reduce(grad, op="avg")
@@ -311,10 +315,9 @@ class CompressedOptimizer(Optimizer):
         self.gather(bucket)
         if self._needs_average(self.global_step + 1):
             return True  # the average is checked in step(), the same on every rank
-        grad = self._grad_buffer(bucket)
-        if _finite([grad]):
+        if self._gathered_finite([bucket]):
             return True
-        grad.zero_()
+        self._grad_buffer(bucket).zero_()
         return False
 
     def exchange(self, bucket: Bucket) -> None:
@@ -435,7 +438,7 @@ class CompressedOptimizer(Optimizer):
                 for b in checked:
                     self.gather(b)
             nonfinite = launcher.nonfinite or (found_inf is None
-                                               and not _finite([self._grad_buffer(b) for b in checked]))
+                                               and not self._gathered_finite(checked))
             skip, anyone_touched, anyone_nonfinite = self._agree_on_step(step, found_inf, touched and not full,
                                                                          nonfinite)
             if skip:  # a GradScaler found inf/NaN on some rank: every rank skips the step ...

@@ -137,6 +137,7 @@ class LayerVarianceTracking:
         self.variance_tracking = enabled
         self.layer_state = {"layer_variance": len(COLUMNS)} if enabled else {}
         self._local_square_sums = {}  # bucket index -> this step's per-layer sums of g_i^2
+        self._summed_buffers = {}  # bucket index -> (address, version) of the buffer they were summed from
         self._layer_factors = {}  # bucket index -> this step's per-layer factors
 
     def _check_tracking_of(self, extra: dict) -> None:
@@ -187,6 +188,18 @@ class LayerVarianceTracking:
             out = torch.empty(len(bucket.params), dtype=torch.float64, device=gathered.device)
             self._local_square_sums[bucket.index] = out
         segment_sumsq(gathered, bucket.segments, out)
+        self._summed_buffers[bucket.index] = (gathered.data_ptr(), gathered._version)
+
+    def _gathered_finite(self, buckets):
+        """From the sums of squares where they were taken of the buffers as they are now: float64
+        sums of fp32 squares are finite exactly when every element is (no extra pass)."""
+        sums = []
+        for b in buckets:
+            grad = self._grad_buffer(b)
+            if self._summed_buffers.get(b.index) != (grad.data_ptr(), grad._version):
+                return super()._gathered_finite(buckets)
+            sums.append(self._local_square_sums[b.index])
+        return not sums or bool(torch.cat(sums).sum().isfinite())
 
     def _step_statistics(self, step):
         if not (self.variance_tracking and self.frozen):
