@@ -209,7 +209,7 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
     def _direction_from_exchange_(self, bucket, y: torch.Tensor) -> None:
         """ZeRO: ``y`` (the exchanged ``R m``) <- ``m / (sqrt(v_f) + eps) = A y`` with ``A = 1 /
         (c_l + eps R)`` (0 where ``v_f == 0``), made for this step from ``R = c_l / sqrt(v_f)``
-        (stage 0 keeps ``A = sqrt(v_f) / (sqrt(v_f) + eps) / c_l``, :meth:`_unprecondition_`)."""
+        (stage 0 keeps ``A = sqrt(v_f) / (sqrt(v_f) + eps) / c_l`` and forms ``A y`` in the update)."""
         r = self._exchange_preconditioner(bucket)
         views = bucket.views(y)
         if views:
@@ -287,7 +287,8 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
     def _momentum_from_exchange(self, bucket, y: torch.Tensor, out: torch.Tensor) -> None:
         """``m = y / R`` into ``out`` (0 where ``v_f == 0``)."""
         if not self.zero_stage:
-            kernels.unprecondition_(y, self._exchange_preconditioner(bucket), out, segments=bucket.segments)
+            n = bucket.numel
+            kernels.divide_where_nonzero_(y[:n], self._exchange_preconditioner(bucket)[:n], out[:n])
             return
         torch.div(y, self._exchange_preconditioner(bucket), out=out)
         idx = self._no_variance(bucket)
@@ -412,10 +413,16 @@ class OnebitAdam(_FreezingAdam):
             variance_(v, grad, beta2)
             torch.div(m, denominator_(v, direction, eps, bc2_sqrt), out=direction)
         elif self.exchange_mode == "preconditioned" and not self.zero_stage:  # grad holds y = avg of R m_i
-            # one pass: m = y / R, and the direction m / (sqrt(v_f) + eps) = A y times the layer's factor
-            kernels.unprecondition_(grad, self._exchange_preconditioner(bucket), bucket.flat("exp_avg"),
-                                    bucket.flats["direction_factor"], self._variance_factors_of(bucket),
-                                    bucket.segments)
+            self._momentum_from_exchange(bucket, grad, out=bucket.flat("exp_avg"))
+            # p <- p - lr f_l A y / bc1: the direction m / (sqrt(v_f) + eps) = A y, times the layer's
+            # factor, formed inside the update (one pass, no direction buffer written)
+            factors = self._variance_factors_of(bucket) or [1.0] * len(bucket.params)
+            if wd != 0:
+                torch._foreach_mul_(bucket.params, 1 - lr * wd)
+            if bucket.params:
+                a, steps = bucket.flats["direction_factor"], [-lr / bc1 * f for f in factors]
+                torch._foreach_addcmul_(bucket.params, bucket.views(grad), bucket.views(a), steps)
+            return
         elif self.exchange_mode == "preconditioned":
             self._direction_from_exchange_(bucket, direction)  # m / (sqrt(v_f) + eps) = A y
             self._variance_factors_(bucket, direction)

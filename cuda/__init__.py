@@ -43,7 +43,7 @@ import warnings
 import torch
 
 from . import reference
-from .segmented import Segments, lerp_scale_clamp_, scale_clamp_, segment_sumsq, unprecondition_
+from .segmented import Segments, divide_where_nonzero_, lerp_scale_clamp_, scale_clamp_, segment_sumsq
 
 __all__ = [
     "compress_",
@@ -57,7 +57,7 @@ __all__ = [
     "segment_sumsq",
     "lerp_scale_clamp_",
     "scale_clamp_",
-    "unprecondition_",
+    "divide_where_nonzero_",
 ]
 
 

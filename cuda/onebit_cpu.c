@@ -249,43 +249,15 @@ static inline float quotient_or_zero(float y, float r) {
     return q;
 }
 
-/*
- * q <- y / r (0 where r == 0); then, if a is given, y <- (y * a) * f_s over segment s (f == NULL:
- * f_s = 1). q may be y itself (then a must be NULL).
- */
-void co_unprecondition(float *y, const float *r, float *q, const float *a, const double *f,
-                       const int64_t *off, int64_t nseg) {
-    for (int64_t s = 0; s < nseg; ++s) {
-        const int64_t lo = off[s], n = off[s + 1] - off[s];
-        if (a) { /* q is not y: restrict lets the loop vectorize */
-            float *restrict ys = y + lo, *restrict qs = q + lo;
-            const float *restrict rs = r + lo, *restrict as = a + lo;
-            const float fs = f ? (float)f[s] : 1.0f;
-            if (f) {
-                for (int64_t i = 0; i < n; ++i) {
-                    float yi = ys[i];
-                    qs[i] = quotient_or_zero(yi, rs[i]);
-                    ys[i] = (yi * as[i]) * fs;
-                }
-            } else {
-                for (int64_t i = 0; i < n; ++i) {
-                    float yi = ys[i];
-                    qs[i] = quotient_or_zero(yi, rs[i]);
-                    ys[i] = yi * as[i];
-                }
-            }
-        } else if (q == y) { /* in place */
-            float *restrict ys = y + lo;
-            const float *restrict rs = r + lo;
-            for (int64_t i = 0; i < n; ++i) {
-                ys[i] = quotient_or_zero(ys[i], rs[i]);
-            }
-        } else {
-            const float *restrict ys = y + lo, *restrict rs = r + lo;
-            float *restrict qs = q + lo;
-            for (int64_t i = 0; i < n; ++i) {
-                qs[i] = quotient_or_zero(ys[i], rs[i]);
-            }
-        }
+/* q <- y / r, 0 where r == 0, over n elements; q may be y itself. */
+void co_divide_where_nonzero(float *y, const float *r, float *q, int64_t n) {
+    if (q == y) {
+        float *restrict ys = y;
+        const float *restrict rs = r;
+        for (int64_t i = 0; i < n; ++i) ys[i] = quotient_or_zero(ys[i], rs[i]);
+    } else {
+        const float *restrict ys = y, *restrict rs = r;
+        float *restrict qs = q;
+        for (int64_t i = 0; i < n; ++i) qs[i] = quotient_or_zero(ys[i], rs[i]);
     }
 }

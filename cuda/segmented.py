@@ -11,9 +11,8 @@ operation and per segment:
     ``x <- clamp(r * lerp(m, x, weight), -b_s, b_s)`` element-wise, ``b_s = bounds[s]``.
 ``scale_clamp_(x, r, bounds, segments)``
     ``x <- clamp(r * x, -b_s, b_s)``.
-``unprecondition_(y, r, out, a=None, factors=None, segments=None)``
-    ``out <- y / r`` (0 where ``r == 0``); then, with ``a``, ``y <- y * a * f_s`` (``factors``
-    ``f_s``, 1 without). ``out`` may be ``y`` itself when ``a`` is ``None``.
+``divide_where_nonzero_(y, r, out)``
+    ``out <- y / r``, 0 where ``r == 0`` (not segmented; ``out`` may be ``y``).
 
 CPU tensors run ``onebit_cpu.c`` (one pass, no per-segment call); other devices, and CPUs where
 no C compiler exists (or ``COMPRESSED_OPT_KERNELS=reference``), compose the same math from
@@ -126,29 +125,15 @@ def _clamp_segments_(x: torch.Tensor, bounds: list[float], segments: Segments) -
         torch._foreach_clamp_min_(views, [-v for v in bounds])
 
 
-def unprecondition_(y: torch.Tensor, r: torch.Tensor, out: torch.Tensor, a: torch.Tensor | None = None,
-                    factors=None, segments: Segments | None = None) -> None:
-    """``out`` <- ``y / r`` (0 where ``r == 0``); with ``a``: ``y`` <- ``y * a * factors[s]``."""
-    if segments is None:
-        raise ValueError("segments is required")
-    if a is None and factors is not None:
-        raise ValueError("factors scale y * a: pass a")
-    if a is not None and out.data_ptr() == y.data_ptr():
-        raise ValueError("out must not be y when y is scaled as well")
-    _check(segments, y, r, out, *([] if a is None else [a]))
-    f = None if factors is None else _doubles(factors, len(segments))
-    lib = _native(y, r, out, *([] if a is None else [a]))
+def divide_where_nonzero_(y: torch.Tensor, r: torch.Tensor, out: torch.Tensor) -> None:
+    """``out`` <- ``y / r``, 0 where ``r == 0`` (``out`` may be ``y``; all three the same shape)."""
+    if not (y.shape == r.shape == out.shape):
+        shapes = ", ".join(str(tuple(t.shape)) for t in (y, r, out))
+        raise ValueError(f"y, r and out must have one shape, got {shapes}")
+    lib = _native(y, r, out)
     if lib is not None:
-        lib.co_unprecondition(y.data_ptr(), r.data_ptr(), out.data_ptr(), None if a is None else a.data_ptr(),
-                              None if f is None else f.data_ptr(), segments.offsets.data_ptr(), len(segments))
+        lib.co_divide_where_nonzero(y.data_ptr(), r.data_ptr(), out.data_ptr(), y.numel())
         return
-    n = segments.numel
-    y_, r_ = y[:n], r[:n]
-    zero = r_ == 0
-    torch.div(y_, r_, out=out[:n])
-    out[:n].masked_fill_(zero, 0.0)
-    if a is not None:
-        y_.mul_(a[:n])
-        views = segments.split(y)
-        if f is not None and views:
-            torch._foreach_mul_(views, f.tolist())
+    zero = r == 0
+    torch.div(y, r, out=out)
+    out.masked_fill_(zero, 0.0)

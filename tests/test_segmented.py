@@ -73,29 +73,17 @@ def test_lerp_scale_clamp_keeps_nan(path):
 
 
 @pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("with_factors", [False, True])
-def test_unprecondition(path, seed, with_factors):
-    segs, y, a, r, g = _case(seed)
-    factors = (torch.rand(len(segs), generator=g) + 0.5).tolist() if with_factors else None
+@pytest.mark.parametrize("in_place", [False, True])
+def test_divide_where_nonzero(path, seed, in_place):
+    _, y, _, r, _ = _case(seed)
     y0 = y.clone()
-    q = torch.full_like(y, 7.0)
-    segmented.unprecondition_(y, r, q, a, factors, segs)
-    n = segs.numel
-    expected_q = torch.where(r[:n] != 0, y0[:n] / r[:n], torch.zeros(n))
-    torch.testing.assert_close(q[:n], expected_q, rtol=1e-6, atol=0)
-    assert (q[:n][r[:n] == 0] == 0).all() and (q[n:] == 7.0).all()
-    scaled = [ys * as_ * (factors[s] if factors else 1.0)
-              for s, (ys, as_) in enumerate(zip(segs.split(y0), segs.split(a)))]
-    torch.testing.assert_close(y[:n], torch.cat(scaled), rtol=1e-6, atol=0)
-    assert torch.equal(y[n:], y0[n:])
-
-
-def test_unprecondition_in_place(path):
-    segs, y, _, r, _ = _case(0)
-    y0 = y.clone()
-    segmented.unprecondition_(y, r, y, segments=segs)
-    n = segs.numel
-    torch.testing.assert_close(y[:n], torch.where(r[:n] != 0, y0[:n] / r[:n], torch.zeros(n)), rtol=1e-6, atol=0)
+    q = y if in_place else torch.full_like(y, 7.0)
+    segmented.divide_where_nonzero_(y, r, q)
+    expected = torch.where(r != 0, y0 / r, torch.zeros_like(y0))
+    torch.testing.assert_close(q, expected, rtol=1e-6, atol=0)
+    assert (q[r == 0] == 0).all() and not torch.signbit(q[r == 0]).any()
+    if not in_place:
+        assert torch.equal(y, y0)
 
 
 def test_native_and_reference_agree(monkeypatch):
@@ -108,7 +96,7 @@ def test_native_and_reference_agree(monkeypatch):
         bounds = [0.5, 1.0, 2.0, 1.0, 0.1]
         segmented.lerp_scale_clamp_(x, m, 0.1, r, bounds, segs)
         q = torch.zeros_like(x)
-        segmented.unprecondition_(x, r, q, m, [1.5, 0.25, 1.0, 2.0, 3.0], segs)
+        segmented.divide_where_nonzero_(x, r, q)
         out = torch.empty(len(segs), dtype=torch.float64)
         segmented.segment_sumsq(x, segs, out)
         results[p] = (x, q, out)
@@ -124,8 +112,7 @@ def test_bad_input_is_refused():
         segmented.segment_sumsq(torch.zeros(8), segs, torch.zeros(2))
     with pytest.raises(ValueError, match="one value per segment"):
         segmented.lerp_scale_clamp_(torch.zeros(8), torch.zeros(8), 0.1, torch.ones(8), [1.0], segs)
-    with pytest.raises(ValueError, match="must not be y"):
-        y = torch.zeros(8)
-        segmented.unprecondition_(y, torch.ones(8), y, torch.ones(8), segments=segs)
+    with pytest.raises(ValueError, match="one shape"):
+        segmented.divide_where_nonzero_(torch.zeros(8), torch.ones(7), torch.zeros(8))
     with pytest.raises(ValueError, match="non-negative"):
         Segments([3, -1])
