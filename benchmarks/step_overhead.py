@@ -3,17 +3,28 @@ or as a few large ones, one process (``SingleProcessBackend``: the compressed al
 kernels, the collectives are local copies), compression stage.
 
 The ratio many / few is what the optimizer pays per parameter tensor (Python loops, per-tensor
-kernel launches) on top of the element-wise work both share. Median of the last steps.
+kernel launches) on top of the element-wise work both share. Median of the last steps; the
+optimizers of one table step in turn, each over its own copy of the model (the machine's drift
+hits them alike).
 
     python -P benchmarks/step_overhead.py [--tensors 2000] [--elements 4200000] [--json out.json]
     python -P benchmarks/step_overhead.py --tracking on,off    # the variance tracking's cost
+    python -P benchmarks/step_overhead.py --against REV        # this checkout against git revision REV
+
+``--against`` installs REV (``git archive``, ``pip install --target``) into a temporary folder and
+times each optimizer with its defaults in alternating processes, REV then this checkout, for
+``--rounds`` rounds (the machine's drift hits both alike); it reports the median over the rounds
+of each process's median step, and their ratio.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -28,6 +39,25 @@ def model_of(n_tensors: int, elements: int) -> list[nn.Parameter]:
     return [p for _ in range(layers) for p in nn.Linear(width, width).parameters()]
 
 
+def time_interleaved(makers: dict, n_tensors: int, elements: int, steps: int) -> dict:
+    """Per maker, the median ``step()`` (last half of ``steps``) of an optimizer over its own copy
+    of the model, the optimizers stepping in turn: the machine's drift hits every one alike."""
+    models = {name: model_of(n_tensors, elements) for name in makers}
+    opts = {name: make(models[name]) for name, make in makers.items()}
+    grads = [torch.randn_like(p) * 1e-3 for p in next(iter(models.values()))]
+    times = {name: [] for name in makers}
+    for _ in range(steps):
+        for name, opt in opts.items():
+            for p, g in zip(models[name], grads):
+                p.grad = g
+            t0 = time.perf_counter()
+            opt.step()
+            times[name].append(time.perf_counter() - t0)
+    for opt in opts.values():
+        opt.close()
+    return {name: statistics.median(t[steps // 2:]) for name, t in times.items()}
+
+
 def time_steps(opt, params, steps: int) -> float:
     grads = [torch.randn_like(p) * 1e-3 for p in params]
     times = []
@@ -38,6 +68,66 @@ def time_steps(opt, params, steps: int) -> float:
         opt.step()
         times.append(time.perf_counter() - t0)
     return statistics.median(times[steps // 2:])
+
+
+FREEZE = {"OnebitAdam": {"freeze_step": 2}, "OnebitLamb": {"freeze_step": 2}, "ZeroOneAdam": {"var_freeze_step": 2}}
+
+
+def child(name: str, tensors: int, elements: int, steps: int) -> dict:
+    """One process's medians for ``name`` with its defaults, as few and as many tensors."""
+    torch.set_num_threads(1)
+    import compressed_opt
+    from compressed_opt.comm import SingleProcessBackend
+
+    cls = getattr(compressed_opt, name)
+    out = {}
+    for label, n in (("few", 2), ("many", tensors)):
+        params = model_of(n, elements)
+        opt = cls(params, lr=1e-4, backend=SingleProcessBackend(), **FREEZE[name])
+        out[label] = time_steps(opt, params, steps)
+        if hasattr(opt, "close"):
+            opt.close()
+    return out
+
+
+def against(rev: str, args) -> int:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    names = list(FREEZE)
+    with tempfile.TemporaryDirectory() as tmp:
+        src, site = os.path.join(tmp, "src"), os.path.join(tmp, "site")
+        os.makedirs(src)
+        archive = subprocess.run(["git", "-C", root, "archive", rev], check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", src], input=archive, check=True)
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                        "--target", site, src], check=True, capture_output=True)
+        runs = {(v, n): [] for v in ("rev", "this") for n in names}
+        for r in range(args.rounds):
+            for name in names:
+                for version in ("rev", "this"):
+                    env = dict(os.environ, OMP_NUM_THREADS="1")
+                    env.pop("PYTHONPATH", None)
+                    if version == "rev":
+                        env["PYTHONPATH"] = site
+                    cmd = [sys.executable, "-P", "-W", "ignore", os.path.abspath(__file__), "--child", name,
+                           "--tensors", str(args.tensors), "--elements", str(args.elements), "--steps", str(args.steps)]
+                    done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True, cwd=tmp)
+                    runs[version, name].append(json.loads(done.stdout.strip().splitlines()[-1]))
+            print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
+    results = []
+    print(f"{'optimizer':<12} {'tensors':>7} {rev[:12]:>12} ms {'this':>8} ms {'this/rev':>9}")
+    for name in names:
+        for label, n in (("few", 2), ("many", args.tensors)):
+            old = statistics.median(x[label] for x in runs["rev", name])
+            new = statistics.median(x[label] for x in runs["this", name])
+            results.append({"optimizer": name, "tensors": n, "rev_step_s": old, "this_step_s": new, "ratio": new / old,
+                            "rev_runs": [x[label] for x in runs["rev", name]],
+                            "this_runs": [x[label] for x in runs["this", name]]})
+            print(f"{name:<12} {n:>7} {old * 1e3:15.1f} {new * 1e3:11.1f} {new / old:9.3f}")
+    if args.json:
+        rev_hash = subprocess.run(["git", "-C", root, "rev-parse", rev], capture_output=True, text=True).stdout.strip()
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "rev": rev_hash, "results": results}, f, indent=1)
+    return 0
 
 
 def main(argv=None) -> int:
@@ -52,7 +142,15 @@ def main(argv=None) -> int:
     p.add_argument("--tracking", default="on",
                    help="comma-separated variance_tracking settings of OnebitAdam and ZeroOneAdam to time "
                         "('on,off': the tracking's cost, same run; OnebitLamb has none)")
+    p.add_argument("--against", default=None, metavar="REV", help="time this checkout against git revision REV")
+    p.add_argument("--rounds", type=int, default=6, help="--against: alternating rounds")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(args.child, args.tensors, args.elements, args.steps)))
+        return 0
+    if args.against:
+        return against(args.against, args)
     trackings = [{"on": True, "off": False}[t] for t in args.tracking.split(",")]
     torch.set_num_threads(1)
     from compressed_opt import OnebitAdam, OnebitLamb, ZeroOneAdam
@@ -69,14 +167,13 @@ def main(argv=None) -> int:
         makers[f"OnebitLamb{suffix}"] = lambda ps, kw=single: OnebitLamb(ps, lr=1e-4, freeze_step=2, **kw)
         for tag, kw in tags:  # phase B synchronises every step at first (local_step_interval 1)
             makers[f"ZeroOneAdam{tag}"] = lambda ps, kw=kw: ZeroOneAdam(ps, lr=1e-4, var_freeze_step=2, **kw)
+    rows = {name: {"optimizer": name} for name in makers}
+    for label, n in (("few", 2), ("many", args.tensors)):
+        for name, step_s in time_interleaved(makers, n, args.elements, args.steps).items():
+            rows[name][label] = {"tensors": n, "step_s": step_s}
     results = []
     print(f"{'optimizer':<34} {'few (2 tensors) ms':>19} {f'many ({args.tensors} tensors) ms':>24} {'many/few':>9}")
-    for name, make in makers.items():
-        row = {"optimizer": name}
-        for label, n in (("few", 2), ("many", args.tensors)):
-            params = model_of(n, args.elements)
-            row[label] = {"tensors": len(params), "elements": sum(q.numel() for q in params),
-                          "step_s": time_steps(make(params), params, args.steps)}
+    for name, row in rows.items():
         row["many_over_few"] = row["many"]["step_s"] / row["few"]["step_s"]
         results.append(row)
         print(f"{name:<34} {row['few']['step_s'] * 1e3:19.1f} {row['many']['step_s'] * 1e3:24.1f} "

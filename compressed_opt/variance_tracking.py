@@ -60,15 +60,14 @@ def new_rows(n_layers: int, device) -> torch.Tensor:
 
 def _norms(tensors: list[torch.Tensor | None], order: int, device) -> torch.Tensor:
     """Per tensor, its ``order``-norm in float64 on ``device`` (0 for ``None`` or empty); one
-    fused call per dtype (half precision accumulates in fp32)."""
+    fused call per dtype, accumulated in float64 (fp32 squares of gradients below ~1e-19 underflow)."""
     out = torch.zeros(len(tensors), dtype=torch.float64, device=device)
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, t in enumerate(tensors):
         if t is not None and t.numel():
             by_dtype.setdefault(t.dtype, []).append(i)
-    for dtype, where in by_dtype.items():
-        wide = {"dtype": torch.float32} if dtype in (torch.float16, torch.bfloat16) else {}
-        out[where] = torch.stack(torch._foreach_norm([tensors[i] for i in where], order, **wide)).to(out)
+    for where in by_dtype.values():
+        out[where] = torch.stack(torch._foreach_norm([tensors[i] for i in where], order, dtype=torch.float64)).to(out)
     return out
 
 

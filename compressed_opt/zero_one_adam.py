@@ -394,14 +394,14 @@ class ZeroOneAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
     @staticmethod
     def _frozen_denominator(bucket, v: torch.Tensor, eps: float) -> torch.Tensor:
         """Phase B's ``sqrt(v_hat) + eps``, made once while ``v`` (frozen) and ``eps`` stay as they
-        are (a load or a change of ``eps`` makes it again): one buffer of the bucket's size in
-        place of two passes per step."""
+        are (a load or a change of ``eps`` makes it again): one buffer of the bucket's size (not
+        saved: made from ``v``) in place of two passes per step."""
         key = (v.data_ptr(), v._version, eps)
-        cached = bucket.derived.get("frozen_denominator")
-        if cached is None or cached[0] != key:
-            cached = (key, denominator_(v, torch.empty_like(v), eps))
-            bucket.derived["frozen_denominator"] = cached
-        return cached[1]
+        denom = bucket.flats.get("frozen_denominator")
+        if denom is None or bucket.derived.get("frozen_denominator_of") != key:
+            denom = bucket.flats["frozen_denominator"] = denominator_(v, torch.empty_like(v), eps)
+            bucket.derived["frozen_denominator_of"] = key
+        return denom
 
     def _local_step(self, bucket, group, grad):
         m, v = bucket.flat("exp_avg"), bucket.flat("exp_avg_sq")
@@ -412,14 +412,12 @@ class ZeroOneAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
         _no_variance_no_move_(m, bucket, v, False)
         denom = self._frozen_denominator(bucket, v, eps)
         acc.addcdiv_(m, denom, value=lr)  # acc += lr * m / (sqrt(v) + eps)
-        factors = self._interval_factors(bucket)
+        factors = self._interval_factors(bucket) or [1.0] * len(bucket.params)
         if not self._syncs_now():
-            direction = torch.div(m, denom, out=grad)  # the gradient buffer is free
-            if factors is not None and bucket.params:
-                torch._foreach_mul_(bucket.views(direction), factors)
             if wd != 0:
                 torch._foreach_mul_(bucket.params, 1 - lr * wd)
-            torch._foreach_add_(bucket.params, bucket.views(direction), alpha=-lr)
+            if bucket.params:  # p -= lr f_l m / (sqrt(v) + eps): one pass, no direction buffer
+                torch._foreach_addcdiv_(bucket.params, bucket.views(m), bucket.views(denom), [-lr * f for f in factors])
             return
         lr_sums, decays = self._group_lists()
         lr_sum = lr_sums[bucket.group_index] + lr
@@ -430,12 +428,11 @@ class ZeroOneAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
             self._exchange(bucket, acc, lr_sum)
             _no_variance_no_move_(acc, bucket, v, False)
             torch.div(acc, lr_sum, out=m)
-            acc.div_(denom)
-            if factors is not None and bucket.params:
-                torch._foreach_mul_(bucket.views(acc), factors)
             if decay != 1.0:
                 anchor.mul_(decay)
-            anchor.sub_(acc)
+            if bucket.params:  # anchor -= f_l y / (sqrt(v) + eps): one pass
+                torch._foreach_addcdiv_(bucket.views(anchor), bucket.views(acc), bucket.views(denom),
+                                        [-f for f in factors])
         # p = p_sync D - y / (sqrt(v) + eps): the same numbers on every rank (lr_sum == 0: p_sync)
         torch._foreach_copy_(bucket.params, bucket.views(anchor))
         acc.zero_()

@@ -6,7 +6,8 @@ optimizers: a bucket's parameters). The passes fuse what would otherwise be one 
 operation and per segment:
 
 ``segment_sumsq(x, segments, out)``
-    ``out[s] = sum_{k in s} x_k^2`` (float64).
+    ``out[s] = sum_{k in s} x_k^2``, accumulated in float64 (squares of gradients below ~1e-19
+    underflow in fp32).
 ``lerp_scale_clamp_(x, m, weight, r, bounds, segments)``
     ``x <- clamp(r * lerp(m, x, weight), -b_s, b_s)`` element-wise, ``b_s = bounds[s]``.
 ``scale_clamp_(x, r, bounds, segments)``
@@ -85,7 +86,7 @@ def segment_sumsq(x: torch.Tensor, segments: Segments, out: torch.Tensor) -> tor
     views = segments.split(x)
     nonempty = [i for i, n in enumerate(segments.sizes) if n]
     if nonempty:
-        norms = torch._foreach_norm([views[i] for i in nonempty], 2)
+        norms = torch._foreach_norm([views[i] for i in nonempty], 2, dtype=torch.float64)
         out[nonempty] = torch.stack(norms).to(out).square_()
     return out
 

@@ -40,6 +40,16 @@ def test_segment_sumsq(path, seed):
     assert out[1] == 0.0  # the empty segment
 
 
+def test_segment_sumsq_of_tiny_gradients(path):
+    """Squares of gradients around 1e-25 (GPT-2's key bias has ~1e-11) underflow in fp32; both
+    paths sum them in float64."""
+    segs = Segments([1000])
+    x = torch.full((1000,), 1e-25)
+    out = torch.empty(1, dtype=torch.float64)
+    segmented.segment_sumsq(x, segs, out)
+    assert out.item() == pytest.approx(1000 * float(x[0]) ** 2, rel=1e-9)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_lerp_scale_clamp(path, seed):
     segs, x, m, r, g = _case(seed)
