@@ -100,7 +100,7 @@ def _done(value: torch.Tensor):
 
 def compressed_comm_hook(state: DDPHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     opt = state.optimizer
-    if opt is not None and opt._needs_average(opt.global_step + 1):
+    if opt is not None and opt.averages_next_step():
         return _average(state, bucket)
     return _done(bucket.buffer())  # compression stage: step() runs the optimizer's own exchange
 
@@ -109,13 +109,13 @@ def register_ddp_comm_hook(ddp_model, optimizer, process_group=None) -> DDPHookS
     """Let ``ddp_model``'s reducer carry ``optimizer``'s full-precision averaging and send
     nothing else (see the module docstring). Done automatically at the first forward of a
     DDP-wrapped model; calling it by hand, before the first backward, is still allowed."""
-    if not callable(getattr(optimizer, "_attach_ddp", None)):  # (a CompressedOptimizer)
+    if not callable(getattr(optimizer, "attach_averager", None)):  # (a CompressedOptimizer)
         raise TypeError(f"optimizer must be a compressed_opt optimizer, got {type(optimizer).__name__}")
     if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
         raise TypeError(f"ddp_model must be a DistributedDataParallel module, got {type(ddp_model).__name__}")
-    if optimizer._ddp is not None:
-        if getattr(ddp_model, "_compressed_opt_state", None) is optimizer._ddp:
-            return optimizer._ddp  # already attached (automatically or by an earlier call)
+    if optimizer.averager is not None:
+        if getattr(ddp_model, "_compressed_opt_state", None) is optimizer.averager:
+            return optimizer.averager  # already attached (automatically or by an earlier call)
         raise ValueError(f"this {type(optimizer).__name__} already drives another DDP model's hook")
     if getattr(ddp_model, "_comm_hooks", None):
         raise ValueError(
@@ -126,7 +126,7 @@ def register_ddp_comm_hook(ddp_model, optimizer, process_group=None) -> DDPHookS
     if dist.get_world_size(process_group) != optimizer.backend.world_size:
         raise ValueError("the DDP process group and the optimizer's backend have different world sizes")
     state = DDPHookState(optimizer, process_group)
-    optimizer._attach_ddp(state)
+    optimizer.attach_averager(state)
     ddp_model.register_comm_hook(state, compressed_comm_hook)
     ddp_model._compressed_opt_state = state
     forget(optimizer)

@@ -84,7 +84,7 @@ class CompressedOptimizer(Optimizer):
         self._launcher = BucketLauncher(self, self.accumulation_steps)
         self._scaler_seen = False
         self._gather_inv_scale: float | None = None  # 1/scale of a GradScaler, applied when gathering
-        self._ddp = None  # a compressed_opt.ddp.DDPHookState once a DDP hook drives the exchange
+        self._averager = None  # what averages the warmup gradients in the optimizer's place (attach_averager)
         #: whether the ranks agreed that the loop leaves p.grad alone between backward and step(),
         #: so the compression stage may exchange during backward (see compressed_opt.overlap)
         self._speculate = False
@@ -248,9 +248,23 @@ class CompressedOptimizer(Optimizer):
         """The param group holding ``param`` (the current dict: ``load_state_dict`` replaces them)."""
         return self.param_groups[self._place(param)[1]]
 
-    def _attach_ddp(self, state) -> None:
-        self._ddp = state
-        self._launcher.enabled = False  # DDP's reducer carries the full-precision averaging
+    @property
+    def averager(self):
+        """What carries the full-precision averaging in place of the optimizer (``None``: the
+        optimizer averages itself); see :meth:`attach_averager`."""
+        return self._averager
+
+    def attach_averager(self, averager) -> None:
+        """From now on ``averager`` averages the warmup gradients into ``p.grad`` during backward
+        and has made the ranks' initial parameters equal (DDP's reducer through the hook of
+        :mod:`compressed_opt.ddp`, which owns its own state): the optimizer launches no averaging
+        of its own and broadcasts nothing. The compression stage's exchange stays the optimizer's."""
+        self._averager = averager
+        self._launcher.enabled = False
+
+    def averages_next_step(self) -> bool:
+        """Whether the next step is a full-precision one (its gradients averaged, not compressed)."""
+        return self._needs_average(self.global_step + 1)
 
     def _bucket_step(self, bucket: Bucket, group: dict, grad: torch.Tensor, step: int, averaged: bool) -> None:
         """The update of the bucket's parameters; ``grad`` holds the averaged gradient (when
@@ -326,7 +340,7 @@ class CompressedOptimizer(Optimizer):
         step = self.global_step + 1
         grad = self._grad_buffer(bucket)
         if self._needs_average(step):
-            if self._ddp is None:  # (under DDP its hook averaged the gradients)
+            if self._averager is None:  # (else the averager averaged the gradients)
                 self._average(bucket, grad)
         else:
             self._bucket_communicate(bucket, self.param_groups[bucket.group_index], grad, step)
@@ -382,10 +396,10 @@ class CompressedOptimizer(Optimizer):
                     raise TypeError(f"{type(self).__name__} does not support sparse gradients")
         self._check_ranks_agree()
         self._layout_agreed = True
-        if self.global_step == 0 and not self._broadcast_done and self._ddp is None:  # (DDP broadcast already)
+        if self.global_step == 0 and not self._broadcast_done and self._averager is None:  # (else it did)
             self._broadcast_parameters()  # before the first update, once the shapes are known to agree
             self._broadcast_done = True
-        if not self._ranks_checked and self._ddp is None and self.backend.world_size > 1 and self.global_step == 0:
+        if not self._ranks_checked and self._averager is None and self.backend.world_size > 1 and self.global_step == 0:
             logger.info("%s: %d ranks (%s); no DistributedDataParallel wrapper found, so the optimizer "
                         "averages the gradients itself", type(self).__name__, self.backend.world_size,
                         type(self.backend).__name__)
@@ -805,7 +819,7 @@ class CompressedOptimizer(Optimizer):
     #: what belongs to this process's run rather than to the algorithm: not carried by
     #: ``copy.deepcopy`` or pickle, made again by the copy (see ``__getstate__``)
     _runtime_attributes = frozenset({
-        "backend", "_launcher", "_buckets", "_layout_key", "_param_places", "_ddp", "_ddp_scratch", "_rank_statistics",
+        "backend", "_launcher", "_buckets", "_layout_key", "_param_places", "_averager", "_rank_statistics",
         "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
         "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
         "_optimizer_load_state_dict_post_hooks",
@@ -815,7 +829,7 @@ class CompressedOptimizer(Optimizer):
         """What a copy carries: every attribute but the runtime ones, with the bucket buffers
         (error feedback and the algorithm's saved buffers) as ``state_dict()`` carries them."""
         name = type(self).__name__
-        if self.__dict__.get("_ddp") is not None:
+        if self.__dict__.get("_averager") is not None:
             raise RuntimeError(
                 f"{how} of a {name} that drives a DistributedDataParallel communication hook is not "
                 "supported: the hook belongs to the DDP model. Save state_dict() and load it into a new "
@@ -898,7 +912,7 @@ class CompressedOptimizer(Optimizer):
             self._buckets = None
             self._layout_key = None
             self._param_places = None
-            self._ddp = None
+            self._averager = None
             self._launcher = BucketLauncher(self, self.accumulation_steps)
             if not self.__dict__.get("_closed", False):
                 self._start_hooks()

@@ -708,10 +708,10 @@ def test_copies_that_cannot_work_raise_clearly(info):
         pickle.dumps(opt)
     opt.step()
     copy.deepcopy(opt)  # between steps again
-    opt._ddp = object()  # as register_ddp_comm_hook leaves it
+    opt.attach_averager(object())  # as register_ddp_comm_hook does
     with pytest.raises(RuntimeError, match="DistributedDataParallel communication hook"):
         copy.deepcopy(opt)
-    opt._ddp = None
+    opt._averager = None
     custom = info.make(make_params(), "warmup", backend=_CustomBackend())
     with pytest.raises(TypeError, match="cannot pickle a .* whose backend is"):
         pickle.dumps(custom)
