@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from compressed_opt.comm import chunk_numel
-from compressed_opt.cuda import Segments
+from compressed_opt.cuda import Segments, gather_
 
 
 @dataclass
@@ -79,8 +79,13 @@ class Bucket:
                 self._views[key] = views
         return views
 
-    def gather_grads(self, out: torch.Tensor, inv_scale: float | None = None) -> None:
-        """``out`` <- this bucket's gradients (zeros where a parameter has none), times ``inv_scale``."""
+    def gather_grads(self, out: torch.Tensor, inv_scale: float | None = None,
+                     square_sums: torch.Tensor | None = None) -> None:
+        """``out`` <- this bucket's gradients (zeros where a parameter has none), times ``inv_scale``;
+        with ``square_sums`` (float64, one per parameter), their sums of squares, in the same pass."""
+        if square_sums is not None:
+            gather_([p.grad for p in self.params], out, self.segments, inv_scale, square_sums)
+            return
         have, views = [], []
         for p, view in zip(self.params, self.views(out)):
             if p.grad is None:

@@ -169,8 +169,7 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
                                 row_scales=self._exchange_scales(bucket),
                                 preconditioner=self._exchange_preconditioner(bucket))
         else:
-            super()._gather(bucket, grad, step)
-            self._observe_local_gradient(bucket, grad)
+            self._gather_observed(bucket, grad)
 
     def _exchange_scales(self, bucket) -> list[float] | None:
         """Per parameter of the bucket, the factor its momentum is multiplied by for the 1-bit

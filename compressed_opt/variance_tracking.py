@@ -36,8 +36,6 @@ from __future__ import annotations
 
 import torch
 
-from compressed_opt.cuda import segment_sumsq
-
 #: the columns of a layer's row: the warmup EMA of the sum of squares of the averaged gradient
 #: (whole on every rank in every mode, ZeRO included), the EMA's number of updates, rho, the
 #: reference ``ref_l`` and the calibration ``cal_l``
@@ -125,9 +123,10 @@ class LayerVarianceTracking:
     """The tracking in an optimizer (a mixin of :class:`~compressed_opt.optimizer.CompressedOptimizer`
     with a ``frozen`` flag): it calls :meth:`_observe_averaged_gradient` with each warmup (or
     refresh) step's averaged gradient, :meth:`_start_variance_tracking` at the freeze,
-    :meth:`_observe_local_gradient` where it gathers a compression step's gradients and
-    :meth:`_variance_factors_` on each compression-stage update direction, and says where the
-    frozen variance's updates are counted (:meth:`_tracking_clock`). The per-step all-gather and
+    :meth:`_gather_observed` to gather a compression step's gradients (ZeRO, which reads
+    ``p.grad`` itself: :meth:`_observe_local_gradient`), applies :meth:`_variance_factors_of`
+    (or :meth:`_variance_factors_`) to each compression-stage update, and says where the frozen
+    variance's updates are counted (:meth:`_tracking_clock`). The per-step all-gather and
     the update of ``rho`` come through the base class's hooks."""
 
     def _init_variance_tracking(self, enabled) -> None:
@@ -172,22 +171,25 @@ class LayerVarianceTracking:
             rows = bucket.flats["layer_variance"]
             start(rows, sums(bucket.views(v[: bucket.numel]), bucket.device), bucket.layer_numels)
 
-    def _observe_local_gradient(self, bucket, gathered: torch.Tensor | None = None) -> None:
-        """Compression stage, where the optimizer gathers a bucket's gradients: this rank's
-        per-layer sums of ``g_i^2``, from the bucket's ``gathered`` flat gradient (unscaled), in
-        one pass, or else from ``p.grad`` as the loop left it."""
-        if not (self.variance_tracking and self.frozen):
-            return
-        if gathered is None:
+    def _observe_local_gradient(self, bucket) -> None:
+        """Compression stage, ZeRO (the local momentum is formed from ``p.grad`` directly): this
+        rank's per-layer sums of ``g_i^2`` from ``p.grad`` as the loop left it, unscaled."""
+        if self.variance_tracking and self.frozen:
             self._local_square_sums[bucket.index] = square_sums(
                 [p.grad for p in bucket.params], bucket.device, self._gather_inv_scale)
+
+    def _gather_observed(self, bucket, grad: torch.Tensor) -> None:
+        """The bucket's gradients into ``grad`` (unscaled); in the compression stage, this rank's
+        per-layer sums of ``g_i^2`` in the same pass."""
+        if not (self.variance_tracking and self.frozen):
+            bucket.gather_grads(grad, self._gather_inv_scale)
             return
         out = self._local_square_sums.get(bucket.index)
-        if out is None or out.numel() != len(bucket.params) or out.device != gathered.device:
-            out = torch.empty(len(bucket.params), dtype=torch.float64, device=gathered.device)
+        if out is None or out.numel() != len(bucket.params) or out.device != grad.device:
+            out = torch.empty(len(bucket.params), dtype=torch.float64, device=grad.device)
             self._local_square_sums[bucket.index] = out
-        segment_sumsq(gathered, bucket.segments, out)
-        self._summed_buffers[bucket.index] = (gathered.data_ptr(), gathered._version)
+        bucket.gather_grads(grad, self._gather_inv_scale, square_sums=out)
+        self._summed_buffers[bucket.index] = (grad.data_ptr(), grad._version)
 
     def _gathered_finite(self, buckets):
         """From the sums of squares where they were taken of the buffers as they are now: float64

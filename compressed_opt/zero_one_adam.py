@@ -339,8 +339,7 @@ class ZeroOneAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
         return super()._new_layer_rows(name, bucket)
 
     def _gather(self, bucket, grad, step):
-        super()._gather(bucket, grad, step)
-        self._observe_local_gradient(bucket, grad)
+        self._gather_observed(bucket, grad)
 
     def _interval_factors(self, bucket) -> list[float] | None:
         """Phase B: the per-layer factors of this synchronisation interval (set at its first

@@ -43,7 +43,7 @@ import warnings
 import torch
 
 from . import reference
-from .segmented import Segments, divide_where_nonzero_, lerp_scale_clamp_, scale_clamp_, segment_sumsq
+from .segmented import Segments, divide_where_nonzero_, gather_, lerp_scale_clamp_, scale_clamp_, segment_sumsq
 
 __all__ = [
     "compress_",
@@ -55,6 +55,7 @@ __all__ = [
     "reference",
     "Segments",
     "segment_sumsq",
+    "gather_",
     "lerp_scale_clamp_",
     "scale_clamp_",
     "divide_where_nonzero_",

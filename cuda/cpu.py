@@ -75,6 +75,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.co_lerp_scale_clamp.restype = None
     lib.co_scale_clamp.argtypes = [p, p, p, p, i64]
     lib.co_scale_clamp.restype = None
+    lib.co_gather.argtypes = [p, p, p, i64, f32, ctypes.c_int, p]
+    lib.co_gather.restype = None
     lib.co_divide_where_nonzero.argtypes = [p, p, p, i64]
     lib.co_divide_where_nonzero.restype = None
     return lib

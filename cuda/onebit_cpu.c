@@ -198,6 +198,44 @@ void co_segment_sumsq(const float *x, const int64_t *off, int64_t nseg, double *
 }
 
 /*
+ * Gather: segment s of out <- src[s] (times scale when scaled; zeros where src[s] == 0, an
+ * address); with sumsq, sumsq[s] = the sum of squares of what was written, as co_segment_sumsq.
+ */
+void co_gather(const int64_t *srcs, float *out, const int64_t *off, int64_t nseg, float scale, int scaled,
+               double *sumsq) {
+    for (int64_t s = 0; s < nseg; ++s) {
+        const float *restrict src = (const float *)(intptr_t)srcs[s];
+        float *restrict o = out + off[s];
+        const int64_t n = off[s + 1] - off[s];
+        if (!src) {
+            memset(o, 0, (size_t)n * sizeof(float));
+            if (sumsq) sumsq[s] = 0.0;
+            continue;
+        }
+        const float f = scaled ? scale : 1.0f;
+        if (!sumsq) {
+            for (int64_t i = 0; i < n; ++i) o[i] = src[i] * f;
+            continue;
+        }
+        double acc[8] = {0};
+        int64_t i = 0;
+        for (; i + 8 <= n; i += 8)
+            for (int j = 0; j < 8; ++j) {
+                float v = src[i + j] * f;
+                o[i + j] = v;
+                acc[j] += (double)v * v;
+            }
+        double total = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+        for (; i < n; ++i) {
+            float v = src[i] * f;
+            o[i] = v;
+            total += (double)v * v;
+        }
+        sumsq[s] = total;
+    }
+}
+
+/*
  * x <- clamp(r * lerp(m, x, w), -b_s, b_s) over segment s, with torch.lerp's formula
  * (m + w (x - m) for |w| < 1/2, else x - (x - m)(1 - w)); NaN stays NaN.
  */

@@ -5,6 +5,9 @@ A :class:`Segments` is the partition of a flat buffer into consecutive segments 
 optimizers: a bucket's parameters). The passes fuse what would otherwise be one PyTorch call per
 operation and per segment:
 
+``gather_(sources, out, segments, scale=None, sumsq_out=None)``
+    segment ``s`` of ``out`` <- ``sources[s] * scale`` (zeros where ``None``); with ``sumsq_out``,
+    the segments' sums of squares of what was written, in the same pass.
 ``segment_sumsq(x, segments, out)``
     ``out[s] = sum_{k in s} x_k^2``, accumulated in float64 (squares of gradients below ~1e-19
     underflow in fp32).
@@ -71,6 +74,39 @@ def _doubles(values, n: int) -> torch.Tensor:
     if out.shape != (n,):
         raise ValueError(f"one value per segment is needed ({n}), got shape {tuple(out.shape)}")
     return out.contiguous()
+
+
+def gather_(sources: list, out: torch.Tensor, segments: Segments, scale: float | None = None,
+            sumsq_out: torch.Tensor | None = None) -> None:
+    """Segment ``s`` of ``out`` <- ``sources[s]`` (times ``scale``; zeros where ``None``), and with
+    ``sumsq_out`` (float64) the per-segment sums of squares of what was written, in one pass."""
+    if len(sources) != len(segments):
+        raise ValueError(f"one source per segment is needed ({len(segments)}), got {len(sources)}")
+    _check(segments, out)
+    if sumsq_out is not None and (sumsq_out.shape != (len(segments),) or sumsq_out.dtype != torch.float64):
+        raise ValueError(f"sumsq_out must be float64 of shape ({len(segments)},)")
+    lib = _native(out) if sumsq_out is None or (sumsq_out.is_cpu and sumsq_out.is_contiguous()) else None
+    if lib is not None and all(s is None or (s.is_cpu and s.dtype is torch.float32 and s.is_contiguous())
+                               for s in sources):
+        for src, n in zip(sources, segments.sizes):
+            if src is not None and src.numel() != n:
+                raise ValueError(f"a source of {src.numel()} elements for a segment of {n}")
+        addresses = torch.tensor([0 if src is None else src.data_ptr() for src in sources], dtype=torch.int64)
+        lib.co_gather(addresses.data_ptr(), out.data_ptr(), segments.offsets.data_ptr(), len(segments),
+                      1.0 if scale is None else float(scale), scale is not None,
+                      None if sumsq_out is None else sumsq_out.data_ptr())
+        return
+    views = segments.split(out)
+    have = [(v, src) for v, src in zip(views, sources) if src is not None]
+    for v, src in zip(views, sources):
+        if src is None:
+            v.zero_()
+    if have:
+        torch._foreach_copy_([v for v, _ in have], [src.reshape(v.shape) for v, src in have])
+    if scale is not None:
+        out[: segments.numel].mul_(scale)
+    if sumsq_out is not None:
+        segment_sumsq(out, segments, sumsq_out)
 
 
 def segment_sumsq(x: torch.Tensor, segments: Segments, out: torch.Tensor) -> torch.Tensor:

@@ -50,6 +50,36 @@ def test_segment_sumsq_of_tiny_gradients(path):
     assert out.item() == pytest.approx(1000 * float(x[0]) ** 2, rel=1e-9)
 
 
+@pytest.mark.parametrize("scale", [None, 0.5])
+@pytest.mark.parametrize("with_sums", [False, True])
+def test_gather(path, scale, with_sums):
+    sizes = [5, 0, 17, 1, 5000, 3]
+    segs = Segments(sizes)
+    g = torch.Generator().manual_seed(1)
+    sources = [torch.randn(n, generator=g) for n in sizes]
+    sources[3] = None  # a parameter without a gradient
+    sources[4] = sources[4].view(50, 100)  # shaped like a parameter
+    out = torch.full((segs.numel + 2,), 9.0)
+    sums = torch.full((len(segs),), -1.0, dtype=torch.float64) if with_sums else None
+    segmented.gather_(sources, out, segs, scale, sums)
+    expected = torch.cat([torch.zeros(n) if src is None else src.reshape(-1) * (scale or 1.0)
+                          for src, n in zip(sources, sizes)])
+    assert torch.equal(out[: segs.numel], expected) and (out[segs.numel:] == 9.0).all()
+    if with_sums:
+        assert sums.tolist() == pytest.approx([float((v.double() ** 2).sum()) for v in segs.split(out)], rel=1e-9)
+
+
+def test_gather_of_other_dtypes_and_strides(path):
+    segs = Segments([6, 4])
+    sources = [torch.arange(6, dtype=torch.bfloat16), torch.arange(8.0)[::2]]
+    out = torch.zeros(10)
+    sums = torch.zeros(2, dtype=torch.float64)
+    segmented.gather_(sources, out, segs, None, sums)
+    assert out.tolist() == [0, 1, 2, 3, 4, 5, 0, 2, 4, 6] and sums.tolist() == [55.0, 56.0]
+    with pytest.raises(ValueError, match="one source per segment"):
+        segmented.gather_(sources[:1], out, segs)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_lerp_scale_clamp(path, seed):
     segs, x, m, r, g = _case(seed)
