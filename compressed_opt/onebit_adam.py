@@ -285,9 +285,10 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
 
     def _momentum_from_exchange(self, bucket, y: torch.Tensor, out: torch.Tensor) -> None:
         """``m = y / R`` into ``out`` (0 where ``v_f == 0``)."""
-        if not self.zero_stage:
+        if not self.zero_stage:  # (the cached zeros spare the composed path a mask pass per step)
             n = bucket.numel
-            kernels.divide_where_nonzero_(y[:n], self._exchange_preconditioner(bucket)[:n], out[:n])
+            kernels.divide_where_nonzero_(y[:n], self._exchange_preconditioner(bucket)[:n], out[:n],
+                                          self._no_variance(bucket))
             return
         torch.div(y, self._exchange_preconditioner(bucket), out=out)
         idx = self._no_variance(bucket)

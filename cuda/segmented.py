@@ -15,7 +15,7 @@ operation and per segment:
     ``x <- clamp(r * lerp(m, x, weight), -b_s, b_s)`` element-wise, ``b_s = bounds[s]``.
 ``scale_clamp_(x, r, bounds, segments)``
     ``x <- clamp(r * x, -b_s, b_s)``.
-``divide_where_nonzero_(y, r, out)``
+``divide_where_nonzero_(y, r, out, zero_index=None)``
     ``out <- y / r``, 0 where ``r == 0`` (not segmented; ``out`` may be ``y``).
 
 CPU tensors run ``onebit_cpu.c`` (one pass, no per-segment call); other devices, and CPUs where
@@ -162,14 +162,21 @@ def _clamp_segments_(x: torch.Tensor, bounds: list[float], segments: Segments) -
         torch._foreach_clamp_min_(views, [-v for v in bounds])
 
 
-def divide_where_nonzero_(y: torch.Tensor, r: torch.Tensor, out: torch.Tensor) -> None:
-    """``out`` <- ``y / r``, 0 where ``r == 0`` (``out`` may be ``y``; all three the same shape)."""
+def divide_where_nonzero_(y: torch.Tensor, r: torch.Tensor, out: torch.Tensor,
+                          zero_index: torch.Tensor | None = None) -> None:
+    """``out`` <- ``y / r``, 0 where ``r == 0`` (``out`` may be ``y``; all three the same shape).
+    ``zero_index``: where known, the indices of ``r``'s zeros (1-D int64), which spares the
+    composed path a mask pass; the native pass needs none."""
     if not (y.shape == r.shape == out.shape):
         shapes = ", ".join(str(tuple(t.shape)) for t in (y, r, out))
         raise ValueError(f"y, r and out must have one shape, got {shapes}")
     lib = _native(y, r, out)
     if lib is not None:
         lib.co_divide_where_nonzero(y.data_ptr(), r.data_ptr(), out.data_ptr(), y.numel())
+        return
+    if zero_index is not None:
+        torch.div(y, r, out=out)
+        out.view(-1).index_fill_(0, zero_index, 0.0)
         return
     zero = r == 0
     torch.div(y, r, out=out)

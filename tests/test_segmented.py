@@ -126,6 +126,14 @@ def test_divide_where_nonzero(path, seed, in_place):
         assert torch.equal(y, y0)
 
 
+def test_divide_where_nonzero_with_known_zeros(path):
+    _, y, _, r, _ = _case(2)
+    expected = torch.where(r != 0, y / r, torch.zeros_like(y))
+    q = torch.full_like(y, 7.0)
+    segmented.divide_where_nonzero_(y, r, q, torch.nonzero(r == 0).view(-1))
+    torch.testing.assert_close(q, expected, rtol=1e-6, atol=0)
+
+
 def test_native_and_reference_agree(monkeypatch):
     if cpu.library() is None:
         pytest.skip("no C compiler here")
