@@ -19,7 +19,8 @@ works in place on flat, contiguous buffers that the caller owns and reuses:
     strided (``packed.stride(0) >= row_bytes``), e.g. a view that skips a header in each row.
 
 :mod:`~compressed_opt.cuda.segmented` holds the segmented element-wise passes around them (the
-update's preconditioning and its inverse, per-segment sums of squares).
+gather of the gradients with their per-segment sums of squares, the update's preconditioning
+and its inverse).
 
 Bits: bit ``k`` is bit ``k % 8`` of byte ``k // 8``; bits past the valid elements are 1.
 Float buffers are fp32. CUDA tensors run the CuPy kernels of ``onebit.cu`` on the current stream
