@@ -50,8 +50,8 @@ from . import scaling, zero
 from . import variance_tracking as tracking
 from .freeze import VarianceStabilityRule, resolve_rule, restore_rule
 from .moments import bias_corrections, denominator_, frozen_denominator_of, momentum_, variance_
-from .optimizer import CompressedOptimizer
-from .validation import check_adam_group, check_step_count
+from .optimizer import CompressedOptimizer, common_args
+from .validation import check_adam_group, check_choice, check_step_count
 
 logger = logging.getLogger("compressed_opt")
 
@@ -74,8 +74,7 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
 
     def __init__(self, params, defaults, freeze_step, backend, bucket_cap_mb, overlap=True, accumulation_steps=1,
                  zero_stage=0, master_resync_interval=100, exchange="preconditioned", variance_tracking=False):
-        if exchange not in self.EXCHANGES:
-            raise ValueError(f"Invalid exchange: {exchange!r} (must be one of {', '.join(map(repr, self.EXCHANGES))})")
+        check_choice("exchange", exchange, self.EXCHANGES)
         self.exchange_mode = exchange
         self._init_variance_tracking(variance_tracking)
         freeze_step = check_step_count("freeze_step", freeze_step, allow_auto=True, minimum=1) \
@@ -343,6 +342,7 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
                 self.exchange_mode, self.variance_tracking)
 
 
+@common_args
 class OnebitAdam(_FreezingAdam):
     """1-bit Adam: AdamW during warmup, then 1-bit compressed momentum with a frozen variance.
 
@@ -353,13 +353,7 @@ class OnebitAdam(_FreezingAdam):
             stabilised (:class:`compressed_opt.freeze.VarianceStabilityRule`; pass an instance
             to tune it). The step chosen is in ``optimizer.freeze_step`` and in checkpoints.
         bias_correction: Adam's bias correction (``False``: DeepSpeed's update).
-        backend: a :class:`compressed_opt.comm.Backend`; ``None`` picks one
-            (:func:`compressed_opt.comm.get_backend`).
-        bucket_cap_mb: size cap of the flat buckets (one collective per bucket).
-        overlap: launch each bucket's communication from backward as soon as its gradients are
-            ready (``False``: everything in ``step()``).
-        accumulation_steps: backward passes per ``step()`` (gradient accumulation without
-            ``no_sync()``); communication happens once, after the last.
+        {common_args}
         zero_stage: 0, or 1 / 2 to shard the optimizer state ZeRO-style by the compressed
             allreduce's server chunks (:mod:`compressed_opt.zero`; 2 also reduce-scatters the
             warmup gradients). Checkpoints then hold this rank's shards: save one per rank and

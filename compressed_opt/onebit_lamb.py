@@ -69,6 +69,7 @@ import torch
 
 from . import scaling, zero
 from .onebit_adam import _FreezingAdam
+from .optimizer import common_args
 from .moments import bias_corrections, denominator_, momentum_, variance_
 from .validation import check_nonneg_float
 
@@ -82,6 +83,7 @@ def _check_positive(name: str, value) -> float:
     return value
 
 
+@common_args
 class OnebitLamb(_FreezingAdam):
     """1-bit LAMB: LAMB during warmup, then 1-bit compressed momentum with frozen variance and
     trust ratios, rescaled per layer by the drift of a fresh variance estimate.
@@ -98,12 +100,7 @@ class OnebitLamb(_FreezingAdam):
             (> 0, ``min <= max``).
         factor_threshold: the most the factor may change from one step to the next (relative, >= 0).
         bias_correction: Adam's bias correction of the moments (``False``: the paper's code).
-        backend: a :class:`compressed_opt.comm.Backend`; ``None`` picks one.
-        bucket_cap_mb: size cap of the flat buckets (one collective per bucket).
-        overlap: launch each bucket's communication from backward as soon as its gradients are
-            ready (``False``: everything in ``step()``).
-        accumulation_steps: backward passes per ``step()`` (gradient accumulation without
-            ``no_sync()``); communication happens once, after the last.
+        {common_args}
         zero_stage: 0, or 1 / 2 to shard the optimizer state ZeRO-style (as :class:`OnebitAdam`;
             see the module doc). Checkpoints then hold this rank's shards.
         master_resync_interval: with ZeRO and bf16/fp16 parameters, every this many

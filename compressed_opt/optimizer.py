@@ -50,6 +50,25 @@ logger = logging.getLogger("compressed_opt")
 _OWNERS: weakref.WeakValueDictionary[int, CompressedOptimizer] = weakref.WeakValueDictionary()
 
 
+#: the constructor arguments every compressed optimizer takes, documented once: a class decorated
+#: with :func:`common_args` has ``{common_args}`` in its docstring where they go (torch.optim
+#: composes its docstrings from shared pieces the same way)
+COMMON_ARGS_DOC = """backend: a :class:`compressed_opt.comm.Backend`; ``None`` picks one
+            (:func:`compressed_opt.comm.get_backend`).
+        bucket_cap_mb: size cap of the flat buckets (one collective per bucket).
+        overlap: launch each bucket's communication from backward as soon as its gradients are
+            ready (``False``: everything in ``step()``).
+        accumulation_steps: backward passes per ``step()`` (gradient accumulation without
+            ``no_sync()``); communication happens once, after the last."""
+
+
+def common_args(cls):
+    """Put :data:`COMMON_ARGS_DOC` into ``cls``'s docstring at ``{common_args}``."""
+    if cls.__doc__ and "{common_args}" in cls.__doc__:
+        cls.__doc__ = cls.__doc__.replace("{common_args}", COMMON_ARGS_DOC)
+    return cls
+
+
 class CompressedOptimizer(Optimizer):
     _step_supports_amp_scaling = True
     #: per-bucket fp32 buffers shown per parameter in ``optimizer.state[p][name]``

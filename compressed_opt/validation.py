@@ -72,6 +72,12 @@ def check_betas(betas) -> tuple[float, float]:
     return values[0], values[1]
 
 
+def check_choice(name: str, value, choices: tuple) -> None:
+    """``value`` must be one of ``choices`` (compared with ``==``)."""
+    if value not in choices:
+        raise ValueError(f"Invalid {name}: {value!r} (must be one of {', '.join(map(repr, choices))})")
+
+
 def check_step_count(name: str, value, allow_auto: bool = False, minimum: int = 0):
     if allow_auto and value == "auto":
         return value

@@ -77,8 +77,8 @@ from . import scaling, zero
 from . import variance_tracking as tracking
 from .freeze import VarianceStabilityRule, resolve_rule, restore_rule
 from .moments import denominator_, momentum_, variance_
-from .optimizer import CompressedOptimizer
-from .validation import check_adam_group, check_step_count
+from .optimizer import CompressedOptimizer, common_args
+from .validation import check_adam_group, check_choice, check_step_count
 
 logger = logging.getLogger("compressed_opt")
 
@@ -106,6 +106,7 @@ def _no_variance_no_move_(t: torch.Tensor, bucket, v: torch.Tensor, refreshed: b
         t.index_fill_(0, zeros, 0.0)
 
 
+@common_args
 class ZeroOneAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
     """0/1 Adam: sparse variance refreshes with 1-bit gradients, then a frozen variance with
     local steps and 1-bit synchronisations at growing intervals.
@@ -121,15 +122,7 @@ class ZeroOneAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
         local_step_clipper: the largest ``local_step_interval`` (>= 1).
         bias_correction: Adam's bias correction, adapted to sparse refreshes (see the module
             doc); ``False``: DeepSpeed's update, without correction.
-        backend: a :class:`compressed_opt.comm.Backend`; ``None`` picks one
-            (:func:`compressed_opt.comm.get_backend`).
-        bucket_cap_mb: size cap of the flat buckets (one collective per bucket; its layers are
-            scaled to one size before compression, see below).
-        overlap: launch each bucket's phase-A communication (full-precision or 1-bit gradient
-            average) from backward as soon as its gradients are ready (``False``: everything in
-            ``step()``). Phase-B synchronisations run in ``step()``: they need the step's lr.
-        accumulation_steps: backward passes per ``step()`` (gradient accumulation without
-            ``no_sync()``); communication happens once, after the last.
+        {common_args}
         zero_stage: only 0: 0/1 Adam's state is not sharded (the error for 1 or 2 says why; see
             :mod:`compressed_opt.zero`).
         exchange: ``"preconditioned"`` (default): every 1-bit exchange sends its values divided
@@ -140,6 +133,9 @@ class ZeroOneAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
             its gradients' second moment since the freeze, measured on the ranks' local gradients
             (:mod:`compressed_opt.variance_tracking`; the factor is set at the first step of each
             synchronisation interval and kept through it); ``False``: the paper's frozen variance.
+
+    With ``overlap``, phase A's communication (full-precision or 1-bit gradient average) goes out
+    from backward; phase-B synchronisations run in ``step()`` (they need the step's lr).
 
     Per-parameter state (views of per-bucket fp32 buffers): ``exp_avg``, ``exp_avg_sq``,
     ``momentum_accumulator`` (``acc``) and ``sync_params`` (the parameters at the last
@@ -160,8 +156,7 @@ class ZeroOneAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
                  var_freeze_step=100000, var_update_scaler=16, local_step_scaler=32678, local_step_clipper=16,
                  bias_correction=True, backend=None, bucket_cap_mb=25.0, overlap=True, accumulation_steps=1,
                  zero_stage=0, exchange="preconditioned", variance_tracking=True):
-        if exchange not in self.EXCHANGES:
-            raise ValueError(f"Invalid exchange: {exchange!r} (must be one of {', '.join(map(repr, self.EXCHANGES))})")
+        check_choice("exchange", exchange, self.EXCHANGES)
         self.exchange_mode = exchange
         self._init_variance_tracking(variance_tracking)
         if variance_tracking:  # the factor of the current synchronisation interval, per layer
