@@ -70,6 +70,7 @@ import torch
 from . import scaling, zero
 from .onebit_adam import _FreezingAdam
 from .optimizer import common_args
+from .reductions import maxima, norms
 from .moments import bias_corrections, denominator_, momentum_, variance_
 from .validation import check_nonneg_float
 
@@ -190,7 +191,7 @@ class OnebitLamb(_FreezingAdam):
             torch._foreach_add_(views, params, alpha=wd)
         ratios = []
         if params:
-            ratios = _trust_ratios(torch.stack(_norms(params)), torch.stack(_norms(views)), group)
+            ratios = _trust_ratios(norms(params), norms(views), group)
         self._record_trust_ratios(bucket, group, ratios)
         torch._foreach_mul_(views, [-lr * r for r in ratios])
         torch._foreach_add_(params, views)
@@ -296,13 +297,13 @@ class OnebitLamb(_FreezingAdam):
         torch.div(denom_own, ratio, out=ratio).nan_to_num_(nan=0.0, posinf=0.0)
         raw = [1.0] * len(params)
         if self.zero_stage:
-            maxima = zero.layer_maxima(self, bucket, ratio).tolist()
-            raw = [f if p.numel() else 1.0 for p, f in zip(params, maxima)]
+            found = zero.layer_maxima(self, bucket, ratio).tolist()
+            raw = [f if p.numel() else 1.0 for p, f in zip(params, found)]
         else:
             nonempty = [i for i, p in enumerate(params) if p.numel()]
             if nonempty:
                 views = bucket.views(ratio)
-                for i, f in zip(nonempty, torch.stack(_maxima([views[i] for i in nonempty])).tolist()):
+                for i, f in zip(nonempty, torch.stack(maxima([views[i] for i in nonempty])).tolist()):
                     raw[i] = f
         coeffs = self._compression_coeffs(params, group, raw)
 
@@ -340,22 +341,6 @@ def _trust_ratios(p_norm: torch.Tensor, u_norm: torch.Tensor, group: dict) -> li
     ratio = torch.where((p_norm > 0) & (u_norm > 0), p_norm / u_norm, torch.full_like(p_norm, -1.0))
     lo, hi = group["min_coeff"], group["max_coeff"]
     return [1.0 if r < 0 else min(max(r, lo), hi) for r in ratio.tolist()]
-
-
-def _norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """L2 norms in fp32: one fused kernel for fp32 tensors, one per tensor otherwise."""
-    if all(t.dtype == torch.float32 for t in tensors):
-        return list(torch._foreach_norm(tensors))
-    # bf16/fp16 accumulate in fp32; fp64 cannot be narrowed by vector_norm's dtype: norm, then cast
-    return [torch.linalg.vector_norm(t).float() if t.dtype == torch.float64
-            else torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors]
-
-
-def _maxima(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Each (non-empty) tensor's maximum; fused where torch has ``_foreach_max`` (2.4+)."""
-    if hasattr(torch, "_foreach_max"):
-        return list(torch._foreach_max(tensors))
-    return [t.max() for t in tensors]
 
 
 def _debiased_ema(st: dict, beta: float) -> float:

@@ -21,6 +21,8 @@ import math
 
 import torch
 
+from .reductions import norms
+
 
 def coefficients(rms: list[float], sizes: list[int]) -> list[float]:
     """``mean_k s_k / s_l`` per layer (1 where ``s_l`` is 0, not finite, or the layer empty)."""
@@ -33,8 +35,7 @@ def coefficients_of(views: list[torch.Tensor]) -> list[float]:
     """The coefficients of fp32 layers ``views`` (one fused norm pass): ``mean_k s_k / s_l``, ``s_l``
     each layer's RMS."""
     sizes = [v.numel() for v in views]
-    norms = torch.stack(list(torch._foreach_norm(views))).tolist() if views else []
-    return coefficients(rms_from_norms(norms, sizes), sizes)
+    return coefficients(rms_from_norms(norms(views).tolist(), sizes), sizes)
 
 
 def rms_from_norms(norms: list[float], sizes: list[int]) -> list[float]:
@@ -45,9 +46,8 @@ def rms_from_norms(norms: list[float], sizes: list[int]) -> list[float]:
 def rms_from_variance(variances: list[torch.Tensor]) -> list[float]:
     """The RMS a layer's values have when ``v`` (per element, >= 0) is their mean square:
     ``sqrt(sum v / n)``."""
-    nonempty = [v for v in variances if v.numel()]
-    sums = iter(torch.stack(list(torch._foreach_norm(nonempty, 1))).tolist() if nonempty else [])
-    return [math.sqrt(next(sums) / v.numel()) if v.numel() else 0.0 for v in variances]
+    sums = norms(variances, 1).tolist()
+    return [math.sqrt(s / v.numel()) if v.numel() else 0.0 for s, v in zip(sums, variances)]
 
 
 def scale_(views: list[torch.Tensor], coeffs: list[float]) -> None:

@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import torch
 
+from .reductions import norms
+
 #: the columns of a layer's row: the warmup EMA of the sum of squares of the averaged gradient
 #: (whole on every rank in every mode, ZeRO included), the EMA's number of updates, rho, the
 #: reference ``ref_l`` and the calibration ``cal_l``
@@ -56,28 +58,15 @@ def new_rows(n_layers: int, device) -> torch.Tensor:
     return rows
 
 
-def _norms(tensors: list[torch.Tensor | None], order: int, device) -> torch.Tensor:
-    """Per tensor, its ``order``-norm in float64 on ``device`` (0 for ``None`` or empty); one
-    fused call per dtype, accumulated in float64 (fp32 squares of gradients below ~1e-19 underflow)."""
-    out = torch.zeros(len(tensors), dtype=torch.float64, device=device)
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for i, t in enumerate(tensors):
-        if t is not None and t.numel():
-            by_dtype.setdefault(t.dtype, []).append(i)
-    for where in by_dtype.values():
-        out[where] = torch.stack(torch._foreach_norm([tensors[i] for i in where], order, dtype=torch.float64)).to(out)
-    return out
-
-
 def square_sums(tensors: list[torch.Tensor | None], device, scale: float | None = None) -> torch.Tensor:
     """Per tensor, the sum of squares in float64 on ``device`` (0 for ``None``), times ``scale ** 2``."""
-    out = _norms(tensors, 2, device).square_()
+    out = norms(tensors, 2, device).square_()
     return out.mul_(scale * scale) if scale is not None else out
 
 
 def sums(tensors: list[torch.Tensor], device) -> torch.Tensor:
     """Per tensor of non-negative values, their sum in float64 on ``device``."""
-    return _norms(tensors, 1, device)
+    return norms(tensors, 1, device)
 
 
 def observe_warmup(rows: torch.Tensor, sums: torch.Tensor) -> None:

@@ -1,0 +1,31 @@
+"""Per-layer reductions, written once: each layer's norm or maximum, one fused call per dtype.
+
+Norms accumulate in float64 whatever the tensors' dtype: fp32 squares of values below ~1e-19
+underflow (a gradient of 1e-20 would read as 0), and half precision would lose more.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def norms(tensors: list[torch.Tensor | None], order: int = 2, device=None) -> torch.Tensor:
+    """Per tensor, its ``order``-norm as float64 on ``device`` (default: the first tensor's; 0 for
+    ``None`` or an empty tensor)."""
+    if device is None:
+        device = next((t.device for t in tensors if t is not None), torch.device("cpu"))
+    out = torch.zeros(len(tensors), dtype=torch.float64, device=device)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        if t is not None and t.numel():
+            by_dtype.setdefault(t.dtype, []).append(i)
+    for where in by_dtype.values():
+        found = torch._foreach_norm([tensors[i] for i in where], order, dtype=torch.float64)
+        out[where] = torch.stack(found).to(out)
+    return out
+
+
+def maxima(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each (non-empty) tensor's maximum; fused where torch has ``_foreach_max`` (2.4+)."""
+    if hasattr(torch, "_foreach_max"):
+        return list(torch._foreach_max(tensors))
+    return [t.max() for t in tensors]
