@@ -31,9 +31,9 @@ FORMAT = 1
 #: keys of ``state_dict()["compressed_opt"]`` that every format-1 checkpoint has
 REQUIRED_KEYS = ("format", "algorithm", "global_step", "rank", "world_size", "buckets")
 #: keys of an optimizer's ``_extra_state()`` that a load reads with a default (not required)
-_OPTIONAL_EXTRA = frozenset({"freeze_rule", "last_step_kind", "ddp_errors", "exchange", "variance_tracking"})
+_OPTIONAL_EXTRA = frozenset({"freeze_rule", "last_step_kind", "exchange", "variance_tracking", "ranks"})
 #: keys that differ between the ranks of one run by design (not compared across ranks)
-_PER_RANK = frozenset({"rank", "buckets", "ddp_errors", "freeze_rule", "format", "world_size", "algorithm"})
+_PER_RANK = frozenset({"rank", "buckets", "ranks", "freeze_rule", "format", "world_size", "algorithm"})
 
 
 class CheckpointError(ValueError):
@@ -152,22 +152,51 @@ def _check_locally(optimizer, state_dict) -> None:
     _check_param_groups(optimizer, state_dict)
     _check_param_state(optimizer, state_dict)
     _check_buckets(optimizer, extra["buckets"], world)
-    ddp = extra.get("ddp_errors", {})
-    if not isinstance(ddp, Mapping):
-        _fail(optimizer, f"state_dict['compressed_opt']['ddp_errors'] must be a dict, got {type(ddp).__name__}")
-    for key, entry in ddp.items():
-        if not isinstance(entry, Mapping):
-            _fail(optimizer, f"ddp_errors[{key!r}] must be a dict, got {type(entry).__name__}")
-        for field in ("worker_error", "server_error"):
-            if not isinstance(entry.get(field), torch.Tensor):
-                _fail(optimizer, f"ddp_errors[{key!r}][{field!r}] must be a tensor, "
-                                 f"got {type(entry.get(field)).__name__}")
+    consolidated = "ranks" in extra
+    if consolidated:
+        _check_rank_parts(optimizer, state_dict, extra["ranks"], world)
     if getattr(optimizer, "zero_stage", 0) and (world != optimizer.backend.world_size
-                                                 or rank != optimizer.backend.rank):
+                                                 or (rank != optimizer.backend.rank and not consolidated)):
         _fail(optimizer,
               f"this ZeRO checkpoint holds the shards of rank {rank} of {world}; it cannot be loaded on rank "
               f"{optimizer.backend.rank} of {optimizer.backend.world_size}. Resume with the same world size, each "
               "rank loading its own file (or train with zero_stage=0 to move between world sizes)")
+
+
+def _check_rank_parts(optimizer, state_dict: Mapping, parts, world: int) -> None:
+    """``state_dict()["compressed_opt"]["ranks"]`` (written by ``consolidate_state_dict``): one
+    part per rank, in rank order, each checked as the rank's own checkpoint would be."""
+    if not isinstance(parts, (list, tuple)) or len(parts) != world:
+        _fail(optimizer, f"state_dict['compressed_opt']['ranks'] must be a list of {world} per-rank parts (one per "
+                         f"rank of the run that saved it), got {type(parts).__name__} of length "
+                         f"{len(parts) if isinstance(parts, (list, tuple)) else '?'}")
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for r, part in enumerate(parts):
+        if not isinstance(part, Mapping) or set(part) != {"rank", "buckets", "state", "params"} or part["rank"] != r:
+            _fail(optimizer, f"state_dict['compressed_opt']['ranks'][{r}] must be rank {r}'s part, a dict with the "
+                             "keys 'rank', 'buckets', 'state' and 'params'")
+        _check_buckets(optimizer, part["buckets"], world)
+        for field, value in (("state", part["state"]), ("params", part["params"])):
+            if not isinstance(value, Mapping):
+                _fail(optimizer, f"ranks[{r}][{field!r}] must be a dict, got {type(value).__name__}")
+        for i, own in part["state"].items():
+            if not (_is_int(i) and 0 <= i < len(params)) or not isinstance(own, Mapping):
+                _fail(optimizer, f"ranks[{r}]['state'] has an entry {i!r}, no parameter index of this optimizer")
+            for field, value in own.items():
+                if field not in optimizer.rank_state_names:
+                    _fail(optimizer, f"ranks[{r}]['state'][{i}] has {field!r}, which is no per-rank state of "
+                                     f"{type(optimizer).__name__}")
+                _check_like(optimizer, f"ranks[{r}]['state'][{i}][{field!r}]", value, params[i])
+        for i, value in part["params"].items():
+            if not (_is_int(i) and 0 <= i < len(params)):
+                _fail(optimizer, f"ranks[{r}]['params'] has an entry {i!r}, no parameter index of this optimizer")
+            _check_like(optimizer, f"ranks[{r}]['params'][{i}]", value, params[i])
+
+
+def _check_like(optimizer, what: str, value, param) -> None:
+    if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.shape != param.shape:
+        _fail(optimizer, f"{what}: expected a floating-point tensor of shape {tuple(param.shape)}, got "
+                         f"{getattr(value, 'shape', type(value).__name__)}")
 
 
 def _check_extra(optimizer, extra: Mapping) -> None:

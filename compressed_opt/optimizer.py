@@ -6,7 +6,8 @@ class owns everything around it, in the order of a step:
 1. closure (if any), buckets built or rebuilt (after ``add_param_group``);
 2. once, before the first step: every rank checks that all ranks have the same parameter shapes
    and hyperparameters (an all-gather of a signature), raising on every rank if not;
-3. ``torch.amp.GradScaler``: the optimizer handles scaling itself (``_step_supports_amp_scaling``)
+3. ``torch.amp.GradScaler``: the optimizer handles scaling itself (``_step_supports_amp_scaling``,
+   answered to the GradScaler)
    so that a non-finite gradient on *any* rank makes *every* rank skip the step (a one-element
    all-reduce of the flags), where GradScaler alone would skip only on the overflowing rank and
    leave the others waiting in a collective;
@@ -37,7 +38,7 @@ from torch.optim import Optimizer
 
 from compressed_opt.comm import Backend, error_buffer_sizes, get_backend
 
-from . import checkpoint, ddp, zero
+from . import checkpoint, consolidate, ddp, frameworks, zero
 from .buckets import Bucket, build_buckets
 from .checkpoint import validate_state_dict
 from .overlap import BucketLauncher, GradientsChangedAfterLaunch
@@ -70,7 +71,16 @@ def common_args(cls):
 
 
 class CompressedOptimizer(Optimizer):
-    _step_supports_amp_scaling = True
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """``True`` to ``torch.amp.GradScaler`` (its ``step()`` then hands this optimizer
+        ``found_inf`` and the scale instead of skipping the step on the overflowing rank alone),
+        ``False`` to anyone else who asks: Lightning reads the flag as "unscales inside ``step()``,
+        cannot be clipped" and refuses ``gradient_clip_val``, but gradients unscaled beforehand
+        (``scaler.unscale_``, then clipping) are what ``step()`` expects."""
+        return sys._getframe(1).f_code is torch.amp.GradScaler.step.__code__  # (f_locals would keep a
+        # snapshot of the caller's locals alive)
+
     #: per-bucket fp32 buffers shown per parameter in ``optimizer.state[p][name]``
     bucket_state_names: tuple[str, ...] = ()
     #: per-parameter state that is a row of a small float64 per-bucket tensor of per-layer
@@ -78,6 +88,9 @@ class CompressedOptimizer(Optimizer):
     layer_state: dict[str, int] = {}
     #: further per-bucket buffers (any size) saved in ``state_dict()["compressed_opt"]["buckets"]``
     saved_bucket_buffers: tuple[str, ...] = ()
+    #: per-parameter state that differs between the ranks by the algorithm (each rank's own,
+    #: carried per rank by :meth:`consolidate_state_dict`; the bucket entries always are)
+    rank_state_names: tuple[str, ...] = ()
 
     def __init__(self, params, defaults: dict, backend: Backend | None = None, bucket_cap_mb: float = 25.0,
                  overlap: bool = True, accumulation_steps: int = 1):
@@ -96,6 +109,8 @@ class CompressedOptimizer(Optimizer):
         self._layout_key = None
         self._ranks_checked = False
         self._pending_bucket_state: list[dict] | None = None
+        self._consolidated: tuple[int, list[dict]] | None = None  # (global_step, every rank's part)
+        self._frameworks_checked = False
         if not isinstance(overlap, bool):
             raise TypeError(f"overlap must be True or False, got {overlap!r}")
         self.overlap = overlap
@@ -439,6 +454,10 @@ class CompressedOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         launcher = self._launcher
+        self._consolidated = None  # the parts gathered for a checkpoint describe the step before
+        if not self._frameworks_checked:
+            self._frameworks_checked = True
+            frameworks.watch_trainer(self)
         try:
             launcher.wait()  # nothing of ours may be in flight while this thread communicates
             if not launcher.finished:
@@ -700,10 +719,15 @@ class CompressedOptimizer(Optimizer):
             "buckets": buckets,
             **self._extra_state(),
         }
+        if self._consolidated is not None and self._consolidated[0] == self.global_step:
+            parts = list(self._consolidated[1])
+            parts[self.backend.rank] = self.rank_part()
+            sd["compressed_opt"]["ranks"] = parts
         return sd
 
     def _load_state_dict(self, state_dict: dict) -> None:
         validate_state_dict(self, state_dict)  # strict checks; every rank agrees or raises (compressed_opt.checkpoint)
+        state_dict, own_params = consolidate.own_part(self, state_dict)  # this rank's part of a consolidated one
         extra = state_dict.get("compressed_opt")
         if extra is None:
             raise ValueError(
@@ -726,8 +750,12 @@ class CompressedOptimizer(Optimizer):
             for name in self.layer_state:
                 if name in saved:
                     self.state[p][name] = saved[name].to(device=p.device, dtype=torch.float64).clone()
+        with torch.no_grad():  # (0/1 Adam between synchronisations: this rank's own parameters)
+            for idx, values in own_params.items():
+                index_to_param[int(idx)].copy_(values)
         self.global_step = int(extra["global_step"])
         self._load_extra_state(extra)
+        self._consolidated = None
         self._buckets = None
         self._param_places = None
         self._layout_key = None
@@ -776,7 +804,10 @@ class CompressedOptimizer(Optimizer):
 
     def _bucket_entries(self) -> list[dict]:
         """Per bucket, what ``state_dict()["compressed_opt"]["buckets"]`` (and a copy) carries:
-        its size, this rank's error-feedback buffers and the algorithm's saved bucket buffers."""
+        its size, this rank's error-feedback buffers and the algorithm's saved bucket buffers
+        (loaded but not yet placed, before the first step after a load: as loaded)."""
+        if self._buckets is None and self._pending_bucket_state is not None:
+            return [dict(entry) for entry in self._pending_bucket_state]
         entries = []
         for b in self._buckets or ():
             entry = {"numel": b.numel}
@@ -786,6 +817,49 @@ class CompressedOptimizer(Optimizer):
             entries.append(entry)
         return entries
 
+    def rank_part(self) -> dict:
+        """What of the state is this rank's own (see :mod:`compressed_opt.consolidate`): its bucket
+        entries, its ``rank_state_names`` per parameter, and its parameters where
+        :meth:`rank_parameters` says they are its own."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        state = {}
+        for i, p in enumerate(params):
+            own = {name: self.state[p][name] for name in self.rank_state_names if name in self.state.get(p, {})}
+            if own:
+                state[i] = own
+        values = {i: p.detach() for i, p in enumerate(params)} if self.rank_parameters() else {}
+        return {"rank": self.backend.rank, "buckets": self._bucket_entries(), "state": state, "params": values}
+
+    def rank_parameters(self) -> bool:
+        """Whether this rank's parameters are its own now (differ from the other ranks'), so a
+        consolidated checkpoint carries them per rank."""
+        return False
+
+    @property
+    def comm_device(self) -> torch.device:
+        """The device of the optimizer's collectives (its parameters')."""
+        return next((p.device for g in self.param_groups for p in g["params"]), torch.device("cpu"))
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Collective, between steps: gather what of the state is each rank's own (error feedback,
+        ZeRO shards, 0/1 Adam's local state between synchronisations) onto rank ``to``, whose
+        ``state_dict()`` until the next step carries it, so that one file resumes every rank
+        exactly: each rank that loads it takes its own part. Every rank must call it, as torch's
+        ``ZeroRedundancyOptimizer.consolidate_state_dict``; Lightning does before it saves, and
+        under accelerate's ``save_state`` and the HF Trainer it runs by itself
+        (:mod:`compressed_opt.frameworks`). Without it, ``state_dict()`` holds this rank's state
+        only (resume with each rank's own file)."""
+        world = self.backend.world_size
+        if isinstance(to, bool) or not isinstance(to, int) or not 0 <= to < world:
+            raise ValueError(f"consolidate_state_dict: to must be a rank in [0, {world}), got {to!r}")
+        if not self._launcher.idle():
+            raise RuntimeError(
+                f"{type(self).__name__}.consolidate_state_dict between backward() and step(): this step's gradient "
+                "communication has started. Consolidate (and save) between steps"
+            )
+        parts = consolidate.gather_rank_parts(self, to)
+        self._consolidated = None if parts is None else (self.global_step, parts)
+
     # --- torch.optim's contract: state-dict hooks, copies and pickling ---------------------------
     @torch._disable_dynamo
     def state_dict(self) -> dict:
@@ -793,6 +867,8 @@ class CompressedOptimizer(Optimizer):
         counters and this rank's error-feedback buffers (see the module doc). State-dict pre hooks
         run first and post hooks last, on the whole dict (``"compressed_opt"`` included), as
         ``torch.optim.Optimizer.state_dict`` runs them."""
+        if self._consolidated is None and self.backend.world_size > 1 and frameworks.saving_on_every_rank():
+            self.consolidate_state_dict(0)  # accelerate's save_state: every rank is here, rank 0 saves
         post_hooks = self._optimizer_state_dict_post_hooks
         self._optimizer_state_dict_post_hooks = type(post_hooks)()  # run below, on the whole dict
         try:
@@ -839,6 +915,7 @@ class CompressedOptimizer(Optimizer):
     #: ``copy.deepcopy`` or pickle, made again by the copy (see ``__getstate__``)
     _runtime_attributes = frozenset({
         "backend", "_launcher", "_buckets", "_layout_key", "_param_places", "_averager", "_rank_statistics",
+        "_consolidated", "_frameworks_checked",
         "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
         "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
         "_optimizer_load_state_dict_post_hooks",
@@ -932,6 +1009,8 @@ class CompressedOptimizer(Optimizer):
             self._layout_key = None
             self._param_places = None
             self._averager = None
+            self._consolidated = None
+            self._frameworks_checked = False
             self._launcher = BucketLauncher(self, self.accumulation_steps)
             if not self.__dict__.get("_closed", False):
                 self._start_hooks()

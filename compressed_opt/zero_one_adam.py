@@ -149,6 +149,8 @@ class ZeroOneAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
     """
 
     bucket_state_names = ("exp_avg", "exp_avg_sq", "momentum_accumulator", "sync_params")
+    #: phase B: each rank's local momentum and accumulated update (between synchronisations)
+    rank_state_names = ("exp_avg", "momentum_accumulator")
     scratch_names = CompressedOptimizer.scratch_names | {"no_variance"}
     EXCHANGES = ("preconditioned", "momentum")
 
@@ -456,6 +458,10 @@ class ZeroOneAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
             freeze = False
         if freeze:
             self._freeze(step)
+
+    def rank_parameters(self):
+        """Between synchronisations each rank's parameters are its own (its local steps)."""
+        return self.frozen and self.steps_since_sync > 0
 
     def _end_local_step(self):
         lr_sums, decays = self._group_lists()

@@ -8,7 +8,8 @@ ranks, Gloo.
 through MPI.) The recipe is the optimizer passed to ``accelerator.prepare`` with the model and
 the data; ``Accelerator`` must come first: it initialises torch.distributed, which the
 optimizer's backend needs. The loop clips with ``accelerator.clip_grad_norm_(..., 1.0)`` as
-accelerate's examples do. The measurements (``harness.Meter``) are not part of the recipe.
+accelerate's examples do; ``--accumulation``, ``--bf16`` and ``--save-at``/``--resume`` use
+accelerate's gradient accumulation, mixed precision and ``save_state``/``load_state``. The measurements (``harness.Meter``) are not part of the recipe.
 """  # noqa: E501 - the torchrun command line above is kept whole, for copying
 import itertools
 import os
@@ -27,7 +28,8 @@ import harness  # noqa: E402
 def main():
     args = harness.parse_args(__doc__)
     # --- the recipe -----------------------------------------------------------------------------
-    accelerator = Accelerator(cpu=True)
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16" if args.bf16 else "no",
+                              gradient_accumulation_steps=args.accumulation)
     set_seed(args.seed)
     model = GPT2LMHeadModel(harness.gpt2_config())
     opt = harness.make_optimizer(args, model.parameters())
@@ -35,17 +37,30 @@ def main():
     loader = torch.utils.data.DataLoader(harness.ByteWindows(), batch_size=harness.BATCH, shuffle=True, drop_last=True)
     raw_opt = opt
     model, opt, loader = accelerator.prepare(model, opt, loader)
+    start = 0
+    if args.resume:  # every rank loads the one saved state (the optimizer: each rank's own part of it)
+        accelerator.load_state(args.checkpoint)
+        start = args.save_at
+        loader = accelerator.skip_first_batches(loader, start * args.accumulation)
     meter = harness.Meter(args, "accelerate", None if args.optimizer == "adamw" else raw_opt)  # (measurements)
     meter.attach(model)
     model.train()
-    for batch in itertools.islice(itertools.cycle(loader), args.steps):
-        loss = model(input_ids=batch, labels=batch).loss
-        accelerator.backward(loss)
-        meter.after_backward()
-        accelerator.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
+    batches = iter(itertools.cycle(loader))
+    for step in range(start + 1, args.steps + 1):
+        for _ in range(args.accumulation):
+            batch = next(batches)
+            with accelerator.accumulate(model):
+                loss = model(input_ids=batch, labels=batch).loss
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    meter.after_backward()
+                    accelerator.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad()
         meter.step_end(loss.item())
+        if step == args.save_at and not args.resume:
+            accelerator.save_state(args.checkpoint)  # on every rank: accelerate writes from rank 0
+            meter.checkpoint_done()
     # ---------------------------------------------------------------------------------------------
     meter.finish(accelerator.unwrap_model(model))
     accelerator.end_training()  # (the recipe) destroys the process group: an orderly exit on every rank

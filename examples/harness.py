@@ -48,11 +48,13 @@ WARMUP_FROM = 2
 
 # --- the model and the data -------------------------------------------------------------------------
 def gpt2_config():
-    """A tiny byte-level GPT-2 (120,576 parameters): nothing is downloaded."""
+    """A tiny byte-level GPT-2 (120,576 parameters): nothing is downloaded. No dropout: a resumed
+    run's arithmetic must not depend on whether a framework restores the random number state
+    (Lightning does not; the checkpoint tests compare resumed runs bit for bit)."""
     from transformers import GPT2Config
 
     return GPT2Config(vocab_size=256, n_positions=SEQ_LEN, n_embd=64, n_layer=2, n_head=2,
-                      bos_token_id=0, eos_token_id=0)
+                      bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 
 
 def corpus() -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,7 +121,19 @@ def parse_args(description: str) -> argparse.Namespace:
                    help="none: the optimizer with default arguments (the recipe). Before automatic DDP "
                         "detection: manual-hook registers compressed_opt.register_ddp_comm_hook on the "
                         "framework's DDP module; no-overlap passes overlap=False (DDP still all-reduces)")
+    p.add_argument("--accumulation", type=int, default=1, help="micro-batches per optimizer step (the framework's "
+                   "gradient accumulation)")
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast (the framework's mixed precision)")
+    p.add_argument("--save-at", type=int, default=0, help="save a checkpoint (the framework's own) after this "
+                   "optimizer step, into --checkpoint, and train on")
+    p.add_argument("--checkpoint", default=None, help="the checkpoint folder of --save-at and --resume")
+    p.add_argument("--resume", action="store_true", help="resume from the checkpoint of --save-at in --checkpoint "
+                   "and train the remaining steps")
     args = p.parse_args()
+    if (args.save_at or args.resume) and not (args.checkpoint and 0 < args.save_at < args.steps):
+        p.error("--save-at and --resume need --checkpoint and 0 < --save-at < --steps")
+    if args.accumulation < 1:
+        p.error("--accumulation must be >= 1")
     if args.lr is None:
         args.lr = DEFAULT_LR[args.optimizer]
     if not 1 <= args.freeze_step:
@@ -196,6 +210,7 @@ class Meter:
         self.hooks_seen = []
         self._base_ours = self._base_wire = None
         self._pending_unhooked = False
+        self._checkpoint_ours = self._checkpoint_wire = 0  # bytes of saving, not of training steps
         self.t0 = time.perf_counter()
         self.hook_at_attach = None
 
@@ -236,10 +251,20 @@ class Meter:
             raise RuntimeError(f"{self.framework}: Meter.attach was not called before the first step")
         self._pending_unhooked = self.args.optimizer != "adamw" and not _ours(self.ddp)
 
+    def checkpoint_done(self) -> None:
+        """After a checkpoint was saved between two steps: what was sent since the last step
+        (consolidating the optimizer's per-rank state onto the saving rank) belongs to saving,
+        not to the next step."""
+        last_ours = self.ours[-1] if self.ours else self._base_ours
+        self._checkpoint_ours = self._ours_total() - last_ours  # (cumulative: the steps' are net of it)
+        if self.iface is not None:
+            last_wire = self.wire[-1] if self.wire else self._base_wire
+            self._checkpoint_wire = self._wire_total() - last_wire
+
     def step_end(self, loss=None) -> None:
-        self.ours.append(self._ours_total())
+        self.ours.append(self._ours_total() - self._checkpoint_ours)
         self.unhooked.append(self._pending_unhooked)
-        self.wire.append(self._wire_total())
+        self.wire.append(None if self.iface is None else self._wire_total() - self._checkpoint_wire)
         self.hooks_seen.append(_hook_name(self.ddp))
         if self.args.optimizer != "adamw":
             self.calls.append(dict(self.optimizer.backend.stats.calls))
@@ -266,7 +291,9 @@ class Meter:
         if losses is None:  # the mean over ranks of each rank's own step loss
             per_rank = [r["losses"] for r in everyone]
             losses = [sum(v) / len(v) for v in zip(*per_rank)] if all(per_rank) else []
-        steps, freeze = len(self.ours), self.args.freeze_step
+        steps = len(self.ours)
+        # (a resumed run measures its own steps only: the stages counted from where it began)
+        freeze = max(0, self.args.freeze_step - (self.args.save_at if self.args.resume else 0))
         per_step = _diffs(self._base_ours, r0["ours"])
         unhooked = [self.grad_bytes * 2 * (self.world - 1) / self.world if u else 0 for u in r0["unhooked"]]
         total = [a + b for a, b in zip(per_step, unhooked)]
@@ -278,8 +305,11 @@ class Meter:
             "framework": self.framework,
             "optimizer": self.args.optimizer,
             "compat": self.args.compat,
+            "accumulation": self.args.accumulation,
+            "bf16": self.args.bf16,
+            "resumed_at": self.args.save_at if self.args.resume else 0,
             "steps": steps,
-            "freeze_step": freeze,
+            "freeze_step": self.args.freeze_step,
             "seed": self.args.seed,
             "lr": self.args.lr,
             "world_size": self.world,
@@ -305,6 +335,7 @@ class Meter:
                 **_stages(total, freeze),
             },
             "wire": wire,
+            "checkpoint_bytes": {"ours": self._checkpoint_ours, "wire": self._checkpoint_wire},
             "wall_s": time.perf_counter() - self.t0,
         }
         if self.args.out:
@@ -366,13 +397,14 @@ def private_netns() -> list[str] | None:
 
 def launch(script: str, optimizer: str, *, steps: int, freeze: int, seed: int, out: str, compat: str = "none",
            timeout: float = 240, netns: list[str] | None = None, env: dict | None = None,
-           cwd: str | None = None) -> dict:
+           cwd: str | None = None, extra: tuple[str, ...] = ()) -> dict:
     """Run ``examples/<script>.py`` on 2 ranks as users launch it, in its own session (a job past
-    ``timeout`` is killed whole). ``{"returncode", "timed_out", "output", "seconds", "result"}``;
-    ``result`` is the ``--out`` JSON (``None`` if it was not written)."""
+    ``timeout`` is killed whole); ``extra``: more of its arguments (``--bf16``, ``--save-at``...).
+    ``{"returncode", "timed_out", "output", "seconds", "result"}``; ``result`` is the ``--out``
+    JSON (``None`` if it was not written)."""
     cmd = LAUNCHERS[script] + [
         os.path.join(EXAMPLES_DIR, f"{script}.py"), "--optimizer", optimizer, "--steps", str(steps),
-        "--freeze-step", str(freeze), "--seed", str(seed), "--out", out, "--compat", compat,
+        "--freeze-step", str(freeze), "--seed", str(seed), "--out", out, "--compat", compat, *extra,
     ]
     env = dict(os.environ if env is None else env, OMP_NUM_THREADS="1")
     for var in _LAUNCHER_VARS:

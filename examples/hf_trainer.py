@@ -4,7 +4,9 @@ DistributedDataParallel itself): a tiny byte-level GPT-2 on Python's help texts,
     torchrun --standalone --nproc-per-node 2 examples/hf_trainer.py --optimizer onebitadam --steps 200 --freeze-step 50
 
 The recipe is the optimizer passed as ``optimizers=(opt, None)``; everything else is the Trainer's
-defaults (its linear LR schedule, ``max_grad_norm=1.0`` clipping). ``TrainingArguments`` must come
+defaults (its linear LR schedule, ``max_grad_norm=1.0`` clipping); ``--accumulation``, ``--bf16`` and
+``--save-at``/``--resume`` set the Trainer's ``gradient_accumulation_steps``, ``bf16``, ``save_steps``
+and ``resume_from_checkpoint``. ``TrainingArguments`` must come
 first: it initialises torch.distributed, which the optimizer's backend needs.
 ``--optimizer adamw`` leaves the optimizer to the Trainer (its default AdamW). The measurements
 (``harness.Meter``, a callback) are not part of the recipe.
@@ -23,12 +25,14 @@ import harness  # noqa: E402
 
 def main():
     args = harness.parse_args(__doc__)
-    with tempfile.TemporaryDirectory(prefix="co-hf-trainer-") as out_dir:  # nothing is saved there
+    with tempfile.TemporaryDirectory(prefix="co-hf-trainer-") as scratch:  # nothing is saved there
         # --- the recipe -------------------------------------------------------------------------
+        saving = {"save_strategy": "steps", "save_steps": args.save_at} if args.save_at else {"save_strategy": "no"}
         training_args = TrainingArguments(
-            output_dir=out_dir, max_steps=args.steps, per_device_train_batch_size=harness.BATCH,
+            output_dir=args.checkpoint or scratch, max_steps=args.steps, per_device_train_batch_size=harness.BATCH,
+            gradient_accumulation_steps=args.accumulation, bf16=args.bf16,
             learning_rate=args.lr, seed=args.seed, use_cpu=True, ddp_backend="gloo",
-            logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
+            logging_steps=1, report_to="none", disable_tqdm=True, **saving,
         )  # (max_grad_norm=1.0 by default)
         torch.manual_seed(args.seed)
         model = GPT2LMHeadModel(harness.gpt2_config())
@@ -38,7 +42,8 @@ def main():
         trainer = Trainer(model=model, args=training_args, train_dataset=harness.ByteWindows(as_dict=True),
                           optimizers=(opt, None), callbacks=[callback])
         callback.trainer = trainer
-        trainer.train()
+        resume = os.path.join(args.checkpoint, f"checkpoint-{args.save_at}") if args.resume else None
+        trainer.train(resume_from_checkpoint=resume)  # every rank loads the one saved optimizer file
         # ---------------------------------------------------------------------------------------
         callback.meter.finish(trainer.model, losses=callback.losses)
 
@@ -58,6 +63,9 @@ class Measure(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self.meter.step_end()
+
+    def on_save(self, args, state, control, **kwargs):
+        self.meter.checkpoint_done()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs:  # the Trainer's loss, averaged over the ranks

@@ -5,7 +5,9 @@ DistributedDataParallel itself): a tiny byte-level GPT-2 on Python's help texts,
 
 Lightning starts the second rank itself (``devices=2``: it runs this script again as a
 subprocess); under ``torchrun --standalone --nproc-per-node 2`` it uses torchrun's ranks instead.
-The recipe is ``configure_optimizers`` returning the optimizer, with ``gradient_clip_val=1.0``.
+The recipe is ``configure_optimizers`` returning the optimizer, with ``gradient_clip_val=1.0``;
+``--accumulation``, ``--bf16`` and ``--save-at``/``--resume`` set ``accumulate_grad_batches``,
+``precision="bf16-mixed"``, a ``ModelCheckpoint`` and ``fit(ckpt_path=...)``.
 Lightning makes the optimizer after wrapping the model in DDP and after torch.distributed is up.
 The measurements (``harness.Meter``, a callback) are not part of the recipe.
 """
@@ -15,6 +17,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # harness.py, also under python -P
 
 import pytorch_lightning as pl  # noqa: E402
+from pytorch_lightning.callbacks import ModelCheckpoint  # noqa: E402
 import torch  # noqa: E402
 from transformers import GPT2LMHeadModel  # noqa: E402
 
@@ -41,9 +44,10 @@ class Measure(pl.Callback):
     """Measurements only: the DDP module is ``trainer.strategy.model`` once fitting starts."""
 
     def __init__(self, args):
-        self.args, self.meter = args, None
+        self.args, self.meter, self.step = args, None, None
 
     def on_train_start(self, trainer, module):
+        self.step = trainer.global_step  # (resumed: the checkpoint's)
         opt = trainer.optimizers[0]
         self.meter = harness.Meter(self.args, "lightning", None if self.args.optimizer == "adamw" else opt)
         self.meter.attach(trainer.strategy.model)
@@ -52,7 +56,12 @@ class Measure(pl.Callback):
         self.meter.after_backward()
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        self.meter.step_end(outputs["loss"].item())
+        if trainer.global_step != self.step:  # an optimizer step (not a micro-batch of one)
+            self.step = trainer.global_step
+            self.meter.step_end(outputs["loss"].item())
+
+    def on_save_checkpoint(self, trainer, module, checkpoint):  # after the optimizer's state was taken
+        self.meter.checkpoint_done()
 
 
 def main():
@@ -62,10 +71,20 @@ def main():
     model = ByteGPT(args)
     loader = torch.utils.data.DataLoader(harness.ByteWindows(), batch_size=harness.BATCH, shuffle=True, drop_last=True)
     measure = Measure(args)
+    callbacks, epochs = [measure], {}
+    if args.save_at:  # epochs of --save-at steps, a checkpoint after the first one's last step (Lightning
+        # cannot resume a plain DataLoader mid-epoch, and resuming from an epoch-end checkpoint
+        # replays one batch: either way AdamW itself would not resume exactly)
+        epochs = {"limit_train_batches": args.save_at * args.accumulation}
+        if not args.resume:
+            callbacks.append(ModelCheckpoint(dirpath=args.checkpoint, filename="step{step}", save_top_k=-1,
+                                             auto_insert_metric_name=False, every_n_train_steps=args.save_at))
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=args.steps, gradient_clip_val=1.0,
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=[measure])
-    trainer.fit(model, loader)
+                         accumulate_grad_batches=args.accumulation, precision="bf16-mixed" if args.bf16 else "32-true",
+                         logger=False, enable_checkpointing=len(callbacks) > 1, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=callbacks, **epochs)
+    ckpt = os.path.join(args.checkpoint, f"step{args.save_at}.ckpt") if args.resume else None
+    trainer.fit(model, loader, ckpt_path=ckpt)  # Lightning consolidates the optimizer before saving
     # ---------------------------------------------------------------------------------------------
     measure.meter.finish(model.model)
 

@@ -304,6 +304,50 @@ def case_onebit_adam(be):
 
 
 @case
+def case_consolidate(be):
+    """consolidate_state_dict on MPI: rank 0's one state dict resumes every rank bit-exactly."""
+    import copy
+    import io
+
+    from torch import nn
+
+    from compressed_opt import OnebitAdam
+    from optim_tasks import mlp
+    from test_onebit_adam import HP, gaussian_batches
+
+    batches = list(gaussian_batches(be.rank, be.world_size, 8))
+
+    def train(model, opt, steps):
+        for x, y in steps:
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+
+    model = mlp()
+    opt = OnebitAdam(model.parameters(), freeze_step=2, backend=be, bucket_cap_mb=0.001, **HP)
+    train(model, opt, batches[:5])
+    opt.consolidate_state_dict(0)
+    saved = io.BytesIO()
+    if be.rank == 0:
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, saved)
+    size = torch.tensor([saved.getbuffer().nbytes if be.rank == 0 else 0], dtype=torch.int64)
+    be.broadcast(size, src=0)
+    data = torch.frombuffer(bytearray(saved.getvalue()), dtype=torch.uint8) if be.rank == 0 else \
+        torch.empty(int(size), dtype=torch.uint8)
+    be.broadcast(data, src=0)
+    files = torch.load(io.BytesIO(data.numpy().tobytes()))
+    expect(len(files["opt"]["compressed_opt"]["ranks"]) == be.world_size, "the state dict lacks the ranks' parts")
+    resumed_model = copy.deepcopy(model)
+    resumed_model.load_state_dict(files["model"])
+    resumed = OnebitAdam(resumed_model.parameters(), freeze_step=2, backend=be, bucket_cap_mb=0.001, **HP)
+    resumed.load_state_dict(files["opt"])
+    train(model, opt, batches[5:])
+    train(resumed_model, resumed, batches[5:])
+    for a, b in zip(model.parameters(), resumed_model.parameters()):
+        expect(torch.equal(a, b), "the resumed rank differs from the uninterrupted one")
+
+
+@case
 def case_optimizer_modes(be):
     """On MPI, every optimizer in every mode it runs in (standalone overlapped and synchronous,
     ZeRO 1 and 2, under DDP's comm hook with a Gloo group of the same ranks beside the MPI
