@@ -17,6 +17,8 @@ import torch
 from compressed_opt.comm import chunk_numel
 from compressed_opt.cuda import Segments, gather_
 
+from .buffers import BucketBuffers
+
 
 @dataclass
 class Bucket:
@@ -26,7 +28,8 @@ class Bucket:
     offsets: list[int]
     numel: int
     device: torch.device
-    flats: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: the bucket's buffers by name (declared by the optimizer: compressed_opt.buffers)
+    flats: BucketBuffers = field(default_factory=BucketBuffers)
     #: views of the bucket's own buffers, by (address, dtype, device): made once (a model with
     #: thousands of parameters would otherwise spend most of a step slicing)
     _views: dict = field(default_factory=dict, repr=False, compare=False)

@@ -48,6 +48,7 @@ from compressed_opt.comm import compressed_allreduce
 
 from . import scaling, zero
 from . import variance_tracking as tracking
+from .buffers import DERIVED, STATE, Buffer
 from .freeze import VarianceStabilityRule, resolve_rule, restore_rule
 from .moments import bias_corrections, denominator_, frozen_denominator_of, momentum_, variance_
 from .optimizer import CompressedOptimizer, common_args
@@ -59,13 +60,19 @@ logger = logging.getLogger("compressed_opt")
 class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
     """Adam-family optimizers with one variance freeze: warmup, then compression."""
 
-    bucket_state_names = ("exp_avg", "exp_avg_sq")
+    buffers = {
+        "exp_avg": Buffer(STATE),  # m
+        "exp_avg_sq": Buffer(STATE),  # v (frozen: v_f)
+        "frozen_denominator": Buffer(DERIVED),  # sqrt(v_f) + eps
+        "preconditioner": Buffer(DERIVED),  # R = c_l / sqrt(v_f), the preconditioned exchange's factor
+        "direction_factor": Buffer(DERIVED),  # A = sqrt(v_f) / (sqrt(v_f) + eps) / c_l
+        "no_variance": Buffer(DERIVED, torch.int64),  # the indices where v_f == 0
+    }
+    #: ZeRO's layout of these buffers (over compressed_opt.zero.BUFFERS)
+    zero_buffers: dict[str, Buffer] = {}
 
     #: ZeRO: whether the compression stage needs this rank's chunk of the previous momentum
     _keeps_previous_momentum = False
-    #: ZeRO: bucket buffers a checkpoint must hold (the rank's shards, and what was gathered)
-    _zero_saved_buffers = ("exp_avg_shard", "exp_avg_sq_shard", "exp_avg", "frozen_denominator",
-                           "momentum_rows", "master_shard", "preconditioner")
 
     EXCHANGES = ("preconditioned", "momentum")
     #: whether the compression stage still divides by ``sqrt(v_f) + eps`` itself (1-bit LAMB's
@@ -83,9 +90,8 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
             raise ValueError(f"Invalid zero_stage: {zero_stage!r} (must be 0, 1 or 2)")
         self.zero_stage = zero_stage
         self.master_resync_interval = check_step_count("master_resync_interval", master_resync_interval, minimum=1)
-        if zero_stage:
-            self.bucket_state_names = ()  # sharded: no per-parameter views of whole buffers
-            self.saved_bucket_buffers = self._zero_saved_buffers
+        if zero_stage:  # sharded: no per-parameter views of whole buffers; the shards are saved
+            self._use_layout({**zero.BUFFERS, **self.zero_buffers})
         self.freeze_rule = resolve_rule(freeze_step)
         self.freeze_step = None if self.freeze_rule is not None else freeze_step
         self.frozen = False

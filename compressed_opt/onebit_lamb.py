@@ -68,6 +68,7 @@ import torch
 
 
 from . import scaling, zero
+from .buffers import SAVED, STATE, Buffer
 from .onebit_adam import _FreezingAdam
 from .optimizer import common_args
 from .reductions import maxima, norms
@@ -111,14 +112,14 @@ class OnebitLamb(_FreezingAdam):
             from the momentum's RMS (see the module doc).
     """
 
-    bucket_state_names = ("exp_avg", "exp_avg_sq", "exp_avg_sq_fresh")
+    buffers = {"exp_avg_sq_fresh": Buffer(STATE)}  # v_fresh
+    zero_buffers = {"exp_avg_sq_fresh_shard": Buffer(SAVED)}
     _keeps_previous_momentum = True
 
     @property
     def _keeps_denominator(self) -> bool:
         # the factor and the update divide by sqrt(v_f) + eps; ZeRO remakes it from R each step
         return not self.zero_stage
-    _zero_saved_buffers = (*_FreezingAdam._zero_saved_buffers, "exp_avg_sq_fresh_shard")
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, freeze_step=100000,
                  *, max_coeff=10.0, min_coeff=0.01, coeff_beta=0.9, factor_max=4.0, factor_min=0.5,

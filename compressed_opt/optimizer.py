@@ -38,8 +38,9 @@ from torch.optim import Optimizer
 
 from compressed_opt.comm import Backend, error_buffer_sizes, get_backend
 
-from . import checkpoint, consolidate, ddp, frameworks, zero
+from . import checkpoint, consolidate, ddp, frameworks
 from .buckets import Bucket, build_buckets
+from .buffers import SAVED, SCRATCH, STATE, Buffer, names, overlay
 from .checkpoint import validate_state_dict
 from .overlap import BucketLauncher, GradientsChangedAfterLaunch
 from .validation import check_nonneg_float, check_step_count
@@ -81,16 +82,47 @@ class CompressedOptimizer(Optimizer):
         return sys._getframe(1).f_code is torch.amp.GradScaler.step.__code__  # (f_locals would keep a
         # snapshot of the caller's locals alive)
 
-    #: per-bucket fp32 buffers shown per parameter in ``optimizer.state[p][name]``
+    #: the per-bucket buffers this class adds (name -> role and dtype, compressed_opt.buffers);
+    #: ``declared`` merges the tables along the class hierarchy (the layout may overlay its own)
+    buffers: dict[str, Buffer] = {
+        "grad": Buffer(SCRATCH),  # this rank's gradients, then what the step averages or exchanges
+        "worker_error": Buffer(SAVED),  # e_i of the compressed allreduce (docs/design.md 2.2)
+        "server_error": Buffer(SAVED),  # E_i, this rank's chunk
+    }
+    declared: dict[str, Buffer]
+    #: made from ``declared``: the ``STATE`` buffers (shown per parameter in
+    #: ``optimizer.state[p][name]``), the ``SAVED`` ones (in ``state_dict()["compressed_opt"]
+    #: ["buckets"]``) and the ``SCRATCH`` ones
     bucket_state_names: tuple[str, ...] = ()
-    #: per-parameter state that is a row of a small float64 per-bucket tensor of per-layer
-    #: numbers, ``(layers, width)``: name -> width
-    layer_state: dict[str, int] = {}
-    #: further per-bucket buffers (any size) saved in ``state_dict()["compressed_opt"]["buckets"]``
     saved_bucket_buffers: tuple[str, ...] = ()
+    scratch_names: frozenset[str] = frozenset()
+    #: per-parameter state that is a row of a small float64 per-bucket tensor of per-layer
+    #: numbers, ``(layers, width)``: name -> width (declared ``LAYER`` buffers)
+    layer_state: dict[str, int] = {}
     #: per-parameter state that differs between the ranks by the algorithm (each rank's own,
     #: carried per rank by :meth:`consolidate_state_dict`; the bucket entries always are)
     rank_state_names: tuple[str, ...] = ()
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        table: dict[str, Buffer] = {}
+        for klass in reversed(cls.__mro__):
+            table.update(klass.__dict__.get("buffers", {}))
+        cls._declare(cls, table)
+
+    @staticmethod
+    def _declare(target, table: dict[str, Buffer]) -> None:
+        """Set ``target``'s (a class, or an instance with another layout) declared buffers and
+        the name lists made from them."""
+        target.declared = table
+        target.bucket_state_names = names(table, STATE)
+        target.saved_bucket_buffers = names(table, SAVED)
+        target.scratch_names = frozenset(names(table, SCRATCH))
+
+    def _use_layout(self, layout: dict[str, Buffer]) -> None:
+        """This optimizer keeps its state in another layout (ZeRO's shards): its buffers are the
+        class's overlaid with ``layout``'s (:func:`compressed_opt.buffers.overlay`)."""
+        self._declare(self, overlay(type(self).declared, layout))
 
     def __init__(self, params, defaults: dict, backend: Backend | None = None, bucket_cap_mb: float = 25.0,
                  overlap: bool = True, accumulation_steps: int = 1):
@@ -181,6 +213,8 @@ class CompressedOptimizer(Optimizer):
             self._launcher.wait()
             self._launcher.reset()
         self._buckets = build_buckets(self.param_groups, self.bucket_cap_bytes)
+        for b in self._buckets:
+            b.flats.declared = self.declared
         self._layout_key = key
         self._layout_hash = _layout_hash(self._buckets)
         for b in self._buckets:
@@ -320,9 +354,6 @@ class CompressedOptimizer(Optimizer):
         (gradient accumulation, as ``DistributedDataParallel.no_sync``); the next backward
         outside communicates them all."""
         return self._launcher.suspended()
-
-    #: bucket buffers that are workspace, not state (not saved, not counted in state_bytes)
-    scratch_names = frozenset({"grad"}) | zero.SCRATCH
 
     def _grad_buffer(self, bucket: Bucket) -> torch.Tensor:
         """The bucket's flat fp32 gradient workspace."""
@@ -794,10 +825,6 @@ class CompressedOptimizer(Optimizer):
             )
             return
         for s, b in zip(saved, self._buckets):
-            if "worker_error" in s:
-                we, se = self.error_buffers(b)
-                we.copy_(s["worker_error"])
-                se.copy_(s["server_error"])
             for name in self.saved_bucket_buffers:
                 if name in s:
                     b.flats[name] = s[name].to(b.device).clone()
@@ -811,7 +838,7 @@ class CompressedOptimizer(Optimizer):
         entries = []
         for b in self._buckets or ():
             entry = {"numel": b.numel}
-            for name in ("worker_error", "server_error", *self.saved_bucket_buffers):
+            for name in self.saved_bucket_buffers:
                 if name in b.flats:
                     entry[name] = b.flats[name]
             entries.append(entry)
@@ -1037,6 +1064,9 @@ class CompressedOptimizer(Optimizer):
         del self.__dict__["_backend_spec"]
         self.__dict__.pop("_unpickled_place", None)
         return backend
+
+
+CompressedOptimizer._declare(CompressedOptimizer, dict(CompressedOptimizer.buffers))
 
 
 def _layout_hash(buckets: list[Bucket]) -> int:

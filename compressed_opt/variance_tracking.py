@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import torch
 
+from .buffers import LAYER, Buffer
 from .reductions import norms
 
 #: the columns of a layer's row: the warmup EMA of the sum of squares of the averaged gradient
@@ -117,6 +118,8 @@ class LayerVarianceTracking:
     (or :meth:`_variance_factors_`) to each compression-stage update, and says where the frozen
     variance's updates are counted (:meth:`_tracking_clock`). The per-step all-gather and
     the update of ``rho`` come through the base class's hooks."""
+
+    buffers = {"layer_variance": Buffer(LAYER, torch.float64)}  # the rows of state[p]["layer_variance"]
 
     def _init_variance_tracking(self, enabled) -> None:
         if not isinstance(enabled, bool):

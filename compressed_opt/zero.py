@@ -53,11 +53,28 @@ from compressed_opt.comm import chunk_numel, compressed_allreduce, expand_result
 
 from . import scaling
 from .buckets import Bucket
+from .buffers import SAVED, SCRATCH, Buffer
 from .moments import bias_corrections, denominator_, frozen_denominator_of, momentum_, variance_
 
-#: bucket buffers of ZeRO that are workspace (not saved, not counted as state)
-SCRATCH = frozenset({"grad_padded", "grad_shard", "update_shard", "momentum_prev_shard", "layer_ids",
-                     "square_shard", "coeff_shard"})
+#: the sharded layout's bucket buffers (over the optimizer's own: compressed_opt.buffers.overlay)
+BUFFERS = {
+    # saved: this rank's shards, and what the freeze gathered whole
+    "exp_avg_shard": Buffer(SAVED),  # m_j (warmup)
+    "exp_avg_sq_shard": Buffer(SAVED),  # v_j (warmup)
+    "exp_avg": Buffer(SAVED),  # the momentum gathered at the freeze (until the first exchange keeps rows)
+    "frozen_denominator": Buffer(SAVED),  # sqrt(v_f) + eps, gathered at the freeze
+    "preconditioner": Buffer(SAVED),  # R = c_l / sqrt(v_f)
+    "momentum_rows": Buffer(SAVED, torch.uint8),  # the last exchange's [scale | bits] rows: the momentum
+    "master_shard": Buffer(SAVED),  # fp32 masters of this rank's chunk (bf16/fp16 parameters)
+    # workspace
+    "grad_padded": Buffer(SCRATCH),
+    "grad_shard": Buffer(SCRATCH),
+    "update_shard": Buffer(SCRATCH),
+    "momentum_prev_shard": Buffer(SCRATCH),
+    "layer_ids": Buffer(SCRATCH, torch.int64),
+    "square_shard": Buffer(SCRATCH),
+    "coeff_shard": Buffer(SCRATCH),
+}
 
 
 def own_range(opt, bucket: Bucket) -> tuple[int, int, int]:

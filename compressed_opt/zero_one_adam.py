@@ -75,6 +75,7 @@ from compressed_opt.comm import compressed_allreduce
 
 from . import scaling, zero
 from . import variance_tracking as tracking
+from .buffers import DERIVED, LAYER, SCRATCH, STATE, Buffer
 from .freeze import VarianceStabilityRule, resolve_rule, restore_rule
 from .moments import denominator_, momentum_, variance_
 from .optimizer import CompressedOptimizer, common_args
@@ -148,10 +149,18 @@ class ZeroOneAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
     so that a layer with small gradients is not drowned in the 1-bit noise of the large ones.
     """
 
-    bucket_state_names = ("exp_avg", "exp_avg_sq", "momentum_accumulator", "sync_params")
+    buffers = {
+        "exp_avg": Buffer(STATE),  # m
+        "exp_avg_sq": Buffer(STATE),  # v
+        "momentum_accumulator": Buffer(STATE),  # acc
+        "sync_params": Buffer(STATE),  # p_sync
+        "frozen_denominator": Buffer(DERIVED),  # phase B's sqrt(v_hat) + eps
+        "preconditioner": Buffer(DERIVED),  # phase A's whitening factors
+        "no_variance": Buffer(SCRATCH, (torch.int64, torch.bool)),  # where v == 0: indices, or a mask if many
+        "interval_factor": Buffer(LAYER, torch.float64),  # the tracking's factor of the interval
+    }
     #: phase B: each rank's local momentum and accumulated update (between synchronisations)
     rank_state_names = ("exp_avg", "momentum_accumulator")
-    scratch_names = CompressedOptimizer.scratch_names | {"no_variance"}
     EXCHANGES = ("preconditioned", "momentum")
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *,

@@ -3,6 +3,7 @@ let go with the buffer)."""
 import gc
 import weakref
 
+import pytest
 import torch
 from torch import nn
 
@@ -49,3 +50,34 @@ def test_a_dropped_buffer_is_let_go():
     bucket.views(bucket.flat("grad"))  # the next call forgets the dropped buffer's views
     gc.collect()
     assert gone() is None
+
+
+def test_an_optimizers_buckets_hold_only_declared_buffers():
+    """Every bucket buffer is declared once with its role and dtype (compressed_opt.buffers): an
+    undeclared name, or a tensor of another dtype, raises; the lists the library reads come from
+    the declarations, and ZeRO's sharded layout overlays its own."""
+    import compressed_opt
+    from compressed_opt.buffers import SAVED, SCRATCH
+    from compressed_opt.comm import SingleProcessBackend
+
+    model = torch.nn.Linear(4, 3)
+    opt = compressed_opt.OnebitAdam(model.parameters(), freeze_step=1, backend=SingleProcessBackend())
+    bucket = opt.buckets[0]
+    with pytest.raises(KeyError, match="'exp_avg_typo' is not declared"):
+        bucket.flat("exp_avg_typo")
+    with pytest.raises(KeyError, match="not declared"):
+        bucket.flats.get("grad_padded")  # ZeRO's, not this layout's
+    with pytest.raises(TypeError, match="declared torch.float32"):
+        bucket.flats["worker_error"] = torch.zeros(3, dtype=torch.float64)
+    assert compressed_opt.OnebitAdam.bucket_state_names == ("exp_avg", "exp_avg_sq")
+    assert compressed_opt.OnebitLamb.bucket_state_names == ("exp_avg", "exp_avg_sq", "exp_avg_sq_fresh")
+    assert compressed_opt.ZeroOneAdam.saved_bucket_buffers == ("worker_error", "server_error")
+    assert "no_variance" in compressed_opt.ZeroOneAdam.scratch_names
+
+    sharded = compressed_opt.OnebitLamb(torch.nn.Linear(4, 3).parameters(), freeze_step=1, zero_stage=1,
+                                        backend=SingleProcessBackend())
+    assert sharded.bucket_state_names == ()  # no whole-bucket per-parameter state when sharded
+    assert "exp_avg_sq" not in sharded.declared and sharded.declared["exp_avg"].role == SAVED
+    assert {"exp_avg_shard", "momentum_rows", "exp_avg_sq_fresh_shard"} <= set(sharded.saved_bucket_buffers)
+    assert sharded.declared["layer_ids"].role == SCRATCH and sharded.declared["layer_ids"].dtype == torch.int64
+    assert type(sharded).saved_bucket_buffers == ("worker_error", "server_error")  # the class keeps its own
