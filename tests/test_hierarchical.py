@@ -167,6 +167,12 @@ def _four_ranks(rank, world):
     out["feedback flat"] = _running_mean_errors(
         lambda x: compressed_allreduce(x, *flat_buffers, backend), rank, world, FEEDBACK_CALLS, FEEDBACK_NUMEL)
     out["bad"] = _bad_calls(backends, rank)
+    import torch.distributed as dist
+
+    from compressed_opt.comm import TorchBackend
+
+    three = dist.new_group([0, 1, 2])  # every rank makes it; ranks 0-2 try to split it
+    out["split a sub-group"] = _outcome(lambda: TorchBackend(group=three).split([[0, 1], [2]])) if rank < 3 else None
     out["log"] = log.lines
     return out
 
@@ -327,6 +333,10 @@ def test_bad_input_raises_on_every_rank(four):
         assert bad[rank]["not contiguous on rank 0"][0] == "ValueError"
         assert bad[rank]["requires grad on rank 2"][0] == "ValueError"
         assert bad[rank]["fine afterwards"] is None  # every rank is still in step
+    for rank in range(3):  # the ranks outside a sub-group could not join its new_group calls
+        assert four[rank]["split a sub-group"] == (
+            "ValueError", "TorchBackend.split needs a backend over the whole job (its 3 ranks are a sub-group of 4): "
+                          "the ranks outside it would have to join every new_group")
     assert "not contiguous" in bad[0]["not contiguous on rank 0"][1]
     assert "requires grad" in bad[2]["requires grad on rank 2"][1]
 
