@@ -102,7 +102,8 @@ class HierarchicalCompressedAllreduce:
     elements on ``backends`` (from :func:`~compressed_opt.comm.topology.node_backends`), on
     ``device``. Made once, reused by every call: the padded input, the shard, the gathered
     result, the headers and the inter-node :class:`CompressedAllreduce` are allocated here; a
-    call allocates no tensor memory."""
+    call allocates no buffer (only a 3-element header is staged when its content changes: the
+    first call, or a call whose arguments are invalid)."""
 
     def __init__(self, numel: int, backends: NodeBackends, device):
         if not isinstance(backends, NodeBackends):
