@@ -2,6 +2,10 @@
 
 Backends (:class:`Backend`): :class:`TorchBackend` (NCCL/Gloo via ``torch.distributed``),
 :class:`MPIBackend` (mpi4py), :class:`SingleProcessBackend`; :func:`get_backend` picks one.
+Multi-node jobs: :mod:`~compressed_opt.comm.topology` finds which ranks share a node
+(:func:`discover_layout`, :class:`NodeLayout`) and splits a backend into intra- and inter-node
+backends (:func:`node_backends`); :func:`hierarchical_compressed_allreduce` averages at full
+precision inside a node and 1-bit between nodes.
 Observers (:mod:`compressed_opt.comm.observe`: :func:`add_observer`, :func:`remove_observer`,
 :func:`observing`) see the compression kernels and the optimizers' waits for communication.
 """
@@ -16,8 +20,16 @@ from .compressed import (  # noqa: F401
     server_valid_numel,
     wire_bytes,
 )
+from .hierarchical import (  # noqa: F401
+    HierarchicalCompressedAllreduce,
+    WireBytes,
+    hierarchical_compressed_allreduce,
+    hierarchical_error_buffer_sizes,
+    hierarchical_wire_bytes,
+)
 from .observe import add_observer, observing, remove_observer  # noqa: F401
 from .select import get_backend  # noqa: F401
+from .topology import RANKS_PER_NODE_ENV, NodeBackends, NodeLayout, discover_layout, node_backends  # noqa: F401
 
 
 def __getattr__(name):

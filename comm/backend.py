@@ -126,6 +126,30 @@ class Backend(abc.ABC):
         """The object stored under ``key``, or ``None`` (nothing is made)."""
         return self._workspaces.get(key)
 
+    # --- sub-groups --------------------------------------------------------------------------------
+    def split(self, groups) -> Backend:
+        """A backend over the group of ``groups`` that holds this rank, its ranks numbered in
+        ascending order of their rank here.
+
+        ``groups`` is a partition of ``range(world_size)`` (a list of lists of ranks), the same
+        on every rank: this is a collective, every rank calls it with the same ``groups`` and in
+        the same order relative to other splits. When every group is a single rank no
+        communication is needed and each rank gets a :class:`SingleProcessBackend`.
+        """
+        groups = [sorted(int(r) for r in g) for g in groups]
+        members = sorted(r for g in groups for r in g)
+        if members != list(range(self.world_size)) or any(not g for g in groups):
+            raise ValueError(f"groups must partition the {self.world_size} ranks into non-empty groups, got {groups}")
+        mine = next(i for i, g in enumerate(groups) if self.rank in g)
+        if all(len(g) == 1 for g in groups):
+            return SingleProcessBackend()
+        return self._split(groups, mine)
+
+    def _split(self, groups: list[list[int]], mine: int) -> Backend:
+        """Subclasses that can make sub-groups: the backend of ``groups[mine]`` (validated,
+        sorted; see :meth:`split`)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot split into sub-groups")
+
     # --- collectives ---------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False) -> Work:
         """In place: ``tensor`` becomes the sum (``op="sum"``) or mean (``op="avg"``) over ranks."""

@@ -415,6 +415,25 @@ class MPIBackend(Backend):
 
         return then
 
+    def _split(self, groups, mine):
+        """``MPI_Comm_split``: colour = the group's index, key = the rank (so ranks stay in order).
+        The new backend keeps this one's ``cuda_aware`` and ``timeout``; the abort hooks are
+        process-wide and were already decided by the first backend."""
+        comm = self.comm.Split(mine, self.rank)
+        timeout = 0 if self.timeout is None else self.timeout
+        return MPIBackend(comm, cuda_aware=self.cuda_aware, timeout=timeout, abort_on_exception=False)
+
+    def node_leader(self) -> int:
+        """The lowest rank of this communicator that shares memory with this rank (one node:
+        ``MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)``), the same on every rank of the node.
+        Collective over the communicator."""
+        MPI = self._mpi
+        shared = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        try:
+            return shared.allreduce(self.rank, op=MPI.MIN)
+        finally:
+            shared.Free()
+
     def _barrier(self) -> None:
         if self.timeout is None:
             self.comm.Barrier()

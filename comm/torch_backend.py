@@ -61,6 +61,25 @@ class TorchBackend(Backend):
     def _barrier(self) -> None:
         dist.barrier(group=self.group)
 
+    def _split(self, groups, mine):
+        """``new_group`` for every group, in order, on every rank (what ``torch.distributed``
+        requires of a group made without local synchronisation); the group of one that spans
+        this backend's whole group is that group itself."""
+        if len(groups) == 1:
+            return TorchBackend(group=self.group)
+        if self.world_size != dist.get_world_size():
+            raise ValueError(
+                f"TorchBackend.split needs a backend over the whole job (its {self.world_size} ranks are a "
+                f"sub-group of {dist.get_world_size()}): the ranks outside it would have to join every new_group"
+            )
+        global_rank = (lambda r: r) if self.group is None else (lambda r: dist.get_global_rank(self.group, r))
+        made = None
+        for i, group in enumerate(groups):
+            pg = dist.new_group([global_rank(r) for r in group], backend=self.process_group_backend)
+            if i == mine:
+                made = pg
+        return TorchBackend(group=made)
+
     def __repr__(self) -> str:
         return f"TorchBackend({self.process_group_backend}, rank={self.rank}, world_size={self.world_size})"
 

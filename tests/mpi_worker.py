@@ -277,6 +277,41 @@ def case_compressed_allreduce(be):
 
 
 @case
+def case_hierarchical(be):
+    """Node layouts on MPI (shared-memory nodes, the override) and the hierarchical compressed
+    allreduce on MPI sub-communicators against the single-process reference (tests/); one rank
+    per node on more than one rank is bitwise the flat exchange (one rank alone: the identity)."""
+    from compressed_opt.comm import (RANKS_PER_NODE_ENV, compressed_allreduce, discover_layout, error_buffer_sizes,
+                                     hierarchical_compressed_allreduce, hierarchical_error_buffer_sizes, node_backends)
+    from test_hierarchical import assert_close_to_reference, rank_input, reference
+
+    n = be.world_size
+    found = discover_layout(be, env={})  # every rank of this job shares one machine's memory
+    expect((found.nodes, found.source) == ((tuple(range(n)),), "MPI shared-memory nodes"), f"found {found}")
+    if n % 2:
+        expect(discover_layout(be, env={RANKS_PER_NODE_ENV: "2"}) is None, "2 per node must not fit 3 ranks")
+    for per_node in sorted({1, n}):
+        layout = discover_layout(be, env={RANKS_PER_NODE_ENV: str(per_node)})
+        backends = node_backends(be, layout)
+        expect((backends.intra.world_size, backends.inter.world_size) == (per_node, n // per_node),
+               f"sub-communicators of {layout}")
+        for numel in (1, 1000):
+            sizes = hierarchical_error_buffer_sizes(numel, per_node, n // per_node)
+            we, se = torch.zeros(sizes[0]), torch.zeros(sizes[1])
+            flat_we, flat_se = (torch.zeros(k) for k in error_buffer_sizes(numel, n))
+            want, _, _ = reference(layout.nodes, numel, 2)
+            for step in range(2):
+                got = hierarchical_compressed_allreduce(rank_input(be.rank, numel, step), we, se, backends)
+                assert_close_to_reference(got, want[step], f"{layout}, numel {numel}, step {step}")
+                gathered = torch.empty(n * numel)
+                be.all_gather(gathered, got)
+                expect(all(torch.equal(c, got) for c in gathered.view(n, numel)), f"{layout}: ranks differ")
+                if per_node == 1 and n > 1:
+                    flat = compressed_allreduce(rank_input(be.rank, numel, step), flat_we, flat_se, be)
+                    expect(torch.equal(got, flat), f"{layout}: not bitwise the flat exchange")
+
+
+@case
 def case_onebit_adam(be):
     """OnebitAdam on the MPI backend: warmup equals AdamW, every rank holds the same parameters."""
     from torch import nn

@@ -1,0 +1,283 @@
+"""Hierarchical compressed allreduce: full precision inside a node, 1-bit between nodes
+(docs/design.md 2.2.1).
+
+``W = K L`` ranks in ``K`` nodes of ``L`` (a :class:`~compressed_opt.comm.topology.NodeLayout`);
+rank ``(k, l)`` is local rank ``l`` of node ``k`` and holds ``x_kl`` (``n`` fp32 elements). With
+the shard ``s = chunk_numel(n, L)`` (``ceil(n / L)`` rounded up to 32; ``s = n`` when ``L = 1``),
+local rank ``l`` owns elements ``[l s, min((l+1) s, n))``: ``v_l = max(0, min(s, n - l s))`` of
+them (the input is padded with zeros to ``L s``; the padding takes no part in what follows).
+
+1. intra-node reduce-scatter, fp32: ``a_kl = (1/L) sum_j x_kj[shard l]``;
+2. inter-node: the compressed allreduce of docs/design.md 2.2 of ``a_kl`` over the ``K`` ranks
+   with local rank ``l`` (:class:`~compressed_opt.comm.compressed.CompressedAllreduce`, on the
+   ``v_l`` real elements), with the worker error ``e_kl`` (``v_l`` elements) and the server error
+   ``E_kl`` (``chunk_numel(v_l, K)``) of this rank: ``y_l ~ (1/K) sum_k a_kl``, the same on the
+   ``K`` ranks;
+3. intra-node all-gather: every rank writes ``y = concat_l y_l`` (``n`` elements).
+
+So ``y`` approximates ``(1/W) sum_kl x_kl``, and is identical, bit for bit, on every rank (each
+``y_l`` is one compressed allreduce's result, and the all-gather copies it). Error feedback runs
+in step 2, so the time-average of ``y`` converges to the time-average of the exact average, as
+with the flat exchange. Degenerate layouts: ``K = 1`` (one node) compresses nothing, ``y`` is
+the full-precision average (steps 1 and 3); ``L = 1`` is exactly the flat compressed allreduce
+over the ``K = W`` ranks (step 2 alone; ``W = 1`` returns the input unchanged).
+
+The error buffers have the same size on every rank (:func:`hierarchical_error_buffer_sizes`:
+``s`` and ``chunk_numel(s, K)``; none when ``K = 1``); rank ``(k, l)`` uses their first ``v_l``
+and ``chunk_numel(v_l, K)`` elements, the rest stays zero.
+
+Before any of that, every rank says whether its arguments are valid and which ``n`` and dtype it
+has (an all-gather of 24 bytes inside the node, then one between the nodes): if any rank's are
+not valid, or the ranks disagree, every rank raises instead of some hanging in a collective.
+
+Bytes one rank sends per call (:func:`hierarchical_wire_bytes`): inside its node
+``2 (L-1) 4 s ~ 2 (L-1)/L * 4n`` (fp32 reduce-scatter and all-gather) plus ``24 (L-1)``;
+between nodes ``wire_bytes(v_l, K) ~ 2 (K-1)/K * n / (8 L)`` plus ``24 (K-1)``: a node sends
+``~ 2 (K-1)/K * n/8`` to the other nodes, where the flat exchange over ``W`` ranks sends
+``~ (L (W-L) + W-1)/W * n/8``.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .compressed import _DTYPE_CODES, CompressedAllreduce, _overlaps, chunk_numel, error_buffer_sizes, wire_bytes
+from .topology import NodeBackends
+
+_HEADER = 3  # int64: status, numel, dtype code
+_HEADER_BYTES = 8 * _HEADER
+_OK, _INVALID, _DISAGREE = 0, 1, 2
+
+
+def shard_numel(numel: int, local_size: int) -> int:
+    """``s``: elements of each local rank's shard (``numel`` when ``local_size`` is 1, else
+    ``chunk_numel(numel, local_size)``)."""
+    return numel if local_size == 1 else chunk_numel(numel, local_size)
+
+
+def shard_valid_numel(numel: int, local_size: int, local_rank: int) -> int:
+    """``v_l``: how many elements of local rank ``local_rank``'s shard are real (not padding)."""
+    s = shard_numel(numel, local_size)
+    return max(0, min(s, numel - local_rank * s))
+
+
+def hierarchical_error_buffer_sizes(numel: int, local_size: int, node_count: int) -> tuple[int, int]:
+    """``(worker_numel, server_numel)``: fp32 elements of the two error buffers to allocate
+    (zero-initialised, the same sizes on every rank) for a hierarchical compressed allreduce of
+    ``numel`` elements over ``node_count`` nodes of ``local_size`` ranks: ``s`` and
+    ``chunk_numel(s, K)``; ``(0, 0)`` for one node (nothing is compressed)."""
+    if local_size < 1 or node_count < 1:
+        raise ValueError(f"need local_size >= 1 and node_count >= 1, got {local_size}, {node_count}")
+    if node_count == 1:
+        return 0, 0
+    return error_buffer_sizes(shard_numel(numel, local_size), node_count)
+
+
+class WireBytes(NamedTuple):
+    """Bytes one rank sends in one call: ``intra`` to the ranks of its node, ``inter`` to other nodes."""
+
+    intra: int
+    inter: int
+
+
+def hierarchical_wire_bytes(numel: int, local_size: int, node_count: int, local_rank: int = 0) -> WireBytes:
+    """Bytes local rank ``local_rank`` sends in one hierarchical compressed allreduce of
+    ``numel`` elements (see the module docstring). Local rank 0 holds the largest shard."""
+    L, K = local_size, node_count
+    intra = (L - 1) * _HEADER_BYTES
+    inter = (K - 1) * _HEADER_BYTES
+    if numel == 0:
+        return WireBytes(intra, inter)
+    s = shard_numel(numel, L)
+    intra += 2 * (L - 1) * 4 * s  # reduce-scatter: (L-1)/L of L s floats; all-gather: (L-1) s floats
+    valid = shard_valid_numel(numel, L, local_rank)
+    if K > 1 and valid:
+        inter += wire_bytes(valid, K)
+    return WireBytes(intra, inter)
+
+
+class HierarchicalCompressedAllreduce:
+    """The buffers and exchanges of hierarchical compressed allreduces of ``numel`` fp32
+    elements on ``backends`` (from :func:`~compressed_opt.comm.topology.node_backends`), on
+    ``device``. Made once, reused by every call: the padded input, the shard, the gathered
+    result, the headers and the inter-node :class:`CompressedAllreduce` are allocated here; a
+    call allocates no buffer (only a 3-element header is staged when its content changes: the
+    first call, or a call whose arguments are invalid)."""
+
+    def __init__(self, numel: int, backends: NodeBackends, device):
+        if not isinstance(backends, NodeBackends):
+            raise TypeError(f"backends must be a NodeBackends (node_backends(...)), got {type(backends).__name__}")
+        layout = backends.layout
+        self.numel, self.backends, self.device = numel, backends, torch.device(device)
+        L, K = self.local_size, self.node_count = layout.local_size, layout.node_count
+        if (backends.intra.world_size, backends.intra.rank, backends.inter.world_size) != (L, layout.local_rank, K):
+            raise ValueError(f"backends of sizes {backends.intra.world_size} and {backends.inter.world_size} "
+                             f"do not match the layout {layout}")
+        self.shard = shard_numel(numel, L)
+        self.valid = shard_valid_numel(numel, L, layout.local_rank)
+        self.worker_numel, self.server_numel = hierarchical_error_buffer_sizes(numel, L, K)
+        self.inter_server_numel = chunk_numel(self.valid, K) if K > 1 else 0
+        i64 = dict(dtype=torch.int64, device=self.device)
+        self.header = torch.zeros(_HEADER, **i64)
+        self.intra_headers = torch.empty(L * _HEADER, **i64)
+        self.node_row = torch.zeros(_HEADER, **i64)
+        self.inter_rows = torch.empty(K * _HEADER, **i64)
+        self._written: dict[str, tuple] = {}
+        f32 = dict(dtype=torch.float32, device=self.device)
+        padded = L * self.shard
+        split = L > 1 and numel > 0
+        # the reduce-scatter reads the tensor itself, and the all-gather writes into it, when no padding is needed
+        self.padded_in = torch.zeros(padded, **f32) if split and padded != numel else None
+        self.shard_buf = torch.empty(self.shard, **f32) if split else None
+        self.gathered = torch.empty(padded, **f32) if split and padded != numel else None
+        compress = K > 1 and self.valid > 0
+        self.inter_plan = CompressedAllreduce(self.valid, backends.inter, self.device) if compress else None
+
+    # --- agreement: every rank goes on, or every rank raises ------------------------------------
+    def _write(self, name: str, buf: torch.Tensor, values: tuple) -> None:
+        if self._written.get(name) != values:
+            buf.copy_(torch.tensor(values, dtype=torch.int64))
+            self._written[name] = values
+
+    def _agree(self, problem: Exception | None, dtype: torch.dtype) -> None:
+        """All-gather (status, numel, dtype) inside the node, then each node's verdict between
+        the nodes; raise on every rank unless every rank is valid and all agree."""
+        backends, L, K = self.backends, self.local_size, self.node_count
+        mine = (_INVALID if problem else _OK, self.numel, _DTYPE_CODES.get(dtype, 0))
+        if L > 1:
+            self._write("header", self.header, mine)
+            backends.intra.all_gather(self.intra_headers, self.header)
+            local = [tuple(r) for r in self.intra_headers.view(L, _HEADER).tolist()]
+        else:
+            local = [mine]
+        verdict = _INVALID if any(r[0] for r in local) else _DISAGREE if len({r[1:] for r in local}) > 1 else _OK
+        row = (verdict, *mine[1:])
+        if K > 1:
+            self._write("node_row", self.node_row, row)
+            backends.inter.all_gather(self.inter_rows, self.node_row)
+            nodes = [tuple(r) for r in self.inter_rows.view(K, _HEADER).tolist()]
+        else:
+            nodes = [row]
+        if all(r[0] == _OK for r in nodes) and len({r[1:] for r in nodes}) == 1:
+            return
+        if problem is not None:
+            raise problem
+        raise ValueError(self._describe(local, nodes))
+
+    def _describe(self, local: list, nodes: list) -> str:
+        """What this rank saw of the ranks that cannot go on: its own node in full, the other
+        nodes by their verdicts (``nodes`` is in the inter backend's rank order)."""
+        layout = self.backends.layout
+        names = {code: str(dtype).replace("torch.", "") for dtype, code in _DTYPE_CODES.items()}
+
+        def what(numel, code):
+            return f"{numel} x {names.get(code, 'a dtype other than float32')}"
+
+        seen = []
+        for j, (status, numel, code) in enumerate(local):
+            rank = layout.intra_ranks[j]
+            seen.append(f"rank {rank}: " + ("invalid arguments" if status == _INVALID else what(numel, code)))
+        parts = [f"node {layout.node}: " + ", ".join(seen)]
+        for rank, (verdict, numel, code) in zip(sorted(layout.inter_ranks), nodes):
+            k = layout.node_of(rank)
+            if k != layout.node:
+                state = {_INVALID: "a rank with invalid arguments", _DISAGREE: "ranks that disagree"}
+                parts.append(f"node {k}: " + state.get(verdict, what(numel, code)))
+        return ("hierarchical_compressed_allreduce: not every rank can go on, so every rank raises "
+                "(every rank must pass valid arguments and a tensor of the same numel and dtype; "
+                f"this rank saw {'; '.join(parts)})")
+
+    def _check(self, tensor: torch.Tensor, worker_error, server_error) -> Exception | None:
+        """This rank's arguments' first problem, as the exception to raise, or ``None``."""
+        if tensor.dtype != torch.float32:
+            return TypeError(f"hierarchical_compressed_allreduce takes float32 tensors, got {tensor.dtype}")
+        if tensor.device != self.device:
+            return ValueError(f"tensor is on {tensor.device}, this allreduce's buffers on {self.device}")
+        if tensor.numel() != self.numel or not tensor.is_contiguous():
+            return ValueError(f"tensor must be contiguous with {self.numel} elements, got "
+                              f"{tensor.numel()}{'' if tensor.is_contiguous() else ', not contiguous'}")
+        if tensor.requires_grad:
+            return ValueError("tensor requires grad: the allreduce writes the average into it in place, which "
+                              "autograd cannot see; pass tensor.detach() under torch.no_grad()")
+        for name, buf, expected in (("worker_error", worker_error, self.worker_numel),
+                                    ("server_error", server_error, self.server_numel)):
+            if not isinstance(buf, torch.Tensor):
+                return TypeError(f"{name} must be a torch.Tensor, got {type(buf).__name__}")
+            if buf.dtype != torch.float32:
+                return TypeError(f"{name} must be float32, got {buf.dtype}")
+            if buf.device != self.device:
+                return ValueError(f"{name} is on {buf.device} but tensor is on {self.device}")
+            if buf.numel() != expected or not buf.is_contiguous():
+                return ValueError(
+                    f"{name} must be a contiguous buffer of {expected} elements for {self.numel} elements on "
+                    f"{self.node_count} node(s) of {self.local_size} (see hierarchical_error_buffer_sizes), "
+                    f"got {buf.numel()}")
+        for name, a, other, b in (("worker_error", worker_error, "tensor", tensor),
+                                  ("server_error", server_error, "tensor", tensor),
+                                  ("server_error", server_error, "worker_error", worker_error)):
+            if _overlaps(a, b):
+                return ValueError(f"{name} overlaps {other} in memory: each must be a buffer of its own")
+        return None
+
+    # --- the exchange -----------------------------------------------------------------------------
+    def __call__(self, tensor: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor) -> torch.Tensor:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
+        self._agree(self._check(tensor, worker_error, server_error), tensor.dtype)
+        if self.numel == 0:
+            return tensor
+        x = tensor.view(-1)
+        intra = self.backends.intra
+        # 1. reduce-scatter inside the node: this rank's shard of the node's average
+        if self.shard_buf is None:
+            shard = x
+        else:
+            source = x if self.padded_in is None else self.padded_in
+            if self.padded_in is not None:
+                self.padded_in[: self.numel].copy_(x)
+            intra.reduce_scatter(self.shard_buf, source, op="avg")
+            shard = self.shard_buf[: self.valid]
+        # 2. 1-bit compressed allreduce of the shard among the nodes
+        if self.inter_plan is not None:
+            self.inter_plan(shard, worker_error[: self.valid], server_error[: self.inter_server_numel])
+        # 3. all-gather inside the node
+        if self.shard_buf is not None:
+            target = x if self.gathered is None else self.gathered
+            intra.all_gather(target, self.shard_buf)
+            if self.gathered is not None:
+                x.copy_(self.gathered[: self.numel])
+        return tensor
+
+
+def _plan_key(numel: int, device) -> tuple:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # "cuda" means the current device
+        device = torch.device("cuda", torch.cuda.current_device())
+    return ("hierarchical_compressed_allreduce", numel, device)
+
+
+def hierarchical_compressed_allreduce(tensor: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor,
+                                      backends: NodeBackends) -> torch.Tensor:
+    """Average ``tensor`` (float32, contiguous) over all ranks of ``backends.layout``: fp32
+    inside each node, 1-bit with error feedback between nodes (module docstring; with one node
+    nothing is compressed and the result is the full-precision average; with one rank per node it
+    is :func:`~compressed_opt.comm.compressed_allreduce` over all ranks).
+
+    Writes the result into ``tensor`` and returns it — identical on every rank — and updates
+    ``worker_error`` and ``server_error`` in place: allocate them once, zeroed, with the sizes of
+    :func:`hierarchical_error_buffer_sizes` (the same on every rank), and pass the same ones for
+    the same tensor on every call. Collective: every rank calls it with a tensor of the same
+    numel. A rank whose arguments are invalid (dtype, device, sizes, contiguity, requires_grad,
+    overlapping buffers) raises its error and every other rank a ``ValueError`` naming it, as do
+    all ranks when they disagree on the numel; only ``tensor`` not being a tensor, or ``backends``
+    not a :class:`~compressed_opt.comm.topology.NodeBackends`, raises on that rank alone, before
+    any communication. Buffers are reused across calls (kept by ``backends.intra``).
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
+    if not isinstance(backends, NodeBackends):
+        raise TypeError(f"backends must be a NodeBackends (node_backends(...)), got {type(backends).__name__}")
+    plan = backends.intra.workspace(_plan_key(tensor.numel(), tensor.device),
+                           lambda: HierarchicalCompressedAllreduce(tensor.numel(), backends, tensor.device))
+    return plan(tensor, worker_error, server_error)
