@@ -371,7 +371,8 @@ def _find_mpiexec(mpiexec: str | None) -> str:
 def run_two_ranks(cmd, rate="1gbit", timeout: float = 600.0, mode: str = "torch", env: dict | None = None,
                   burst: int | None = None, latency: str = DEFAULT_LATENCY, mtu: int | None = None,
                   port: int = 29500, cwd: str | None = None, echo: bool = False, grace: float = 15.0,
-                  prefix: str = DEFAULT_PREFIX, mpiexec: str | None = None, gso: bool = True) -> dict:
+                  prefix: str = DEFAULT_PREFIX, mpiexec: str | None = None, gso: bool = True,
+                  ranks_per_node: int = 1) -> dict:
     """Run ``cmd`` (a list, or a shell string) as 2 ranks over a veth link limited to ``rate``.
 
     Returns a dict: ``returncode`` (0 when every rank exited 0; 124 on timeout; else the exit
@@ -383,8 +384,12 @@ def run_two_ranks(cmd, rate="1gbit", timeout: float = 600.0, mode: str = "torch"
     while the command ran), ``counters_before``/``counters_after``, ``elapsed_s``, ``rate``,
     ``tbf``, ``addresses``, ``namespaces``, ``ifname``, ``gso``, ``mode``. ``env`` adds to the
     current environment; ``port`` is ``MASTER_PORT`` (free: the namespaces are new); ``echo``
-    prints the ranks' lines as they come, prefixed ``[rank r]``. Other arguments: see
-    :func:`create_link`. Everything made is deleted before returning or raising.
+    prints the ranks' lines as they come, prefixed ``[rank r]``. ``ranks_per_node`` > 1 (``torch``
+    mode): each namespace is a node of that many ranks, started as on a cluster, by ``torchrun
+    --nnodes 2 --node-rank r --nproc-per-node L`` (static rendezvous at node 0's address); the
+    ranks of a node talk over its loopback, the nodes over the veth (per namespace, ``outputs``
+    and ``tx_bytes`` are then a node's). Other arguments: see :func:`create_link`. Everything made
+    is deleted before returning or raising.
     """
     if isinstance(cmd, str):
         cmd = shlex.split(cmd)
@@ -405,7 +410,16 @@ def run_two_ranks(cmd, rate="1gbit", timeout: float = 600.0, mode: str = "torch"
         before = link.counters()
         start = time.monotonic()
         deadline = start + timeout
-        if mode == "torch":
+        if mode == "torch" and ranks_per_node > 1:
+            for r in range(2):
+                node_env = dict(base_env, GLOO_SOCKET_IFNAME=link.ifname, NCCL_SOCKET_IFNAME=link.ifname,
+                                TP_SOCKET_IFNAME=link.ifname)
+                torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(r),
+                            "--nproc-per-node", str(ranks_per_node), "--master-addr", link.addresses[0],
+                            "--master-port", str(port)]
+                procs.append(_Proc(link.exec_prefix(r) + torchrun + list(cmd), node_env, cwd,
+                                   f"[node {r}] " if echo else None))
+        elif mode == "torch":
             for r in range(2):
                 rank_env = dict(base_env, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2",
                                 MASTER_ADDR=link.addresses[0], MASTER_PORT=str(port),

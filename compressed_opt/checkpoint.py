@@ -24,7 +24,7 @@ from collections.abc import Mapping
 
 import torch
 
-from compressed_opt.comm import chunk_numel
+from .averaging import error_sizes_of
 
 #: the version of the ``state_dict()["compressed_opt"]`` layout this library writes and reads
 FORMAT = 1
@@ -151,10 +151,11 @@ def _check_locally(optimizer, state_dict) -> None:
     _check_extra(optimizer, extra)
     _check_param_groups(optimizer, state_dict)
     _check_param_state(optimizer, state_dict)
-    _check_buckets(optimizer, extra["buckets"], world)
+    key = _averaging_key(optimizer, extra.get("averaging"), world)
+    _check_buckets(optimizer, extra["buckets"], world, key)
     consolidated = "ranks" in extra
     if consolidated:
-        _check_rank_parts(optimizer, state_dict, extra["ranks"], world)
+        _check_rank_parts(optimizer, state_dict, extra["ranks"], world, key)
     if getattr(optimizer, "zero_stage", 0) and (world != optimizer.backend.world_size
                                                  or (rank != optimizer.backend.rank and not consolidated)):
         _fail(optimizer,
@@ -163,7 +164,22 @@ def _check_locally(optimizer, state_dict) -> None:
               "rank loading its own file (or train with zero_stage=0 to move between world sizes)")
 
 
-def _check_rank_parts(optimizer, state_dict: Mapping, parts, world: int) -> None:
+def _averaging_key(optimizer, key, world: int) -> tuple:
+    """The exchange the checkpoint's error buffers belong to (``["flat", W]`` or ``["node", L,
+    K]``, compressed_opt.averaging; absent: saved before the first step, flat)."""
+    if key is None:
+        return ("flat", world)
+    ok = isinstance(key, (list, tuple)) and (
+        (len(key) == 2 and key[0] == "flat" and key[1] == world)
+        or (len(key) == 3 and key[0] == "node" and _is_int(key[1]) and _is_int(key[2]) and key[1] >= 1
+            and key[2] >= 1 and key[1] * key[2] == world))
+    if not ok:
+        _fail(optimizer, f"state_dict['compressed_opt']['averaging'] must be ['flat', {world}] or ['node', L, K] with "
+                         f"L K = {world}, got {key!r}")
+    return tuple(key)
+
+
+def _check_rank_parts(optimizer, state_dict: Mapping, parts, world: int, key: tuple) -> None:
     """``state_dict()["compressed_opt"]["ranks"]`` (written by ``consolidate_state_dict``): one
     part per rank, in rank order, each checked as the rank's own checkpoint would be."""
     if not isinstance(parts, (list, tuple)) or len(parts) != world:
@@ -175,7 +191,7 @@ def _check_rank_parts(optimizer, state_dict: Mapping, parts, world: int) -> None
         if not isinstance(part, Mapping) or set(part) != {"rank", "buckets", "state", "params"} or part["rank"] != r:
             _fail(optimizer, f"state_dict['compressed_opt']['ranks'][{r}] must be rank {r}'s part, a dict with the "
                              "keys 'rank', 'buckets', 'state' and 'params'")
-        _check_buckets(optimizer, part["buckets"], world)
+        _check_buckets(optimizer, part["buckets"], world, key)
         for field, value in (("state", part["state"]), ("params", part["params"])):
             if not isinstance(value, Mapping):
                 _fail(optimizer, f"ranks[{r}][{field!r}] must be a dict, got {type(value).__name__}")
@@ -261,7 +277,7 @@ def _check_param_state(optimizer, state_dict: Mapping) -> None:
                                  f"({width},), got {getattr(value, 'shape', type(value).__name__)}")
 
 
-def _check_buckets(optimizer, buckets, world: int) -> None:
+def _check_buckets(optimizer, buckets, world: int, key: tuple) -> None:
     if not isinstance(buckets, (list, tuple)):
         _fail(optimizer, f"state_dict['compressed_opt']['buckets'] must be a list, got {type(buckets).__name__}")
     for j, entry in enumerate(buckets):
@@ -275,7 +291,7 @@ def _check_buckets(optimizer, buckets, world: int) -> None:
                 continue
             if not isinstance(value, torch.Tensor):
                 _fail(optimizer, f"bucket {j}, {field!r}: expected a tensor, got {type(value).__name__}")
-        expected = {"worker_error": numel, "server_error": chunk_numel(numel, world)}
+        expected = dict(zip(("worker_error", "server_error"), error_sizes_of(key, numel)))
         for field, n in expected.items():
             if field in entry and entry[field].numel() != n:
                 _fail(optimizer, f"bucket {j}, {field!r}: {entry[field].numel()} elements, expected {n} for a bucket "

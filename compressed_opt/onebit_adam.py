@@ -44,7 +44,6 @@ import math
 import torch
 
 from compressed_opt import cuda as kernels
-from compressed_opt.comm import compressed_allreduce
 
 from . import scaling, zero
 from . import variance_tracking as tracking
@@ -80,7 +79,8 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
     _keeps_denominator = False
 
     def __init__(self, params, defaults, freeze_step, backend, bucket_cap_mb, overlap=True, accumulation_steps=1,
-                 zero_stage=0, master_resync_interval=100, exchange="preconditioned", variance_tracking=False):
+                 zero_stage=0, master_resync_interval=100, exchange="preconditioned", variance_tracking=False,
+                 hierarchy="auto"):
         check_choice("exchange", exchange, self.EXCHANGES)
         self.exchange_mode = exchange
         self._init_variance_tracking(variance_tracking)
@@ -96,7 +96,7 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
         self.freeze_step = None if self.freeze_rule is not None else freeze_step
         self.frozen = False
         super().__init__(params, defaults, backend=backend, bucket_cap_mb=bucket_cap_mb,
-                         overlap=overlap, accumulation_steps=accumulation_steps)
+                         overlap=overlap, accumulation_steps=accumulation_steps, hierarchy=hierarchy)
 
     def _validate_group(self, group):
         check_adam_group(group)
@@ -285,8 +285,7 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
         if self.zero_stage:
             zero.exchange(self, bucket, x)
         else:
-            worker_error, server_error = self.error_buffers(bucket)
-            compressed_allreduce(x, worker_error, server_error, self.backend)
+            self.compressed_average(bucket, x)
 
     def _momentum_from_exchange(self, bucket, y: torch.Tensor, out: torch.Tensor) -> None:
         """``m = y / R`` into ``out`` (0 where ``v_f == 0``)."""
@@ -378,10 +377,11 @@ class OnebitAdam(_FreezingAdam):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, freeze_step=100000,
                  *, bias_correction=True, backend=None, bucket_cap_mb=25.0, overlap=True, accumulation_steps=1,
-                 zero_stage=0, master_resync_interval=100, exchange="preconditioned", variance_tracking=True):
+                 zero_stage=0, master_resync_interval=100, exchange="preconditioned", variance_tracking=True,
+                 hierarchy="auto"):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bool(bias_correction))
         super().__init__(params, defaults, freeze_step, backend, bucket_cap_mb, overlap, accumulation_steps,
-                         zero_stage, master_resync_interval, exchange, variance_tracking)
+                         zero_stage, master_resync_interval, exchange, variance_tracking, hierarchy)
 
     def _bucket_communicate(self, bucket, group, grad, step):
         """Compression stage: local momentum ``m_i = b1 m + (1 - b1) g_i`` into ``grad`` (as

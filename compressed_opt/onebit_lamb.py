@@ -124,7 +124,8 @@ class OnebitLamb(_FreezingAdam):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, freeze_step=100000,
                  *, max_coeff=10.0, min_coeff=0.01, coeff_beta=0.9, factor_max=4.0, factor_min=0.5,
                  factor_threshold=0.1, bias_correction=True, backend=None, bucket_cap_mb=25.0, overlap=True,
-                 accumulation_steps=1, zero_stage=0, master_resync_interval=100, exchange="preconditioned"):
+                 accumulation_steps=1, zero_stage=0, master_resync_interval=100, exchange="preconditioned",
+                 hierarchy="auto"):
         defaults = dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
             max_coeff=max_coeff, min_coeff=min_coeff, coeff_beta=coeff_beta,
@@ -132,7 +133,7 @@ class OnebitLamb(_FreezingAdam):
             bias_correction=bool(bias_correction),
         )
         super().__init__(params, defaults, freeze_step, backend, bucket_cap_mb, overlap, accumulation_steps,
-                         zero_stage, master_resync_interval, exchange)
+                         zero_stage, master_resync_interval, exchange, hierarchy=hierarchy)
 
     def _validate_group(self, group):
         super()._validate_group(group)

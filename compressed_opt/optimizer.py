@@ -36,14 +36,14 @@ import weakref
 import torch
 from torch.optim import Optimizer
 
-from compressed_opt.comm import Backend, error_buffer_sizes, get_backend
+from compressed_opt.comm import Backend, get_backend
 
-from . import checkpoint, consolidate, ddp, frameworks
+from . import averaging, checkpoint, consolidate, ddp, frameworks
 from .buckets import Bucket, build_buckets
 from .buffers import SAVED, SCRATCH, STATE, Buffer, names, overlay
 from .checkpoint import validate_state_dict
 from .overlap import BucketLauncher, GradientsChangedAfterLaunch
-from .validation import check_nonneg_float, check_step_count
+from .validation import check_choice, check_nonneg_float, check_step_count
 
 logger = logging.getLogger("compressed_opt")
 
@@ -61,7 +61,10 @@ COMMON_ARGS_DOC = """backend: a :class:`compressed_opt.comm.Backend`; ``None`` p
         overlap: launch each bucket's communication from backward as soon as its gradients are
             ready (``False``: everything in ``step()``).
         accumulation_steps: backward passes per ``step()`` (gradient accumulation without
-            ``no_sync()``); communication happens once, after the last."""
+            ``no_sync()``); communication happens once, after the last.
+        hierarchy: where the 1-bit exchange runs (:mod:`compressed_opt.averaging`): ``"auto"``
+            (hierarchical on two or more nodes of two or more ranks: fp32 inside a node, 1-bit
+            between nodes; else flat), ``"node"`` (hierarchical), ``"flat"`` (over all ranks)."""
 
 
 def common_args(cls):
@@ -125,7 +128,14 @@ class CompressedOptimizer(Optimizer):
         self._declare(self, overlay(type(self).declared, layout))
 
     def __init__(self, params, defaults: dict, backend: Backend | None = None, bucket_cap_mb: float = 25.0,
-                 overlap: bool = True, accumulation_steps: int = 1):
+                 overlap: bool = True, accumulation_steps: int = 1, hierarchy: str = "auto"):
+        check_choice("hierarchy", hierarchy, averaging.HIERARCHIES)
+        if hierarchy == "node" and getattr(self, "zero_stage", 0):
+            raise ValueError("hierarchy='node' with zero_stage > 0: ZeRO's shards are the flat exchange's server "
+                             "chunks; use hierarchy='auto' or 'flat' (flat) or zero_stage=0")
+        self.hierarchy = hierarchy
+        self._averaging = None  # chosen at the first step, on every rank alike (compressed_opt.averaging)
+        self._saved_averaging = None  # the averaging key of a loaded checkpoint's error buffers
         self._buckets: list[Bucket] | None = None
         super().__init__(params, defaults)
         if backend is None:
@@ -259,13 +269,55 @@ class CompressedOptimizer(Optimizer):
     def _check_rebuild(self) -> None:
         """Raise if this optimizer cannot carry its state over to new buckets."""
 
+    @property
+    def averaging(self):
+        """How the 1-bit exchange averages a bucket (:mod:`compressed_opt.averaging`): chosen at
+        the first step."""
+        if self._averaging is None:
+            if self.backend.world_size > 1:  # (choosing is collective: in step(), on every rank)
+                raise RuntimeError(f"{type(self).__name__}: the exchange is chosen at the first step()")
+            self._averaging = averaging.FlatAveraging(self.backend)
+        return self._averaging
+
+    def _choose_averaging(self) -> None:
+        """Once, in ``step()`` on every rank (collective): the flat or the hierarchical exchange;
+        error buffers loaded from a checkpoint of another exchange are dropped (warned)."""
+        if self._averaging is None:
+            self._averaging = averaging.choose(self.backend, self.hierarchy, bool(getattr(self, "zero_stage", 0)))
+        self._drop_foreign_errors()
+
+    def _drop_foreign_errors(self) -> None:
+        saved, self._saved_averaging = self._saved_averaging, None
+        if saved is None or self._averaging is None or tuple(saved) == self._averaging.key:
+            return
+        dropped = False
+        for b in self._buckets or ():
+            for name in ("worker_error", "server_error"):
+                dropped |= b.flats.pop(name, None) is not None
+        if dropped:
+            warnings.warn(
+                f"{type(self).__name__}: the checkpoint's error-feedback buffers belong to another exchange "
+                f"({tuple(saved)}, now {self._averaging.key}: hierarchy or node layout changed); they were reset to "
+                "zero", RuntimeWarning, stacklevel=4,
+            )
+
     def error_buffers(self, bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor]:
-        """The bucket's (worker_error, server_error), zero on first use."""
+        """The bucket's (worker_error, server_error), zero on first use, sized for the exchange."""
         if "worker_error" not in bucket.flats:
-            we, se = error_buffer_sizes(bucket.numel, self.backend.world_size)
+            we, se = self.averaging.error_sizes(bucket.numel)
             bucket.flats["worker_error"] = torch.zeros(we, dtype=torch.float32, device=bucket.device)
             bucket.flats["server_error"] = torch.zeros(se, dtype=torch.float32, device=bucket.device)
         return bucket.flats["worker_error"], bucket.flats["server_error"]
+
+    def error_ranges(self, bucket: Bucket) -> tuple[tuple[int, int], tuple[int, int]]:
+        """The bucket elements ``[lo, hi)`` the worker and the server error cover (their first
+        ``hi - lo`` elements): what a per-element rescaling of the errors multiplies."""
+        return self.averaging.error_ranges(bucket.numel)
+
+    def compressed_average(self, bucket: Bucket, x: torch.Tensor) -> None:
+        """``x`` <- the ranks' 1-bit compressed average of ``x``, with the bucket's error feedback."""
+        worker_error, server_error = self.error_buffers(bucket)
+        self.averaging(x, worker_error, server_error)
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds (bucket buffers that are not workspace, plus
@@ -496,6 +548,8 @@ class CompressedOptimizer(Optimizer):
                 self._agree_on_layout()
             if not self._ranks_checked:
                 self._check_ranks()
+            if self._averaging is None or self._saved_averaging is not None:
+                self._choose_averaging()
             step = self.global_step + 1
             full = self._needs_average(step)
             # a compression step whose exchanges all ran from backward (see finish_backward)
@@ -697,7 +751,7 @@ class CompressedOptimizer(Optimizer):
                 total += p.numel()
         for g in self.param_groups:
             hparams.update(repr(sorted((k, v) for k, v in g.items() if k != "params" and _plain(v))).encode())
-        hparams.update(repr(self._extra_signature()).encode())
+        hparams.update(repr((self._extra_signature(), self.hierarchy)).encode())
         as_ints = lambda h: list(struct.unpack("<qq", h.digest()[:16]))  # noqa: E731
         # the bucket cap on its own: different caps lay out different buckets (and collectives)
         return as_ints(shapes) + as_ints(hparams) + [n_params, total, self.bucket_cap_bytes]
@@ -748,6 +802,7 @@ class CompressedOptimizer(Optimizer):
             "rank": self.backend.rank,
             "world_size": self.backend.world_size,
             "buckets": buckets,
+            "averaging": None if self._averaging is None else list(self._averaging.key),
             **self._extra_state(),
         }
         if self._consolidated is not None and self._consolidated[0] == self.global_step:
@@ -785,6 +840,8 @@ class CompressedOptimizer(Optimizer):
             for idx, values in own_params.items():
                 index_to_param[int(idx)].copy_(values)
         self.global_step = int(extra["global_step"])
+        # (a checkpoint from before the choice was saved: the flat exchange's buffers)
+        self._saved_averaging = extra.get("averaging") or ["flat", extra["world_size"]]
         self._load_extra_state(extra)
         self._consolidated = None
         self._buckets = None
@@ -942,7 +999,7 @@ class CompressedOptimizer(Optimizer):
     #: ``copy.deepcopy`` or pickle, made again by the copy (see ``__getstate__``)
     _runtime_attributes = frozenset({
         "backend", "_launcher", "_buckets", "_layout_key", "_param_places", "_averager", "_rank_statistics",
-        "_consolidated", "_frameworks_checked",
+        "_consolidated", "_frameworks_checked", "_averaging",
         "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
         "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
         "_optimizer_load_state_dict_post_hooks",
@@ -1038,6 +1095,7 @@ class CompressedOptimizer(Optimizer):
             self._averager = None
             self._consolidated = None
             self._frameworks_checked = False
+            self._averaging = None
             self._launcher = BucketLauncher(self, self.accumulation_steps)
             if not self.__dict__.get("_closed", False):
                 self._start_hooks()

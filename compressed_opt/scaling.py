@@ -69,8 +69,8 @@ def rescale_errors(opt, bucket, old: list[float], new: list[float]) -> None:
         return
     ratios = [n / o for n, o in zip(new, old)]
     worker_error, server_error = opt.error_buffers(bucket)
-    torch._foreach_mul_(bucket.views(worker_error), ratios)
     per_element = torch.ones(bucket.numel, dtype=server_error.dtype, device=server_error.device)
     torch._foreach_mul_(bucket.views(per_element), ratios)
-    lo, hi, _ = bucket.chunk_range(opt.backend.world_size, opt.backend.rank)
-    server_error[: hi - lo].mul_(per_element[lo:hi])
+    (wlo, whi), (slo, shi) = opt.error_ranges(bucket)  # the elements each error covers
+    worker_error[: whi - wlo].mul_(per_element[wlo:whi])
+    server_error[: shi - slo].mul_(per_element[slo:shi])

@@ -71,9 +71,8 @@ import math
 import torch
 
 from compressed_opt import cuda as kernels
-from compressed_opt.comm import compressed_allreduce
 
-from . import scaling, zero
+from . import scaling
 from . import variance_tracking as tracking
 from .buffers import DERIVED, LAYER, SCRATCH, STATE, Buffer
 from .freeze import VarianceStabilityRule, resolve_rule, restore_rule
@@ -166,7 +165,7 @@ class ZeroOneAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *,
                  var_freeze_step=100000, var_update_scaler=16, local_step_scaler=32678, local_step_clipper=16,
                  bias_correction=True, backend=None, bucket_cap_mb=25.0, overlap=True, accumulation_steps=1,
-                 zero_stage=0, exchange="preconditioned", variance_tracking=True):
+                 zero_stage=0, exchange="preconditioned", variance_tracking=True, hierarchy="auto"):
         check_choice("exchange", exchange, self.EXCHANGES)
         self.exchange_mode = exchange
         self._init_variance_tracking(variance_tracking)
@@ -202,7 +201,7 @@ class ZeroOneAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
         self.last_step_kind: str | None = None
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
         super().__init__(params, defaults, backend=backend, bucket_cap_mb=bucket_cap_mb,
-                         overlap=overlap, accumulation_steps=accumulation_steps)
+                         overlap=overlap, accumulation_steps=accumulation_steps, hierarchy=hierarchy)
 
     def _validate_group(self, group):
         check_adam_group(group)
@@ -260,16 +259,15 @@ class ZeroOneAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
         (``exchange="preconditioned"``, :meth:`_preconditioner`), or each layer scaled by its
         coefficient (``"momentum"``). ``lr_sum``: phase B's sum of lr over the interval (the bound
         of ``sum lr m / sqrt(v)``)."""
-        worker_error, server_error = self.error_buffers(bucket)
         if self.exchange_mode == "preconditioned":
             r = self._preconditioner(bucket)
             kernels.scale_clamp_(x, r, self._exchange_bounds(bucket, lr_sum), bucket.segments)  # one pass
-            compressed_allreduce(x, worker_error, server_error, self.backend)
+            self.compressed_average(bucket, x)
             x.div_(r)  # 0 / 0 where v == 0: the callers zero those coordinates (_no_variance_no_move_)
             return
         coeffs, views = self._layer_coeffs(bucket), bucket.views(x)
         scaling.scale_(views, coeffs)
-        compressed_allreduce(x, worker_error, server_error, self.backend)
+        self.compressed_average(bucket, x)
         scaling.unscale_(views, coeffs)
 
     # --- the preconditioned exchange -------------------------------------------------------------
@@ -319,9 +317,9 @@ class ZeroOneAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
             return
         ratio = torch.div(new, old).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         worker_error, server_error = self.error_buffers(bucket)
-        worker_error.mul_(ratio)
-        lo, hi, _ = zero.own_range(self, bucket)
-        server_error[: hi - lo].mul_(ratio[lo:hi])
+        (wlo, whi), (slo, shi) = self.error_ranges(bucket)
+        worker_error[: whi - wlo].mul_(ratio[wlo:whi])
+        server_error[: shi - slo].mul_(ratio[slo:shi])
 
     def _set_freeze_coeffs(self, bucket) -> None:
         """At the freeze (``m``, ``v`` bias-corrected): phase B's per-layer coefficients from the

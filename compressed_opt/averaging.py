@@ -1,0 +1,138 @@
+"""Where a bucket's 1-bit compressed average is made: over all ranks, or per node.
+
+The optimizers average a bucket's vector ``x`` with error feedback through one object, chosen
+once per optimizer (at its first step, on every rank alike) by its ``hierarchy`` argument:
+
+* :class:`FlatAveraging`: the compressed allreduce over all ``W`` ranks (docs/design.md 2.2);
+* :class:`NodeAveraging`: the hierarchical one (docs/design.md 2.2.1): fp32 inside each node of
+  ``L`` ranks, 1-bit among the ``K`` nodes, so only the slow links carry 1-bit traffic.
+
+``hierarchy="auto"`` (the default) takes the hierarchical exchange when the job spans at least
+two nodes of at least two ranks each (:func:`compressed_opt.comm.discover_layout`), else the
+flat one (one node: compressing is the point of the library there too; one rank per node: both
+are the same); uneven nodes fall back to flat with a log line. ``"node"`` asks for the
+hierarchical exchange (one node: the exact fp32 average, nothing compressed); ``"flat"`` never
+looks. ZeRO's shards are the flat exchange's server chunks, so a sharded optimizer is flat.
+
+Each holds the sizes of the error buffers it needs and which elements of the bucket they cover
+(:meth:`error_ranges`: a per-element rescaling of the errors, when an exchange's factors change,
+must know them), and a ``key`` saved in checkpoints: error buffers saved under another key hold
+errors of another exchange and are reset, with a warning, when such a checkpoint is resumed.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from compressed_opt.comm import (
+    CommStats,
+    chunk_numel,
+    compressed_allreduce,
+    discover_layout,
+    error_buffer_sizes,
+    hierarchical_compressed_allreduce,
+    hierarchical_error_buffer_sizes,
+    node_backends,
+)
+
+logger = logging.getLogger("compressed_opt")
+
+HIERARCHIES = ("auto", "flat", "node")
+
+
+class FlatAveraging:
+    """The compressed allreduce over all ranks of ``backend``."""
+
+    def __init__(self, backend):
+        self.backend = backend
+        self.key = ("flat", backend.world_size)
+
+    def error_sizes(self, numel: int) -> tuple[int, int]:
+        return error_buffer_sizes(numel, self.backend.world_size)
+
+    def error_ranges(self, numel: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        """The bucket elements ``[lo, hi)`` the worker error and the server error cover (their
+        first ``hi - lo`` elements)."""
+        c = chunk_numel(numel, self.backend.world_size)
+        lo = min(self.backend.rank * c, numel)
+        return (0, numel), (lo, min(lo + c, numel))
+
+    def __call__(self, x: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor) -> None:
+        compressed_allreduce(x, worker_error, server_error, self.backend)
+
+
+class NodeAveraging:
+    """The hierarchical compressed allreduce over ``backends`` (``node_backends(...)``)."""
+
+    def __init__(self, backends):
+        self.backends = backends
+        layout = backends.layout
+        self.local_size, self.node_count = layout.local_size, layout.node_count
+        self.key = ("node", self.local_size, self.node_count)
+
+    def error_sizes(self, numel: int) -> tuple[int, int]:
+        return hierarchical_error_buffer_sizes(numel, self.local_size, self.node_count)
+
+    def error_ranges(self, numel: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        L, K = self.local_size, self.node_count
+        s = numel if L == 1 else chunk_numel(numel, L)
+        start = min(self.backends.intra.rank * s, numel)
+        valid = min(s, numel - start)
+        if K == 1:
+            return (start, start), (start, start)  # nothing compressed, no errors
+        c = chunk_numel(valid, K)
+        lo = min(self.backends.inter.rank * c, valid)
+        return (start, start + valid), (start + lo, start + min(lo + c, valid))
+
+    def __call__(self, x: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor) -> None:
+        hierarchical_compressed_allreduce(x, worker_error, server_error, self.backends)
+
+
+class _CountedInParent(CommStats):
+    """A sub-backend's byte counts, also recorded in its parent backend's stats as
+    ``"<where>.<collective>"`` (``optimizer.backend.stats`` keeps counting everything the
+    optimizer sends; ``inter_node.*`` is what crosses between nodes)."""
+
+    def __init__(self, parent: CommStats, where: str):
+        super().__init__()
+        self.parent, self.where = parent, where
+
+    def record(self, op: str, nbytes: float) -> None:
+        super().record(op, nbytes)
+        self.parent.record(f"{self.where}.{op}", nbytes)
+
+
+def error_sizes_of(key, numel: int) -> tuple[int, int]:
+    """The error buffers' sizes of a bucket of ``numel`` elements under a saved ``key``."""
+    if key[0] == "node":
+        return hierarchical_error_buffer_sizes(numel, key[1], key[2])
+    return error_buffer_sizes(numel, key[1])
+
+
+def choose(backend, hierarchy: str, sharded: bool):
+    """The averaging of an optimizer on ``backend`` (collective: every rank calls it, at the same
+    point; see the module docstring)."""
+    if backend.world_size == 1 or hierarchy == "flat":
+        return FlatAveraging(backend)
+    if sharded:
+        logger.info("compressed_opt: ZeRO-sharded state: the flat 1-bit exchange (its chunks are the shards)")
+        return FlatAveraging(backend)
+    layout = discover_layout(backend)  # None (uneven nodes): logged there, on rank 0
+    if layout is None:
+        return FlatAveraging(backend)
+    wanted = hierarchy == "node" or (layout.node_count > 1 and layout.local_size > 1)
+    if not wanted:
+        return FlatAveraging(backend)
+    try:
+        backends = node_backends(backend, layout)
+    except ValueError as exc:  # (e.g. a torch.distributed sub-group: the same on every rank)
+        if backend.rank == 0:
+            logger.warning("compressed_opt: no per-node groups (%s): the flat 1-bit exchange", exc)
+        return FlatAveraging(backend)
+    if backend.rank == 0:
+        logger.info("compressed_opt: hierarchical 1-bit exchange, %d nodes of %d ranks", layout.node_count,
+                    layout.local_size)
+    for sub, where in ((backends.intra, "intra_node"), (backends.inter, "inter_node")):
+        sub.stats = _CountedInParent(backend.stats, where)
+    return NodeAveraging(backends)

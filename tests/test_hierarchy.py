@@ -1,0 +1,162 @@
+"""The optimizers on the hierarchical exchange (compressed_opt.averaging): 4 Gloo ranks as 2 nodes
+of 2 (``COMPRESSED_OPT_RANKS_PER_NODE=2``).
+
+Checked, for every optimizer: the exchange chosen is the hierarchical one (``hierarchy="auto"``
+on 2 x 2) and identical on every rank; the ranks' parameters stay identical; the training loss
+falls as on the flat exchange (within the flat run's bounds); the bytes that cross between the
+nodes are what the hierarchical exchange sends (``inter_node.*`` in ``backend.stats``), a fraction
+of the flat exchange's; a resume from each rank's own checkpoint is bit-exact; a checkpoint of
+the flat exchange resumed on the hierarchical one resets the error buffers with a warning; one
+rank whose environment says otherwise makes every rank take the flat exchange.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+from distributed import run_ranks
+
+import compressed_opt
+
+STEPS, FREEZE = 12, 3
+CASES = {
+    "onebitadam": (compressed_opt.OnebitAdam, {"freeze_step": FREEZE, "lr": 3e-3}),
+    "onebitlamb": (compressed_opt.OnebitLamb, {"freeze_step": FREEZE, "lr": 3e-2}),
+    "zerooneadam": (compressed_opt.ZeroOneAdam, {"var_freeze_step": FREEZE, "local_step_scaler": 2,
+                                                 "local_step_clipper": 2, "lr": 3e-3}),
+}
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+
+
+def _batch(rank, t):
+    g = torch.Generator().manual_seed(100 * t + rank)
+    x = torch.randn(32, 16, generator=g)
+    return x, x[:, :4].sin() * 2  # a task the model can learn
+
+
+def _train(model, opt, rank, steps):
+    losses = []
+    for t in steps:
+        x, y = _batch(rank, t)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _compression_bytes(opt, model, rank, steps):
+    before = dict(opt.backend.stats.bytes_sent)
+    losses = _train(model, opt, rank, steps)
+    after = opt.backend.stats.bytes_sent
+    diff = {k: after[k] - before.get(k, 0) for k in after}
+    inter = sum(v for k, v in diff.items() if k.startswith("inter_node."))
+    return losses, sum(diff.values()), inter
+
+
+def _run_both(rank, world, name):
+    """The same training on the hierarchical exchange (``"auto"``) and on the flat one, in one
+    job (one spawn of the 4 ranks)."""
+    return {h: _run(rank, world, name, h, "2") for h in ("auto", "flat")}
+
+
+def _run(rank, world, name, hierarchy, per_node_env):
+    if per_node_env is not None:
+        os.environ["COMPRESSED_OPT_RANKS_PER_NODE"] = per_node_env
+    cls, kwargs = CASES[name]
+    model = _model()
+    opt = cls(model.parameters(), bucket_cap_mb=0.004, hierarchy=hierarchy, **kwargs)
+    losses = _train(model, opt, rank, range(1, FREEZE + 2))
+    more, total, inter = _compression_bytes(opt, model, rank, range(FREEZE + 2, STEPS + 1))
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    if name == "zerooneadam":  # between synchronisations each rank's own: the anchors of the last one
+        flat = torch.cat([b.flat("sync_params") for b in opt.buckets])
+    return {"key": opt.averaging.key, "losses": losses + more, "params": flat,
+            "bytes_per_step": total / (STEPS - FREEZE - 1), "inter_per_step": inter / (STEPS - FREEZE - 1)}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_hierarchical_exchange_trains_like_the_flat_one(name):
+    both = run_ranks(_run_both, 4, name, timeout=240)
+    hier, flat = [r["auto"] for r in both], [r["flat"] for r in both]
+    assert {r["key"] for r in hier} == {("node", 2, 2)}
+    assert {r["key"] for r in flat} == {("flat", 4)}
+    for runs in (hier, flat):
+        assert all(torch.equal(r["params"], runs[0]["params"]) for r in runs), "the ranks' parameters differ"
+    mean = lambda runs, i: sum(r["losses"][i] for r in runs) / len(runs)  # noqa: E731
+    first, last_h, last_f = mean(flat, 0), mean(hier, -1), mean(flat, -1)
+    assert last_h < 0.8 * first and last_f < 0.8 * first, (first, last_h, last_f)
+    assert last_h < 1.1 * last_f, f"hierarchical {last_h:.4f} against flat {last_f:.4f}"
+    # between the nodes each rank sends the 1-bit exchange of its half of the bucket among 2 nodes;
+    # the flat exchange sends every rank's over all 4 ranks (most of it crossing between nodes)
+    assert all(r["inter_per_step"] > 0 for r in hier)
+    assert max(r["inter_per_step"] for r in hier) < 0.6 * min(r["bytes_per_step"] for r in flat)
+
+
+def _resume(rank, world, folder, saved_hierarchy):
+    os.environ["COMPRESSED_OPT_RANKS_PER_NODE"] = "2"
+    model = _model()
+    opt = compressed_opt.OnebitAdam(model.parameters(), lr=3e-3, freeze_step=FREEZE, bucket_cap_mb=0.004,
+                                    hierarchy=saved_hierarchy)
+    _train(model, opt, rank, range(1, 7))
+    path = os.path.join(folder, f"rank{rank}.pt")
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, path)
+    _train(model, opt, rank, range(7, 10))
+    uninterrupted = [p.detach().clone() for p in model.parameters()]
+    saved = torch.load(path)
+    model2 = _model()
+    model2.load_state_dict(saved["model"])
+    opt2 = compressed_opt.OnebitAdam(model2.parameters(), lr=3e-3, freeze_step=FREEZE, bucket_cap_mb=0.004,
+                                     hierarchy="node")
+    opt2.load_state_dict(saved["opt"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _train(model2, opt2, rank, range(7, 10))
+    same = all(torch.equal(a, b) for a, b in zip(uninterrupted, model2.parameters()))
+    key = saved["opt"]["compressed_opt"]["averaging"]
+    return {"same": same, "warnings": [str(w.message) for w in caught], "key": key}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_resume_is_exact_and_another_exchange_resets_the_errors(tmp_path):
+    (tmp_path / "a").mkdir()
+    exact = run_ranks(_resume, 4, str(tmp_path / "a"), "node", timeout=150)
+    assert all(r["same"] and not r["warnings"] for r in exact), exact
+    assert exact[0]["key"] == ["node", 2, 2]
+    (tmp_path / "b").mkdir()
+    other = run_ranks(_resume, 4, str(tmp_path / "b"), "flat", timeout=150)
+    assert other[0]["key"] == ["flat", 4]
+    assert all(any("belong to another exchange" in w for w in r["warnings"]) for r in other), other
+    assert not any(r["same"] for r in other)  # (the errors restarted from zero: another trajectory)
+
+
+def _one_rank_disagrees(rank, world):
+    os.environ["COMPRESSED_OPT_RANKS_PER_NODE"] = "1" if rank == 3 else "2"
+    model = _model()
+    opt = compressed_opt.OnebitAdam(model.parameters(), lr=3e-3, freeze_step=1)
+    _train(model, opt, rank, range(1, 3))
+    return opt.averaging.key
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_ranks_that_disagree_on_the_nodes_all_take_the_flat_exchange():
+    assert run_ranks(_one_rank_disagrees, 4, timeout=100) == [("flat", 4)] * 4
+
+
+def test_bad_hierarchy_is_refused():
+    params = _model().parameters()
+    with pytest.raises(ValueError, match="hierarchy"):
+        compressed_opt.OnebitAdam(params, hierarchy="nodes")
+    with pytest.raises(ValueError, match="ZeRO"):
+        compressed_opt.OnebitAdam(_model().parameters(), hierarchy="node", zero_stage=1)
