@@ -202,6 +202,20 @@ class CompressedAllreduce:
         return tensor
 
 
+def error_buffer_problem(name: str, buf, expected: int, device, sizes: str) -> Exception | None:
+    """What is wrong with error buffer ``name`` (``None``: nothing): a contiguous fp32 tensor of
+    ``expected`` elements on ``device``; ``sizes`` says what the size was computed for."""
+    if not isinstance(buf, torch.Tensor):
+        return TypeError(f"{name} must be a torch.Tensor, got {type(buf).__name__}")
+    if buf.dtype != torch.float32:
+        return TypeError(f"{name} must be float32, got {buf.dtype}")
+    if buf.device != device:
+        return ValueError(f"{name} is on {buf.device} but tensor is on {device}")
+    if buf.numel() != expected or not buf.is_contiguous():
+        return ValueError(f"{name} must be a contiguous buffer of {expected} elements for {sizes}, got {buf.numel()}")
+    return None
+
+
 def _validate(tensor, worker_error, server_error, backend) -> None:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
@@ -210,20 +224,12 @@ def _validate(tensor, worker_error, server_error, backend) -> None:
     if not isinstance(backend, Backend):
         raise TypeError(f"backend must be a compressed_opt.comm.Backend, got {type(backend).__name__}")
     worker_numel, server_numel = error_buffer_sizes(tensor.numel(), backend.world_size)
+    sizes = f"a tensor of {tensor.numel()} elements on {backend.world_size} ranks (see error_buffer_sizes)"
     for name, buf, expected in (("worker_error", worker_error, worker_numel),
                                 ("server_error", server_error, server_numel)):
-        if not isinstance(buf, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(buf).__name__}")
-        if buf.dtype != torch.float32:
-            raise TypeError(f"{name} must be float32, got {buf.dtype}")
-        if buf.device != tensor.device:
-            raise ValueError(f"{name} is on {buf.device} but tensor is on {tensor.device}")
-        if buf.numel() != expected or not buf.is_contiguous():
-            raise ValueError(
-                f"{name} must be a contiguous buffer of {expected} elements for a tensor of "
-                f"{tensor.numel()} elements on {backend.world_size} ranks (see error_buffer_sizes), "
-                f"got {buf.numel()}"
-            )
+        problem = error_buffer_problem(name, buf, expected, tensor.device, sizes)
+        if problem is not None:
+            raise problem
     if tensor.requires_grad:
         raise ValueError(
             "tensor requires grad (a parameter, or part of an autograd graph): compressed_allreduce "

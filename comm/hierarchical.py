@@ -42,7 +42,15 @@ from typing import NamedTuple
 
 import torch
 
-from .compressed import _DTYPE_CODES, CompressedAllreduce, _overlaps, chunk_numel, error_buffer_sizes, wire_bytes
+from .compressed import (
+    _DTYPE_CODES,
+    CompressedAllreduce,
+    _overlaps,
+    chunk_numel,
+    error_buffer_problem,
+    error_buffer_sizes,
+    wire_bytes,
+)
 from .topology import NodeBackends
 
 _HEADER = 3  # int64: status, numel, dtype code
@@ -200,19 +208,13 @@ class HierarchicalCompressedAllreduce:
         if tensor.requires_grad:
             return ValueError("tensor requires grad: the allreduce writes the average into it in place, which "
                               "autograd cannot see; pass tensor.detach() under torch.no_grad()")
+        sizes = (f"{self.numel} elements on {self.node_count} node(s) of {self.local_size} (see "
+                 "hierarchical_error_buffer_sizes)")
         for name, buf, expected in (("worker_error", worker_error, self.worker_numel),
                                     ("server_error", server_error, self.server_numel)):
-            if not isinstance(buf, torch.Tensor):
-                return TypeError(f"{name} must be a torch.Tensor, got {type(buf).__name__}")
-            if buf.dtype != torch.float32:
-                return TypeError(f"{name} must be float32, got {buf.dtype}")
-            if buf.device != self.device:
-                return ValueError(f"{name} is on {buf.device} but tensor is on {self.device}")
-            if buf.numel() != expected or not buf.is_contiguous():
-                return ValueError(
-                    f"{name} must be a contiguous buffer of {expected} elements for {self.numel} elements on "
-                    f"{self.node_count} node(s) of {self.local_size} (see hierarchical_error_buffer_sizes), "
-                    f"got {buf.numel()}")
+            problem = error_buffer_problem(name, buf, expected, self.device, sizes)
+            if problem is not None:
+                return problem
         for name, a, other, b in (("worker_error", worker_error, "tensor", tensor),
                                   ("server_error", server_error, "tensor", tensor),
                                   ("server_error", server_error, "worker_error", worker_error)):
