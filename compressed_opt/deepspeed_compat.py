@@ -28,7 +28,7 @@ def _optimizer_class(kind: str):
     return {"onebitadam": OnebitAdam, "onebitlamb": OnebitLamb, "zerooneadam": ZeroOneAdam}[kind]
 
 
-_OPTIONS = {"zero_stage", "master_resync_interval", "overlap", "bucket_cap_mb", "accumulation_steps"}
+_OPTIONS = {"zero_stage", "master_resync_interval", "overlap", "bucket_cap_mb", "accumulation_steps", "hierarchy"}
 
 
 def from_deepspeed_config(params, optimizer_section: dict[str, Any], *, backend=None, deepspeed_numerics: bool = False,
@@ -41,8 +41,8 @@ def from_deepspeed_config(params, optimizer_section: dict[str, Any], *, backend=
     OnebitLamb shard by it, ZeroOneAdam says why it does not; stage 3 is refused). ``backend``
     overrides ``comm_backend_name``. ``deepspeed_numerics=True`` turns bias correction off, as
     DeepSpeed's optimizers had it. ``options``: this library's own arguments (``zero_stage``,
-    ``master_resync_interval``, ``overlap``, ``bucket_cap_mb``, ``accumulation_steps``), over the
-    config. Unknown parameters raise ``ValueError`` naming them (a typo must not fall back
+    ``master_resync_interval``, ``overlap``, ``bucket_cap_mb``, ``accumulation_steps``,
+    ``hierarchy``), over the config. Unknown parameters raise ``ValueError`` naming them (a typo must not fall back
     silently).
     """
     if not isinstance(optimizer_section, dict):
