@@ -14,6 +14,10 @@ are the same); uneven nodes fall back to flat with a log line. ``"node"`` asks f
 hierarchical exchange (one node: the exact fp32 average, nothing compressed); ``"flat"`` never
 looks. ZeRO's shards are the flat exchange's server chunks, so a sharded optimizer is flat.
 
+Per bucket, ``path`` (:data:`PATHS`) may replace the 1-bit exchange by the exact fp32 average:
+``"fp32"`` always, ``"measure"`` where the link measured it faster (:func:`measure_paths`, once,
+at the first step).
+
 Each holds the sizes of the error buffers it needs and which elements of the bucket they cover
 (:meth:`error_ranges`: a per-element rescaling of the errors, when an exchange's factors change,
 must know them), and a ``key`` saved in checkpoints: error buffers saved under another key hold
@@ -39,6 +43,47 @@ from compressed_opt.comm import (
 logger = logging.getLogger("compressed_opt")
 
 HIERARCHIES = ("auto", "flat", "node")
+#: per bucket, the 1-bit exchange or the exact fp32 average: fixed, or measured on the link
+PATHS = ("1bit", "fp32", "measure")
+_PATH_REPS = 5
+
+
+def _time_paths(averaging, backend, numel: int, device) -> tuple[float, float]:
+    """Median seconds of this rank's 1-bit exchange and fp32 all-reduce of ``numel`` elements
+    (scratch buffers; one untimed call of each first)."""
+    import time
+
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(numel)).to(device)
+    we, se = (torch.zeros(k, dtype=torch.float32, device=device) for k in averaging.error_sizes(numel))
+    times = {"1bit": [], "fp32": []}
+    for rep in range(_PATH_REPS + 1):
+        for path in ("1bit", "fp32"):
+            y = x.clone()
+            start = time.perf_counter()
+            if path == "1bit":
+                averaging(y, we, se)
+            else:
+                backend.all_reduce(y, op="avg")
+            if rep:
+                times[path].append(time.perf_counter() - start)
+    return sorted(times["1bit"])[_PATH_REPS // 2], sorted(times["fp32"])[_PATH_REPS // 2]
+
+
+def measure_paths(averaging, backend, numels, device) -> dict[int, str]:
+    """Per bucket size, the faster of the 1-bit exchange and the fp32 all-reduce on this link
+    (collective: every rank times both, one all-gather shares the times, and every rank takes,
+    per size, the slower rank's times: the same choice everywhere)."""
+    sizes = sorted(set(int(n) for n in numels if n > 0))
+    mine = torch.tensor([t for n in sizes for t in _time_paths(averaging, backend, n, device)], dtype=torch.float64)
+    everyone = torch.empty(backend.world_size * mine.numel(), dtype=torch.float64, device=device)
+    backend.all_gather(everyone, mine.to(device))
+    slowest = everyone.view(backend.world_size, len(sizes), 2).amax(dim=0).cpu().tolist()
+    choice = {n: ("fp32" if fp32 < onebit else "1bit") for n, (onebit, fp32) in zip(sizes, slowest)}
+    if backend.rank == 0:
+        timings = ", ".join(f"{n}: {a * 1e3:.2f} / {b * 1e3:.2f} -> {choice[n]}" for n, (a, b) in zip(sizes, slowest))
+        logger.info("compressed_opt: measured exchange per bucket size (elements: 1-bit ms / fp32 ms -> path): %s",
+                    timings)
+    return choice
 
 
 class FlatAveraging:

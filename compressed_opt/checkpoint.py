@@ -31,7 +31,7 @@ FORMAT = 1
 #: keys of ``state_dict()["compressed_opt"]`` that every format-1 checkpoint has
 REQUIRED_KEYS = ("format", "algorithm", "global_step", "rank", "world_size", "buckets")
 #: keys of an optimizer's ``_extra_state()`` that a load reads with a default (not required)
-_OPTIONAL_EXTRA = frozenset({"freeze_rule", "last_step_kind", "exchange", "variance_tracking", "ranks"})
+_OPTIONAL_EXTRA = frozenset({"freeze_rule", "last_step_kind", "exchange", "variance_tracking", "ranks", "paths"})
 #: keys that differ between the ranks of one run by design (not compared across ranks)
 _PER_RANK = frozenset({"rank", "buckets", "ranks", "freeze_rule", "format", "world_size", "algorithm"})
 
@@ -152,6 +152,11 @@ def _check_locally(optimizer, state_dict) -> None:
     _check_param_groups(optimizer, state_dict)
     _check_param_state(optimizer, state_dict)
     key = _averaging_key(optimizer, extra.get("averaging"), world)
+    paths = extra.get("paths", {})
+    if not isinstance(paths, Mapping) or any(not (isinstance(n, str) and n.isdigit()) or p not in ("1bit", "fp32")
+                                             for n, p in paths.items()):
+        _fail(optimizer, f"state_dict['compressed_opt']['paths'] must map bucket sizes ('123') to '1bit' or 'fp32', "
+                         f"got {paths!r}")
     _check_buckets(optimizer, extra["buckets"], world, key)
     consolidated = "ranks" in extra
     if consolidated:

@@ -28,7 +28,8 @@ def _optimizer_class(kind: str):
     return {"onebitadam": OnebitAdam, "onebitlamb": OnebitLamb, "zerooneadam": ZeroOneAdam}[kind]
 
 
-_OPTIONS = {"zero_stage", "master_resync_interval", "overlap", "bucket_cap_mb", "accumulation_steps", "hierarchy"}
+_OPTIONS = {"zero_stage", "master_resync_interval", "overlap", "bucket_cap_mb", "accumulation_steps", "hierarchy",
+            "path"}
 
 
 def from_deepspeed_config(params, optimizer_section: dict[str, Any], *, backend=None, deepspeed_numerics: bool = False,
@@ -42,8 +43,8 @@ def from_deepspeed_config(params, optimizer_section: dict[str, Any], *, backend=
     overrides ``comm_backend_name``. ``deepspeed_numerics=True`` turns bias correction off, as
     DeepSpeed's optimizers had it. ``options``: this library's own arguments (``zero_stage``,
     ``master_resync_interval``, ``overlap``, ``bucket_cap_mb``, ``accumulation_steps``,
-    ``hierarchy``), over the config. Unknown parameters raise ``ValueError`` naming them (a typo must not fall back
-    silently).
+    ``hierarchy``, ``path``), over the config. Unknown parameters raise ``ValueError`` naming
+    them (a typo must not fall back silently).
     """
     if not isinstance(optimizer_section, dict):
         raise TypeError(f"optimizer_section must be a dict, got {type(optimizer_section).__name__}")

@@ -125,7 +125,7 @@ class OnebitLamb(_FreezingAdam):
                  *, max_coeff=10.0, min_coeff=0.01, coeff_beta=0.9, factor_max=4.0, factor_min=0.5,
                  factor_threshold=0.1, bias_correction=True, backend=None, bucket_cap_mb=25.0, overlap=True,
                  accumulation_steps=1, zero_stage=0, master_resync_interval=100, exchange="preconditioned",
-                 hierarchy="auto"):
+                 hierarchy="auto", path="1bit"):
         defaults = dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
             max_coeff=max_coeff, min_coeff=min_coeff, coeff_beta=coeff_beta,
@@ -133,7 +133,7 @@ class OnebitLamb(_FreezingAdam):
             bias_correction=bool(bias_correction),
         )
         super().__init__(params, defaults, freeze_step, backend, bucket_cap_mb, overlap, accumulation_steps,
-                         zero_stage, master_resync_interval, exchange, hierarchy=hierarchy)
+                         zero_stage, master_resync_interval, exchange, hierarchy=hierarchy, path=path)
 
     def _validate_group(self, group):
         super()._validate_group(group)

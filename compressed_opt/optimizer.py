@@ -63,7 +63,11 @@ COMMON_ARGS_DOC = """backend: a :class:`compressed_opt.comm.Backend`; ``None`` p
             ``no_sync()``); communication happens once, after the last.
         hierarchy: where the 1-bit exchange runs (:mod:`compressed_opt.averaging`): ``"auto"``
             (hierarchical on two or more nodes of two or more ranks: fp32 inside a node, 1-bit
-            between nodes; else flat), ``"node"`` (hierarchical), ``"flat"`` (over all ranks)."""
+            between nodes; else flat), ``"node"`` (hierarchical), ``"flat"`` (over all ranks).
+        path: per bucket, ``"1bit"`` (the compressed exchange), ``"fp32"`` (the exact fp32
+            average instead: no compression), or ``"measure"``: at the first step the ranks time
+            both for each bucket size on their link and every bucket takes the faster (kept in
+            ``exchange_paths`` and in checkpoints)."""
 
 
 def common_args(cls):
@@ -127,8 +131,14 @@ class CompressedOptimizer(Persistence, Optimizer):
         self._declare(self, overlay(type(self).declared, layout))
 
     def __init__(self, params, defaults: dict, backend: Backend | None = None, bucket_cap_mb: float = 25.0,
-                 overlap: bool = True, accumulation_steps: int = 1, hierarchy: str = "auto"):
+                 overlap: bool = True, accumulation_steps: int = 1, hierarchy: str = "auto", path: str = "1bit"):
         check_choice("hierarchy", hierarchy, averaging.HIERARCHIES)
+        check_choice("path", path, averaging.PATHS)
+        if path != "1bit" and getattr(self, "zero_stage", 0):
+            raise ValueError(f"path={path!r} with zero_stage > 0: ZeRO keeps the 1-bit exchange's rows as its momentum")
+        self.path = path
+        #: per bucket size (elements), "1bit" or "fp32" (path="measure": what the link measured)
+        self.exchange_paths: dict[int, str] = {}
         if hierarchy == "node" and getattr(self, "zero_stage", 0):
             raise ValueError("hierarchy='node' with zero_stage > 0: ZeRO's shards are the flat exchange's server "
                              "chunks; use hierarchy='auto' or 'flat' (flat) or zero_stage=0")
@@ -284,11 +294,15 @@ class CompressedOptimizer(Persistence, Optimizer):
         if self._averaging is None:
             self._averaging = averaging.choose(self.backend, self.hierarchy, bool(getattr(self, "zero_stage", 0)))
         self._drop_foreign_errors()
+        if self.path == "measure" and not self.exchange_paths and self._buckets:
+            self.exchange_paths = averaging.measure_paths(self._averaging, self.backend,
+                                                          [b.numel for b in self._buckets], self.comm_device)
 
     def _drop_foreign_errors(self) -> None:
         saved, self._saved_averaging = self._saved_averaging, None
         if saved is None or self._averaging is None or tuple(saved) == self._averaging.key:
             return
+        self.exchange_paths = {}  # measured on another exchange: measured again
         dropped = False
         for b in self._buckets or ():
             for name in ("worker_error", "server_error"):
@@ -314,7 +328,11 @@ class CompressedOptimizer(Persistence, Optimizer):
         return self.averaging.error_ranges(bucket.numel)
 
     def compressed_average(self, bucket: Bucket, x: torch.Tensor) -> None:
-        """``x`` <- the ranks' 1-bit compressed average of ``x``, with the bucket's error feedback."""
+        """``x`` <- the ranks' 1-bit compressed average of ``x``, with the bucket's error feedback
+        (or, where ``path`` says so for the bucket, their exact fp32 average)."""
+        if self.path != "1bit" and (self.path == "fp32" or self.exchange_paths.get(bucket.numel) == "fp32"):
+            self.backend.all_reduce(x, op="avg")
+            return
         worker_error, server_error = self.error_buffers(bucket)
         self.averaging(x, worker_error, server_error)
 
@@ -750,7 +768,7 @@ class CompressedOptimizer(Persistence, Optimizer):
                 total += p.numel()
         for g in self.param_groups:
             hparams.update(repr(sorted((k, v) for k, v in g.items() if k != "params" and _plain(v))).encode())
-        hparams.update(repr((self._extra_signature(), self.hierarchy)).encode())
+        hparams.update(repr((self._extra_signature(), self.hierarchy, self.path)).encode())
         as_ints = lambda h: list(struct.unpack("<qq", h.digest()[:16]))  # noqa: E731
         # the bucket cap on its own: different caps lay out different buckets (and collectives)
         return as_ints(shapes) + as_ints(hparams) + [n_params, total, self.bucket_cap_bytes]

@@ -37,6 +37,7 @@ class Persistence:
             "world_size": self.backend.world_size,
             "buckets": buckets,
             "averaging": None if self._averaging is None else list(self._averaging.key),
+            "paths": {str(n): p for n, p in sorted(self.exchange_paths.items())},
             **self._extra_state(),
         }
         if self._consolidated is not None and self._consolidated[0] == self.global_step:
@@ -76,6 +77,7 @@ class Persistence:
         self.global_step = int(extra["global_step"])
         # (a checkpoint from before the choice was saved: the flat exchange's buffers)
         self._saved_averaging = extra.get("averaging") or ["flat", extra["world_size"]]
+        self.exchange_paths = {int(n): p for n, p in extra.get("paths", {}).items()}
         self._load_extra_state(extra)
         self._consolidated = None
         self._buckets = None

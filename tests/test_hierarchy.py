@@ -160,3 +160,45 @@ def test_bad_hierarchy_is_refused():
         compressed_opt.OnebitAdam(params, hierarchy="nodes")
     with pytest.raises(ValueError, match="ZeRO"):
         compressed_opt.OnebitAdam(_model().parameters(), hierarchy="node", zero_stage=1)
+
+
+# --- the path per bucket: 1-bit, fp32, or measured on the link (compressed_opt.averaging) ----------
+def _paths(rank, world, path, skewed):
+    import compressed_opt.averaging as averaging
+
+    if skewed and rank == 1:  # this rank's timings say the opposite of the others'
+        real = averaging._time_paths
+        averaging._time_paths = lambda *a: tuple(reversed(real(*a)))
+    model = _model()
+    opt = compressed_opt.OnebitAdam(model.parameters(), lr=3e-3, freeze_step=2, bucket_cap_mb=0.004, path=path,
+                                    hierarchy="flat")
+    _train(model, opt, rank, range(1, 3))
+    before = dict(opt.backend.stats.bytes_sent)
+    _train(model, opt, rank, range(3, 6))
+    sent = {k: v - before.get(k, 0) for k, v in opt.backend.stats.bytes_sent.items() if v != before.get(k, 0)}
+    return {"paths": opt.exchange_paths, "sizes": sorted({b.numel for b in opt.buckets}),
+            "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]), "sent": sent,
+            "saved": opt.state_dict()["compressed_opt"]["paths"]}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_measured_paths_are_the_same_on_every_rank_and_fp32_sends_no_bits():
+    measured = run_ranks(_paths, 2, "measure", True, timeout=150)
+    assert measured[0]["paths"] == measured[1]["paths"], "the ranks chose different paths"
+    assert set(measured[0]["paths"]) == set(measured[0]["sizes"]) and set(measured[0]["paths"].values()) <= {
+        "1bit", "fp32"}
+    assert measured[0]["saved"] == {str(n): p for n, p in measured[0]["paths"].items()}
+    assert torch.equal(measured[0]["params"], measured[1]["params"])
+    fp32 = run_ranks(_paths, 2, "fp32", False, timeout=150)
+    assert torch.equal(fp32[0]["params"], fp32[1]["params"])
+    assert "all_to_all" not in fp32[0]["sent"] and fp32[0]["sent"].get("all_reduce", 0) > 0, fp32[0]["sent"]
+    onebit = run_ranks(_paths, 2, "1bit", False, timeout=150)
+    assert onebit[0]["paths"] == {} and onebit[0]["sent"].get("all_to_all", 0) > 0
+
+
+def test_bad_path_is_refused():
+    with pytest.raises(ValueError, match="path"):
+        compressed_opt.OnebitAdam(_model().parameters(), path="fastest")
+    with pytest.raises(ValueError, match="ZeRO"):
+        compressed_opt.OnebitAdam(_model().parameters(), path="measure", zero_stage=2)
