@@ -25,6 +25,20 @@ LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "M
                       "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")
 
 
+# --- results -----------------------------------------------------------------------------------------
+def write_json(path, data, indent: int = 1) -> None:
+    """Write ``data`` as JSON to ``path`` (nothing when ``path`` is ``None``): its folder made if
+    needed, written to a temporary file first, so a reader never sees half a result."""
+    if path is None:
+        return
+    import json
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(data, f, indent=indent)
+    os.replace(path + ".tmp", path)
+
+
 # --- formatting ------------------------------------------------------------------------------------
 def fmt_bytes(n) -> str:
     """``n`` bytes in SI units: ``"1.14 MB"``, ``"512 B"``; ``"-"`` for ``None``."""

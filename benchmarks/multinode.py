@@ -106,6 +106,7 @@ def main(argv=None) -> int:
     sys.path.insert(0, HERE)
     import tempfile
 
+    from common import write_json
     from slowlink import run_two_ranks
 
     results = []
@@ -130,10 +131,8 @@ def main(argv=None) -> int:
     if len(results) == 2:
         a, b = (max(n["compression_bytes_per_step"] for n in r["per_node"]) for r in results)
         print(f"{results[1]['hierarchy']} / {results[0]['hierarchy']}: {b / a:.3f} of the bytes between the nodes")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"nodes": args.nodes, "ranks_per_node": args.ranks_per_node, "link": args.link,
-                   "results": results}, f, indent=1)
+    write_json(args.out, {"nodes": args.nodes, "ranks_per_node": args.ranks_per_node, "link": args.link,
+                          "results": results})
     return 0
 
 

@@ -101,9 +101,10 @@ def main(argv=None) -> int:
             print(f"path={path}: {r['buckets']} buckets; median step warmup {r['warmup_step_s'] * 1e3:.1f} ms, "
                   f"compression {r['compression_step_s'] * 1e3:.1f} ms "
                   f"({r['compression_step_s'] / r['warmup_step_s']:.2f}x); paths {r['paths']}")
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(out, f, indent=1)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from common import write_json
+
+        write_json(args.json, out)
     return 0
 
 

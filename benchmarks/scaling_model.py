@@ -28,7 +28,7 @@ ignored: this is the communication a step must hide or pay.
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import sys
 
 METHODS = ("ddp_fp32", "ddp_bf16", "flat_1bit", "hier_1bit")
@@ -110,9 +110,10 @@ def main(argv=None) -> int:
     for r in rows:
         cells = "".join(f" {_mb(r[m]['inter_node_bytes']):>15} {r[m]['comm_s'] * 1e3:15.1f}" for m in METHODS)
         print(f"{r['inter_gbit']:7g} {r['ranks_per_node']:3d} {r['nodes']:6d}{cells}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from common import write_json
+
+    write_json(args.json, {"args": vars(args), "rows": rows})
     return 0
 
 

@@ -30,6 +30,9 @@ import time
 import torch
 from torch import nn
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # (python -P: the folder's common.py)
+from common import write_json  # noqa: E402
+
 
 def model_of(n_tensors: int, elements: int) -> list[nn.Parameter]:
     """``n_tensors`` parameters (weights and biases of square layers) of about ``elements`` in all."""
@@ -125,8 +128,7 @@ def against(rev: str, args) -> int:
             print(f"{name:<12} {n:>7} {old * 1e3:15.1f} {new * 1e3:11.1f} {new / old:9.3f}")
     if args.json:
         rev_hash = subprocess.run(["git", "-C", root, "rev-parse", rev], capture_output=True, text=True).stdout.strip()
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rev": rev_hash, "results": results}, f, indent=1)
+        write_json(args.json, {"args": vars(args), "rev": rev_hash, "results": results})
     return 0
 
 
@@ -178,9 +180,7 @@ def main(argv=None) -> int:
         results.append(row)
         print(f"{name:<34} {row['few']['step_s'] * 1e3:19.1f} {row['many']['step_s'] * 1e3:24.1f} "
               f"{row['many_over_few']:9.2f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "results": results}, f, indent=1)
+    write_json(args.json, {"args": vars(args), "results": results})
     return 0
 
 

@@ -150,7 +150,7 @@ def main(argv=None) -> int:
     if args.worker:
         return worker(args)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from common import run_on_link, slowlink
+    from common import run_on_link, slowlink, write_json
 
     cmd = [sys.executable, "-P", os.path.abspath(__file__), "--worker", "--numel", str(args.numel),
            "--calls", str(args.calls), "--warmup", str(args.warmup), "--backend", args.backend]
@@ -178,9 +178,7 @@ def main(argv=None) -> int:
     report["link"] = {k: run[k] for k in ("rate", "tbf", "gso", "mode", "ifname", "tx_bytes", "rx_bytes", "elapsed_s")}
     print(format_report(report))
     print(f"# whole run (with connection setup and warmup): veth tx_bytes {run['tx_bytes']}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+    write_json(args.json, report)
     return 0
 
 

@@ -96,12 +96,11 @@ class FlatAveraging:
     def error_sizes(self, numel: int) -> tuple[int, int]:
         return error_buffer_sizes(numel, self.backend.world_size)
 
-    def error_ranges(self, numel: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    def error_ranges(self, bucket) -> tuple[tuple[int, int], tuple[int, int]]:
         """The bucket elements ``[lo, hi)`` the worker error and the server error cover (their
-        first ``hi - lo`` elements)."""
-        c = chunk_numel(numel, self.backend.world_size)
-        lo = min(self.backend.rank * c, numel)
-        return (0, numel), (lo, min(lo + c, numel))
+        first ``hi - lo`` elements): the whole bucket, and this rank's server chunk."""
+        lo, hi, _ = bucket.chunk_range(self.backend.world_size, self.backend.rank)
+        return (0, bucket.numel), (lo, hi)
 
     def __call__(self, x: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor) -> None:
         compressed_allreduce(x, worker_error, server_error, self.backend)
@@ -119,16 +118,15 @@ class NodeAveraging:
     def error_sizes(self, numel: int) -> tuple[int, int]:
         return hierarchical_error_buffer_sizes(numel, self.local_size, self.node_count)
 
-    def error_ranges(self, numel: int) -> tuple[tuple[int, int], tuple[int, int]]:
-        L, K = self.local_size, self.node_count
-        s = numel if L == 1 else chunk_numel(numel, L)
-        start = min(self.backends.intra.rank * s, numel)
-        valid = min(s, numel - start)
-        if K == 1:
+    def error_ranges(self, bucket) -> tuple[tuple[int, int], tuple[int, int]]:
+        """The worker error covers this local rank's shard of the bucket, the server error the
+        chunk of that shard this rank serves among the nodes (none with one node)."""
+        start, end, _ = bucket.chunk_range(self.local_size, self.backends.intra.rank)
+        if self.node_count == 1:
             return (start, start), (start, start)  # nothing compressed, no errors
-        c = chunk_numel(valid, K)
-        lo = min(self.backends.inter.rank * c, valid)
-        return (start, start + valid), (start + lo, start + min(lo + c, valid))
+        c = chunk_numel(end - start, self.node_count)
+        lo = min(self.backends.inter.rank * c, end - start)
+        return (start, end), (start + lo, start + min(lo + c, end - start))
 
     def __call__(self, x: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor) -> None:
         hierarchical_compressed_allreduce(x, worker_error, server_error, self.backends)

@@ -325,7 +325,7 @@ class CompressedOptimizer(Persistence, Optimizer):
     def error_ranges(self, bucket: Bucket) -> tuple[tuple[int, int], tuple[int, int]]:
         """The bucket elements ``[lo, hi)`` the worker and the server error cover (their first
         ``hi - lo`` elements): what a per-element rescaling of the errors multiplies."""
-        return self.averaging.error_ranges(bucket.numel)
+        return self.averaging.error_ranges(bucket)
 
     def compressed_average(self, bucket: Bucket, x: torch.Tensor) -> None:
         """``x`` <- the ranks' 1-bit compressed average of ``x``, with the bucket's error feedback
