@@ -57,6 +57,7 @@ VARIANTS = ("onebitadam-momentum", "onebitadam-frozen", "zerooneadam-frozen", "z
 FREEZE_STUDY = ("onebitadam@20", "onebitadam@100", "onebitadam@150", "onebitadam@auto")
 OPTIMIZERS = ("adamw", "onebitadam", "zerooneadam", "lamb", "onebitlamb")
 LAMB_LR = 1e-2
+PATH = "1bit"  # the 1-bit exchange in every bucket (the default may take fp32 where it is faster)
 SEQ_LEN = 64
 
 
@@ -196,21 +197,21 @@ def make_optimizer(name: str, params, lr: float, freeze: int):
     if name == "adamw":
         return torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     if name == "onebitadam":
-        return compressed_opt.OnebitAdam(params, lr=lr, freeze_step=freeze)
+        return compressed_opt.OnebitAdam(params, lr=lr, freeze_step=freeze, path=PATH)
     if name == "onebitadam-frozen":
-        return compressed_opt.OnebitAdam(params, lr=lr, freeze_step=freeze, variance_tracking=False)
+        return compressed_opt.OnebitAdam(params, lr=lr, freeze_step=freeze, variance_tracking=False, path=PATH)
     if name == "zerooneadam-dense":  # var_interval never doubles: every phase-A step refreshes
-        return compressed_opt.ZeroOneAdam(params, lr=lr, var_freeze_step=freeze, var_update_scaler=10**9)
+        return compressed_opt.ZeroOneAdam(params, lr=lr, var_freeze_step=freeze, var_update_scaler=10**9, path=PATH)
     if name == "zerooneadam-frozen":
-        return compressed_opt.ZeroOneAdam(params, lr=lr, var_freeze_step=freeze, variance_tracking=False)
+        return compressed_opt.ZeroOneAdam(params, lr=lr, var_freeze_step=freeze, variance_tracking=False, path=PATH)
     if name == "onebitadam-momentum":
-        return compressed_opt.OnebitAdam(params, lr=lr, freeze_step=freeze, exchange="momentum")
+        return compressed_opt.OnebitAdam(params, lr=lr, freeze_step=freeze, exchange="momentum", path=PATH)
     if name == "zerooneadam":
-        return compressed_opt.ZeroOneAdam(params, lr=lr, var_freeze_step=freeze)
+        return compressed_opt.ZeroOneAdam(params, lr=lr, var_freeze_step=freeze, path=PATH)
     if name == "lamb":
-        return compressed_opt.OnebitLamb(params, lr=LAMB_LR, freeze_step=10**9)
+        return compressed_opt.OnebitLamb(params, lr=LAMB_LR, freeze_step=10**9, path=PATH)
     if name == "onebitlamb":
-        return compressed_opt.OnebitLamb(params, lr=LAMB_LR, freeze_step=freeze)
+        return compressed_opt.OnebitLamb(params, lr=LAMB_LR, freeze_step=freeze, path=PATH)
     raise ValueError(f"unknown optimizer {name!r}")
 
 

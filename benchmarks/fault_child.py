@@ -63,7 +63,7 @@ class Run:
     def __init__(self, seed: int = 0, ddp_after: bool = False):
         torch.manual_seed(seed)
         self.model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 10))
-        self.opt = OnebitAdam(self.model.parameters(), lr=1e-3, freeze_step=FREEZE)
+        self.opt = OnebitAdam(self.model.parameters(), lr=1e-3, freeze_step=FREEZE, path="1bit")
         self.net = self.model
         if ddp_after:  # as Trainer / Lightning / accelerate do: wrapped after the optimizer was made
             fault("model wrapped in DistributedDataParallel after the optimizer was made")
@@ -118,7 +118,7 @@ def recreate():
 
     def new_optimizer(r):
         fault(f"optimizer re-created at step {r.it} (the old one dropped)")
-        r.opt = OnebitAdam(r.model.parameters(), lr=1e-3, freeze_step=FREEZE)  # old one: just dropped
+        r.opt = OnebitAdam(r.model.parameters(), lr=1e-3, freeze_step=FREEZE, path="1bit")  # old one: just dropped
 
     run.train(60, before=lambda r: new_optimizer(r) if r.it in (10, 20, 30) else None)
     return {"comm_threads": sum(t.name.startswith("compressed_opt_comm") for t in threading.enumerate())}

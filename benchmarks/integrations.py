@@ -89,7 +89,8 @@ def run_row(script: str, optimizer: str, args, netns, tmp: str) -> dict:
     for i in range(args.repeats):
         out = os.path.join(tmp, f"{script}-{optimizer}-{i}.json")
         run = harness.launch(script, optimizer, steps=args.steps, freeze=args.freeze_step, seed=args.seed, out=out,
-                             compat=args.compat, timeout=args.timeout, netns=netns)
+                             compat=args.compat, timeout=args.timeout, netns=netns,
+                             extra=() if optimizer == "adamw" else ("--path", "1bit"))  # the 1-bit exchange
         status = "ok"
         if run["timed_out"]:
             status = f"hung (killed after {args.timeout:.0f} s)"

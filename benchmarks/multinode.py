@@ -46,7 +46,7 @@ def worker(args) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(3)])
     opt = compressed_opt.OnebitAdam(model.parameters(), lr=1e-3, freeze_step=args.warmup, hierarchy=args.hierarchy,
-                                    overlap=False)
+                                    path="1bit", overlap=False)
     g = torch.Generator().manual_seed(rank)
 
     def step():

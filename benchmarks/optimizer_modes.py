@@ -43,6 +43,7 @@ NOT_SHARDED = ("zero_one_adam",)  # see compressed_opt.zero
 def make_optimizer(name: str, params, freeze: int, **kwargs):
     import compressed_opt
 
+    kwargs.setdefault("path", "1bit")  # the 1-bit exchange's memory (the default may take fp32 where faster)
     if name == "onebit_adam":
         return compressed_opt.OnebitAdam(params, lr=1e-3, freeze_step=freeze, **kwargs)
     if name == "onebit_lamb":

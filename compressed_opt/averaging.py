@@ -14,9 +14,14 @@ are the same); uneven nodes fall back to flat with a log line. ``"node"`` asks f
 hierarchical exchange (one node: the exact fp32 average, nothing compressed); ``"flat"`` never
 looks. ZeRO's shards are the flat exchange's server chunks, so a sharded optimizer is flat.
 
-Per bucket, ``path`` (:data:`PATHS`) may replace the 1-bit exchange by the exact fp32 average:
-``"fp32"`` always, ``"measure"`` where the link measured it faster (:func:`measure_paths`, once,
-at the first step).
+Per bucket, ``path`` (:data:`PATHS`, :func:`resolve_path`) may replace the 1-bit exchange by the
+exact fp32 average: ``"fp32"`` always, ``"measure"`` where the link measured it faster
+(:func:`measure_paths`, once, at the first step). ``"auto"``, the default, is ``"measure"`` where
+the state is replicated over two or more ranks, so the compression stage is never slower than
+full precision on a fast link, and ``"1bit"`` under ZeRO (its shards are the 1-bit exchange's
+rows) and on one rank (nothing is sent; the compression is kept so one process computes what
+many would). ``"1bit"`` pins the compressed exchange: a measured choice can differ between two
+runs of the same seed where both paths take about as long.
 
 Each holds the sizes of the error buffers it needs and which elements of the bucket they cover
 (:meth:`error_ranges`: a per-element rescaling of the errors, when an exchange's factors change,
@@ -26,6 +31,7 @@ errors of another exchange and are reset, with a warning, when such a checkpoint
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -44,8 +50,25 @@ logger = logging.getLogger("compressed_opt")
 
 HIERARCHIES = ("auto", "flat", "node")
 #: per bucket, the 1-bit exchange or the exact fp32 average: fixed, or measured on the link
-PATHS = ("1bit", "fp32", "measure")
+PATHS = ("auto", "1bit", "fp32", "measure")
+#: the environment variable that sets ``path`` where the optimizer is made without one
+PATH_ENV = "COMPRESSED_OPT_PATH"
 _PATH_REPS = 5
+
+
+def resolve_path(path: str | None, sharded: bool, world_size: int) -> str:
+    """The path an optimizer uses, ``"1bit"``, ``"fp32"`` or ``"measure"``, from its ``path``
+    argument (``None``: the :data:`PATH_ENV` environment variable, else ``"auto"``)."""
+    name = "path"
+    if path is None:
+        path, name = os.environ.get(PATH_ENV) or "auto", PATH_ENV
+    if path not in PATHS:
+        raise ValueError(f"Invalid {name}: {path!r} (must be one of {', '.join(map(repr, PATHS))})")
+    if path == "auto":
+        return "1bit" if sharded or world_size == 1 else "measure"
+    if path != "1bit" and sharded:
+        raise ValueError(f"{name}={path!r} with zero_stage > 0: ZeRO keeps the 1-bit exchange's rows as its momentum")
+    return path
 
 
 def _time_paths(averaging, backend, numel: int, device) -> tuple[float, float]:

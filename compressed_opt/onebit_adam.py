@@ -80,7 +80,7 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
 
     def __init__(self, params, defaults, freeze_step, backend, bucket_cap_mb, overlap=True, accumulation_steps=1,
                  zero_stage=0, master_resync_interval=100, exchange="preconditioned", variance_tracking=False,
-                 hierarchy="auto", path="1bit"):
+                 hierarchy="auto", path=None):
         check_choice("exchange", exchange, self.EXCHANGES)
         self.exchange_mode = exchange
         self._init_variance_tracking(variance_tracking)
@@ -378,7 +378,7 @@ class OnebitAdam(_FreezingAdam):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, freeze_step=100000,
                  *, bias_correction=True, backend=None, bucket_cap_mb=25.0, overlap=True, accumulation_steps=1,
                  zero_stage=0, master_resync_interval=100, exchange="preconditioned", variance_tracking=True,
-                 hierarchy="auto", path="1bit"):
+                 hierarchy="auto", path=None):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bool(bias_correction))
         super().__init__(params, defaults, freeze_step, backend, bucket_cap_mb, overlap, accumulation_steps,
                          zero_stage, master_resync_interval, exchange, variance_tracking, hierarchy, path)

@@ -65,9 +65,12 @@ COMMON_ARGS_DOC = """backend: a :class:`compressed_opt.comm.Backend`; ``None`` p
             (hierarchical on two or more nodes of two or more ranks: fp32 inside a node, 1-bit
             between nodes; else flat), ``"node"`` (hierarchical), ``"flat"`` (over all ranks).
         path: per bucket, ``"1bit"`` (the compressed exchange), ``"fp32"`` (the exact fp32
-            average instead: no compression), or ``"measure"``: at the first step the ranks time
-            both for each bucket size on their link and every bucket takes the faster (kept in
-            ``exchange_paths`` and in checkpoints)."""
+            average instead: no compression), ``"measure"`` (at the first step the ranks time both
+            for each bucket size on their link and every bucket takes the faster; kept in
+            ``exchange_paths`` and in checkpoints), or ``"auto"``: ``"measure"``, except under
+            ZeRO and on one rank (``"1bit"``). ``None`` (the default): the
+            ``COMPRESSED_OPT_PATH`` environment variable, else ``"auto"``. The resolved path is
+            ``optimizer.path``."""
 
 
 def common_args(cls):
@@ -131,12 +134,8 @@ class CompressedOptimizer(Persistence, Optimizer):
         self._declare(self, overlay(type(self).declared, layout))
 
     def __init__(self, params, defaults: dict, backend: Backend | None = None, bucket_cap_mb: float = 25.0,
-                 overlap: bool = True, accumulation_steps: int = 1, hierarchy: str = "auto", path: str = "1bit"):
+                 overlap: bool = True, accumulation_steps: int = 1, hierarchy: str = "auto", path: str | None = None):
         check_choice("hierarchy", hierarchy, averaging.HIERARCHIES)
-        check_choice("path", path, averaging.PATHS)
-        if path != "1bit" and getattr(self, "zero_stage", 0):
-            raise ValueError(f"path={path!r} with zero_stage > 0: ZeRO keeps the 1-bit exchange's rows as its momentum")
-        self.path = path
         #: per bucket size (elements), "1bit" or "fp32" (path="measure": what the link measured)
         self.exchange_paths: dict[int, str] = {}
         if hierarchy == "node" and getattr(self, "zero_stage", 0):
@@ -152,6 +151,7 @@ class CompressedOptimizer(Persistence, Optimizer):
         if not isinstance(backend, Backend):
             raise TypeError(f"backend must be a compressed_opt.comm.Backend or None, got {type(backend).__name__}")
         self.backend = backend
+        self.path = averaging.resolve_path(path, bool(getattr(self, "zero_stage", 0)), backend.world_size)
         cap = check_nonneg_float("bucket_cap_mb", bucket_cap_mb)
         if cap == 0:
             raise ValueError("Invalid bucket_cap_mb: 0 (must be > 0)")

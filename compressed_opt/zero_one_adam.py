@@ -165,7 +165,7 @@ class ZeroOneAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *,
                  var_freeze_step=100000, var_update_scaler=16, local_step_scaler=32678, local_step_clipper=16,
                  bias_correction=True, backend=None, bucket_cap_mb=25.0, overlap=True, accumulation_steps=1,
-                 zero_stage=0, exchange="preconditioned", variance_tracking=True, hierarchy="auto", path="1bit"):
+                 zero_stage=0, exchange="preconditioned", variance_tracking=True, hierarchy="auto", path=None):
         check_choice("exchange", exchange, self.EXCHANGES)
         self.exchange_mode = exchange
         self._init_variance_tracking(variance_tracking)

@@ -121,6 +121,8 @@ def parse_args(description: str) -> argparse.Namespace:
                    help="none: the optimizer with default arguments (the recipe). Before automatic DDP "
                         "detection: manual-hook registers compressed_opt.register_ddp_comm_hook on the "
                         "framework's DDP module; no-overlap passes overlap=False (DDP still all-reduces)")
+    p.add_argument("--path", choices=("auto", "1bit", "fp32", "measure"), default=None,
+                   help="the optimizer's path per bucket (default: the library's, 'auto': measured on the link)")
     p.add_argument("--accumulation", type=int, default=1, help="micro-batches per optimizer step (the framework's "
                    "gradient accumulation)")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast (the framework's mixed precision)")
@@ -147,6 +149,8 @@ def make_optimizer(args, params):
     import compressed_opt
 
     extra = {"overlap": False} if args.compat == "no-overlap" and args.optimizer != "adamw" else {}
+    if args.path is not None and args.optimizer != "adamw":
+        extra["path"] = args.path
     if args.optimizer == "adamw":
         return torch.optim.AdamW(params, lr=args.lr)
     if args.optimizer == "onebitadam":

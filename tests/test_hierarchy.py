@@ -197,8 +197,24 @@ def test_measured_paths_are_the_same_on_every_rank_and_fp32_sends_no_bits():
     assert onebit[0]["paths"] == {} and onebit[0]["sent"].get("all_to_all", 0) > 0
 
 
-def test_bad_path_is_refused():
+def test_bad_path_is_refused(monkeypatch):
     with pytest.raises(ValueError, match="path"):
         compressed_opt.OnebitAdam(_model().parameters(), path="fastest")
     with pytest.raises(ValueError, match="ZeRO"):
         compressed_opt.OnebitAdam(_model().parameters(), path="measure", zero_stage=2)
+    monkeypatch.setenv("COMPRESSED_OPT_PATH", "fastest")
+    with pytest.raises(ValueError, match="COMPRESSED_OPT_PATH"):
+        compressed_opt.OnebitAdam(_model().parameters())
+
+
+def test_the_default_path_measures_where_the_state_is_replicated_on_several_ranks(monkeypatch):
+    from compressed_opt.averaging import resolve_path
+
+    monkeypatch.delenv("COMPRESSED_OPT_PATH")
+    assert resolve_path(None, sharded=False, world_size=2) == "measure"
+    assert resolve_path(None, sharded=True, world_size=2) == "1bit"  # ZeRO: its shards are the exchange's rows
+    assert compressed_opt.OnebitAdam(_model().parameters()).path == "1bit"  # one rank: nothing is sent
+    assert compressed_opt.ZeroOneAdam(_model().parameters(), path="auto").path == "1bit"
+    monkeypatch.setenv("COMPRESSED_OPT_PATH", "fp32")  # the variable sets the default ...
+    assert resolve_path(None, sharded=False, world_size=2) == "fp32"
+    assert compressed_opt.OnebitLamb(_model().parameters(), path="1bit").path == "1bit"  # ... an argument wins

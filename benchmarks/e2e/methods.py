@@ -116,7 +116,8 @@ def build(method: dict, model: nn.Module, cfg: dict, device: torch.device, timin
     backend = compressed_opt.get_backend("torch")
     if timing is not None:
         backend = timing.wrap(backend)  # counts bytes in the wrapped backend's stats
-    kwargs = dict(hp, backend=backend, bucket_cap_mb=cfg["bucket_mb"], overlap=method["overlap"])
+    kwargs = dict(hp, backend=backend, bucket_cap_mb=cfg["bucket_mb"], overlap=method["overlap"],
+                  path="1bit")  # the 1-bit exchange measured (the default may take fp32 where faster)
     if name == "onebit_adam":
         opt = compressed_opt.OnebitAdam(model.parameters(), freeze_step=cfg["freeze_step"], **kwargs)
     elif name == "onebit_lamb":
