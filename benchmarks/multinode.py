@@ -3,7 +3,11 @@ hierarchical one (``hierarchy="flat"`` / ``"node"``), counted on the link.
 
 Two network namespaces are the two nodes, joined by a veth limited with ``tc tbf``
 (``benchmarks/slowlink.py``); each node runs ``--ranks-per-node`` ranks, started as on a
-cluster by ``torchrun --nnodes 2 --node-rank i`` (static rendezvous at node 0's address). The
+cluster: ``--launcher torchrun`` (the default) by ``torchrun --nnodes 2 --node-rank i`` with c10d
+rendezvous at node 0's address (``--rendezvous static``: ``--master-addr``), the ranks on Gloo;
+``--launcher mpiexec`` by MPICH's ``mpiexec -ppn L`` (Hydra, one proxy per node), the ranks on
+the MPI backend, which finds the nodes by MPI's shared-memory split (MPICH follows Hydra's
+hosts: one node per namespace, though they share one machine). The
 ranks of a node talk over its loopback, the nodes over the veth. Each rank trains the same MLP
 (``--params``, about 3.2M by default, one 25 MB bucket) with OnebitAdam, freeze at step 2; the
 first rank of each node reads its namespace's veth ``tx_bytes`` (Ethernet frames: payload and
@@ -13,6 +17,7 @@ warmup steps are measured the same way (fp32 all-reduce of the gradients: DDP + 
 traffic). Needs root (namespaces) and ``ip``/``tc``.
 
     python -P benchmarks/multinode.py --nodes 2 --ranks-per-node 2 --link 1gbit
+    python -P benchmarks/multinode.py --launcher mpiexec
 """
 from __future__ import annotations
 
@@ -34,20 +39,35 @@ def _tx_bytes() -> int:
 
 
 def worker(args) -> None:
+    """Every exchange of ``--hierarchies`` in turn, in one launch (a fresh model and optimizer each)."""
     import torch
     import torch.distributed as dist
 
     import compressed_opt
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    if args.launcher == "torchrun":
+        dist.init_process_group("gloo")
+    backend = compressed_opt.get_backend("torch" if args.launcher == "torchrun" else "mpi")
+    results = [_measure(args, backend, h) for h in args.hierarchies.split(",")]
+    if backend.rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(results, f)
+    if args.launcher == "torchrun":
+        dist.destroy_process_group()
+
+
+def _measure(args, backend, hierarchy: str) -> dict:
+    import torch
+
+    import compressed_opt
+
     width = int(round((args.params / 3) ** 0.5))
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(3)])
-    opt = compressed_opt.OnebitAdam(model.parameters(), lr=1e-3, freeze_step=args.warmup, hierarchy=args.hierarchy,
-                                    path="1bit", overlap=False)
-    g = torch.Generator().manual_seed(rank)
+    opt = compressed_opt.OnebitAdam(model.parameters(), lr=1e-3, freeze_step=args.warmup, hierarchy=hierarchy,
+                                    path="1bit", overlap=False, backend=backend)
+    g = torch.Generator().manual_seed(backend.rank)
 
     def step():
         x = torch.randn(16, width, generator=g)
@@ -56,31 +76,28 @@ def worker(args) -> None:
         opt.zero_grad()
 
     def measured(n):
-        dist.barrier()
+        backend.barrier()
         before, times = _tx_bytes(), []
         for _ in range(n):
             s = time.perf_counter()
             step()
             times.append(time.perf_counter() - s)
-        dist.barrier()
+        backend.barrier()
         return (_tx_bytes() - before) / n, statistics.median(times)
 
-    step()  # step 1: one-off checks and the choice of the exchange
-    warm_bytes, warm_time = measured(args.warmup - 1)
-    step()  # the first compression step (the exchange's buffers are made)
-    comp_bytes, comp_time = measured(args.steps)
+    with opt:
+        step()  # step 1: one-off checks and the choice of the exchange
+        warm_bytes, warm_time = measured(args.warmup - 1)
+        step()  # the first compression step (the exchange's buffers are made)
+        comp_bytes, comp_time = measured(args.steps)
     row = torch.tensor([warm_bytes, comp_bytes, warm_time, comp_time], dtype=torch.float64)
-    rows = [torch.empty_like(row) for _ in range(dist.get_world_size())]
-    dist.all_gather(rows, row)
-    if rank == 0:
-        nodes = [r.tolist() for i, r in enumerate(rows) if i % int(os.environ["LOCAL_WORLD_SIZE"]) == 0]
-        out = {"hierarchy": args.hierarchy, "exchange": list(opt.averaging.key),
-               "params": sum(p.numel() for p in model.parameters()),
-               "per_node": [{"warmup_bytes_per_step": n[0], "compression_bytes_per_step": n[1]} for n in nodes],
-               "median_step_s": {"warmup": nodes[0][2], "compression": nodes[0][3]}}
-        with open(args.out, "w") as f:
-            json.dump(out, f)
-    dist.destroy_process_group()
+    rows = torch.empty(backend.world_size, row.numel(), dtype=row.dtype)
+    backend.all_gather(rows.view(-1), row)
+    nodes = [r.tolist() for i, r in enumerate(rows) if i % args.ranks_per_node == 0]
+    return {"hierarchy": hierarchy, "launcher": args.launcher, "exchange": list(opt.averaging.key),
+            "params": sum(p.numel() for p in model.parameters()),
+            "per_node": [{"warmup_bytes_per_step": n[0], "compression_bytes_per_step": n[1]} for n in nodes],
+            "median_step_s": {"warmup": nodes[0][2], "compression": nodes[0][3]}}
 
 
 # --- the launcher -----------------------------------------------------------------------------------
@@ -88,15 +105,16 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nodes", type=int, default=2, choices=(2,), help="emulated nodes (the link joins two)")
     p.add_argument("--ranks-per-node", type=int, default=2)
+    p.add_argument("--launcher", choices=("torchrun", "mpiexec"), default="torchrun")
+    p.add_argument("--rendezvous", choices=("c10d", "static"), default="c10d", help="torchrun's")
     p.add_argument("--link", default="1gbit", help="tc rate of the link between the nodes (or none)")
-    p.add_argument("--hierarchies", default="flat,node")
+    p.add_argument("--hierarchies", default="flat,node", help="the exchanges measured, in turn, in one launch")
     p.add_argument("--params", type=int, default=3_200_000)
     p.add_argument("--warmup", type=int, default=4, help="freeze_step")
     p.add_argument("--steps", type=int, default=8, help="measured compression steps")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--out", default=RESULTS)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--hierarchy", default="flat", help=argparse.SUPPRESS)
     p.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
@@ -109,29 +127,33 @@ def main(argv=None) -> int:
     from common import write_json
     from slowlink import run_two_ranks
 
-    results = []
-    for h in args.hierarchies.split(","):
-        with tempfile.TemporaryDirectory(prefix="co-multinode-") as tmp:
-            out = os.path.join(tmp, "result.json")
-            cmd = [os.path.abspath(__file__), "--worker", "--hierarchy", h, "--worker-out", out,
-                   "--params", str(args.params), "--warmup", str(args.warmup), "--steps", str(args.steps)]
-            run = run_two_ranks(cmd, rate=None if args.link == "none" else args.link, timeout=args.timeout,
-                                ranks_per_node=args.ranks_per_node, env={"PYTHONSAFEPATH": "1"})
-            if run["returncode"] != 0 or not os.path.exists(out):
-                print(f"{h}: failed ({run['returncode']})\n" + "\n".join(o[-3000:] for o in run["outputs"]))
-                return 1
-            with open(out) as f:
-                result = json.load(f)
-        results.append(result)
+    with tempfile.TemporaryDirectory(prefix="co-multinode-") as tmp:
+        out = os.path.join(tmp, "result.json")
+        cmd = [os.path.abspath(__file__), "--worker", "--hierarchies", args.hierarchies, "--worker-out", out,
+               "--params", str(args.params), "--warmup", str(args.warmup), "--steps", str(args.steps),
+               "--launcher", args.launcher, "--ranks-per-node", str(args.ranks_per_node)]
+        if args.launcher == "mpiexec":
+            cmd = [sys.executable] + cmd
+        run = run_two_ranks(cmd, rate=None if args.link == "none" else args.link, timeout=args.timeout,
+                            mode="torch" if args.launcher == "torchrun" else "mpi",
+                            ranks_per_node=args.ranks_per_node, rendezvous=args.rendezvous,
+                            env={"PYTHONSAFEPATH": "1"})
+        if run["returncode"] != 0 or not os.path.exists(out):
+            print(f"failed ({run['returncode']})\n" + "\n".join(o[-3000:] for o in run["outputs"]))
+            return 1
+        with open(out) as f:
+            results = json.load(f)
+    for result in results:
         per_node = [n["compression_bytes_per_step"] for n in result["per_node"]]
         warm = [n["warmup_bytes_per_step"] for n in result["per_node"]]
-        print(f"{h:5s} exchange {result['exchange']}: between nodes per step and node, compression "
+        print(f"{result['hierarchy']:5s} exchange {result['exchange']}: between nodes per step and node, compression "
               f"{', '.join(f'{b / 1e6:.3f} MB' for b in per_node)}; warmup (fp32) "
               f"{', '.join(f'{b / 1e6:.2f} MB' for b in warm)}; median step {result['median_step_s']}", flush=True)
     if len(results) == 2:
         a, b = (max(n["compression_bytes_per_step"] for n in r["per_node"]) for r in results)
         print(f"{results[1]['hierarchy']} / {results[0]['hierarchy']}: {b / a:.3f} of the bytes between the nodes")
     write_json(args.out, {"nodes": args.nodes, "ranks_per_node": args.ranks_per_node, "link": args.link,
+                          "launcher": args.launcher + (f" ({args.rendezvous})" if args.launcher == "torchrun" else ""),
                           "results": results})
     return 0
 

@@ -372,7 +372,7 @@ def run_two_ranks(cmd, rate="1gbit", timeout: float = 600.0, mode: str = "torch"
                   burst: int | None = None, latency: str = DEFAULT_LATENCY, mtu: int | None = None,
                   port: int = 29500, cwd: str | None = None, echo: bool = False, grace: float = 15.0,
                   prefix: str = DEFAULT_PREFIX, mpiexec: str | None = None, gso: bool = True,
-                  ranks_per_node: int = 1) -> dict:
+                  ranks_per_node: int = 1, rendezvous: str = "c10d") -> dict:
     """Run ``cmd`` (a list, or a shell string) as 2 ranks over a veth link limited to ``rate``.
 
     Returns a dict: ``returncode`` (0 when every rank exited 0; 124 on timeout; else the exit
@@ -388,13 +388,23 @@ def run_two_ranks(cmd, rate="1gbit", timeout: float = 600.0, mode: str = "torch"
     mode): each namespace is a node of that many ranks, started as on a cluster, by ``torchrun
     --nnodes 2 --node-rank r --nproc-per-node L`` (static rendezvous at node 0's address); the
     ranks of a node talk over its loopback, the nodes over the veth (per namespace, ``outputs``
-    and ``tx_bytes`` are then a node's). Other arguments: see :func:`create_link`. Everything made
-    is deleted before returning or raising.
+    and ``tx_bytes`` are then a node's). ``rendezvous`` (torchrun): ``"c10d"`` (the agents meet at
+    a c10d store on node 0's veth address, ``--rdzv-backend c10d --rdzv-endpoint``; the
+    namespaces share one host name, so each agent names its veth address with ``--local-addr``
+    and node 0 says it hosts the store, ``--rdzv-conf is_host=1``, which torchrun's host-name
+    match would not find) or
+    ``"static"`` (``--master-addr``). In ``mpi`` mode each node's proxy starts
+    ``ranks_per_node`` ranks (``-ppn``; ``outputs`` per rank). Other arguments: see
+    :func:`create_link`. Everything made is deleted before returning or raising.
     """
     if isinstance(cmd, str):
         cmd = shlex.split(cmd)
     if mode not in ("torch", "mpi"):
         raise ValueError(f"mode must be 'torch' or 'mpi', got {mode!r}")
+    if rendezvous not in ("c10d", "static"):
+        raise ValueError(f"rendezvous must be 'c10d' or 'static', got {rendezvous!r}")
+    if int(ranks_per_node) < 1:
+        raise ValueError(f"ranks_per_node must be >= 1, got {ranks_per_node!r}")
     check_tools()
     cleanup_stale(prefix)
     link = create_link(rate=rate, burst=burst, latency=latency, prefix=prefix, mtu=mtu, gso=gso)
@@ -415,8 +425,13 @@ def run_two_ranks(cmd, rate="1gbit", timeout: float = 600.0, mode: str = "torch"
                 node_env = dict(base_env, GLOO_SOCKET_IFNAME=link.ifname, NCCL_SOCKET_IFNAME=link.ifname,
                                 TP_SOCKET_IFNAME=link.ifname)
                 torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(r),
-                            "--nproc-per-node", str(ranks_per_node), "--master-addr", link.addresses[0],
-                            "--master-port", str(port)]
+                            "--nproc-per-node", str(ranks_per_node)]
+                if rendezvous == "c10d":
+                    torchrun += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{link.addresses[0]}:{port}",
+                                 "--rdzv-id", link.namespaces[0], "--local-addr", link.addresses[r],
+                                 "--rdzv-conf", f"is_host={int(r == 0)}"]
+                else:
+                    torchrun += ["--master-addr", link.addresses[0], "--master-port", str(port)]
                 procs.append(_Proc(link.exec_prefix(r) + torchrun + list(cmd), node_env, cwd,
                                    f"[node {r}] " if echo else None))
         elif mode == "torch":
@@ -428,7 +443,7 @@ def run_two_ranks(cmd, rate="1gbit", timeout: float = 600.0, mode: str = "torch"
                 procs.append(_Proc(link.exec_prefix(r) + list(cmd), rank_env, cwd, f"[rank {r}] " if echo else None))
         else:
             mpi_dir = tempfile.mkdtemp(prefix="slowlink-mpi-")
-            procs = _start_mpi(link, list(cmd), base_env, cwd, echo, deadline, mpiexec, mpi_dir)
+            procs = _start_mpi(link, list(cmd), base_env, cwd, echo, deadline, mpiexec, mpi_dir, ranks_per_node)
         timed_out = _wait_all(procs, deadline, grace)
         own_codes = [p.popen.poll() for p in procs]  # None: still running, about to be killed
         for p in procs:
@@ -439,9 +454,9 @@ def run_two_ranks(cmd, rate="1gbit", timeout: float = 600.0, mode: str = "torch"
         outputs = [p.output for p in procs]
         if mode == "mpi":
             launcher_output = "".join(f"[{name}]\n{o}" for name, o in zip(("mpiexec", "proxy 0", "proxy 1"), outputs))
-            outputs = _mpi_outputs(mpi_dir)
+            outputs = _mpi_outputs(mpi_dir, 2 * ranks_per_node)
             if echo:
-                for r, o in enumerate(_mpi_outputs(mpi_dir)):
+                for r, o in enumerate(outputs):
                     sys.stdout.write("".join(f"[rank {r}] {line}\n" for line in o.splitlines()))
                 sys.stdout.flush()
     finally:
@@ -477,7 +492,7 @@ def run_two_ranks(cmd, rate="1gbit", timeout: float = 600.0, mode: str = "torch"
 
 
 def _start_mpi(link: Link, cmd: list[str], env: dict, cwd, echo: bool, deadline: float, mpiexec,
-               out_dir: str) -> list[_Proc]:
+               out_dir: str, ranks_per_node: int = 1) -> list[_Proc]:
     """Start Hydra's mpiexec (manual launcher) in namespace 0, then each host's proxy in its own
     namespace. The first process returned is mpiexec. Each rank's stdout and stderr go to
     ``out_dir/out.<rank>`` and ``out_dir/err.<rank>`` (mpiexec's own output prefixes are per
@@ -486,7 +501,8 @@ def _start_mpi(link: Link, cmd: list[str], env: dict, cwd, echo: bool, deadline:
     env = dict(env, UCX_TLS=env.get("UCX_TLS", "tcp,self"), UCX_NET_DEVICES=link.ifname,
                MPIR_CVAR_CH4_NETMOD=env.get("MPIR_CVAR_CH4_NETMOD", "ucx"))
     launcher = [exe, "-launcher", "manual", "-hosts", ",".join(link.addresses), "-localhost", link.addresses[0],
-                "-n", "2", "-ppn", "1", "-outfile-pattern", os.path.join(out_dir, "out.%r"),
+                "-n", str(2 * ranks_per_node), "-ppn", str(ranks_per_node),
+                "-outfile-pattern", os.path.join(out_dir, "out.%r"),
                 "-errfile-pattern", os.path.join(out_dir, "err.%r"), *cmd]
     hydra = _Proc(link.exec_prefix(0) + launcher, env, cwd, "[mpiexec] " if echo else None)
     procs = [hydra]
@@ -502,10 +518,10 @@ def _start_mpi(link: Link, cmd: list[str], env: dict, cwd, echo: bool, deadline:
     return procs
 
 
-def _mpi_outputs(out_dir: str) -> list[str]:
+def _mpi_outputs(out_dir: str, ranks: int) -> list[str]:
     """Each rank's stdout followed by its stderr, from the files mpiexec wrote."""
     outputs = []
-    for rank in range(2):
+    for rank in range(ranks):
         text = ""
         for stream in ("out", "err"):
             try:
@@ -558,6 +574,10 @@ def main(argv=None) -> int:
                    help="no segmentation offload on the veth: counters count MTU-sized frames, as on a NIC")
     p.add_argument("--mode", choices=("torch", "mpi"), default="torch",
                    help="torch: env for init_process_group; mpi: MPICH mpiexec with proxies per namespace")
+    p.add_argument("--ranks-per-node", type=int, default=1,
+                   help="ranks per namespace (torch mode: torchrun --nproc-per-node; mpi mode: -ppn)")
+    p.add_argument("--rendezvous", choices=("c10d", "static"), default="c10d",
+                   help="torchrun's rendezvous with --ranks-per-node > 1")
     p.add_argument("--port", type=int, default=29500, help="MASTER_PORT (inside the namespaces)")
     p.add_argument("--timeout", type=float, default=600.0, help="kill the ranks after this many seconds")
     p.add_argument("--grace", type=float, default=15.0,
@@ -579,7 +599,8 @@ def main(argv=None) -> int:
     try:
         result = run_two_ranks(cmd, rate=args.rate, timeout=args.timeout, mode=args.mode, burst=args.burst,
                                latency=args.latency, mtu=args.mtu, port=args.port, echo=not args.quiet,
-                               prefix=args.prefix, gso=not args.no_gso, grace=args.grace)
+                               prefix=args.prefix, gso=not args.no_gso, grace=args.grace,
+                               ranks_per_node=args.ranks_per_node, rendezvous=args.rendezvous)
     except SlowLinkError as e:
         print(f"slowlink: {e}", file=sys.stderr)
         return 2

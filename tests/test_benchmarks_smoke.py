@@ -148,3 +148,30 @@ def test_step_overhead_reports_every_optimizer(tmp_path):
     for r in results:
         assert r["few"]["tensors"] == 2 and r["many"]["tensors"] == 20
         assert r["few"]["step_s"] > 0 and r["many_over_few"] > 0
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("launcher", ["torchrun", "mpiexec"])
+def test_multinode_launches_two_nodes_of_two_ranks(tmp_path, launcher):
+    """Two namespaces as two nodes, started as on a cluster (torchrun with c10d rendezvous;
+    MPICH's mpiexec with a proxy per node): the ranks find the nodes themselves, and the
+    hierarchical exchange sends fewer bytes between them than the flat one (counted on the veth)."""
+    _slowlink_prefix()  # skips where namespaces cannot be made
+    if launcher == "mpiexec":
+        pytest.importorskip("mpi4py")
+    out = tmp_path / "multinode.json"
+    done = _run_script(tmp_path, "multinode.py", "--launcher", launcher, "--link",
+                       "none", "--params", "100000", "--warmup", "3", "--steps", "2", "--timeout", "200",
+                       "--out", str(out), timeout=280)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(out.read_text())
+    results = {r["hierarchy"]: r for r in report["results"]}
+    assert results["node"]["exchange"] == ["node", 2, 2]  # found from the launcher / MPI, not told
+    assert results["flat"]["exchange"] == ["flat", 4]
+    for r in results.values():
+        assert len(r["per_node"]) == 2
+        for node in r["per_node"]:
+            assert 0 < node["compression_bytes_per_step"] < node["warmup_bytes_per_step"] / 8
+    flat, node = (max(n["compression_bytes_per_step"] for n in results[h]["per_node"]) for h in ("flat", "node"))
+    assert node < 0.8 * flat, (node, flat)
