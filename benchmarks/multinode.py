@@ -132,8 +132,7 @@ def main(argv=None) -> int:
         cmd = [os.path.abspath(__file__), "--worker", "--hierarchies", args.hierarchies, "--worker-out", out,
                "--params", str(args.params), "--warmup", str(args.warmup), "--steps", str(args.steps),
                "--launcher", args.launcher, "--ranks-per-node", str(args.ranks_per_node)]
-        if args.launcher == "mpiexec":
-            cmd = [sys.executable] + cmd
+        cmd = [sys.executable] + cmd
         run = run_two_ranks(cmd, rate=None if args.link == "none" else args.link, timeout=args.timeout,
                             mode="torch" if args.launcher == "torchrun" else "mpi",
                             ranks_per_node=args.ranks_per_node, rendezvous=args.rendezvous,

@@ -386,7 +386,7 @@ def run_two_ranks(cmd, rate="1gbit", timeout: float = 600.0, mode: str = "torch"
     current environment; ``port`` is ``MASTER_PORT`` (free: the namespaces are new); ``echo``
     prints the ranks' lines as they come, prefixed ``[rank r]``. ``ranks_per_node`` > 1 (``torch``
     mode): each namespace is a node of that many ranks, started as on a cluster, by ``torchrun
-    --nnodes 2 --node-rank r --nproc-per-node L`` (static rendezvous at node 0's address); the
+    --nnodes 2 --node-rank r --nproc-per-node L --no-python cmd``; the
     ranks of a node talk over its loopback, the nodes over the veth (per namespace, ``outputs``
     and ``tx_bytes`` are then a node's). ``rendezvous`` (torchrun): ``"c10d"`` (the agents meet at
     a c10d store on node 0's veth address, ``--rdzv-backend c10d --rdzv-endpoint``; the
@@ -425,7 +425,7 @@ def run_two_ranks(cmd, rate="1gbit", timeout: float = 600.0, mode: str = "torch"
                 node_env = dict(base_env, GLOO_SOCKET_IFNAME=link.ifname, NCCL_SOCKET_IFNAME=link.ifname,
                                 TP_SOCKET_IFNAME=link.ifname)
                 torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(r),
-                            "--nproc-per-node", str(ranks_per_node)]
+                            "--nproc-per-node", str(ranks_per_node), "--no-python"]  # cmd: the whole command
                 if rendezvous == "c10d":
                     torchrun += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{link.addresses[0]}:{port}",
                                  "--rdzv-id", link.namespaces[0], "--local-addr", link.addresses[r],

@@ -66,6 +66,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--launch", type=int, default=None, metavar="N", help="local ranks per method (default 2)")
     p.add_argument("--link", default=None, metavar="RATE",
                    help="2 ranks over a rate-limited veth pair: 1gbit, 10gbit, any tc rate, or none (needs root)")
+    p.add_argument("--ranks-per-node", type=int, default=1, metavar="L",
+                   help="with --link: each side of the link is a node of L ranks, started by torchrun "
+                        "(--nnodes 2, c10d rendezvous); ours' +flat / +node pick the exchange (default 1)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "1") or 1),
                    help="torch threads per rank (default $OMP_NUM_THREADS or 1)")
@@ -111,10 +114,12 @@ def make_config(args) -> dict:
             raise SystemExit("--inject-failure takes METHOD:crash or METHOD:hang, optionally :STEP")
         inject.append({"method": parts[0], "mode": parts[1], "step": int(parts[2]) if len(parts) == 3 else 3})
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ and args.launch is None and not args.link
+    if args.ranks_per_node < 1 or (args.ranks_per_node > 1 and not args.link):
+        raise SystemExit("--ranks-per-node must be >= 1, and > 1 only with --link (2 nodes of L ranks)")
     if args.link:
-        if args.launch not in (None, 2):
-            raise SystemExit("--link runs exactly 2 ranks; leave out --launch")
-        launch = 2
+        if args.launch not in (None, 2 * args.ranks_per_node):
+            raise SystemExit("--link runs 2 nodes of --ranks-per-node ranks; leave out --launch")
+        launch = 2 * args.ranks_per_node
     else:
         launch = args.launch if args.launch is not None else 2
     if launch < 1:
@@ -145,6 +150,7 @@ def make_config(args) -> dict:
         "target_loss": args.target_loss,
         "launch": launch,
         "link": args.link,
+        "ranks_per_node": args.ranks_per_node,
         "device": args.device,
         "threads": args.threads,
         "method_timeout": args.method_timeout,
@@ -193,7 +199,7 @@ def main(argv=None) -> int:
     if cfg["link"]:
         check_link_possible()
     display = Display(enabled=not args.quiet)
-    where = (f"2 ranks over a {cfg['link']} veth link" if cfg["link"] else
+    where = (f"2 nodes of {cfg['ranks_per_node']} rank(s) over a {cfg['link']} veth link" if cfg["link"] else
              "torchrun ranks" if cfg["mode"] == "torchrun" else f"{cfg['launch']} local ranks")
     model = cfg["model"]
     header = (f"# {PROG}: {cfg['params'] / 1e6:.2f}M-parameter GPT ({model['n_layers']} layers, width "

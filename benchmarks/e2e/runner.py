@@ -230,7 +230,8 @@ def _culprit(codes, outputs, first_failed=None) -> int | None:
 
 
 def run_link(spec: str, cfg: dict, tmp: str, display: Display, index: int, total: int) -> dict:
-    """Run one method as 2 ranks over the slow link (``common.run_on_link``); as :func:`run_local`."""
+    """Run one method as 2 nodes of ``cfg['ranks_per_node']`` ranks over the slow link
+    (``common.run_on_link``; more than one rank per node: torchrun per node); as :func:`run_local`."""
     config, out, prog = (os.path.join(tmp, f) for f in ("config.json", "result.json", "progress.json"))
     write_json(config, cfg)
     started = time.monotonic()
@@ -247,7 +248,8 @@ def run_link(spec: str, cfg: dict, tmp: str, display: Display, index: int, total
         for attempt in range(2):  # a link that could not be set up is tried once more
             try:
                 res = run_on_link(_worker_cmd(spec, config, out, prog), cfg["link"], threads=cfg["threads"],
-                                  timeout=cfg["method_timeout"], grace=cfg["grace"], port=29500 + index)
+                                  timeout=cfg["method_timeout"], grace=cfg["grace"], port=29500 + index,
+                                  ranks_per_node=cfg.get("ranks_per_node", 1))
                 break
             except slowlink().SlowLinkError as e:
                 error = e
