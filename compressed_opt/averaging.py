@@ -8,7 +8,8 @@ once per optimizer (at its first step, on every rank alike) by its ``hierarchy``
   ``L`` ranks, 1-bit among the ``K`` nodes, so only the slow links carry 1-bit traffic.
 
 ``hierarchy="auto"`` (the default) takes the hierarchical exchange when the job spans at least
-two nodes of at least two ranks each (:func:`compressed_opt.comm.discover_layout`), else the
+two nodes of at least two ranks each (:func:`compressed_opt.comm.discover_layout`; with
+``path="measure"``, the default's, only where it measured faster than the flat one), else the
 flat one (one node: compressing is the point of the library there too; one rank per node: both
 are the same); uneven nodes fall back to flat with a log line. ``"node"`` asks for the
 hierarchical exchange (one node: the exact fp32 average, nothing compressed); ``"flat"`` never
@@ -16,7 +17,7 @@ looks. ZeRO's shards are the flat exchange's server chunks, so a sharded optimiz
 
 Per bucket, ``path`` (:data:`PATHS`, :func:`resolve_path`) may replace the 1-bit exchange by the
 exact fp32 average: ``"fp32"`` always, ``"measure"`` where the link measured it faster
-(:func:`measure_paths`, once, at the first step). ``"auto"``, the default, is ``"measure"`` where
+(:func:`choose_measured`, once, at the first step). ``"auto"``, the default, is ``"measure"`` where
 the state is replicated over two or more ranks, so the compression stage is never slower than
 full precision on a fast link, and ``"1bit"`` under ZeRO (its shards are the 1-bit exchange's
 rows) and on one rank (nothing is sent; the compression is kept so one process computes what
@@ -92,21 +93,41 @@ def _time_paths(averaging, backend, numel: int, device) -> tuple[float, float]:
     return sorted(times["1bit"])[_PATH_REPS // 2], sorted(times["fp32"])[_PATH_REPS // 2]
 
 
-def measure_paths(averaging, backend, numels, device) -> dict[int, str]:
-    """Per bucket size, the faster of the 1-bit exchange and the fp32 all-reduce on this link
-    (collective: every rank times both, one all-gather shares the times, and every rank takes,
-    per size, the slower rank's times: the same choice everywhere)."""
+def measure_times(averaging, backend, numels, device) -> dict[int, tuple[float, float]]:
+    """Per bucket size, the seconds of ``averaging``'s 1-bit exchange and of the fp32 all-reduce
+    on this link, as the slowest rank timed them (collective: every rank times both, one
+    all-gather shares the times, so every rank holds the same numbers)."""
     sizes = sorted(set(int(n) for n in numels if n > 0))
     mine = torch.tensor([t for n in sizes for t in _time_paths(averaging, backend, n, device)], dtype=torch.float64)
     everyone = torch.empty(backend.world_size * mine.numel(), dtype=torch.float64, device=device)
     backend.all_gather(everyone, mine.to(device))
     slowest = everyone.view(backend.world_size, len(sizes), 2).amax(dim=0).cpu().tolist()
-    choice = {n: ("fp32" if fp32 < onebit else "1bit") for n, (onebit, fp32) in zip(sizes, slowest)}
-    if backend.rank == 0:
-        timings = ", ".join(f"{n}: {a * 1e3:.2f} / {b * 1e3:.2f} -> {choice[n]}" for n, (a, b) in zip(sizes, slowest))
-        logger.info("compressed_opt: measured exchange per bucket size (elements: 1-bit ms / fp32 ms -> path): %s",
-                    timings)
-    return choice
+    return {n: (onebit, fp32) for n, (onebit, fp32) in zip(sizes, slowest)}
+
+
+def faster_paths(times: dict[int, tuple[float, float]]) -> dict[int, str]:
+    """Per bucket size, ``"fp32"`` where the fp32 all-reduce took less time, else ``"1bit"``."""
+    return {n: ("fp32" if fp32 < onebit else "1bit") for n, (onebit, fp32) in times.items()}
+
+
+def choose_measured(candidates, backend, numels, device):
+    """``(averaging, paths)``: of ``candidates`` (flat and hierarchical exchanges), the one whose
+    buckets, each on its faster path, take the least time in all on this link, and its paths
+    per bucket size (collective; every rank decides from the same shared times)."""
+    best = None
+    for averaging in candidates:
+        times = measure_times(averaging, backend, numels, device)
+        total = sum(min(times[int(n)]) for n in numels if n > 0)
+        paths = faster_paths(times)
+        if backend.rank == 0:
+            timings = ", ".join(f"{n}: {a * 1e3:.2f} / {b * 1e3:.2f} -> {paths[n]}" for n, (a, b) in times.items())
+            logger.info("compressed_opt: measured the %s exchange per bucket size (elements: 1-bit ms / fp32 ms -> "
+                        "path): %s; %.2f ms per step", averaging.key[0], timings, total * 1e3)
+        if best is None or total < best[0]:
+            best = (total, averaging, paths)
+    if backend.rank == 0 and len(candidates) > 1:
+        logger.info("compressed_opt: the %s exchange is faster on these links", best[1].key[0])
+    return best[1], best[2]
 
 
 class FlatAveraging:
@@ -176,29 +197,32 @@ def error_sizes_of(key, numel: int) -> tuple[int, int]:
     return error_buffer_sizes(numel, key[1])
 
 
-def choose(backend, hierarchy: str, sharded: bool):
-    """The averaging of an optimizer on ``backend`` (collective: every rank calls it, at the same
-    point; see the module docstring)."""
+def candidates(backend, hierarchy: str, sharded: bool) -> list:
+    """The averagings an optimizer on ``backend`` may use, the preferred first (collective: every
+    rank calls it, at the same point; see the module docstring): with ``hierarchy="auto"`` on
+    several nodes of several ranks, the hierarchical one and then the flat one (``path="measure"``
+    times both); else the one exchange."""
     if backend.world_size == 1 or hierarchy == "flat":
-        return FlatAveraging(backend)
+        return [FlatAveraging(backend)]
     if sharded:
         logger.info("compressed_opt: ZeRO-sharded state: the flat 1-bit exchange (its chunks are the shards)")
-        return FlatAveraging(backend)
+        return [FlatAveraging(backend)]
     layout = discover_layout(backend)  # None (uneven nodes): logged there, on rank 0
     if layout is None:
-        return FlatAveraging(backend)
+        return [FlatAveraging(backend)]
     wanted = hierarchy == "node" or (layout.node_count > 1 and layout.local_size > 1)
     if not wanted:
-        return FlatAveraging(backend)
+        return [FlatAveraging(backend)]
     try:
         backends = node_backends(backend, layout)
     except ValueError as exc:  # (e.g. a torch.distributed sub-group: the same on every rank)
         if backend.rank == 0:
             logger.warning("compressed_opt: no per-node groups (%s): the flat 1-bit exchange", exc)
-        return FlatAveraging(backend)
+        return [FlatAveraging(backend)]
     if backend.rank == 0:
         logger.info("compressed_opt: hierarchical 1-bit exchange, %d nodes of %d ranks", layout.node_count,
                     layout.local_size)
     for sub, where in ((backends.intra, "intra_node"), (backends.inter, "inter_node")):
         sub.stats = _CountedInParent(backend.stats, where)
-    return NodeAveraging(backends)
+    node = NodeAveraging(backends)
+    return [node] if hierarchy == "node" else [node, FlatAveraging(backend)]

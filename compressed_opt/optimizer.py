@@ -143,6 +143,7 @@ class CompressedOptimizer(Persistence, Optimizer):
                              "chunks; use hierarchy='auto' or 'flat' (flat) or zero_stage=0")
         self.hierarchy = hierarchy
         self._averaging = None  # chosen at the first step, on every rank alike (compressed_opt.averaging)
+        self._candidates = None  # the exchanges it is chosen from
         self._saved_averaging = None  # the averaging key of a loaded checkpoint's error buffers
         self._buckets: list[Bucket] | None = None
         super().__init__(params, defaults)
@@ -289,14 +290,28 @@ class CompressedOptimizer(Persistence, Optimizer):
         return self._averaging
 
     def _choose_averaging(self) -> None:
-        """Once, in ``step()`` on every rank (collective): the flat or the hierarchical exchange;
-        error buffers loaded from a checkpoint of another exchange are dropped (warned)."""
-        if self._averaging is None:
-            self._averaging = averaging.choose(self.backend, self.hierarchy, bool(getattr(self, "zero_stage", 0)))
+        """In ``step()`` on every rank (collective), at the first step and after a checkpoint is
+        loaded: the flat or the hierarchical exchange (:func:`averaging.candidates`; with
+        ``path="measure"`` the faster on these links, and a loaded checkpoint's exchange where it
+        is one of them), and the path of each bucket size; error buffers loaded from a checkpoint
+        of another exchange are dropped (warned)."""
+        if self._candidates is None:
+            self._candidates = averaging.candidates(self.backend, self.hierarchy, bool(getattr(self, "zero_stage", 0)))
+        measured = self.path == "measure"
+        saved = None if self._saved_averaging is None else tuple(self._saved_averaging)
+        keep = next((a for a in self._candidates if a.key == saved), None) if measured else None
+        numels = [b.numel for b in self._buckets or ()]
+        if keep is not None:  # the measured choice of the run that saved it
+            self._averaging = keep
+        elif self._averaging is None and measured and len(self._candidates) > 1 and numels:
+            self._averaging, self.exchange_paths = averaging.choose_measured(self._candidates, self.backend, numels,
+                                                                            self.comm_device)
+        elif self._averaging is None:
+            self._averaging = self._candidates[0]
         self._drop_foreign_errors()
-        if self.path == "measure" and not self.exchange_paths and self._buckets:
-            self.exchange_paths = averaging.measure_paths(self._averaging, self.backend,
-                                                          [b.numel for b in self._buckets], self.comm_device)
+        if measured and not self.exchange_paths and numels:
+            _, self.exchange_paths = averaging.choose_measured([self._averaging], self.backend, numels,
+                                                               self.comm_device)
 
     def _drop_foreign_errors(self) -> None:
         saved, self._saved_averaging = self._saved_averaging, None

@@ -7,7 +7,8 @@ falls as on the flat exchange (within the flat run's bounds); the bytes that cro
 nodes are what the hierarchical exchange sends (``inter_node.*`` in ``backend.stats``), a fraction
 of the flat exchange's; a resume from each rank's own checkpoint is bit-exact; a checkpoint of
 the flat exchange resumed on the hierarchical one resets the error buffers with a warning; one
-rank whose environment says otherwise makes every rank take the flat exchange.
+rank whose environment says otherwise makes every rank take the flat exchange; ``path="measure"``
+takes the flat or the hierarchical exchange by their timings, and a resume keeps the choice.
 """
 from __future__ import annotations
 
@@ -138,6 +139,59 @@ def test_resume_is_exact_and_another_exchange_resets_the_errors(tmp_path):
     assert other[0]["key"] == ["flat", 4]
     assert all(any("belong to another exchange" in w for w in r["warnings"]) for r in other), other
     assert not any(r["same"] for r in other)  # (the errors restarted from zero: another trajectory)
+
+
+def _measured_exchange(rank, world, folder):
+    """path="measure" on 2 x 2 with timings in which the flat exchange is the faster: it is
+    chosen over the hierarchical one; a resume keeps it though the timings now say otherwise."""
+    import compressed_opt.averaging as averaging
+
+    os.environ["COMPRESSED_OPT_RANKS_PER_NODE"] = "2"
+
+    def timings(flat_faster):
+        def fake(avg, backend, numel, device):  # (1-bit seconds, fp32 seconds), the same on every rank
+            flat = isinstance(avg, averaging.FlatAveraging)
+            return (1e-3 if flat == flat_faster else 5e-3), 1e-2
+        return fake
+
+    averaging._time_paths = timings(flat_faster=True)
+    model = _model()
+    opt = compressed_opt.OnebitAdam(model.parameters(), lr=3e-3, freeze_step=FREEZE, bucket_cap_mb=0.004,
+                                    path="measure")
+    _train(model, opt, rank, range(1, 7))
+    path = os.path.join(folder, f"rank{rank}.pt")
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, path)
+    _train(model, opt, rank, range(7, 10))
+    uninterrupted = [p.detach().clone() for p in model.parameters()]
+    averaging._time_paths = timings(flat_faster=False)
+    saved = torch.load(path)
+    model2 = _model()
+    model2.load_state_dict(saved["model"])
+    opt2 = compressed_opt.OnebitAdam(model2.parameters(), lr=3e-3, freeze_step=FREEZE, bucket_cap_mb=0.004,
+                                     path="measure")
+    opt2.load_state_dict(saved["opt"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _train(model2, opt2, rank, range(7, 10))
+    model3 = _model()  # a fresh run under the timings that favour the hierarchical exchange
+    opt3 = compressed_opt.OnebitAdam(model3.parameters(), lr=3e-3, freeze_step=FREEZE, bucket_cap_mb=0.004,
+                                     path="measure")
+    _train(model3, opt3, rank, range(1, 2))
+    return {"key": opt.averaging.key, "paths": opt.exchange_paths, "resumed_key": opt2.averaging.key,
+            "fresh_key": opt3.averaging.key,
+            "same": all(torch.equal(a, b) for a, b in zip(uninterrupted, model2.parameters())),
+            "warnings": [str(w.message) for w in caught]}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_measured_path_chooses_between_flat_and_hierarchical_and_a_resume_keeps_it(tmp_path):
+    results = run_ranks(_measured_exchange, 4, str(tmp_path), timeout=150)
+    assert [r["key"] for r in results] == [("flat", 4)] * 4, results  # measured faster than ("node", 2, 2)
+    assert all(set(r["paths"].values()) == {"1bit"} for r in results)  # 1-bit faster than fp32 in these timings
+    assert [r["resumed_key"] for r in results] == [("flat", 4)] * 4
+    assert [r["fresh_key"] for r in results] == [("node", 2, 2)] * 4
+    assert all(r["same"] and not r["warnings"] for r in results), results
 
 
 def _one_rank_disagrees(rank, world):

@@ -20,8 +20,11 @@ Methods (``--methods``, comma-separated):
   (standalone mode), warmup of ``--freeze-step`` steps (1-bit LAMB at ``--lamb-lr``: LAMB's trust
   ratio takes a larger lr than Adam). ``--no-overlap`` communicates in ``step()`` instead of
   during backward; ``--ddp-hook`` runs them under DDP with
-  :func:`compressed_opt.register_ddp_comm_hook`. A method may carry its own options:
-  ``onebit_adam+ddp``, ``onebit_adam+nooverlap``, ``onebit_adam+overlap``.
+  :func:`compressed_opt.register_ddp_comm_hook`. They run with ``path="1bit"`` (the 1-bit
+  exchange in every bucket). A method may carry its own options: ``onebit_adam+ddp``,
+  ``onebit_adam+nooverlap``, ``onebit_adam+overlap``; ``+flat`` / ``+node`` (``hierarchy=``);
+  ``+measure`` (``path="measure"``, the library's default: each bucket, and on several nodes the
+  exchange, as measured faster).
 
 Every method runs in processes of its own (a hang or crash of one cannot take the others along):
 a rank that completes no step for ``--stall-timeout`` seconds reports a hang and exits, and all
@@ -36,6 +39,8 @@ Where the ranks run:
 * ``--launch N`` (default 2): N local processes, Gloo (NCCL with ``--device cuda``), file store;
 * ``--link 1gbit|10gbit|RATE|none``: 2 ranks in network namespaces joined by a veth pair limited
   to that rate (``benchmarks/slowlink.py``; needs root); the wire bytes are counted on the veth;
+  with ``--ranks-per-node L`` each namespace is a node of L ranks started by ``torchrun
+  --nnodes 2`` (c10d rendezvous), and the wire bytes are a node's;
 * under ``torchrun`` (``torchrun --nproc-per-node N benchmarks/train.py``): the methods run one
   after the other in the launched processes (no isolation between methods; peak memory is then
   cumulative).

@@ -31,7 +31,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=f"python -P {PROG}",
                                 description=PACKAGE_DOC.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="methods: " + ", ".join(METHODS) + " (ours may take +ddp, +overlap, +nooverlap)")
+                                epilog="methods: " + ", ".join(METHODS)
+                                + " (ours may take +ddp, +overlap, +nooverlap, +flat, +node, +measure)")
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS), help="comma-separated (default: %(default)s)")
     p.add_argument("--model", choices=sorted(PRESETS), default="tiny", help="model preset (default tiny)")
     p.add_argument("--layers", type=int, help="override the preset's layers")

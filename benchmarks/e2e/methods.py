@@ -22,7 +22,8 @@ OURS = ("onebit_adam", "onebit_lamb", "zero_one_adam")
 DEFAULT_METHODS = ("ddp_adamw", "ddp_fp16", "ddp_powersgd", "ddp_powersgd+serial", "onebit_adam", "onebit_lamb",
                    "zero_one_adam")
 BASELINE = "ddp_adamw"
-MODIFIERS = ("ddp", "overlap", "nooverlap", "serial", "flat", "node")  # flat/node: ours' hierarchy
+# ours: flat / node pick the hierarchy; measure: path="measure" (the library's default; else "1bit")
+MODIFIERS = ("ddp", "overlap", "nooverlap", "serial", "flat", "node", "measure")
 
 
 def parse_spec(spec: str, overlap: bool, ddp_hook: bool) -> dict:
@@ -45,7 +46,7 @@ def parse_spec(spec: str, overlap: bool, ddp_hook: bool) -> dict:
         raise ValueError(f"+flat and +node in {spec!r}: choose one")
     hierarchy = "flat" if "flat" in mods else "node" if "node" in mods else "auto"
     return {"spec": spec, "name": name, "overlap": overlap, "ddp_hook": ddp_hook or "ddp" in mods,
-            "serial": "serial" in mods, "hierarchy": hierarchy}
+            "serial": "serial" in mods, "hierarchy": hierarchy, "path": "measure" if "measure" in mods else "1bit"}
 
 
 def lr_at(step: int, cfg: dict) -> float:
@@ -119,9 +120,9 @@ def build(method: dict, model: nn.Module, cfg: dict, device: torch.device, timin
     backend = compressed_opt.get_backend("torch")
     if timing is not None:
         backend = timing.wrap(backend)  # counts bytes in the wrapped backend's stats
-    # path: the 1-bit exchange is what is measured (the default may take fp32 where it is faster)
+    # path: the 1-bit exchange unless +measure (the default, which may take fp32 where it is faster)
     kwargs = dict(hp, backend=backend, bucket_cap_mb=cfg["bucket_mb"], overlap=method["overlap"],
-                  hierarchy=method["hierarchy"], path="1bit")
+                  hierarchy=method["hierarchy"], path=method["path"])
     if name == "onebit_adam":
         opt = compressed_opt.OnebitAdam(model.parameters(), freeze_step=cfg["freeze_step"], **kwargs)
     elif name == "onebit_lamb":
