@@ -103,28 +103,41 @@ def test_hierarchical_exchange_trains_like_the_flat_one(name):
     assert max(r["inter_per_step"] for r in hier) < 0.6 * min(r["bytes_per_step"] for r in flat)
 
 
-def _resume(rank, world, folder, saved_hierarchy):
-    os.environ["COMPRESSED_OPT_RANKS_PER_NODE"] = "2"
+def _save_and_resume(rank, folder, make_opt, saved_kwargs, resumed_kwargs, between=None):
+    """Train 6 steps with ``make_opt(params, **saved_kwargs)``, save this rank's checkpoint, train
+    3 more; then (after ``between()``) resume a fresh model and ``make_opt(params,
+    **resumed_kwargs)`` from the checkpoint and train the same 3 steps. ``(optimizer, resumed
+    optimizer, saved state dict, whether the parameters ended identical, the resumed run's warnings)``."""
     model = _model()
-    opt = compressed_opt.OnebitAdam(model.parameters(), lr=3e-3, freeze_step=FREEZE, bucket_cap_mb=0.004,
-                                    hierarchy=saved_hierarchy)
+    opt = make_opt(model.parameters(), **saved_kwargs)
     _train(model, opt, rank, range(1, 7))
     path = os.path.join(folder, f"rank{rank}.pt")
     torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, path)
     _train(model, opt, rank, range(7, 10))
     uninterrupted = [p.detach().clone() for p in model.parameters()]
+    if between is not None:
+        between()
     saved = torch.load(path)
     model2 = _model()
     model2.load_state_dict(saved["model"])
-    opt2 = compressed_opt.OnebitAdam(model2.parameters(), lr=3e-3, freeze_step=FREEZE, bucket_cap_mb=0.004,
-                                     hierarchy="node")
+    opt2 = make_opt(model2.parameters(), **resumed_kwargs)
     opt2.load_state_dict(saved["opt"])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _train(model2, opt2, rank, range(7, 10))
     same = all(torch.equal(a, b) for a, b in zip(uninterrupted, model2.parameters()))
-    key = saved["opt"]["compressed_opt"]["averaging"]
-    return {"same": same, "warnings": [str(w.message) for w in caught], "key": key}
+    return opt, opt2, saved["opt"], same, [str(w.message) for w in caught]
+
+
+def _onebit_adam(params, **kwargs):
+    return compressed_opt.OnebitAdam(params, lr=3e-3, freeze_step=FREEZE, bucket_cap_mb=0.004, **kwargs)
+
+
+def _resume(rank, world, folder, saved_hierarchy):
+    os.environ["COMPRESSED_OPT_RANKS_PER_NODE"] = "2"
+    _, _, saved, same, caught = _save_and_resume(rank, folder, _onebit_adam, {"hierarchy": saved_hierarchy},
+                                                 {"hierarchy": "node"})
+    return {"same": same, "warnings": caught, "key": saved["compressed_opt"]["averaging"]}
 
 
 @pytest.mark.multiprocess
@@ -155,32 +168,14 @@ def _measured_exchange(rank, world, folder):
         return fake
 
     averaging._time_paths = timings(flat_faster=True)
-    model = _model()
-    opt = compressed_opt.OnebitAdam(model.parameters(), lr=3e-3, freeze_step=FREEZE, bucket_cap_mb=0.004,
-                                    path="measure")
-    _train(model, opt, rank, range(1, 7))
-    path = os.path.join(folder, f"rank{rank}.pt")
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, path)
-    _train(model, opt, rank, range(7, 10))
-    uninterrupted = [p.detach().clone() for p in model.parameters()]
-    averaging._time_paths = timings(flat_faster=False)
-    saved = torch.load(path)
-    model2 = _model()
-    model2.load_state_dict(saved["model"])
-    opt2 = compressed_opt.OnebitAdam(model2.parameters(), lr=3e-3, freeze_step=FREEZE, bucket_cap_mb=0.004,
-                                     path="measure")
-    opt2.load_state_dict(saved["opt"])
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        _train(model2, opt2, rank, range(7, 10))
+    opt, opt2, _, same, caught = _save_and_resume(
+        rank, folder, _onebit_adam, {"path": "measure"}, {"path": "measure"},
+        between=lambda: setattr(averaging, "_time_paths", timings(flat_faster=False)))
     model3 = _model()  # a fresh run under the timings that favour the hierarchical exchange
-    opt3 = compressed_opt.OnebitAdam(model3.parameters(), lr=3e-3, freeze_step=FREEZE, bucket_cap_mb=0.004,
-                                     path="measure")
+    opt3 = _onebit_adam(model3.parameters(), path="measure")
     _train(model3, opt3, rank, range(1, 2))
     return {"key": opt.averaging.key, "paths": opt.exchange_paths, "resumed_key": opt2.averaging.key,
-            "fresh_key": opt3.averaging.key,
-            "same": all(torch.equal(a, b) for a, b in zip(uninterrupted, model2.parameters())),
-            "warnings": [str(w.message) for w in caught]}
+            "fresh_key": opt3.averaging.key, "same": same, "warnings": caught}
 
 
 @pytest.mark.multiprocess
