@@ -288,16 +288,11 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
             self.compressed_average(bucket, x)
 
     def _momentum_from_exchange(self, bucket, y: torch.Tensor, out: torch.Tensor) -> None:
-        """``m = y / R`` into ``out`` (0 where ``v_f == 0``)."""
-        if not self.zero_stage:  # (the cached zeros spare the composed path a mask pass per step)
-            n = bucket.numel
-            kernels.divide_where_nonzero_(y[:n], self._exchange_preconditioner(bucket)[:n], out[:n],
-                                          self._no_variance(bucket))
-            return
-        torch.div(y, self._exchange_preconditioner(bucket), out=out)
-        idx = self._no_variance(bucket)
-        if idx.numel():
-            out.index_fill_(0, idx, 0.0)
+        """``m = y / R`` into ``out`` (0 where ``v_f == 0``; the cached indices of those zeros
+        spare the composed path a mask pass per step)."""
+        n = bucket.numel
+        kernels.divide_where_nonzero_(y[:n], self._exchange_preconditioner(bucket)[:n], out[:n],
+                                      self._no_variance(bucket))
 
     def _average(self, bucket, grad):
         zero.average(self, bucket, grad) if self.zero_stage else super()._average(bucket, grad)
