@@ -298,13 +298,6 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
         zero.average(self, bucket, grad) if self.zero_stage else super()._average(bucket, grad)
 
     def _load_extra_state(self, extra):
-        if self.zero_stage and (extra["world_size"] != self.backend.world_size or extra["rank"] != self.backend.rank):
-            raise ValueError(
-                f"this ZeRO checkpoint holds the shards of rank {extra['rank']} of {extra['world_size']}; "
-                f"it cannot be loaded on rank {self.backend.rank} of {self.backend.world_size}. Resume with "
-                "the same world size, each rank loading its own file (or train with zero_stage=0 to move "
-                "between world sizes)"
-            )
         self._check_tracking_of(extra)
         # checkpoints from before the preconditioned exchange carry no "exchange": the paper's
         saved = extra.get("exchange", "momentum")
