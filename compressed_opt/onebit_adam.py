@@ -67,9 +67,6 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
         "direction_factor": Buffer(DERIVED),  # A = sqrt(v_f) / (sqrt(v_f) + eps) / c_l
         "no_variance": Buffer(DERIVED, torch.int64),  # the indices where v_f == 0
     }
-    #: ZeRO's layout of these buffers (over compressed_opt.zero.BUFFERS)
-    zero_buffers: dict[str, Buffer] = {}
-
     #: ZeRO: whether the compression stage needs this rank's chunk of the previous momentum
     _keeps_previous_momentum = False
 
@@ -90,13 +87,12 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
             raise ValueError(f"Invalid zero_stage: {zero_stage!r} (must be 0, 1 or 2)")
         self.zero_stage = zero_stage
         self.master_resync_interval = check_step_count("master_resync_interval", master_resync_interval, minimum=1)
-        if zero_stage:  # sharded: no per-parameter views of whole buffers; the shards are saved
-            self._use_layout({**zero.BUFFERS, **self.zero_buffers})
         self.freeze_rule = resolve_rule(freeze_step)
         self.freeze_step = None if self.freeze_rule is not None else freeze_step
         self.frozen = False
         super().__init__(params, defaults, backend=backend, bucket_cap_mb=bucket_cap_mb,
-                         overlap=overlap, accumulation_steps=accumulation_steps, hierarchy=hierarchy, path=path)
+                         overlap=overlap, accumulation_steps=accumulation_steps, hierarchy=hierarchy, path=path,
+                         layout=zero.for_stage(zero_stage))
 
     def _validate_group(self, group):
         check_adam_group(group)
@@ -125,11 +121,11 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
         for b in self._buckets:
             group = self.param_groups[b.group_index]
             _, bc2 = bias_corrections(*group["betas"], step, group["bias_correction"])
-            v = zero.own_variance(self, b) if self.zero_stage else b.flat("exp_avg_sq")
+            v = self.layout.own_variance(self, b) if self.zero_stage else b.flat("exp_avg_sq")
             total += float(v.sum()) / (bc2 * bc2)
             numel += v.numel()
         if self.zero_stage:
-            total, numel = zero.sum_over_ranks(self, [total, numel])
+            total, numel = self.layout.sum_over_ranks(self, [total, numel])
         return total / max(numel, 1.0)
 
     def _auto_decision(self, step) -> bool:
@@ -140,7 +136,7 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
         self.freeze_step = step
         self.reset_error_buffers()
         for b in self._buckets:
-            self._start_variance_tracking(b, zero.freeze(self, b) if self.zero_stage else b.flat("exp_avg_sq"))
+            self._start_variance_tracking(b, self.layout.freeze(self, b) if self.zero_stage else b.flat("exp_avg_sq"))
         logger.info("%s: variance frozen at the end of step %d; compression starts", type(self).__name__, step)
 
     def frozen_denominator(self, bucket) -> torch.Tensor:
@@ -162,15 +158,12 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
     def _tracking_clock(self, step):
         return step - self.freeze_step, step, self.freeze_step
 
-    # --- ZeRO: the hooks of the base class, sharded (compressed_opt.zero) ---------------------
-    def _grad_buffer(self, bucket):
-        return zero.grad_buffer(self, bucket) if self.zero_stage else super()._grad_buffer(bucket)
-
+    # --- ZeRO (compressed_opt.zero) -------------------------------------------------------------
     def _gather(self, bucket, grad, step):
         if self.zero_stage and self.frozen:  # the local momentum is formed from p.grad directly
             self._observe_local_gradient(bucket)
             beta1 = self.param_groups[bucket.group_index]["betas"][0]
-            zero.local_momentum(self, bucket, grad, beta1, keep_previous=self._keeps_previous_momentum,
+            self.layout.local_momentum(self, bucket, grad, beta1, keep_previous=self._keeps_previous_momentum,
                                 row_scales=self._exchange_scales(bucket),
                                 preconditioner=self._exchange_preconditioner(bucket))
         else:
@@ -283,7 +276,7 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
     def _exchange_1bit(self, bucket, x: torch.Tensor) -> None:
         """``x`` <- the 1-bit compressed average of the ranks' ``x`` (ZeRO also keeps its rows)."""
         if self.zero_stage:
-            zero.exchange(self, bucket, x)
+            self.layout.exchange(self, bucket, x)
         else:
             self.compressed_average(bucket, x)
 
@@ -293,9 +286,6 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
         n = bucket.numel
         kernels.divide_where_nonzero_(y[:n], self._exchange_preconditioner(bucket)[:n], out[:n],
                                       self._no_variance(bucket))
-
-    def _average(self, bucket, grad):
-        zero.average(self, bucket, grad) if self.zero_stage else super()._average(bucket, grad)
 
     def _load_extra_state(self, extra):
         self._check_tracking_of(extra)
@@ -310,15 +300,6 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
         self.frozen = bool(extra["frozen"])
         self.freeze_step = extra["freeze_step"]
         self.freeze_rule = restore_rule(self.freeze_rule, extra.get("freeze_rule"))
-
-    def _check_rebuild(self):
-        if self.zero_stage and self.global_step > 0:
-            raise RuntimeError(
-                f"{type(self).__name__} with zero_stage={self.zero_stage}: the trainable parameters changed "
-                "after the first step (add_param_group or requires_grad changed); the sharded state is laid "
-                "out by the buckets and cannot follow. Set up every parameter before the first step, or "
-                "use zero_stage=0"
-            )
 
     def _extra_state(self):
         return {
@@ -386,7 +367,7 @@ class OnebitAdam(_FreezingAdam):
         if averaged:
             self._observe_averaged_gradient(bucket, grad)
         if self.zero_stage and averaged:
-            zero.warmup_update(self, bucket, group, grad, step)
+            self.layout.warmup_update(self, bucket, group, grad, step)
             return
         beta1, beta2 = group["betas"]
         lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]  # lr: a float or a 1-element tensor
@@ -423,4 +404,4 @@ class OnebitAdam(_FreezingAdam):
             torch._foreach_mul_(bucket.params, 1 - lr * wd)
         torch._foreach_add_(bucket.params, bucket.views(direction), alpha=-lr / bc1)
         if self.zero_stage and not averaged:
-            zero.compression_update(self, bucket, step, 1 - lr * wd, direction, alpha=-lr / bc1)
+            self.layout.compression_update(self, bucket, step, 1 - lr * wd, direction, alpha=-lr / bc1)

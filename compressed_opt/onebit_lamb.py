@@ -113,7 +113,7 @@ class OnebitLamb(_FreezingAdam):
     """
 
     buffers = {"exp_avg_sq_fresh": Buffer(STATE)}  # v_fresh
-    zero_buffers = {"exp_avg_sq_fresh_shard": Buffer(SAVED)}
+    sharded_buffers = {"exp_avg_sq_fresh_shard": Buffer(SAVED)}
     _keeps_previous_momentum = True
 
     @property
@@ -157,7 +157,7 @@ class OnebitLamb(_FreezingAdam):
     def _freeze(self, step):
         for b in self._buckets or ():
             if self.zero_stage:  # v_fresh starts from v: this rank's chunk, which the freeze then drops
-                b.flats["exp_avg_sq_fresh_shard"] = zero.shard(b, "exp_avg_sq_shard", zero.own_range(self, b)[2])
+                b.flats["exp_avg_sq_fresh_shard"] = zero.shard(b, "exp_avg_sq_shard", self.layout.own_range(self, b)[2])
             else:
                 b.flat("exp_avg_sq_fresh").copy_(b.flat("exp_avg_sq"))
             beta = self.param_groups[b.group_index]["coeff_beta"]
@@ -200,22 +200,22 @@ class OnebitLamb(_FreezingAdam):
 
     def _lamb_step_sharded(self, bucket, group, grad, step):
         """ZeRO: LAMB on this rank's chunk, with the per-layer norms reduced over the chunks."""
-        lo, hi, c = zero.own_range(self, bucket)
+        lo, hi, c = self.layout.own_range(self, bucket)
         beta1, beta2 = group["betas"]
         lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]
         bc1, bc2_sqrt = bias_corrections(beta1, beta2, step, group["bias_correction"])
-        m, v = zero.moments(self, bucket, zero.own_grad(self, bucket, grad), beta1, beta2)
+        m, v = self.layout.moments(self, bucket, self.layout.own_grad(self, bucket, grad), beta1, beta2)
         update = zero.shard(bucket, "update_shard", c)[: hi - lo]
         denominator_(v, update, eps, bc2_sqrt).mul_(bc1)
         torch.div(m, update, out=update)
-        values = zero.own_values(self, bucket)
+        values = self.layout.own_values(self, bucket)
         if wd != 0:
             update.add_(values, alpha=wd)
-        p_norm, u_norm = zero.layer_norms(self, bucket, [values, update])
+        p_norm, u_norm = self.layout.layer_norms(self, bucket, [values, update])
         ratios = _trust_ratios(p_norm, u_norm, group)
         self._record_trust_ratios(bucket, group, ratios)
-        values.addcmul_(zero.per_element(self, bucket, ratios, "coeff_shard"), update, value=-lr)
-        zero.publish(self, bucket, values)
+        values.addcmul_(self.layout.per_element(self, bucket, ratios, "coeff_shard"), update, value=-lr)
+        self.layout.publish(self, bucket, values)
 
     def _record_trust_ratios(self, bucket, group, ratios):
         beta = group["coeff_beta"]
@@ -274,7 +274,7 @@ class OnebitLamb(_FreezingAdam):
         lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]
         bc1, bc2_sqrt = bias_corrections(beta1, beta2, step, group["bias_correction"])
         if self.zero_stage:
-            lo, hi, _ = zero.own_range(self, bucket)
+            lo, hi, _ = self.layout.own_range(self, bucket)
             previous, m = bucket.flats["momentum_prev_shard"][: hi - lo], momentum
             v_fresh = bucket.flats["exp_avg_sq_fresh_shard"][: hi - lo]
             denom_own, current = denom[lo:hi], momentum[lo:hi]
@@ -299,7 +299,7 @@ class OnebitLamb(_FreezingAdam):
         torch.div(denom_own, ratio, out=ratio).nan_to_num_(nan=0.0, posinf=0.0)
         raw = [1.0] * len(params)
         if self.zero_stage:
-            found = zero.layer_maxima(self, bucket, ratio).tolist()
+            found = self.layout.layer_maxima(self, bucket, ratio).tolist()
             raw = [f if p.numel() else 1.0 for p, f in zip(params, found)]
         else:
             nonempty = [i for i, p in enumerate(params) if p.numel()]
@@ -318,8 +318,9 @@ class OnebitLamb(_FreezingAdam):
         views = bucket.views(update)
         torch._foreach_mul_(views, [-lr * c / bc1 for c in coeffs])
         torch._foreach_add_(params, views)
-        if self.zero_stage and zero.master_shard(self, bucket) is not None:
-            zero.compression_update(self, bucket, step, zero.per_element(self, bucket, decays, "coeff_shard"), update)
+        if self.zero_stage and self.layout.master_shard(self, bucket) is not None:
+            decay = self.layout.per_element(self, bucket, decays, "coeff_shard")
+            self.layout.compression_update(self, bucket, step, decay, update)
 
     def _compression_coeffs(self, params, group, raw) -> list[float]:
         """Each layer's ``r_f * factor`` from the raw factors (clipped, and by the threshold)."""

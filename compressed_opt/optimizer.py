@@ -40,6 +40,7 @@ from compressed_opt.comm import Backend, get_backend
 from . import averaging, ddp, frameworks
 from .buckets import Bucket, build_buckets
 from .buffers import SAVED, SCRATCH, STATE, Buffer, names, overlay
+from .layout import Layout, Replicated
 from .overlap import BucketLauncher, GradientsChangedAfterLaunch
 from .persistence import Persistence
 from .validation import check_choice, check_nonneg_float, check_step_count
@@ -89,7 +90,8 @@ class CompressedOptimizer(Persistence, Optimizer):
         # snapshot of the caller's locals alive)
 
     #: the per-bucket buffers this class adds (name -> role and dtype, compressed_opt.buffers);
-    #: ``declared`` merges the tables along the class hierarchy (the layout may overlay its own)
+    #: ``declared`` merges the tables along the class hierarchy (a sharded layout overlays its
+    #: own, :mod:`compressed_opt.zero`, with ``sharded_buffers``: how it lays out this class's)
     buffers: dict[str, Buffer] = {
         "grad": Buffer(SCRATCH),  # this rank's gradients, then what the step averages or exchanges
         "worker_error": Buffer(SAVED),  # e_i of the compressed allreduce (docs/design.md 2.2)
@@ -125,23 +127,26 @@ class CompressedOptimizer(Persistence, Optimizer):
         target.saved_bucket_buffers = names(table, SAVED)
         target.scratch_names = frozenset(names(table, SCRATCH))
 
-    def _use_layout(self, layout: dict[str, Buffer]) -> None:
+    #: how a sharded layout declares this class's buffers (over compressed_opt.zero.BUFFERS)
+    sharded_buffers: dict[str, Buffer] = {}
+
+    def _overlay_buffers(self, table: dict[str, Buffer]) -> None:
         """This optimizer keeps its state in another layout (ZeRO's shards): its buffers are the
-        class's overlaid with ``layout``'s (:func:`compressed_opt.buffers.overlay`)."""
-        self._declare(self, overlay(type(self).declared, layout))
+        class's overlaid with ``table`` (:func:`compressed_opt.buffers.overlay`)."""
+        self._declare(self, overlay(type(self).declared, table))
 
     def __init__(self, params, defaults: dict, backend: Backend | None = None, bucket_cap_mb: float = 25.0,
-                 overlap: bool = True, accumulation_steps: int = 1, hierarchy: str = "auto", path: str = "1bit"):
+                 overlap: bool = True, accumulation_steps: int = 1, hierarchy: str = "auto", path: str = "1bit",
+                 layout: Layout | None = None):
         check_choice("hierarchy", hierarchy, averaging.HIERARCHIES)
         check_choice("path", path, averaging.PATHS)
-        if path != "1bit" and getattr(self, "zero_stage", 0):
-            raise ValueError(f"path={path!r} with zero_stage > 0: ZeRO keeps the 1-bit exchange's rows as its momentum")
+        #: where the state lives, replicated or sharded (compressed_opt.layout): chosen here, once
+        self.layout = Replicated() if layout is None else layout
+        self.layout.check_options(self, path, hierarchy)
+        self.layout.declare_buffers(self)
         self.path = path
         #: per bucket size (elements), "1bit" or "fp32" (path="measure": what the link measured)
         self.exchange_paths: dict[int, str] = {}
-        if hierarchy == "node" and getattr(self, "zero_stage", 0):
-            raise ValueError("hierarchy='node' with zero_stage > 0: ZeRO's shards are the flat exchange's server "
-                             "chunks; use hierarchy='auto' or 'flat' (flat) or zero_stage=0")
         self.hierarchy = hierarchy
         self._averaging = None  # chosen at the first step, on every rank alike (compressed_opt.averaging)
         self._saved_averaging = None  # the averaging key of a loaded checkpoint's error buffers
@@ -277,6 +282,7 @@ class CompressedOptimizer(Persistence, Optimizer):
 
     def _check_rebuild(self) -> None:
         """Raise if this optimizer cannot carry its state over to new buckets."""
+        self.layout.check_rebuild(self)
 
     @property
     def averaging(self):
@@ -292,7 +298,7 @@ class CompressedOptimizer(Persistence, Optimizer):
         """Once, in ``step()`` on every rank (collective): the flat or the hierarchical exchange;
         error buffers loaded from a checkpoint of another exchange are dropped (warned)."""
         if self._averaging is None:
-            self._averaging = averaging.choose(self.backend, self.hierarchy, bool(getattr(self, "zero_stage", 0)))
+            self._averaging = averaging.choose(self.backend, self.hierarchy, self.layout.sharded)
         self._drop_foreign_errors()
         if self.path == "measure" and not self.exchange_paths and self._buckets:
             self.exchange_paths = averaging.measure_paths(self._averaging, self.backend,
@@ -426,7 +432,7 @@ class CompressedOptimizer(Persistence, Optimizer):
 
     def _grad_buffer(self, bucket: Bucket) -> torch.Tensor:
         """The bucket's flat fp32 gradient workspace."""
-        return bucket.flat("grad")
+        return self.layout.grad_buffer(self, bucket)
 
     def _gather(self, bucket: Bucket, grad: torch.Tensor, step: int) -> None:
         """``grad`` <- this rank's gradients of the bucket (unscaled)."""
@@ -438,7 +444,7 @@ class CompressedOptimizer(Persistence, Optimizer):
 
     def _average(self, bucket: Bucket, grad: torch.Tensor) -> None:
         """The full-precision gradient average of a bucket (one collective)."""
-        self.backend.all_reduce(grad, op="avg")
+        self.layout.average(self, bucket, grad)
 
     # The launcher's callbacks (compressed_opt.overlap): the life cycle of a step's communication.
     def prepare(self) -> None:
