@@ -15,7 +15,11 @@ from __future__ import annotations
 
 import torch
 
+from compressed_opt import cuda as kernels
+
+from . import scaling
 from .buckets import Bucket
+from .moments import descend_
 
 
 class Layout:
@@ -58,6 +62,81 @@ class Layout:
         """The full-precision average of the bucket's gradients, in place (collective)."""
         raise NotImplementedError
 
+    # --- warmup: the update of the part this rank holds --------------------------------------------
+    def own(self, opt, bucket: Bucket, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a whole-bucket tensor (a view)."""
+        raise NotImplementedError
+
+    def state(self, opt, bucket: Bucket, name: str) -> torch.Tensor:
+        """This rank's part of the per-element state ``name`` (``"exp_avg"``, ``"exp_avg_sq"``,
+        ...; zeros when new), a flat fp32 view to update in place."""
+        raise NotImplementedError
+
+    def direction_buffer(self, opt, bucket: Bucket, grad: torch.Tensor) -> torch.Tensor:
+        """Where the update direction of this rank's part is formed, once the moments have read
+        the gradient ``grad``."""
+        raise NotImplementedError
+
+    def own_values(self, opt, bucket: Bucket):
+        """What this rank updates in place: the parameters (a list) or the fp32 values of its part
+        (a flat tensor); read it after the moments (it may reuse the gradient workspace)."""
+        raise NotImplementedError
+
+    def step_(self, opt, bucket: Bucket, values, direction: torch.Tensor, decay: float, alpha: float) -> None:
+        """``values <- values decay + alpha direction`` (:meth:`own_values`, :meth:`direction_buffer`);
+        afterwards every rank holds the whole new parameters."""
+        raise NotImplementedError
+
+    def sum_over_ranks(self, opt, values: list[float]) -> list[float]:
+        """Each of ``values`` (sums over the state this rank holds) summed over the state of every
+        rank, the same on every rank."""
+        raise NotImplementedError
+
+    def freeze(self, opt, bucket: Bucket) -> torch.Tensor:
+        """At the end of warmup: make the bucket's compression-stage state from its warmup state,
+        and return the whole raw variance ``v`` (the same on every rank; valid until the bucket's
+        next collective)."""
+        raise NotImplementedError
+
+    # --- compression stage ------------------------------------------------------------------------
+    def gather_local(self, opt, bucket: Bucket, grad: torch.Tensor) -> None:
+        """A compression step's gather into ``grad``: this rank's gradients, or already its local
+        momentum (see :meth:`local_momentum_`)."""
+        raise NotImplementedError
+
+    def local_momentum_(self, opt, bucket: Bucket, x: torch.Tensor, beta1: float) -> None:
+        """``x`` (as :meth:`gather_local` left it) <- what the 1-bit exchange averages: the local
+        momentum ``m_i = b1 m + (1 - b1) g_i``, or with the preconditioned exchange ``clip(R m_i,
+        +-c_l K)``, 0 where ``v_f == 0`` (:mod:`compressed_opt.onebit_adam`)."""
+        raise NotImplementedError
+
+    def exchange(self, opt, bucket: Bucket, x: torch.Tensor) -> None:
+        """``x`` <- the 1-bit compressed average of the ranks' ``x`` (collective)."""
+        raise NotImplementedError
+
+    def keep_momentum(self, opt, bucket: Bucket, m: torch.Tensor) -> None:
+        """Keep the averaged momentum ``m`` (whole) for the next step's local momentum."""
+        raise NotImplementedError
+
+    def keep_exchange_factors(self, opt, bucket: Bucket, root: torch.Tensor, denom: torch.Tensor,
+                              coeffs: list[float]) -> None:
+        """The preconditioner ``R = c_l / sqrt(v_f)`` was just made (from ``root = sqrt(v_f)``,
+        ``denom = sqrt(v_f) + eps`` and the layers' ``c_l``): keep what the compression steps
+        need beside it."""
+        raise NotImplementedError
+
+    def step_preconditioned_(self, opt, bucket: Bucket, y: torch.Tensor, decay: float, alpha: float,
+                             step: int) -> None:
+        """1-bit Adam's compression-stage update from the exchanged ``y = avg(R m_i)``:
+        ``p <- p decay + alpha f_l m / (sqrt(v_f) + eps)`` (``f_l``: the layer's variance factor),
+        keeping ``m = y / R``."""
+        raise NotImplementedError
+
+    def update_masters(self, opt, bucket: Bucket, step: int, decay, delta: torch.Tensor, alpha: float = 1.0) -> None:
+        """After a compression-stage update ``p <- p decay + alpha delta`` of the parameters
+        (``decay``: a float or one per layer): the same on any fp32 masters of them."""
+        raise NotImplementedError
+
 
 class Replicated(Layout):
     """Every rank holds the whole state of every bucket."""
@@ -85,3 +164,65 @@ class Replicated(Layout):
 
     def average(self, opt, bucket, grad):
         opt.backend.all_reduce(grad, op="avg")
+
+    def own(self, opt, bucket, whole):
+        return whole
+
+    def state(self, opt, bucket, name):
+        return bucket.flat(name)
+
+    def direction_buffer(self, opt, bucket, grad):
+        return grad  # free once the moments have read it
+
+    def own_values(self, opt, bucket):
+        return bucket.params
+
+    def step_(self, opt, bucket, values, direction, decay, alpha):
+        descend_(values, bucket.views(direction), decay, alpha)
+
+    def sum_over_ranks(self, opt, values):
+        return values
+
+    def freeze(self, opt, bucket):
+        return bucket.flat("exp_avg_sq")  # v stays where it is; v_f is made from it when first needed
+
+    def gather_local(self, opt, bucket, grad):
+        opt._gather_observed(bucket, grad)
+
+    def local_momentum_(self, opt, bucket, x, beta1):
+        m = bucket.flat("exp_avg")
+        r = opt._exchange_preconditioner(bucket)
+        if r is None:
+            torch.lerp(m, x, 1 - beta1, out=x)
+        else:  # one pass
+            kernels.lerp_scale_clamp_(x, m, 1 - beta1, r, opt._exchange_bounds(bucket), bucket.segments)
+
+    def exchange(self, opt, bucket, x):
+        opt.compressed_average(bucket, x)
+
+    def keep_momentum(self, opt, bucket, m):
+        bucket.flat("exp_avg").copy_(m)
+
+    def keep_exchange_factors(self, opt, bucket, root, denom, coeffs):
+        """Unless the optimizer still divides by ``sqrt(v_f) + eps`` itself, ``A = sqrt(v_f) /
+        (sqrt(v_f) + eps) / c_l`` (0 where ``v_f == 0``) takes the denominator's place: the
+        direction ``m / (sqrt(v_f) + eps)`` is ``A y``."""
+        if opt._keeps_denominator:
+            return
+        a = torch.div(root, denom).nan_to_num_(nan=0.0)
+        scaling.unscale_(bucket.views(a), coeffs)
+        bucket.flats["direction_factor"] = a
+        bucket.flats.pop("frozen_denominator", None)
+
+    def step_preconditioned_(self, opt, bucket, y, decay, alpha, step):
+        """``m = y / R`` into ``exp_avg``; ``p <- p decay + alpha f_l A y`` formed inside the
+        update (one pass, no direction buffer written)."""
+        opt._momentum_from_exchange(bucket, y, out=bucket.flat("exp_avg"))
+        factors = opt._variance_factors_of(bucket) or [1.0] * len(bucket.params)
+        if decay != 1.0:
+            torch._foreach_mul_(bucket.params, decay)
+        a = bucket.flats["direction_factor"]
+        torch._foreach_addcmul_(bucket.params, bucket.views(y), bucket.views(a), [alpha * f for f in factors])
+
+    def update_masters(self, opt, bucket, step, decay, delta, alpha=1.0):
+        pass  # the parameters are the truth

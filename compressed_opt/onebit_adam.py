@@ -49,7 +49,7 @@ from . import scaling, zero
 from . import variance_tracking as tracking
 from .buffers import DERIVED, STATE, Buffer
 from .freeze import VarianceStabilityRule, resolve_rule, restore_rule
-from .moments import bias_corrections, denominator_, frozen_denominator_of, momentum_, variance_
+from .moments import bias_corrections, denominator_, descend_, frozen_denominator_of, momentum_, variance_
 from .optimizer import CompressedOptimizer, common_args
 from .validation import check_adam_group, check_choice, check_step_count
 
@@ -115,17 +115,17 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
             self._freeze(step)
 
     def _mean_bias_corrected_variance(self, step) -> float:
-        """The auto rule's statistic: the mean of ``v_hat`` over every element. With ZeRO each
-        rank sums its chunks and one all-gather of two floats adds them up in rank order."""
+        """The auto rule's statistic: the mean of ``v_hat`` over every element. Each rank sums
+        the variance it holds (sharded: its chunks; one all-gather of two floats adds them up in
+        rank order)."""
         total = numel = 0.0
         for b in self._buckets:
             group = self.param_groups[b.group_index]
             _, bc2 = bias_corrections(*group["betas"], step, group["bias_correction"])
-            v = self.layout.own_variance(self, b) if self.zero_stage else b.flat("exp_avg_sq")
+            v = self.layout.state(self, b, "exp_avg_sq")
             total += float(v.sum()) / (bc2 * bc2)
             numel += v.numel()
-        if self.zero_stage:
-            total, numel = self.layout.sum_over_ranks(self, [total, numel])
+        total, numel = self.layout.sum_over_ranks(self, [total, numel])
         return total / max(numel, 1.0)
 
     def _auto_decision(self, step) -> bool:
@@ -136,7 +136,7 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
         self.freeze_step = step
         self.reset_error_buffers()
         for b in self._buckets:
-            self._start_variance_tracking(b, self.layout.freeze(self, b) if self.zero_stage else b.flat("exp_avg_sq"))
+            self._start_variance_tracking(b, self.layout.freeze(self, b))
         logger.info("%s: variance frozen at the end of step %d; compression starts", type(self).__name__, step)
 
     def frozen_denominator(self, bucket) -> torch.Tensor:
@@ -158,14 +158,9 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
     def _tracking_clock(self, step):
         return step - self.freeze_step, step, self.freeze_step
 
-    # --- ZeRO (compressed_opt.zero) -------------------------------------------------------------
     def _gather(self, bucket, grad, step):
-        if self.zero_stage and self.frozen:  # the local momentum is formed from p.grad directly
-            self._observe_local_gradient(bucket)
-            beta1 = self.param_groups[bucket.group_index]["betas"][0]
-            self.layout.local_momentum(self, bucket, grad, beta1, keep_previous=self._keeps_previous_momentum,
-                                row_scales=self._exchange_scales(bucket),
-                                preconditioner=self._exchange_preconditioner(bucket))
+        if self.frozen:  # g_i, or (sharded) the local momentum formed from p.grad directly
+            self.layout.gather_local(self, bucket, grad)
         else:
             self._gather_observed(bucket, grad)
 
@@ -195,27 +190,8 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
             coeffs = self._preconditioned_coeffs(bucket, r)
             scaling.scale_(bucket.views(r), coeffs)
             bucket.flats["preconditioner"] = r
-            if not self._keeps_denominator:  # R (and A) replace it; ZeRO checkpoints hold R
-                if not self.zero_stage:  # (ZeRO saves the memory: A = 1 / (c_l + eps R), per step)
-                    a = torch.div(root, denom).nan_to_num_(nan=0.0)  # sqrt(v_f) / (sqrt(v_f) + eps), 0 where v_f == 0
-                    scaling.unscale_(bucket.views(a), coeffs)
-                    bucket.flats["direction_factor"] = a
-                bucket.flats.pop("frozen_denominator", None)
+            self.layout.keep_exchange_factors(self, bucket, root, denom, coeffs)  # (R and A replace it)
         return r
-
-    def _direction_from_exchange_(self, bucket, y: torch.Tensor) -> None:
-        """ZeRO: ``y`` (the exchanged ``R m``) <- ``m / (sqrt(v_f) + eps) = A y`` with ``A = 1 /
-        (c_l + eps R)`` (0 where ``v_f == 0``), made for this step from ``R = c_l / sqrt(v_f)``
-        (stage 0 keeps ``A = sqrt(v_f) / (sqrt(v_f) + eps) / c_l`` and forms ``A y`` in the update)."""
-        r = self._exchange_preconditioner(bucket)
-        views = bucket.views(y)
-        if views:
-            a_inv = torch._foreach_mul(bucket.views(r), self.param_groups[bucket.group_index]["eps"])
-            torch._foreach_add_(a_inv, [self.state[p]["scaling_coeff"] for p in bucket.params])
-            torch._foreach_div_(views, a_inv)
-        idx = self._no_variance(bucket)
-        if idx.numel():
-            y.index_fill_(0, idx, 0.0)
 
     def _exchange_bounds(self, bucket) -> list[float]:
         """Per layer, the bound ``c_l K`` on the exchanged ``|R m_i|``, ``K = max(1, (1 - b1) /
@@ -258,27 +234,6 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
         if idx is None:
             idx = bucket.flats["no_variance"] = torch.nonzero(self._exchange_preconditioner(bucket) == 0).view(-1)
         return idx
-
-    def _precondition_(self, bucket, x: torch.Tensor, beta1: float) -> None:
-        """The exchanged vector ``clip(R m_i, +-c_l K)`` (0 where ``v_f == 0``) into ``x``, from the
-        local momentum ``m_i = b1 m + (1 - b1) g_i``. Stage 0: ``x`` holds ``g_i`` and one pass forms
-        it (:func:`~compressed_opt.cuda.lerp_scale_clamp_`); ZeRO: ``x`` holds ``R m_i`` already
-        (:func:`zero.local_momentum`)."""
-        if not self.zero_stage:
-            kernels.lerp_scale_clamp_(x, bucket.flat("exp_avg"), 1 - beta1, self._exchange_preconditioner(bucket),
-                                      self._exchange_bounds(bucket), bucket.segments)
-            return
-        idx = self._no_variance(bucket)  # the kept rows carry the exchange's +-t where v_f == 0
-        if idx.numel():
-            x.index_fill_(0, idx, 0.0)
-        self._bound_(bucket, x)
-
-    def _exchange_1bit(self, bucket, x: torch.Tensor) -> None:
-        """``x`` <- the 1-bit compressed average of the ranks' ``x`` (ZeRO also keeps its rows)."""
-        if self.zero_stage:
-            self.layout.exchange(self, bucket, x)
-        else:
-            self.compressed_average(bucket, x)
 
     def _momentum_from_exchange(self, bucket, y: torch.Tensor, out: torch.Tensor) -> None:
         """``m = y / R`` into ``out`` (0 where ``v_f == 0``; the cached indices of those zeros
@@ -357,51 +312,31 @@ class OnebitAdam(_FreezingAdam):
         ``R m_i``, bounded, for the preconditioned exchange), then its compressed average over the
         ranks, in place (``m`` takes it in :meth:`_bucket_step`). Into the gradient buffer: ``m``
         changes only in :meth:`_bucket_step` (a skipped step leaves it alone)."""
-        if self.exchange_mode == "preconditioned":
-            self._precondition_(bucket, grad, group["betas"][0])
-        elif not self.zero_stage:  # (ZeRO: grad holds m_i already, _gather)
-            torch.lerp(bucket.flat("exp_avg"), grad, 1 - group["betas"][0], out=grad)
-        self._exchange_1bit(bucket, grad)
+        self.layout.local_momentum_(self, bucket, grad, group["betas"][0])
+        self.layout.exchange(self, bucket, grad)
 
     def _bucket_step(self, bucket, group, grad, step, averaged):
-        if averaged:
-            self._observe_averaged_gradient(bucket, grad)
-        if self.zero_stage and averaged:
-            self.layout.warmup_update(self, bucket, group, grad, step)
-            return
         beta1, beta2 = group["betas"]
         lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]  # lr: a float or a 1-element tensor
         bc1, bc2_sqrt = bias_corrections(beta1, beta2, step, group["bias_correction"])
-        direction = grad  # the gradient buffer is free after the moments: it takes m / denominator
-        # compression stage: grad holds the averaged momentum (_bucket_communicate)
-        m = grad if self.zero_stage or not averaged else bucket.flat("exp_avg")
-        if averaged:
-            # warmup: AdamW on the averaged gradient
-            v = bucket.flat("exp_avg_sq")
-            momentum_(m, grad, beta1)
-            variance_(v, grad, beta2)
+        layout = self.layout
+        if averaged:  # warmup: AdamW on the averaged gradient, over the part of the bucket this rank holds
+            self._observe_averaged_gradient(bucket, grad)
+            g = layout.own(self, bucket, grad)
+            m, v = layout.state(self, bucket, "exp_avg"), layout.state(self, bucket, "exp_avg_sq")
+            momentum_(m, g, beta1)
+            variance_(v, g, beta2)
+            direction = layout.direction_buffer(self, bucket, grad)
             torch.div(m, denominator_(v, direction, eps, bc2_sqrt), out=direction)
-        elif self.exchange_mode == "preconditioned" and not self.zero_stage:  # grad holds y = avg of R m_i
-            self._momentum_from_exchange(bucket, grad, out=bucket.flat("exp_avg"))
-            # p <- p - lr f_l A y / bc1: the direction m / (sqrt(v_f) + eps) = A y, times the layer's
-            # factor, formed inside the update (one pass, no direction buffer written)
-            factors = self._variance_factors_of(bucket) or [1.0] * len(bucket.params)
-            if wd != 0:
-                torch._foreach_mul_(bucket.params, 1 - lr * wd)
-            if bucket.params:
-                a, steps = bucket.flats["direction_factor"], [-lr / bc1 * f for f in factors]
-                torch._foreach_addcmul_(bucket.params, bucket.views(grad), bucket.views(a), steps)
+            layout.step_(self, bucket, layout.own_values(self, bucket), direction, 1 - lr * wd, -lr / bc1)
             return
-        elif self.exchange_mode == "preconditioned":
-            self._direction_from_exchange_(bucket, direction)  # m / (sqrt(v_f) + eps) = A y
-            self._variance_factors_(bucket, direction)
-        else:  # compression stage: grad is already the compressed average (_bucket_communicate)
-            if not self.zero_stage:
-                bucket.flat("exp_avg").copy_(grad)
-            torch.div(m, self.frozen_denominator(bucket), out=direction)
-            self._variance_factors_(bucket, direction)
-        if wd != 0:
-            torch._foreach_mul_(bucket.params, 1 - lr * wd)
-        torch._foreach_add_(bucket.params, bucket.views(direction), alpha=-lr / bc1)
-        if self.zero_stage and not averaged:
-            self.layout.compression_update(self, bucket, step, 1 - lr * wd, direction, alpha=-lr / bc1)
+        # compression stage: grad holds the compressed average (_bucket_communicate)
+        if self.exchange_mode == "preconditioned":  # y = the average of R m_i
+            layout.step_preconditioned_(self, bucket, grad, 1 - lr * wd, -lr / bc1, step)
+            return
+        layout.keep_momentum(self, bucket, grad)
+        direction = grad  # m / (sqrt(v_f) + eps), in place
+        torch.div(grad, self.frozen_denominator(bucket), out=direction)
+        self._variance_factors_(bucket, direction)
+        descend_(bucket.params, bucket.views(direction), 1 - lr * wd, -lr / bc1)
+        layout.update_masters(self, bucket, step, 1 - lr * wd, direction, -lr / bc1)

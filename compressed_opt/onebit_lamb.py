@@ -248,18 +248,11 @@ class OnebitLamb(_FreezingAdam):
         ``b1 m + (1 - b1) g_i`` into the gradient buffer (``m`` keeps ``m_{t-1}``, needed to
         reconstruct the gradient), scaled per layer by ``c_l``, compressed-allreduced, unscaled."""
         preconditioned = self.exchange_mode == "preconditioned"
-        if preconditioned:  # (ZeRO: grad holds the local momentum R m_i already, zero.local_momentum)
-            coeffs = None
-            self._precondition_(bucket, grad, group["betas"][0])
-        else:
-            if self.zero_stage:  # grad holds the local momentum already
-                coeffs = self._exchange_scales(bucket)
-            else:
-                m = bucket.flat("exp_avg")
-                coeffs = self._scaling_coeffs(bucket, m)
-                torch.lerp(m, grad, 1 - group["betas"][0], out=grad)
+        coeffs = self._exchange_scales(bucket)  # (None when preconditioned: c_l is inside R)
+        self.layout.local_momentum_(self, bucket, grad, group["betas"][0])
+        if not preconditioned:
             scaling.scale_(bucket.views(grad), coeffs)
-        self._exchange_1bit(bucket, grad)
+        self.layout.exchange(self, bucket, grad)
         if preconditioned:
             self._momentum_from_exchange(bucket, grad, out=grad)  # m_t = y / R
         else:
@@ -319,8 +312,7 @@ class OnebitLamb(_FreezingAdam):
         torch._foreach_mul_(views, [-lr * c / bc1 for c in coeffs])
         torch._foreach_add_(params, views)
         if self.zero_stage and self.layout.master_shard(self, bucket) is not None:
-            decay = self.layout.per_element(self, bucket, decays, "coeff_shard")
-            self.layout.compression_update(self, bucket, step, decay, update)
+            self.layout.update_masters(self, bucket, step, decays, update)
 
     def _compression_coeffs(self, params, group, raw) -> list[float]:
         """Each layer's ``r_f * factor`` from the raw factors (clipped, and by the threshold)."""

@@ -55,7 +55,7 @@ from . import scaling
 from .buckets import Bucket
 from .buffers import SAVED, SCRATCH, Buffer
 from .layout import Layout, Replicated
-from .moments import bias_corrections, denominator_, frozen_denominator_of, momentum_, variance_
+from .moments import descend_, frozen_denominator_of, momentum_, variance_
 
 #: the sharded layout's bucket buffers (over the optimizer's own: compressed_opt.buffers.overlay)
 BUFFERS = {
@@ -131,12 +131,12 @@ class Sharded(Layout):
             "model, or give the optimizer the unwrapped model without DDP"
         )
 
-    # --- the gradients and the state -------------------------------------------------------------
+    # --- the gradients -------------------------------------------------------------------------
     def own_range(self, opt, bucket: Bucket) -> tuple[int, int, int]:
         """``(lo, hi, chunk)``: this rank's elements ``[lo, hi)`` of the bucket, and the chunk size."""
         return bucket.chunk_range(opt.backend.world_size, opt.backend.rank)
 
-    def grad_buffer(self, opt, bucket: Bucket) -> torch.Tensor:
+    def grad_buffer(self, opt, bucket):
         """The gradient workspace, padded to ``N c`` elements so it splits into equal chunks."""
         world = opt.backend.world_size
         return shard(bucket, "grad_padded", world * chunk_numel(bucket.numel, world))[: bucket.numel]
@@ -144,24 +144,23 @@ class Sharded(Layout):
     def average(self, opt, bucket, grad):
         opt.backend.all_reduce(grad, op="avg")
 
-    def own_grad(self, opt, bucket: Bucket, grad: torch.Tensor) -> torch.Tensor:
-        """This rank's chunk of the averaged gradient (after :func:`average`)."""
+    # --- warmup: rank j updates chunk j ------------------------------------------------------------
+    def own(self, opt, bucket, whole):
         lo, hi, _ = self.own_range(opt, bucket)
-        return grad[lo:hi]
+        return whole[lo:hi]
 
-    def moments(self, opt, bucket: Bucket, g: torch.Tensor, beta1: float,
-                beta2: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """``m_j = b1 m_j + (1 - b1) g_j``, ``v_j = b2 v_j + (1 - b2) g_j^2`` on this rank's chunk."""
+    def state(self, opt, bucket, name):
+        """Chunk ``j`` of the state ``name``: the buffer ``name + "_shard"`` (``m_j``, ``v_j``, ...)."""
         lo, hi, c = self.own_range(opt, bucket)
-        m = shard(bucket, "exp_avg_shard", c)[: hi - lo]
-        v = shard(bucket, "exp_avg_sq_shard", c)[: hi - lo]
-        momentum_(m, g, beta1)
-        variance_(v, g, beta2)
-        return m, v
+        return shard(bucket, name + "_shard", c)[: hi - lo]
+
+    def direction_buffer(self, opt, bucket, grad):
+        lo, hi, c = self.own_range(opt, bucket)
+        return shard(bucket, "update_shard", c)[: hi - lo]
 
     def own_values(self, opt, bucket: Bucket) -> torch.Tensor:
         """This rank's chunk of the parameters in fp32, to update in place and then
-        :func:`publish`: the master chunk of a bf16/fp16 bucket (the truth), else the current
+        :meth:`publish`: the master chunk of a bf16/fp16 bucket (the truth), else the current
         values copied out of the parameters (this overwrites the padded gradient workspace)."""
         lo, hi, _ = self.own_range(opt, bucket)
         master = self.master_shard(opt, bucket)
@@ -171,8 +170,12 @@ class Sharded(Layout):
         torch._foreach_copy_(bucket.views(padded[: bucket.numel]), bucket.params)
         return padded[lo:hi]
 
+    def step_(self, opt, bucket, values, direction, decay, alpha):
+        values.mul_(decay).add_(direction, alpha=alpha)
+        self.publish(opt, bucket, values)
+
     def publish(self, opt, bucket: Bucket, values: torch.Tensor) -> None:
-        """One all-gather of every rank's :func:`own_values` into the parameters."""
+        """One all-gather of every rank's :meth:`own_values` into the parameters."""
         padded = bucket.flats["grad_padded"]
         master = bucket.flats.get("master_shard")
         if master is None:
@@ -184,19 +187,6 @@ class Sharded(Layout):
             out = master  # zero beyond the chunk's end
         opt.backend.all_gather(padded, out)
         torch._foreach_copy_(bucket.params, bucket.views(padded[: bucket.numel]))
-
-    def warmup_update(self, opt, bucket: Bucket, group: dict, grad: torch.Tensor, step: int) -> None:
-        """AdamW on this rank's chunk; one all-gather brings every rank the new parameters."""
-        lo, hi, c = self.own_range(opt, bucket)
-        beta1, beta2 = group["betas"]
-        lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]  # lr: a float or a 1-element tensor
-        bc1, bc2_sqrt = bias_corrections(beta1, beta2, step, group["bias_correction"])
-        m, v = self.moments(opt, bucket, self.own_grad(opt, bucket, grad), beta1, beta2)
-        direction = shard(bucket, "update_shard", c)[: hi - lo]
-        torch.div(m, denominator_(v, direction, eps, bc2_sqrt), out=direction)
-        values = self.own_values(opt, bucket)
-        values.mul_(1 - lr * wd).add_(direction, alpha=-lr / bc1)
-        self.publish(opt, bucket, values)
 
     def master_shard(self, opt, bucket: Bucket) -> torch.Tensor | None:
         """This rank's fp32 master copy of its chunk of a bucket that holds bf16/fp16 parameters
@@ -213,25 +203,7 @@ class Sharded(Layout):
             master[: hi - lo].copy_(padded[lo:hi])
         return master
 
-    def compression_update(self, opt, bucket: Bucket, step: int, decay, delta: torch.Tensor,
-                           alpha: float = 1.0) -> None:
-        """Compression stage, low-precision parameters: every rank applied the update to its
-        parameters (as without ZeRO); the owner applies it exactly to its fp32 master chunk,
-        ``master <- master * decay + alpha * delta`` (``decay`` a float or one per element of the
-        chunk, ``delta`` the whole bucket's update), and every ``master_resync_interval`` steps one
-        all-gather of the master chunks replaces the parameters, bounding what their rounding
-        drifted."""
-        master = self.master_shard(opt, bucket)
-        if master is None:
-            return
-        lo, hi, _ = self.own_range(opt, bucket)
-        master[: hi - lo].mul_(decay).add_(delta[lo:hi], alpha=alpha)
-        if step % opt.master_resync_interval == 0:
-            padded = bucket.flats["grad_padded"]
-            opt.backend.all_gather(padded, master)
-            torch._foreach_copy_(bucket.params, bucket.views(padded[: bucket.numel]))
-
-    def freeze(self, opt, bucket: Bucket) -> torch.Tensor:
+    def freeze(self, opt, bucket):
         """Gather the chunks of ``m`` and ``v`` once: the full momentum (until the first compressed
         exchange replaces it by its 1-bit rows) and the frozen denominator of every element. Returns
         the whole raw ``v`` (a scratch buffer: valid until the bucket's next collective)."""
@@ -248,8 +220,18 @@ class Sharded(Layout):
         del bucket.flats["exp_avg_shard"], bucket.flats["exp_avg_sq_shard"]
         return padded[:n]
 
-    def local_momentum(self, opt, bucket: Bucket, x: torch.Tensor, beta1: float, keep_previous: bool = False,
-                       row_scales: list[float] | None = None, preconditioner: torch.Tensor | None = None) -> None:
+    # --- compression stage: every rank updates its whole replica ----------------------------------
+    def gather_local(self, opt, bucket, grad):
+        """The local momentum, formed from ``p.grad`` directly (:meth:`form_local_momentum`)."""
+        opt._observe_local_gradient(bucket)
+        beta1 = opt.param_groups[bucket.group_index]["betas"][0]
+        self.form_local_momentum(opt, bucket, grad, beta1, keep_previous=opt._keeps_previous_momentum,
+                                 row_scales=opt._exchange_scales(bucket),
+                                 preconditioner=opt._exchange_preconditioner(bucket))
+
+    def form_local_momentum(self, opt, bucket: Bucket, x: torch.Tensor, beta1: float, keep_previous: bool = False,
+                            row_scales: list[float] | None = None,
+                            preconditioner: torch.Tensor | None = None) -> None:
         """``x`` <- ``b1 m + (1 - b1) g_i`` with ``m`` expanded from the kept rows (or the momentum
         gathered at the freeze) and ``g_i`` read straight from ``p.grad``. ``row_scales``: per layer,
         what the exchanged momentum was multiplied by (1-bit LAMB's scaling coefficients), divided
@@ -288,14 +270,81 @@ class Sharded(Layout):
         elif views:
             torch._foreach_addcmul_(views, scales, grads, value=alpha)
 
-    def exchange(self, opt, bucket: Bucket, x: torch.Tensor) -> None:
-        """The compressed allreduce of the local momentum; keep the result's 1-bit rows."""
+    def local_momentum_(self, opt, bucket, x, beta1):
+        """``x`` holds ``m_i`` (``R m_i``) already (:meth:`gather_local`); preconditioned, it is
+        bounded and zeroed where ``v_f == 0`` (the kept rows carry the exchange's ``+-t`` there)."""
+        if opt._exchange_preconditioner(bucket) is None:
+            return
+        idx = opt._no_variance(bucket)
+        if idx.numel():
+            x.index_fill_(0, idx, 0.0)
+        opt._bound_(bucket, x)
+
+    def exchange(self, opt, bucket, x):
+        """The compressed allreduce of the local momentum (always flat: its server chunks are the
+        shards); keep the result's 1-bit rows: they are the momentum from now on."""
         worker_error, server_error = opt.error_buffers(bucket)
         compressed_allreduce(x, worker_error, server_error, opt.backend)
         rows = result_rows(bucket.numel, opt.backend, x.device)
         shard(bucket, "momentum_rows", rows.numel(), torch.uint8).copy_(rows)
         bucket.flats.pop("exp_avg", None)
 
+    def keep_momentum(self, opt, bucket, m):
+        pass  # the exchange kept its 1-bit rows (32x smaller than m)
+
+    def keep_exchange_factors(self, opt, bucket, root, denom, coeffs):
+        """Only ``R`` is kept (saved): the denominator is made again from it for a step that
+        divides by it, and ``A y`` is formed by a division (:meth:`step_preconditioned_`)."""
+        bucket.flats.pop("frozen_denominator", None)
+
+    def step_preconditioned_(self, opt, bucket, y, decay, alpha, step):
+        self._direction_from_exchange_(opt, bucket, y)
+        opt._variance_factors_(bucket, y)
+        descend_(bucket.params, bucket.views(y), decay, alpha)
+        self.update_masters(opt, bucket, step, decay, y, alpha)
+
+    def _direction_from_exchange_(self, opt, bucket: Bucket, y: torch.Tensor) -> None:
+        """``y`` (the exchanged ``R m``) <- ``m / (sqrt(v_f) + eps) = A y`` with ``A = 1 / (c_l +
+        eps R)`` (0 where ``v_f == 0``), made for this step from ``R = c_l / sqrt(v_f)`` (the
+        replicated layout keeps ``A`` instead)."""
+        r = opt._exchange_preconditioner(bucket)
+        views = bucket.views(y)
+        if views:
+            a_inv = torch._foreach_mul(bucket.views(r), opt.param_groups[bucket.group_index]["eps"])
+            torch._foreach_add_(a_inv, [opt.state[p]["scaling_coeff"] for p in bucket.params])
+            torch._foreach_div_(views, a_inv)
+        idx = opt._no_variance(bucket)
+        if idx.numel():
+            y.index_fill_(0, idx, 0.0)
+
+    def update_masters(self, opt, bucket, step, decay, delta, alpha=1.0):
+        """Low-precision parameters: every rank applied the update to its parameters (as
+        replicated); the owner applies it exactly to its fp32 master chunk, ``master <- master *
+        decay + alpha * delta`` (``delta`` the whole bucket's update), and every
+        ``master_resync_interval`` steps one all-gather of the master chunks replaces the
+        parameters, bounding what their rounding drifted."""
+        master = self.master_shard(opt, bucket)
+        if master is None:
+            return
+        if isinstance(decay, list):  # one per layer
+            decay = self.per_element(opt, bucket, decay, "coeff_shard")
+        lo, hi, _ = self.own_range(opt, bucket)
+        master[: hi - lo].mul_(decay).add_(delta[lo:hi], alpha=alpha)
+        if step % opt.master_resync_interval == 0:
+            padded = bucket.flats["grad_padded"]
+            opt.backend.all_gather(padded, master)
+            torch._foreach_copy_(bucket.params, bucket.views(padded[: bucket.numel]))
+
+    # --- 1-bit LAMB's warmup (until its layout methods take over) ---------------------------------
+    def own_grad(self, opt, bucket: Bucket, grad: torch.Tensor) -> torch.Tensor:
+        return self.own(opt, bucket, grad)
+
+    def moments(self, opt, bucket: Bucket, g: torch.Tensor, beta1: float,
+                beta2: float) -> tuple[torch.Tensor, torch.Tensor]:
+        m, v = self.state(opt, bucket, "exp_avg"), self.state(opt, bucket, "exp_avg_sq")
+        momentum_(m, g, beta1)
+        variance_(v, g, beta2)
+        return m, v
 
     # --- per-layer reductions over the chunks -----------------------------------------------------------
     def layer_ids(self, opt, bucket: Bucket) -> torch.Tensor:
@@ -334,12 +383,6 @@ class Sharded(Layout):
         partial = torch.zeros(n_layers, dtype=torch.float32, device=bucket.device)
         partial.scatter_reduce_(0, ids, values, "amax")
         return self._gather(opt, partial).amax(dim=0)
-
-    def own_variance(self, opt, bucket: Bucket) -> torch.Tensor:
-        """This rank's chunk of the warmup variance (empty before the first step)."""
-        lo, hi, _ = self.own_range(opt, bucket)
-        v = bucket.flats.get("exp_avg_sq_shard")
-        return v[: hi - lo] if v is not None else torch.zeros(0, device=bucket.device)
 
     def sum_over_ranks(self, opt, values: list[float]) -> list[float]:
         """Each of ``values`` summed over the ranks (fp64, in rank order: the same on every rank)."""
