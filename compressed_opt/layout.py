@@ -20,6 +20,7 @@ from compressed_opt import cuda as kernels
 from . import scaling
 from .buckets import Bucket
 from .moments import descend_
+from .reductions import maxima, norms
 
 
 class Layout:
@@ -87,6 +88,22 @@ class Layout:
         afterwards every rank holds the whole new parameters."""
         raise NotImplementedError
 
+    def add_values_(self, opt, bucket: Bucket, out: torch.Tensor, values, alpha: float) -> None:
+        """``out <- out + alpha values`` (``out``: a :meth:`direction_buffer`, ``values``: :meth:`own_values`)."""
+        raise NotImplementedError
+
+    def layer_norms(self, opt, bucket: Bucket, parts: list) -> list[torch.Tensor]:
+        """Per layer of the bucket, the L2 norm of each of ``parts`` (the part this rank holds of a
+        per-element quantity: a flat buffer, or :meth:`own_values`) over every rank's part, the
+        same on every rank: one float64 tensor per part."""
+        raise NotImplementedError
+
+    def step_layers_(self, opt, bucket: Bucket, values, update: torch.Tensor, coeffs: list[float],
+                     scale: float) -> None:
+        """``values <- values + scale coeff_l update`` on each layer ``l`` (1-bit LAMB's trust
+        ratios); afterwards every rank holds the whole new parameters."""
+        raise NotImplementedError
+
     def sum_over_ranks(self, opt, values: list[float]) -> list[float]:
         """Each of ``values`` (sums over the state this rank holds) summed over the state of every
         rank, the same on every rank."""
@@ -116,6 +133,16 @@ class Layout:
 
     def keep_momentum(self, opt, bucket: Bucket, m: torch.Tensor) -> None:
         """Keep the averaged momentum ``m`` (whole) for the next step's local momentum."""
+        raise NotImplementedError
+
+    def previous_momentum(self, opt, bucket: Bucket) -> torch.Tensor:
+        """This rank's part of the momentum of the step before (1-bit LAMB, before
+        :meth:`keep_momentum`), to consume in place."""
+        raise NotImplementedError
+
+    def layer_maxima(self, opt, bucket: Bucket, values: torch.Tensor) -> list[float]:
+        """Per layer, the maximum of ``values`` (this rank's part of a per-element quantity, >= 0)
+        over every rank's part, the same on every rank; 1.0 for an empty layer."""
         raise NotImplementedError
 
     def keep_exchange_factors(self, opt, bucket: Bucket, root: torch.Tensor, denom: torch.Tensor,
@@ -180,6 +207,17 @@ class Replicated(Layout):
     def step_(self, opt, bucket, values, direction, decay, alpha):
         descend_(values, bucket.views(direction), decay, alpha)
 
+    def add_values_(self, opt, bucket, out, values, alpha):
+        torch._foreach_add_(bucket.views(out), values, alpha=alpha)
+
+    def layer_norms(self, opt, bucket, parts):
+        return [norms(part if isinstance(part, list) else bucket.views(part)) for part in parts]
+
+    def step_layers_(self, opt, bucket, values, update, coeffs, scale):
+        views = bucket.views(update)
+        torch._foreach_mul_(views, [scale * c for c in coeffs])
+        torch._foreach_add_(values, views)
+
     def sum_over_ranks(self, opt, values):
         return values
 
@@ -202,6 +240,18 @@ class Replicated(Layout):
 
     def keep_momentum(self, opt, bucket, m):
         bucket.flat("exp_avg").copy_(m)
+
+    def previous_momentum(self, opt, bucket):
+        return bucket.flat("exp_avg")
+
+    def layer_maxima(self, opt, bucket, values):
+        raw = [1.0] * len(bucket.params)
+        nonempty = [i for i, p in enumerate(bucket.params) if p.numel()]
+        if nonempty:
+            views = bucket.views(values)
+            for i, f in zip(nonempty, torch.stack(maxima([views[i] for i in nonempty])).tolist()):
+                raw[i] = f
+        return raw
 
     def keep_exchange_factors(self, opt, bucket, root, denom, coeffs):
         """Unless the optimizer still divides by ``sqrt(v_f) + eps`` itself, ``A = sqrt(v_f) /

@@ -55,7 +55,7 @@ from . import scaling
 from .buckets import Bucket
 from .buffers import SAVED, SCRATCH, Buffer
 from .layout import Layout, Replicated
-from .moments import descend_, frozen_denominator_of, momentum_, variance_
+from .moments import descend_, frozen_denominator_of
 
 #: the sharded layout's bucket buffers (over the optimizer's own: compressed_opt.buffers.overlay)
 BUFFERS = {
@@ -172,6 +172,13 @@ class Sharded(Layout):
 
     def step_(self, opt, bucket, values, direction, decay, alpha):
         values.mul_(decay).add_(direction, alpha=alpha)
+        self.publish(opt, bucket, values)
+
+    def add_values_(self, opt, bucket, out, values, alpha):
+        out.add_(values, alpha=alpha)
+
+    def step_layers_(self, opt, bucket, values, update, coeffs, scale):
+        values.addcmul_(self.per_element(opt, bucket, coeffs, "coeff_shard"), update, value=scale)
         self.publish(opt, bucket, values)
 
     def publish(self, opt, bucket: Bucket, values: torch.Tensor) -> None:
@@ -292,6 +299,11 @@ class Sharded(Layout):
     def keep_momentum(self, opt, bucket, m):
         pass  # the exchange kept its 1-bit rows (32x smaller than m)
 
+    def previous_momentum(self, opt, bucket):
+        """Chunk ``j`` of ``m_{t-1}``, kept when the local momentum was formed."""
+        lo, hi, _ = self.own_range(opt, bucket)
+        return bucket.flats["momentum_prev_shard"][: hi - lo]
+
     def keep_exchange_factors(self, opt, bucket, root, denom, coeffs):
         """Only ``R`` is kept (saved): the denominator is made again from it for a step that
         divides by it, and ``A y`` is formed by a division (:meth:`step_preconditioned_`)."""
@@ -335,17 +347,6 @@ class Sharded(Layout):
             opt.backend.all_gather(padded, master)
             torch._foreach_copy_(bucket.params, bucket.views(padded[: bucket.numel]))
 
-    # --- 1-bit LAMB's warmup (until its layout methods take over) ---------------------------------
-    def own_grad(self, opt, bucket: Bucket, grad: torch.Tensor) -> torch.Tensor:
-        return self.own(opt, bucket, grad)
-
-    def moments(self, opt, bucket: Bucket, g: torch.Tensor, beta1: float,
-                beta2: float) -> tuple[torch.Tensor, torch.Tensor]:
-        m, v = self.state(opt, bucket, "exp_avg"), self.state(opt, bucket, "exp_avg_sq")
-        momentum_(m, g, beta1)
-        variance_(v, g, beta2)
-        return m, v
-
     # --- per-layer reductions over the chunks -----------------------------------------------------------
     def layer_ids(self, opt, bucket: Bucket) -> torch.Tensor:
         """For each element of this rank's chunk, the index of its parameter (layer) in the bucket."""
@@ -376,13 +377,13 @@ class Sharded(Layout):
         out = shard(bucket, name, self.own_range(opt, bucket)[2])[: ids.numel()]
         return torch.index_select(values, 0, ids, out=out)
 
-    def layer_maxima(self, opt, bucket: Bucket, values: torch.Tensor) -> torch.Tensor:
-        """Per layer, the maximum of ``values`` (this rank's chunk; >= 0) over all ranks' chunks
-        (0 for a layer without elements)."""
+    def layer_maxima(self, opt, bucket, values):
+        """Per layer, the maximum over every rank's chunk (one all-gather of a float per layer)."""
         ids, n_layers = self.layer_ids(opt, bucket), len(bucket.params)
         partial = torch.zeros(n_layers, dtype=torch.float32, device=bucket.device)
         partial.scatter_reduce_(0, ids, values, "amax")
-        return self._gather(opt, partial).amax(dim=0)
+        found = self._gather(opt, partial).amax(dim=0).tolist()
+        return [f if p.numel() else 1.0 for p, f in zip(bucket.params, found)]
 
     def sum_over_ranks(self, opt, values: list[float]) -> list[float]:
         """Each of ``values`` summed over the ranks (fp64, in rank order: the same on every rank)."""
