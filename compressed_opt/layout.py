@@ -8,8 +8,23 @@ is not sharded) the layout of whole buffers on every rank, :class:`compressed_op
 (``zero_stage=1``) and :class:`compressed_opt.zero.ShardedGradients` (``zero_stage=2``) the sharded
 one; :func:`compressed_opt.zero.for_stage` picks one.
 
+What differs between them (the rest of a step is the same code for both):
+
+======================  ===================================  ==========================================
+                        replicated                           sharded (rank ``j``: chunk ``j``)
+======================  ===================================  ==========================================
+warmup ``m``, ``v``     whole buckets (``state[p]`` views)   chunk ``j``; update the chunk, all-gather
+gradient average        all-reduce                           all-reduce (1); reduce-scatter (2)
+compression momentum    ``exp_avg`` (fp32)                   the last exchange's 1-bit rows
+local momentum          formed before the exchange           formed while gathering ``p.grad``
+preconditioned update   keeps ``A``, one fused pass          ``A y`` by a division, per step
+bf16/fp16 parameters    updated in place                     and an fp32 master chunk, resynchronised
+======================  ===================================  ==========================================
+
 Every method takes the optimizer (the layout keeps nothing of its own, so copies and pickles of
-the optimizer carry it as it is) and, where it concerns one bucket, the bucket.
+the optimizer carry it as it is) and, where it concerns one bucket, the bucket. Where the two
+differ inside one formula, the layout hands the optimizer what differs (this rank's part of a
+buffer, a workspace, the values it updates) and the formula is written once.
 """
 from __future__ import annotations
 

@@ -67,7 +67,8 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
         "direction_factor": Buffer(DERIVED),  # A = sqrt(v_f) / (sqrt(v_f) + eps) / c_l
         "no_variance": Buffer(DERIVED, torch.int64),  # the indices where v_f == 0
     }
-    #: ZeRO: whether the compression stage needs this rank's chunk of the previous momentum
+    #: whether the compression stage needs this rank's chunk of the previous momentum (a sharded
+    #: layout keeps it when it forms the local momentum)
     _keeps_previous_momentum = False
 
     EXCHANGES = ("preconditioned", "momentum")
@@ -144,7 +145,7 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
         (or after a checkpoint load) from ``exp_avg_sq`` and the freeze step."""
         denom = bucket.flats.get("frozen_denominator")
         r = bucket.flats.get("preconditioner")
-        if denom is None and r is not None:  # ZeRO keeps R = c_l / sqrt(v_f) instead: made for one step
+        if denom is None and r is not None:  # (sharded: only R = c_l / sqrt(v_f) is kept) made for one step
             denom = torch.reciprocal(r)
             scaling.scale_(bucket.views(denom), [self.state[p]["scaling_coeff"] for p in bucket.params])
             return denom.add_(self.param_groups[bucket.group_index]["eps"])
@@ -173,10 +174,10 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
     def _exchange_preconditioner(self, bucket) -> torch.Tensor | None:
         """Per element of the bucket, the fixed factor its momentum is multiplied by for the 1-bit
         exchange (``None``: the momentum itself is exchanged, ``exchange="momentum"``):
-        ``R = c_l / sqrt(v_f)`` per element (0 where ``v_f == 0``), made (with ``A``, see
-        :meth:`_direction_from_exchange_`, where the optimizer does not divide by ``sqrt(v_f) + eps``
-        itself) at the first compressed exchange from ``v_f`` and the
-        momentum, both the same on every rank; after a load, from ``v_f`` and the saved ``c_l``."""
+        ``R = c_l / sqrt(v_f)`` per element (0 where ``v_f == 0``), made at the first compressed
+        exchange from ``v_f`` and the momentum, both the same on every rank; after a load, from
+        ``v_f`` and the saved ``c_l``. The layout keeps beside it what its compression steps need
+        (:meth:`~compressed_opt.layout.Layout.keep_exchange_factors`)."""
         if self.exchange_mode != "preconditioned":
             return None
         r = bucket.flats.get("preconditioner")
@@ -190,7 +191,7 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
             coeffs = self._preconditioned_coeffs(bucket, r)
             scaling.scale_(bucket.views(r), coeffs)
             bucket.flats["preconditioner"] = r
-            self.layout.keep_exchange_factors(self, bucket, root, denom, coeffs)  # (R and A replace it)
+            self.layout.keep_exchange_factors(self, bucket, root, denom, coeffs)
         return r
 
     def _exchange_bounds(self, bucket) -> list[float]:

@@ -216,7 +216,7 @@ class OnebitLamb(_FreezingAdam):
     def _exchange_scales(self, bucket):
         if self.exchange_mode == "preconditioned":
             return None  # the per-layer coefficients are inside the preconditioner
-        # ZeRO: set at the first exchange, while the momentum gathered at the freeze is whole
+        # (sharded: set at the first exchange, while the momentum gathered at the freeze is whole)
         return self._scaling_coeffs(bucket, bucket.flats.get("exp_avg"))
 
     def _bucket_communicate(self, bucket, group, grad, step):

@@ -1,5 +1,8 @@
 """ZeRO-style sharding of the frozen-variance optimizers' state (:class:`OnebitAdam`,
-:class:`OnebitLamb`) by the compressed allreduce's server chunks.
+:class:`OnebitLamb`) by the compressed allreduce's server chunks: the sharded layouts
+(:class:`Sharded`, ``zero_stage=1``; :class:`ShardedGradients`, ``zero_stage=2``) of the
+interface in :mod:`compressed_opt.layout`, whose :class:`~compressed_opt.layout.Replicated` is
+``zero_stage=0``; :func:`for_stage` picks one.
 
 Rank ``j`` owns chunk ``j`` of every bucket (elements ``[j c, (j+1) c)``, ``c`` the server chunk
 of :func:`compressed_opt.comm.chunk_numel`), the same elements whose server error it holds.
@@ -84,7 +87,6 @@ def shard(bucket: Bucket, name: str, numel: int, dtype=torch.float32) -> torch.T
     if buf is None or buf.numel() != numel:
         buf = bucket.flats[name] = torch.zeros(numel, dtype=dtype, device=bucket.device)
     return buf
-
 
 
 class Sharded(Layout):
@@ -347,7 +349,7 @@ class Sharded(Layout):
             opt.backend.all_gather(padded, master)
             torch._foreach_copy_(bucket.params, bucket.views(padded[: bucket.numel]))
 
-    # --- per-layer reductions over the chunks -----------------------------------------------------------
+    # --- per-layer reductions over the chunks ----------------------------------------------------
     def layer_ids(self, opt, bucket: Bucket) -> torch.Tensor:
         """For each element of this rank's chunk, the index of its parameter (layer) in the bucket."""
         ids = bucket.flats.get("layer_ids")
@@ -359,16 +361,15 @@ class Sharded(Layout):
             ids = bucket.flats["layer_ids"] = torch.searchsorted(starts, positions, right=True) - 1
         return ids
 
-    def layer_norms(self, opt, bucket: Bucket, values: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Per layer of the bucket, the L2 norm of each tensor of ``values`` (this rank's chunk of
-        a per-element quantity) over all ranks' chunks: sums of squares, one all-gather of them,
-        added in rank order (the same on every rank)."""
+    def layer_norms(self, opt, bucket, parts):
+        """Sums of squares over this rank's chunk of each of ``parts``, one all-gather of them,
+        added in rank order."""
         ids, n_layers = self.layer_ids(opt, bucket), len(bucket.params)
-        partial = torch.zeros(len(values), n_layers, dtype=torch.float32, device=bucket.device)
+        partial = torch.zeros(len(parts), n_layers, dtype=torch.float32, device=bucket.device)
         square = shard(bucket, "square_shard", self.own_range(opt, bucket)[2])[: ids.numel()]
-        for row, v in zip(partial, values):
+        for row, v in zip(partial, parts):
             row.index_add_(0, ids, torch.mul(v, v, out=square))
-        return list(self._gather(opt, partial.view(-1)).sum(dim=0).view(len(values), n_layers).sqrt_())
+        return list(self._gather(opt, partial.view(-1)).sum(dim=0).view(len(parts), n_layers).sqrt_())
 
     def per_element(self, opt, bucket: Bucket, per_layer: list[float], name: str) -> torch.Tensor:
         """A per-layer value spread over this rank's chunk (into the scratch buffer ``name``)."""
