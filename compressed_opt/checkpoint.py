@@ -161,12 +161,9 @@ def _check_locally(optimizer, state_dict) -> None:
     consolidated = "ranks" in extra
     if consolidated:
         _check_rank_parts(optimizer, state_dict, extra["ranks"], world, key)
-    if getattr(optimizer, "zero_stage", 0) and (world != optimizer.backend.world_size
-                                                 or (rank != optimizer.backend.rank and not consolidated)):
-        _fail(optimizer,
-              f"this ZeRO checkpoint holds the shards of rank {rank} of {world}; it cannot be loaded on rank "
-              f"{optimizer.backend.rank} of {optimizer.backend.world_size}. Resume with the same world size, each "
-              "rank loading its own file (or train with zero_stage=0 to move between world sizes)")
+    problem = optimizer.layout.checkpoint_problem(optimizer, rank, world, consolidated)
+    if problem is not None:
+        _fail(optimizer, problem)
 
 
 def _averaging_key(optimizer, key, world: int) -> tuple:

@@ -163,14 +163,11 @@ def _on_forward(module, args):
     for opt in list(_waiting):
         ours = {id(p) for g in opt.param_groups for p in g["params"]}
         if any(id(p) in ours for p in module.module.parameters()):
-            if getattr(opt, "zero_stage", 0):
+            try:
+                opt.layout.check_ddp(opt)  # (a sharded layout cannot: DDP keeps whole replicas)
+            except ValueError:
                 forget(opt)
-                raise ValueError(
-                    f"{type(opt).__name__}(zero_stage={opt.zero_stage}) found its parameters inside a "
-                    "DistributedDataParallel model: DDP keeps whole gradients and parameters on every "
-                    "rank, so ZeRO sharding cannot work under it. Use zero_stage=0 with a DDP-wrapped "
-                    "model, or give the optimizer the unwrapped model without DDP"
-                )
+                raise
             register_ddp_comm_hook(module, opt, module.process_group)
             logger.info("%s: found its parameters in a DistributedDataParallel model; its communication "
                         "hook now sends only what the optimizer needs", type(opt).__name__)

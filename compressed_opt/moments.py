@@ -6,6 +6,7 @@ ZeRO-sharded) calls these. In place on flat fp32 buffers (or chunks of them)::
     (1 - b1^t, sqrt(1 - b2^t))                 bias_corrections ((1, 1) without correction)
     sqrt(v) / sqrt(1 - b2^t) + eps             denominator_
     sqrt(v / (1 - b2^F)) + eps, inf at v == 0  frozen_denominator_of (the compression stage's divisor)
+    p = p decay + alpha d                      descend_ (AdamW's step: decay = 1 - lr wd, alpha = -lr / bc1)
 """
 from __future__ import annotations
 
@@ -45,3 +46,11 @@ def frozen_denominator_of(v: torch.Tensor, group: dict, freeze_step: int) -> tor
     compression stage's divisor; an infinite one keeps a coordinate without variance in place."""
     _, bc2_sqrt = bias_corrections(*group["betas"], freeze_step, group["bias_correction"])
     return torch.sqrt(v).div_(bc2_sqrt).add_(group["eps"]).masked_fill_(v == 0, float("inf"))
+
+
+def descend_(params: list[torch.Tensor], directions: list[torch.Tensor], decay: float, alpha: float) -> None:
+    """``p = p decay + alpha d`` for each parameter and its direction (no multiplication where
+    ``decay`` is 1: no weight decay)."""
+    if decay != 1.0:
+        torch._foreach_mul_(params, decay)
+    torch._foreach_add_(params, directions, alpha=alpha)

@@ -49,7 +49,7 @@ from . import scaling, zero
 from . import variance_tracking as tracking
 from .buffers import DERIVED, STATE, Buffer
 from .freeze import VarianceStabilityRule, resolve_rule, restore_rule
-from .moments import bias_corrections, denominator_, frozen_denominator_of, momentum_, variance_
+from .moments import bias_corrections, denominator_, descend_, frozen_denominator_of, momentum_, variance_
 from .optimizer import CompressedOptimizer, common_args
 from .validation import check_adam_group, check_choice, check_step_count
 
@@ -67,10 +67,8 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
         "direction_factor": Buffer(DERIVED),  # A = sqrt(v_f) / (sqrt(v_f) + eps) / c_l
         "no_variance": Buffer(DERIVED, torch.int64),  # the indices where v_f == 0
     }
-    #: ZeRO's layout of these buffers (over compressed_opt.zero.BUFFERS)
-    zero_buffers: dict[str, Buffer] = {}
-
-    #: ZeRO: whether the compression stage needs this rank's chunk of the previous momentum
+    #: whether the compression stage needs this rank's chunk of the previous momentum (a sharded
+    #: layout keeps it when it forms the local momentum)
     _keeps_previous_momentum = False
 
     EXCHANGES = ("preconditioned", "momentum")
@@ -90,13 +88,12 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
             raise ValueError(f"Invalid zero_stage: {zero_stage!r} (must be 0, 1 or 2)")
         self.zero_stage = zero_stage
         self.master_resync_interval = check_step_count("master_resync_interval", master_resync_interval, minimum=1)
-        if zero_stage:  # sharded: no per-parameter views of whole buffers; the shards are saved
-            self._use_layout({**zero.BUFFERS, **self.zero_buffers})
         self.freeze_rule = resolve_rule(freeze_step)
         self.freeze_step = None if self.freeze_rule is not None else freeze_step
         self.frozen = False
         super().__init__(params, defaults, backend=backend, bucket_cap_mb=bucket_cap_mb,
-                         overlap=overlap, accumulation_steps=accumulation_steps, hierarchy=hierarchy, path=path)
+                         overlap=overlap, accumulation_steps=accumulation_steps, hierarchy=hierarchy, path=path,
+                         layout=zero.for_stage(zero_stage))
 
     def _validate_group(self, group):
         check_adam_group(group)
@@ -119,17 +116,17 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
             self._freeze(step)
 
     def _mean_bias_corrected_variance(self, step) -> float:
-        """The auto rule's statistic: the mean of ``v_hat`` over every element. With ZeRO each
-        rank sums its chunks and one all-gather of two floats adds them up in rank order."""
+        """The auto rule's statistic: the mean of ``v_hat`` over every element. Each rank sums
+        the variance it holds (sharded: its chunks; one all-gather of two floats adds them up in
+        rank order)."""
         total = numel = 0.0
         for b in self._buckets:
             group = self.param_groups[b.group_index]
             _, bc2 = bias_corrections(*group["betas"], step, group["bias_correction"])
-            v = zero.own_variance(self, b) if self.zero_stage else b.flat("exp_avg_sq")
+            v = self.layout.state(self, b, "exp_avg_sq")
             total += float(v.sum()) / (bc2 * bc2)
             numel += v.numel()
-        if self.zero_stage:
-            total, numel = zero.sum_over_ranks(self, [total, numel])
+        total, numel = self.layout.sum_over_ranks(self, [total, numel])
         return total / max(numel, 1.0)
 
     def _auto_decision(self, step) -> bool:
@@ -140,7 +137,7 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
         self.freeze_step = step
         self.reset_error_buffers()
         for b in self._buckets:
-            self._start_variance_tracking(b, zero.freeze(self, b) if self.zero_stage else b.flat("exp_avg_sq"))
+            self._start_variance_tracking(b, self.layout.freeze(self, b))
         logger.info("%s: variance frozen at the end of step %d; compression starts", type(self).__name__, step)
 
     def frozen_denominator(self, bucket) -> torch.Tensor:
@@ -148,7 +145,7 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
         (or after a checkpoint load) from ``exp_avg_sq`` and the freeze step."""
         denom = bucket.flats.get("frozen_denominator")
         r = bucket.flats.get("preconditioner")
-        if denom is None and r is not None:  # ZeRO keeps R = c_l / sqrt(v_f) instead: made for one step
+        if denom is None and r is not None:  # (sharded: only R = c_l / sqrt(v_f) is kept) made for one step
             denom = torch.reciprocal(r)
             scaling.scale_(bucket.views(denom), [self.state[p]["scaling_coeff"] for p in bucket.params])
             return denom.add_(self.param_groups[bucket.group_index]["eps"])
@@ -162,17 +159,9 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
     def _tracking_clock(self, step):
         return step - self.freeze_step, step, self.freeze_step
 
-    # --- ZeRO: the hooks of the base class, sharded (compressed_opt.zero) ---------------------
-    def _grad_buffer(self, bucket):
-        return zero.grad_buffer(self, bucket) if self.zero_stage else super()._grad_buffer(bucket)
-
     def _gather(self, bucket, grad, step):
-        if self.zero_stage and self.frozen:  # the local momentum is formed from p.grad directly
-            self._observe_local_gradient(bucket)
-            beta1 = self.param_groups[bucket.group_index]["betas"][0]
-            zero.local_momentum(self, bucket, grad, beta1, keep_previous=self._keeps_previous_momentum,
-                                row_scales=self._exchange_scales(bucket),
-                                preconditioner=self._exchange_preconditioner(bucket))
+        if self.frozen:  # g_i, or (sharded) the local momentum formed from p.grad directly
+            self.layout.gather_local(self, bucket, grad)
         else:
             self._gather_observed(bucket, grad)
 
@@ -185,10 +174,10 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
     def _exchange_preconditioner(self, bucket) -> torch.Tensor | None:
         """Per element of the bucket, the fixed factor its momentum is multiplied by for the 1-bit
         exchange (``None``: the momentum itself is exchanged, ``exchange="momentum"``):
-        ``R = c_l / sqrt(v_f)`` per element (0 where ``v_f == 0``), made (with ``A``, see
-        :meth:`_direction_from_exchange_`, where the optimizer does not divide by ``sqrt(v_f) + eps``
-        itself) at the first compressed exchange from ``v_f`` and the
-        momentum, both the same on every rank; after a load, from ``v_f`` and the saved ``c_l``."""
+        ``R = c_l / sqrt(v_f)`` per element (0 where ``v_f == 0``), made at the first compressed
+        exchange from ``v_f`` and the momentum, both the same on every rank; after a load, from
+        ``v_f`` and the saved ``c_l``. The layout keeps beside it what its compression steps need
+        (:meth:`~compressed_opt.layout.Layout.keep_exchange_factors`)."""
         if self.exchange_mode != "preconditioned":
             return None
         r = bucket.flats.get("preconditioner")
@@ -202,27 +191,8 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
             coeffs = self._preconditioned_coeffs(bucket, r)
             scaling.scale_(bucket.views(r), coeffs)
             bucket.flats["preconditioner"] = r
-            if not self._keeps_denominator:  # R (and A) replace it; ZeRO checkpoints hold R
-                if not self.zero_stage:  # (ZeRO saves the memory: A = 1 / (c_l + eps R), per step)
-                    a = torch.div(root, denom).nan_to_num_(nan=0.0)  # sqrt(v_f) / (sqrt(v_f) + eps), 0 where v_f == 0
-                    scaling.unscale_(bucket.views(a), coeffs)
-                    bucket.flats["direction_factor"] = a
-                bucket.flats.pop("frozen_denominator", None)
+            self.layout.keep_exchange_factors(self, bucket, root, denom, coeffs)
         return r
-
-    def _direction_from_exchange_(self, bucket, y: torch.Tensor) -> None:
-        """ZeRO: ``y`` (the exchanged ``R m``) <- ``m / (sqrt(v_f) + eps) = A y`` with ``A = 1 /
-        (c_l + eps R)`` (0 where ``v_f == 0``), made for this step from ``R = c_l / sqrt(v_f)``
-        (stage 0 keeps ``A = sqrt(v_f) / (sqrt(v_f) + eps) / c_l`` and forms ``A y`` in the update)."""
-        r = self._exchange_preconditioner(bucket)
-        views = bucket.views(y)
-        if views:
-            a_inv = torch._foreach_mul(bucket.views(r), self.param_groups[bucket.group_index]["eps"])
-            torch._foreach_add_(a_inv, [self.state[p]["scaling_coeff"] for p in bucket.params])
-            torch._foreach_div_(views, a_inv)
-        idx = self._no_variance(bucket)
-        if idx.numel():
-            y.index_fill_(0, idx, 0.0)
 
     def _exchange_bounds(self, bucket) -> list[float]:
         """Per layer, the bound ``c_l K`` on the exchanged ``|R m_i|``, ``K = max(1, (1 - b1) /
@@ -266,50 +236,14 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
             idx = bucket.flats["no_variance"] = torch.nonzero(self._exchange_preconditioner(bucket) == 0).view(-1)
         return idx
 
-    def _precondition_(self, bucket, x: torch.Tensor, beta1: float) -> None:
-        """The exchanged vector ``clip(R m_i, +-c_l K)`` (0 where ``v_f == 0``) into ``x``, from the
-        local momentum ``m_i = b1 m + (1 - b1) g_i``. Stage 0: ``x`` holds ``g_i`` and one pass forms
-        it (:func:`~compressed_opt.cuda.lerp_scale_clamp_`); ZeRO: ``x`` holds ``R m_i`` already
-        (:func:`zero.local_momentum`)."""
-        if not self.zero_stage:
-            kernels.lerp_scale_clamp_(x, bucket.flat("exp_avg"), 1 - beta1, self._exchange_preconditioner(bucket),
-                                      self._exchange_bounds(bucket), bucket.segments)
-            return
-        idx = self._no_variance(bucket)  # the kept rows carry the exchange's +-t where v_f == 0
-        if idx.numel():
-            x.index_fill_(0, idx, 0.0)
-        self._bound_(bucket, x)
-
-    def _exchange_1bit(self, bucket, x: torch.Tensor) -> None:
-        """``x`` <- the 1-bit compressed average of the ranks' ``x`` (ZeRO also keeps its rows)."""
-        if self.zero_stage:
-            zero.exchange(self, bucket, x)
-        else:
-            self.compressed_average(bucket, x)
-
     def _momentum_from_exchange(self, bucket, y: torch.Tensor, out: torch.Tensor) -> None:
-        """``m = y / R`` into ``out`` (0 where ``v_f == 0``)."""
-        if not self.zero_stage:  # (the cached zeros spare the composed path a mask pass per step)
-            n = bucket.numel
-            kernels.divide_where_nonzero_(y[:n], self._exchange_preconditioner(bucket)[:n], out[:n],
-                                          self._no_variance(bucket))
-            return
-        torch.div(y, self._exchange_preconditioner(bucket), out=out)
-        idx = self._no_variance(bucket)
-        if idx.numel():
-            out.index_fill_(0, idx, 0.0)
-
-    def _average(self, bucket, grad):
-        zero.average(self, bucket, grad) if self.zero_stage else super()._average(bucket, grad)
+        """``m = y / R`` into ``out`` (0 where ``v_f == 0``; the cached indices of those zeros
+        spare the composed path a mask pass per step)."""
+        n = bucket.numel
+        kernels.divide_where_nonzero_(y[:n], self._exchange_preconditioner(bucket)[:n], out[:n],
+                                      self._no_variance(bucket))
 
     def _load_extra_state(self, extra):
-        if self.zero_stage and (extra["world_size"] != self.backend.world_size or extra["rank"] != self.backend.rank):
-            raise ValueError(
-                f"this ZeRO checkpoint holds the shards of rank {extra['rank']} of {extra['world_size']}; "
-                f"it cannot be loaded on rank {self.backend.rank} of {self.backend.world_size}. Resume with "
-                "the same world size, each rank loading its own file (or train with zero_stage=0 to move "
-                "between world sizes)"
-            )
         self._check_tracking_of(extra)
         # checkpoints from before the preconditioned exchange carry no "exchange": the paper's
         saved = extra.get("exchange", "momentum")
@@ -322,15 +256,6 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
         self.frozen = bool(extra["frozen"])
         self.freeze_step = extra["freeze_step"]
         self.freeze_rule = restore_rule(self.freeze_rule, extra.get("freeze_rule"))
-
-    def _check_rebuild(self):
-        if self.zero_stage and self.global_step > 0:
-            raise RuntimeError(
-                f"{type(self).__name__} with zero_stage={self.zero_stage}: the trainable parameters changed "
-                "after the first step (add_param_group or requires_grad changed); the sharded state is laid "
-                "out by the buckets and cannot follow. Set up every parameter before the first step, or "
-                "use zero_stage=0"
-            )
 
     def _extra_state(self):
         return {
@@ -388,51 +313,31 @@ class OnebitAdam(_FreezingAdam):
         ``R m_i``, bounded, for the preconditioned exchange), then its compressed average over the
         ranks, in place (``m`` takes it in :meth:`_bucket_step`). Into the gradient buffer: ``m``
         changes only in :meth:`_bucket_step` (a skipped step leaves it alone)."""
-        if self.exchange_mode == "preconditioned":
-            self._precondition_(bucket, grad, group["betas"][0])
-        elif not self.zero_stage:  # (ZeRO: grad holds m_i already, _gather)
-            torch.lerp(bucket.flat("exp_avg"), grad, 1 - group["betas"][0], out=grad)
-        self._exchange_1bit(bucket, grad)
+        self.layout.local_momentum_(self, bucket, grad, group["betas"][0])
+        self.layout.exchange(self, bucket, grad)
 
     def _bucket_step(self, bucket, group, grad, step, averaged):
-        if averaged:
-            self._observe_averaged_gradient(bucket, grad)
-        if self.zero_stage and averaged:
-            zero.warmup_update(self, bucket, group, grad, step)
-            return
         beta1, beta2 = group["betas"]
         lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]  # lr: a float or a 1-element tensor
         bc1, bc2_sqrt = bias_corrections(beta1, beta2, step, group["bias_correction"])
-        direction = grad  # the gradient buffer is free after the moments: it takes m / denominator
-        # compression stage: grad holds the averaged momentum (_bucket_communicate)
-        m = grad if self.zero_stage or not averaged else bucket.flat("exp_avg")
-        if averaged:
-            # warmup: AdamW on the averaged gradient
-            v = bucket.flat("exp_avg_sq")
-            momentum_(m, grad, beta1)
-            variance_(v, grad, beta2)
+        layout = self.layout
+        if averaged:  # warmup: AdamW on the averaged gradient, over the part of the bucket this rank holds
+            self._observe_averaged_gradient(bucket, grad)
+            g = layout.own(self, bucket, grad)
+            m, v = layout.state(self, bucket, "exp_avg"), layout.state(self, bucket, "exp_avg_sq")
+            momentum_(m, g, beta1)
+            variance_(v, g, beta2)
+            direction = layout.direction_buffer(self, bucket, grad)
             torch.div(m, denominator_(v, direction, eps, bc2_sqrt), out=direction)
-        elif self.exchange_mode == "preconditioned" and not self.zero_stage:  # grad holds y = avg of R m_i
-            self._momentum_from_exchange(bucket, grad, out=bucket.flat("exp_avg"))
-            # p <- p - lr f_l A y / bc1: the direction m / (sqrt(v_f) + eps) = A y, times the layer's
-            # factor, formed inside the update (one pass, no direction buffer written)
-            factors = self._variance_factors_of(bucket) or [1.0] * len(bucket.params)
-            if wd != 0:
-                torch._foreach_mul_(bucket.params, 1 - lr * wd)
-            if bucket.params:
-                a, steps = bucket.flats["direction_factor"], [-lr / bc1 * f for f in factors]
-                torch._foreach_addcmul_(bucket.params, bucket.views(grad), bucket.views(a), steps)
+            layout.step_(self, bucket, layout.own_values(self, bucket), direction, 1 - lr * wd, -lr / bc1)
             return
-        elif self.exchange_mode == "preconditioned":
-            self._direction_from_exchange_(bucket, direction)  # m / (sqrt(v_f) + eps) = A y
-            self._variance_factors_(bucket, direction)
-        else:  # compression stage: grad is already the compressed average (_bucket_communicate)
-            if not self.zero_stage:
-                bucket.flat("exp_avg").copy_(grad)
-            torch.div(m, self.frozen_denominator(bucket), out=direction)
-            self._variance_factors_(bucket, direction)
-        if wd != 0:
-            torch._foreach_mul_(bucket.params, 1 - lr * wd)
-        torch._foreach_add_(bucket.params, bucket.views(direction), alpha=-lr / bc1)
-        if self.zero_stage and not averaged:
-            zero.compression_update(self, bucket, step, 1 - lr * wd, direction, alpha=-lr / bc1)
+        # compression stage: grad holds the compressed average (_bucket_communicate)
+        if self.exchange_mode == "preconditioned":  # y = the average of R m_i
+            layout.step_preconditioned_(self, bucket, grad, 1 - lr * wd, -lr / bc1, step)
+            return
+        layout.keep_momentum(self, bucket, grad)
+        direction = grad  # m / (sqrt(v_f) + eps), in place
+        torch.div(grad, self.frozen_denominator(bucket), out=direction)
+        self._variance_factors_(bucket, direction)
+        descend_(bucket.params, bucket.views(direction), 1 - lr * wd, -lr / bc1)
+        layout.update_masters(self, bucket, step, 1 - lr * wd, direction, -lr / bc1)

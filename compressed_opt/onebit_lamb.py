@@ -67,11 +67,10 @@ import numbers
 import torch
 
 
-from . import scaling, zero
+from . import scaling
 from .buffers import SAVED, STATE, Buffer
 from .onebit_adam import _FreezingAdam
 from .optimizer import common_args
-from .reductions import maxima, norms
 from .moments import bias_corrections, denominator_, momentum_, variance_
 from .validation import check_nonneg_float
 
@@ -113,13 +112,12 @@ class OnebitLamb(_FreezingAdam):
     """
 
     buffers = {"exp_avg_sq_fresh": Buffer(STATE)}  # v_fresh
-    zero_buffers = {"exp_avg_sq_fresh_shard": Buffer(SAVED)}
+    sharded_buffers = {"exp_avg_sq_fresh_shard": Buffer(SAVED)}
     _keeps_previous_momentum = True
 
-    @property
-    def _keeps_denominator(self) -> bool:
-        # the factor and the update divide by sqrt(v_f) + eps; ZeRO remakes it from R each step
-        return not self.zero_stage
+    #: the factor and the update divide by sqrt(v_f) + eps (a sharded layout makes it again from R
+    #: for each step)
+    _keeps_denominator = True
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, freeze_step=100000,
                  *, max_coeff=10.0, min_coeff=0.01, coeff_beta=0.9, factor_max=4.0, factor_min=0.5,
@@ -156,10 +154,8 @@ class OnebitLamb(_FreezingAdam):
     # --- stages ----------------------------------------------------------------------------------
     def _freeze(self, step):
         for b in self._buckets or ():
-            if self.zero_stage:  # v_fresh starts from v: this rank's chunk, which the freeze then drops
-                b.flats["exp_avg_sq_fresh_shard"] = zero.shard(b, "exp_avg_sq_shard", zero.own_range(self, b)[2])
-            else:
-                b.flat("exp_avg_sq_fresh").copy_(b.flat("exp_avg_sq"))
+            # v_fresh starts from v (the part this rank holds; a sharded layout's freeze then drops v)
+            self.layout.state(self, b, "exp_avg_sq_fresh").copy_(self.layout.state(self, b, "exp_avg_sq"))
             beta = self.param_groups[b.group_index]["coeff_beta"]
             for p in b.params:
                 st = self.state[p]
@@ -176,46 +172,26 @@ class OnebitLamb(_FreezingAdam):
 
     # --- warmup: LAMB on the averaged gradient ---------------------------------------------------
     def _lamb_step(self, bucket, group, grad, step):
-        if self.zero_stage:
-            self._lamb_step_sharded(bucket, group, grad, step)
-            return
-        m, v = bucket.flat("exp_avg"), bucket.flat("exp_avg_sq")
+        """LAMB over the part of the bucket this rank holds (the layout's); the per-layer norms
+        are over every rank's part."""
+        layout = self.layout
         beta1, beta2 = group["betas"]
         lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]
         bc1, bc2_sqrt = bias_corrections(beta1, beta2, step, group["bias_correction"])
-        momentum_(m, grad, beta1)
-        variance_(v, grad, beta2)
-        update = grad  # the gradient buffer is free now: u = m_hat / (sqrt(v_hat) + eps) + wd p
+        g = layout.own(self, bucket, grad)
+        m, v = layout.state(self, bucket, "exp_avg"), layout.state(self, bucket, "exp_avg_sq")
+        momentum_(m, g, beta1)
+        variance_(v, g, beta2)
+        update = layout.direction_buffer(self, bucket, grad)  # u = m_hat / (sqrt(v_hat) + eps) + wd p
         denominator_(v, update, eps, bc2_sqrt).mul_(bc1)
         torch.div(m, update, out=update)
-        params, views = bucket.params, bucket.views(update)
+        values = layout.own_values(self, bucket)
         if wd != 0:
-            torch._foreach_add_(views, params, alpha=wd)
-        ratios = []
-        if params:
-            ratios = _trust_ratios(norms(params), norms(views), group)
-        self._record_trust_ratios(bucket, group, ratios)
-        torch._foreach_mul_(views, [-lr * r for r in ratios])
-        torch._foreach_add_(params, views)
-
-    def _lamb_step_sharded(self, bucket, group, grad, step):
-        """ZeRO: LAMB on this rank's chunk, with the per-layer norms reduced over the chunks."""
-        lo, hi, c = zero.own_range(self, bucket)
-        beta1, beta2 = group["betas"]
-        lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]
-        bc1, bc2_sqrt = bias_corrections(beta1, beta2, step, group["bias_correction"])
-        m, v = zero.moments(self, bucket, zero.own_grad(self, bucket, grad), beta1, beta2)
-        update = zero.shard(bucket, "update_shard", c)[: hi - lo]
-        denominator_(v, update, eps, bc2_sqrt).mul_(bc1)
-        torch.div(m, update, out=update)
-        values = zero.own_values(self, bucket)
-        if wd != 0:
-            update.add_(values, alpha=wd)
-        p_norm, u_norm = zero.layer_norms(self, bucket, [values, update])
+            layout.add_values_(self, bucket, update, values, wd)
+        p_norm, u_norm = layout.layer_norms(self, bucket, [values, update])
         ratios = _trust_ratios(p_norm, u_norm, group)
         self._record_trust_ratios(bucket, group, ratios)
-        values.addcmul_(zero.per_element(self, bucket, ratios, "coeff_shard"), update, value=-lr)
-        zero.publish(self, bucket, values)
+        layout.step_layers_(self, bucket, values, update, ratios, -lr)
 
     def _record_trust_ratios(self, bucket, group, ratios):
         beta = group["coeff_beta"]
@@ -240,7 +216,7 @@ class OnebitLamb(_FreezingAdam):
     def _exchange_scales(self, bucket):
         if self.exchange_mode == "preconditioned":
             return None  # the per-layer coefficients are inside the preconditioner
-        # ZeRO: set at the first exchange, while the momentum gathered at the freeze is whole
+        # (sharded: set at the first exchange, while the momentum gathered at the freeze is whole)
         return self._scaling_coeffs(bucket, bucket.flats.get("exp_avg"))
 
     def _bucket_communicate(self, bucket, group, grad, step):
@@ -248,78 +224,52 @@ class OnebitLamb(_FreezingAdam):
         ``b1 m + (1 - b1) g_i`` into the gradient buffer (``m`` keeps ``m_{t-1}``, needed to
         reconstruct the gradient), scaled per layer by ``c_l``, compressed-allreduced, unscaled."""
         preconditioned = self.exchange_mode == "preconditioned"
-        if preconditioned:  # (ZeRO: grad holds the local momentum R m_i already, zero.local_momentum)
-            coeffs = None
-            self._precondition_(bucket, grad, group["betas"][0])
-        else:
-            if self.zero_stage:  # grad holds the local momentum already
-                coeffs = self._exchange_scales(bucket)
-            else:
-                m = bucket.flat("exp_avg")
-                coeffs = self._scaling_coeffs(bucket, m)
-                torch.lerp(m, grad, 1 - group["betas"][0], out=grad)
+        coeffs = self._exchange_scales(bucket)  # (None when preconditioned: c_l is inside R)
+        self.layout.local_momentum_(self, bucket, grad, group["betas"][0])
+        if not preconditioned:
             scaling.scale_(bucket.views(grad), coeffs)
-        self._exchange_1bit(bucket, grad)
+        self.layout.exchange(self, bucket, grad)
         if preconditioned:
             self._momentum_from_exchange(bucket, grad, out=grad)  # m_t = y / R
         else:
             scaling.unscale_(bucket.views(grad), coeffs)
 
     def _compressed_step(self, bucket, group, momentum, step):
-        """``momentum`` holds ``m_t`` (the compressed average), ``exp_avg`` still ``m_{t-1}``
-        (with ZeRO: this rank's chunk of it is in ``momentum_prev_shard``)."""
+        """``momentum`` holds ``m_t`` (the compressed average); the layout still holds ``m_{t-1}``
+        (:meth:`~compressed_opt.layout.Layout.previous_momentum`)."""
+        layout = self.layout
         denom = self.frozen_denominator(bucket)  # sqrt(v_f) + eps, inf where v_f == 0
         params = bucket.params
         beta1, beta2 = group["betas"]
         lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]
         bc1, bc2_sqrt = bias_corrections(beta1, beta2, step, group["bias_correction"])
-        if self.zero_stage:
-            lo, hi, _ = zero.own_range(self, bucket)
-            previous, m = bucket.flats["momentum_prev_shard"][: hi - lo], momentum
-            v_fresh = bucket.flats["exp_avg_sq_fresh_shard"][: hi - lo]
-            denom_own, current = denom[lo:hi], momentum[lo:hi]
-        else:
-            previous = m = bucket.flat("exp_avg")
-            v_fresh, denom_own, current = bucket.flat("exp_avg_sq_fresh"), denom, momentum
 
-        # v_fresh <- b2 v_fresh + (1 - b2) g~^2,  g~ = (m_t - b1 m_{t-1}) / (1 - b1)
+        # over the part this rank holds: v_fresh <- b2 v_fresh + (1 - b2) g~^2,
+        # g~ = (m_t - b1 m_{t-1}) / (1 - b1)
+        previous = layout.previous_momentum(self, bucket)
+        v_fresh = layout.state(self, bucket, "exp_avg_sq_fresh")
         g = previous  # m_{t-1} is consumed here
-        torch.add(current, previous, alpha=-beta1, out=g)
+        torch.add(layout.own(self, bucket, momentum), previous, alpha=-beta1, out=g)
         v_fresh.mul_(beta2).addcmul_(g, g, value=(1 - beta2) / (1 - beta1) ** 2)
-
-        if self.zero_stage:
-            ratio = g  # m_t stays in momentum (and, after the step, as the exchange's 1-bit rows)
-        else:
-            m.copy_(momentum)  # m <- m_t
-            ratio = momentum
 
         # per layer: max (sqrt(v_f) + eps) / (sqrt(v_fresh_hat) + eps), over the coordinates that
         # move (v_f > 0: the others have an infinite frozen denominator and stay where they are)
+        ratio = g  # free now
         torch.sqrt(v_fresh, out=ratio).div_(bc2_sqrt).add_(eps)
-        torch.div(denom_own, ratio, out=ratio).nan_to_num_(nan=0.0, posinf=0.0)
-        raw = [1.0] * len(params)
-        if self.zero_stage:
-            found = zero.layer_maxima(self, bucket, ratio).tolist()
-            raw = [f if p.numel() else 1.0 for p, f in zip(params, found)]
-        else:
-            nonempty = [i for i, p in enumerate(params) if p.numel()]
-            if nonempty:
-                views = bucket.views(ratio)
-                for i, f in zip(nonempty, torch.stack(maxima([views[i] for i in nonempty])).tolist()):
-                    raw[i] = f
-        coeffs = self._compression_coeffs(params, group, raw)
+        torch.div(layout.own(self, bucket, denom), ratio, out=ratio).nan_to_num_(nan=0.0, posinf=0.0)
+        coeffs = self._compression_coeffs(params, group, layout.layer_maxima(self, bucket, ratio))
 
         # p <- p - lr coeff (m_hat / (sqrt(v_f) + eps) + wd p)
-        update = momentum  # free now (ZeRO: m is momentum itself, divided in place)
-        torch.div(m, denom, out=update)
+        layout.keep_momentum(self, bucket, momentum)  # m <- m_t
+        update = momentum  # free now
+        torch.div(momentum, denom, out=update)
         decays = [1.0 - lr * c * wd for c in coeffs]
         if wd != 0:
             torch._foreach_mul_(params, decays)
         views = bucket.views(update)
         torch._foreach_mul_(views, [-lr * c / bc1 for c in coeffs])
         torch._foreach_add_(params, views)
-        if self.zero_stage and zero.master_shard(self, bucket) is not None:
-            zero.compression_update(self, bucket, step, zero.per_element(self, bucket, decays, "coeff_shard"), update)
+        layout.update_masters(self, bucket, step, decays, update)
 
     def _compression_coeffs(self, params, group, raw) -> list[float]:
         """Each layer's ``r_f * factor`` from the raw factors (clipped, and by the threshold)."""

@@ -40,6 +40,7 @@ from compressed_opt.comm import Backend, get_backend
 from . import averaging, ddp, frameworks
 from .buckets import Bucket, build_buckets
 from .buffers import SAVED, SCRATCH, STATE, Buffer, names, overlay
+from .layout import Layout, Replicated
 from .overlap import BucketLauncher, GradientsChangedAfterLaunch
 from .persistence import Persistence
 from .validation import check_choice, check_nonneg_float, check_step_count
@@ -92,7 +93,8 @@ class CompressedOptimizer(Persistence, Optimizer):
         # snapshot of the caller's locals alive)
 
     #: the per-bucket buffers this class adds (name -> role and dtype, compressed_opt.buffers);
-    #: ``declared`` merges the tables along the class hierarchy (the layout may overlay its own)
+    #: ``declared`` merges the tables along the class hierarchy (a sharded layout overlays its
+    #: own, :mod:`compressed_opt.zero`, with ``sharded_buffers``: how it lays out this class's)
     buffers: dict[str, Buffer] = {
         "grad": Buffer(SCRATCH),  # this rank's gradients, then what the step averages or exchanges
         "worker_error": Buffer(SAVED),  # e_i of the compressed allreduce (docs/design.md 2.2)
@@ -128,19 +130,24 @@ class CompressedOptimizer(Persistence, Optimizer):
         target.saved_bucket_buffers = names(table, SAVED)
         target.scratch_names = frozenset(names(table, SCRATCH))
 
-    def _use_layout(self, layout: dict[str, Buffer]) -> None:
+    #: how a sharded layout declares this class's buffers (over compressed_opt.zero.BUFFERS)
+    sharded_buffers: dict[str, Buffer] = {}
+
+    def _overlay_buffers(self, table: dict[str, Buffer]) -> None:
         """This optimizer keeps its state in another layout (ZeRO's shards): its buffers are the
-        class's overlaid with ``layout``'s (:func:`compressed_opt.buffers.overlay`)."""
-        self._declare(self, overlay(type(self).declared, layout))
+        class's overlaid with ``table`` (:func:`compressed_opt.buffers.overlay`)."""
+        self._declare(self, overlay(type(self).declared, table))
 
     def __init__(self, params, defaults: dict, backend: Backend | None = None, bucket_cap_mb: float = 25.0,
-                 overlap: bool = True, accumulation_steps: int = 1, hierarchy: str = "auto", path: str | None = None):
+                 overlap: bool = True, accumulation_steps: int = 1, hierarchy: str = "auto", path: str | None = None,
+                 layout: Layout | None = None):
         check_choice("hierarchy", hierarchy, averaging.HIERARCHIES)
+        #: where the state lives, replicated or sharded (compressed_opt.layout): chosen here, once
+        self.layout = Replicated() if layout is None else layout
+        self.layout.check_options(self, path, hierarchy)
+        self.layout.declare_buffers(self)
         #: per bucket size (elements), "1bit" or "fp32" (path="measure": what the link measured)
         self.exchange_paths: dict[int, str] = {}
-        if hierarchy == "node" and getattr(self, "zero_stage", 0):
-            raise ValueError("hierarchy='node' with zero_stage > 0: ZeRO's shards are the flat exchange's server "
-                             "chunks; use hierarchy='auto' or 'flat' (flat) or zero_stage=0")
         self.hierarchy = hierarchy
         self._averaging = None  # chosen at the first step, on every rank alike (compressed_opt.averaging)
         self._candidates = None  # the exchanges it is chosen from
@@ -152,7 +159,7 @@ class CompressedOptimizer(Persistence, Optimizer):
         if not isinstance(backend, Backend):
             raise TypeError(f"backend must be a compressed_opt.comm.Backend or None, got {type(backend).__name__}")
         self.backend = backend
-        self.path = averaging.resolve_path(path, bool(getattr(self, "zero_stage", 0)), backend.world_size)
+        self.path = averaging.resolve_path(path, self.layout.sharded, backend.world_size)
         cap = check_nonneg_float("bucket_cap_mb", bucket_cap_mb)
         if cap == 0:
             raise ValueError("Invalid bucket_cap_mb: 0 (must be > 0)")
@@ -278,6 +285,7 @@ class CompressedOptimizer(Persistence, Optimizer):
 
     def _check_rebuild(self) -> None:
         """Raise if this optimizer cannot carry its state over to new buckets."""
+        self.layout.check_rebuild(self)
 
     @property
     def averaging(self):
@@ -296,7 +304,7 @@ class CompressedOptimizer(Persistence, Optimizer):
         is one of them), and the path of each bucket size; error buffers loaded from a checkpoint
         of another exchange are dropped (warned)."""
         if self._candidates is None:
-            self._candidates = averaging.candidates(self.backend, self.hierarchy, bool(getattr(self, "zero_stage", 0)))
+            self._candidates = averaging.candidates(self.backend, self.hierarchy, self.layout.sharded)
         measured = self.path == "measure"
         saved = None if self._saved_averaging is None else tuple(self._saved_averaging)
         keep = next((a for a in self._candidates if a.key == saved), None) if measured else None
@@ -441,7 +449,7 @@ class CompressedOptimizer(Persistence, Optimizer):
 
     def _grad_buffer(self, bucket: Bucket) -> torch.Tensor:
         """The bucket's flat fp32 gradient workspace."""
-        return bucket.flat("grad")
+        return self.layout.grad_buffer(self, bucket)
 
     def _gather(self, bucket: Bucket, grad: torch.Tensor, step: int) -> None:
         """``grad`` <- this rank's gradients of the bucket (unscaled)."""
@@ -453,7 +461,7 @@ class CompressedOptimizer(Persistence, Optimizer):
 
     def _average(self, bucket: Bucket, grad: torch.Tensor) -> None:
         """The full-precision gradient average of a bucket (one collective)."""
-        self.backend.all_reduce(grad, op="avg")
+        self.layout.average(self, bucket, grad)
 
     # The launcher's callbacks (compressed_opt.overlap): the life cycle of a step's communication.
     def prepare(self) -> None:

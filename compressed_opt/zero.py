@@ -1,5 +1,8 @@
 """ZeRO-style sharding of the frozen-variance optimizers' state (:class:`OnebitAdam`,
-:class:`OnebitLamb`) by the compressed allreduce's server chunks.
+:class:`OnebitLamb`) by the compressed allreduce's server chunks: the sharded layouts
+(:class:`Sharded`, ``zero_stage=1``; :class:`ShardedGradients`, ``zero_stage=2``) of the
+interface in :mod:`compressed_opt.layout`, whose :class:`~compressed_opt.layout.Replicated` is
+``zero_stage=0``; :func:`for_stage` picks one.
 
 Rank ``j`` owns chunk ``j`` of every bucket (elements ``[j c, (j+1) c)``, ``c`` the server chunk
 of :func:`compressed_opt.comm.chunk_numel`), the same elements whose server error it holds.
@@ -54,7 +57,8 @@ from compressed_opt.comm import chunk_numel, compressed_allreduce, expand_result
 from . import scaling
 from .buckets import Bucket
 from .buffers import SAVED, SCRATCH, Buffer
-from .moments import bias_corrections, denominator_, frozen_denominator_of, momentum_, variance_
+from .layout import Layout, Replicated
+from .moments import descend_, frozen_denominator_of
 
 #: the sharded layout's bucket buffers (over the optimizer's own: compressed_opt.buffers.overlay)
 BUFFERS = {
@@ -77,11 +81,6 @@ BUFFERS = {
 }
 
 
-def own_range(opt, bucket: Bucket) -> tuple[int, int, int]:
-    """``(lo, hi, chunk)``: this rank's elements ``[lo, hi)`` of the bucket, and the chunk size."""
-    return bucket.chunk_range(opt.backend.world_size, opt.backend.rank)
-
-
 def shard(bucket: Bucket, name: str, numel: int, dtype=torch.float32) -> torch.Tensor:
     """The bucket's buffer ``name`` of ``numel`` elements (zeros when new or resized)."""
     buf = bucket.flats.get(name)
@@ -90,245 +89,336 @@ def shard(bucket: Bucket, name: str, numel: int, dtype=torch.float32) -> torch.T
     return buf
 
 
-def grad_buffer(opt, bucket: Bucket) -> torch.Tensor:
-    """The gradient workspace, padded to ``N c`` elements so it splits into equal chunks."""
-    world = opt.backend.world_size
-    return shard(bucket, "grad_padded", world * chunk_numel(bucket.numel, world))[: bucket.numel]
+class Sharded(Layout):
+    """ZeRO stage 1: rank ``j`` holds chunk ``j`` of every bucket's state (see the module doc);
+    the warmup gradients are all-reduced whole."""
 
+    stage = 1
+    sharded = True
 
-def average(opt, bucket: Bucket, grad: torch.Tensor) -> None:
-    """Stage 1: all-reduce. Stage 2: reduce-scatter, then an all-gather of the averaged chunks,
-    so that ``p.grad`` can hold the whole average after backward (as DDP leaves it, for the
-    loop's clipping) without one rank's chunk being summed differently on another."""
-    if opt.zero_stage == 1:
-        opt.backend.all_reduce(grad, op="avg")
-        return
-    world = opt.backend.world_size
-    c = chunk_numel(bucket.numel, world)
-    padded = bucket.flats["grad_padded"]
-    mine = shard(bucket, "grad_shard", c)
-    opt.backend.reduce_scatter(mine, padded, op="avg")
-    opt.backend.all_gather(padded, mine)
+    # --- checks, once ---------------------------------------------------------------------------
+    def declare_buffers(self, opt):
+        # no per-parameter views of whole buffers; the shards are saved
+        opt._overlay_buffers({**BUFFERS, **opt.sharded_buffers})
 
+    def check_options(self, opt, path, hierarchy):
+        # (path: averaging.resolve_path refuses all but "1bit" for a sharded layout)
+        if hierarchy == "node":
+            raise ValueError("hierarchy='node' with zero_stage > 0: ZeRO's shards are the flat exchange's server "
+                             "chunks; use hierarchy='auto' or 'flat' (flat) or zero_stage=0")
 
-def own_grad(opt, bucket: Bucket, grad: torch.Tensor) -> torch.Tensor:
-    """This rank's chunk of the averaged gradient (after :func:`average`)."""
-    lo, hi, _ = own_range(opt, bucket)
-    return grad[lo:hi]
+    def check_rebuild(self, opt):
+        if opt.global_step > 0:
+            raise RuntimeError(
+                f"{type(opt).__name__} with zero_stage={self.stage}: the trainable parameters changed "
+                "after the first step (add_param_group or requires_grad changed); the sharded state is laid "
+                "out by the buckets and cannot follow. Set up every parameter before the first step, or "
+                "use zero_stage=0"
+            )
 
-
-def moments(opt, bucket: Bucket, g: torch.Tensor, beta1: float, beta2: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``m_j = b1 m_j + (1 - b1) g_j``, ``v_j = b2 v_j + (1 - b2) g_j^2`` on this rank's chunk."""
-    lo, hi, c = own_range(opt, bucket)
-    m = shard(bucket, "exp_avg_shard", c)[: hi - lo]
-    v = shard(bucket, "exp_avg_sq_shard", c)[: hi - lo]
-    momentum_(m, g, beta1)
-    variance_(v, g, beta2)
-    return m, v
-
-
-def own_values(opt, bucket: Bucket) -> torch.Tensor:
-    """This rank's chunk of the parameters in fp32, to update in place and then
-    :func:`publish`: the master chunk of a bf16/fp16 bucket (the truth), else the current
-    values copied out of the parameters (this overwrites the padded gradient workspace)."""
-    lo, hi, _ = own_range(opt, bucket)
-    master = master_shard(opt, bucket)
-    if master is not None:
-        return master[: hi - lo]
-    padded = bucket.flats["grad_padded"]
-    torch._foreach_copy_(bucket.views(padded[: bucket.numel]), bucket.params)
-    return padded[lo:hi]
-
-
-def publish(opt, bucket: Bucket, values: torch.Tensor) -> None:
-    """One all-gather of every rank's :func:`own_values` into the parameters."""
-    padded = bucket.flats["grad_padded"]
-    master = bucket.flats.get("master_shard")
-    if master is None:
-        lo, hi, c = own_range(opt, bucket)
-        out = shard(bucket, "update_shard", c)
-        out[: hi - lo].copy_(values)
-        out[hi - lo :].zero_()
-    else:
-        out = master  # zero beyond the chunk's end
-    opt.backend.all_gather(padded, out)
-    torch._foreach_copy_(bucket.params, bucket.views(padded[: bucket.numel]))
-
-
-def warmup_update(opt, bucket: Bucket, group: dict, grad: torch.Tensor, step: int) -> None:
-    """AdamW on this rank's chunk; one all-gather brings every rank the new parameters."""
-    lo, hi, c = own_range(opt, bucket)
-    beta1, beta2 = group["betas"]
-    lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]  # lr: a float or a 1-element tensor
-    bc1, bc2_sqrt = bias_corrections(beta1, beta2, step, group["bias_correction"])
-    m, v = moments(opt, bucket, own_grad(opt, bucket, grad), beta1, beta2)
-    direction = shard(bucket, "update_shard", c)[: hi - lo]
-    torch.div(m, denominator_(v, direction, eps, bc2_sqrt), out=direction)
-    values = own_values(opt, bucket)
-    values.mul_(1 - lr * wd).add_(direction, alpha=-lr / bc1)
-    publish(opt, bucket, values)
-
-
-def master_shard(opt, bucket: Bucket) -> torch.Tensor | None:
-    """This rank's fp32 master copy of its chunk of a bucket that holds bf16/fp16 parameters
-    (made from the parameters on first use); ``None`` for fp32 buckets."""
-    if not bucket.low_precision:
+    def checkpoint_problem(self, opt, rank, world, consolidated):
+        backend = opt.backend
+        if world != backend.world_size or (rank != backend.rank and not consolidated):
+            return (f"this ZeRO checkpoint holds the shards of rank {rank} of {world}; it cannot be loaded on rank "
+                    f"{backend.rank} of {backend.world_size}. Resume with the same world size, each rank loading "
+                    "its own file (or train with zero_stage=0 to move between world sizes)")
         return None
-    master = bucket.flats.get("master_shard")
-    if master is None:
+
+    def check_ddp(self, opt):
+        raise ValueError(
+            f"{type(opt).__name__}(zero_stage={self.stage}) found its parameters inside a "
+            "DistributedDataParallel model: DDP keeps whole gradients and parameters on every "
+            "rank, so ZeRO sharding cannot work under it. Use zero_stage=0 with a DDP-wrapped "
+            "model, or give the optimizer the unwrapped model without DDP"
+        )
+
+    # --- the gradients -------------------------------------------------------------------------
+    def own_range(self, opt, bucket: Bucket) -> tuple[int, int, int]:
+        """``(lo, hi, chunk)``: this rank's elements ``[lo, hi)`` of the bucket, and the chunk size."""
+        return bucket.chunk_range(opt.backend.world_size, opt.backend.rank)
+
+    def grad_buffer(self, opt, bucket):
+        """The gradient workspace, padded to ``N c`` elements so it splits into equal chunks."""
         world = opt.backend.world_size
-        lo, hi, c = own_range(opt, bucket)
-        padded = shard(bucket, "grad_padded", world * c)
-        torch._foreach_copy_(bucket.views(padded[: bucket.numel]), bucket.params)
-        master = bucket.flats["master_shard"] = torch.zeros(c, device=bucket.device)
-        master[: hi - lo].copy_(padded[lo:hi])
-    return master
+        return shard(bucket, "grad_padded", world * chunk_numel(bucket.numel, world))[: bucket.numel]
 
+    def average(self, opt, bucket, grad):
+        opt.backend.all_reduce(grad, op="avg")
 
-def compression_update(opt, bucket: Bucket, step: int, decay, delta: torch.Tensor, alpha: float = 1.0) -> None:
-    """Compression stage, low-precision parameters: every rank applied the update to its
-    parameters (as without ZeRO); the owner applies it exactly to its fp32 master chunk,
-    ``master <- master * decay + alpha * delta`` (``decay`` a float or one per element of the
-    chunk, ``delta`` the whole bucket's update), and every ``master_resync_interval`` steps one
-    all-gather of the master chunks replaces the parameters, bounding what their rounding
-    drifted."""
-    master = master_shard(opt, bucket)
-    if master is None:
-        return
-    lo, hi, _ = own_range(opt, bucket)
-    master[: hi - lo].mul_(decay).add_(delta[lo:hi], alpha=alpha)
-    if step % opt.master_resync_interval == 0:
+    # --- warmup: rank j updates chunk j ------------------------------------------------------------
+    def own(self, opt, bucket, whole):
+        lo, hi, _ = self.own_range(opt, bucket)
+        return whole[lo:hi]
+
+    def state(self, opt, bucket, name):
+        """Chunk ``j`` of the state ``name``: the buffer ``name + "_shard"`` (``m_j``, ``v_j``, ...)."""
+        lo, hi, c = self.own_range(opt, bucket)
+        return shard(bucket, name + "_shard", c)[: hi - lo]
+
+    def direction_buffer(self, opt, bucket, grad):
+        lo, hi, c = self.own_range(opt, bucket)
+        return shard(bucket, "update_shard", c)[: hi - lo]
+
+    def own_values(self, opt, bucket: Bucket) -> torch.Tensor:
+        """This rank's chunk of the parameters in fp32, to update in place and then
+        :meth:`publish`: the master chunk of a bf16/fp16 bucket (the truth), else the current
+        values copied out of the parameters (this overwrites the padded gradient workspace)."""
+        lo, hi, _ = self.own_range(opt, bucket)
+        master = self.master_shard(opt, bucket)
+        if master is not None:
+            return master[: hi - lo]
         padded = bucket.flats["grad_padded"]
-        opt.backend.all_gather(padded, master)
+        torch._foreach_copy_(bucket.views(padded[: bucket.numel]), bucket.params)
+        return padded[lo:hi]
+
+    def step_(self, opt, bucket, values, direction, decay, alpha):
+        values.mul_(decay).add_(direction, alpha=alpha)
+        self.publish(opt, bucket, values)
+
+    def add_values_(self, opt, bucket, out, values, alpha):
+        out.add_(values, alpha=alpha)
+
+    def step_layers_(self, opt, bucket, values, update, coeffs, scale):
+        values.addcmul_(self.per_element(opt, bucket, coeffs, "coeff_shard"), update, value=scale)
+        self.publish(opt, bucket, values)
+
+    def publish(self, opt, bucket: Bucket, values: torch.Tensor) -> None:
+        """One all-gather of every rank's :meth:`own_values` into the parameters."""
+        padded = bucket.flats["grad_padded"]
+        master = bucket.flats.get("master_shard")
+        if master is None:
+            lo, hi, c = self.own_range(opt, bucket)
+            out = shard(bucket, "update_shard", c)
+            out[: hi - lo].copy_(values)
+            out[hi - lo :].zero_()
+        else:
+            out = master  # zero beyond the chunk's end
+        opt.backend.all_gather(padded, out)
         torch._foreach_copy_(bucket.params, bucket.views(padded[: bucket.numel]))
 
+    def master_shard(self, opt, bucket: Bucket) -> torch.Tensor | None:
+        """This rank's fp32 master copy of its chunk of a bucket that holds bf16/fp16 parameters
+        (made from the parameters on first use); ``None`` for fp32 buckets."""
+        if not bucket.low_precision:
+            return None
+        master = bucket.flats.get("master_shard")
+        if master is None:
+            world = opt.backend.world_size
+            lo, hi, c = self.own_range(opt, bucket)
+            padded = shard(bucket, "grad_padded", world * c)
+            torch._foreach_copy_(bucket.views(padded[: bucket.numel]), bucket.params)
+            master = bucket.flats["master_shard"] = torch.zeros(c, device=bucket.device)
+            master[: hi - lo].copy_(padded[lo:hi])
+        return master
 
-def freeze(opt, bucket: Bucket) -> torch.Tensor:
-    """Gather the chunks of ``m`` and ``v`` once: the full momentum (until the first compressed
-    exchange replaces it by its 1-bit rows) and the frozen denominator of every element. Returns
-    the whole raw ``v`` (a scratch buffer: valid until the bucket's next collective)."""
-    world = opt.backend.world_size
-    c = chunk_numel(bucket.numel, world)
-    padded = shard(bucket, "grad_padded", world * c)
-    n = bucket.numel
-    opt.backend.all_gather(padded, shard(bucket, "exp_avg_shard", c))
-    bucket.flats["exp_avg"] = padded[:n].clone()
-    opt.backend.all_gather(padded, shard(bucket, "exp_avg_sq_shard", c))
-    group = opt.param_groups[bucket.group_index]
-    bucket.flats["frozen_denominator"] = frozen_denominator_of(padded[:n], group, opt.freeze_step)
-    # the momentum lives on whole, then as 1-bit rows; the variance only as the denominator
-    del bucket.flats["exp_avg_shard"], bucket.flats["exp_avg_sq_shard"]
-    return padded[:n]
+    def freeze(self, opt, bucket):
+        """Gather the chunks of ``m`` and ``v`` once: the full momentum (until the first compressed
+        exchange replaces it by its 1-bit rows) and the frozen denominator of every element. Returns
+        the whole raw ``v`` (a scratch buffer: valid until the bucket's next collective)."""
+        world = opt.backend.world_size
+        c = chunk_numel(bucket.numel, world)
+        padded = shard(bucket, "grad_padded", world * c)
+        n = bucket.numel
+        opt.backend.all_gather(padded, shard(bucket, "exp_avg_shard", c))
+        bucket.flats["exp_avg"] = padded[:n].clone()
+        opt.backend.all_gather(padded, shard(bucket, "exp_avg_sq_shard", c))
+        group = opt.param_groups[bucket.group_index]
+        bucket.flats["frozen_denominator"] = frozen_denominator_of(padded[:n], group, opt.freeze_step)
+        # the momentum lives on whole, then as 1-bit rows; the variance only as the denominator
+        del bucket.flats["exp_avg_shard"], bucket.flats["exp_avg_sq_shard"]
+        return padded[:n]
+
+    # --- compression stage: every rank updates its whole replica ----------------------------------
+    def gather_local(self, opt, bucket, grad):
+        """The local momentum, formed from ``p.grad`` directly (:meth:`form_local_momentum`)."""
+        opt._observe_local_gradient(bucket)
+        beta1 = opt.param_groups[bucket.group_index]["betas"][0]
+        self.form_local_momentum(opt, bucket, grad, beta1, keep_previous=opt._keeps_previous_momentum,
+                                 row_scales=opt._exchange_scales(bucket),
+                                 preconditioner=opt._exchange_preconditioner(bucket))
+
+    def form_local_momentum(self, opt, bucket: Bucket, x: torch.Tensor, beta1: float, keep_previous: bool = False,
+                            row_scales: list[float] | None = None,
+                            preconditioner: torch.Tensor | None = None) -> None:
+        """``x`` <- ``b1 m + (1 - b1) g_i`` with ``m`` expanded from the kept rows (or the momentum
+        gathered at the freeze) and ``g_i`` read straight from ``p.grad``. ``row_scales``: per layer,
+        what the exchanged momentum was multiplied by (1-bit LAMB's scaling coefficients), divided
+        out after expanding. ``preconditioner``: per element, the fixed factor ``R`` of an exchange of
+        ``R m`` (OnebitAdam's preconditioned exchange): ``x`` <- ``b1 R m + (1 - b1) R g_i``, with
+        ``R m`` the kept rows themselves. ``keep_previous``: also keep this rank's chunk of ``m``
+        (``momentum_prev_shard``, for 1-bit LAMB's fresh variance)."""
+        if "exp_avg" in bucket.flats:
+            x.copy_(bucket.flats["exp_avg"])
+            if preconditioner is not None:
+                x.mul_(preconditioner)
+        else:
+            expand_result_rows(bucket.flats["momentum_rows"], bucket.numel, opt.backend.world_size, x)
+            if row_scales is not None:
+                scaling.unscale_(bucket.views(x), row_scales)
+        if keep_previous:
+            lo, hi, c = self.own_range(opt, bucket)
+            previous = shard(bucket, "momentum_prev_shard", c)[: hi - lo]
+            if preconditioner is None:
+                previous.copy_(x[lo:hi])
+            else:  # m = (R m) / R; 0 where R == 0 (v_f == 0)
+                torch.div(x[lo:hi], preconditioner[lo:hi], out=previous).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        x.mul_(beta1)
+        alpha = (1 - beta1) * (opt._gather_inv_scale if opt._gather_inv_scale is not None else 1.0)
+        views, grads = [], []
+        factors = bucket.views(preconditioner) if preconditioner is not None else None
+        scales = []
+        for i, (p, view) in enumerate(zip(bucket.params, bucket.views(x))):
+            if p.grad is not None:
+                views.append(view)
+                grads.append(p.grad if p.grad.dtype == torch.float32 else p.grad.float())
+                if factors is not None:
+                    scales.append(factors[i])
+        if views and factors is None:
+            torch._foreach_add_(views, grads, alpha=alpha)
+        elif views:
+            torch._foreach_addcmul_(views, scales, grads, value=alpha)
+
+    def local_momentum_(self, opt, bucket, x, beta1):
+        """``x`` holds ``m_i`` (``R m_i``) already (:meth:`gather_local`); preconditioned, it is
+        bounded and zeroed where ``v_f == 0`` (the kept rows carry the exchange's ``+-t`` there)."""
+        if opt._exchange_preconditioner(bucket) is None:
+            return
+        idx = opt._no_variance(bucket)
+        if idx.numel():
+            x.index_fill_(0, idx, 0.0)
+        opt._bound_(bucket, x)
+
+    def exchange(self, opt, bucket, x):
+        """The compressed allreduce of the local momentum (always flat: its server chunks are the
+        shards); keep the result's 1-bit rows: they are the momentum from now on."""
+        worker_error, server_error = opt.error_buffers(bucket)
+        compressed_allreduce(x, worker_error, server_error, opt.backend)
+        rows = result_rows(bucket.numel, opt.backend, x.device)
+        shard(bucket, "momentum_rows", rows.numel(), torch.uint8).copy_(rows)
+        bucket.flats.pop("exp_avg", None)
+
+    def keep_momentum(self, opt, bucket, m):
+        pass  # the exchange kept its 1-bit rows (32x smaller than m)
+
+    def previous_momentum(self, opt, bucket):
+        """Chunk ``j`` of ``m_{t-1}``, kept when the local momentum was formed."""
+        lo, hi, _ = self.own_range(opt, bucket)
+        return bucket.flats["momentum_prev_shard"][: hi - lo]
+
+    def keep_exchange_factors(self, opt, bucket, root, denom, coeffs):
+        """Only ``R`` is kept (saved): the denominator is made again from it for a step that
+        divides by it, and ``A y`` is formed by a division (:meth:`step_preconditioned_`)."""
+        bucket.flats.pop("frozen_denominator", None)
+
+    def step_preconditioned_(self, opt, bucket, y, decay, alpha, step):
+        self._direction_from_exchange_(opt, bucket, y)
+        opt._variance_factors_(bucket, y)
+        descend_(bucket.params, bucket.views(y), decay, alpha)
+        self.update_masters(opt, bucket, step, decay, y, alpha)
+
+    def _direction_from_exchange_(self, opt, bucket: Bucket, y: torch.Tensor) -> None:
+        """``y`` (the exchanged ``R m``) <- ``m / (sqrt(v_f) + eps) = A y`` with ``A = 1 / (c_l +
+        eps R)`` (0 where ``v_f == 0``), made for this step from ``R = c_l / sqrt(v_f)`` (the
+        replicated layout keeps ``A`` instead)."""
+        r = opt._exchange_preconditioner(bucket)
+        views = bucket.views(y)
+        if views:
+            a_inv = torch._foreach_mul(bucket.views(r), opt.param_groups[bucket.group_index]["eps"])
+            torch._foreach_add_(a_inv, [opt.state[p]["scaling_coeff"] for p in bucket.params])
+            torch._foreach_div_(views, a_inv)
+        idx = opt._no_variance(bucket)
+        if idx.numel():
+            y.index_fill_(0, idx, 0.0)
+
+    def update_masters(self, opt, bucket, step, decay, delta, alpha=1.0):
+        """Low-precision parameters: every rank applied the update to its parameters (as
+        replicated); the owner applies it exactly to its fp32 master chunk, ``master <- master *
+        decay + alpha * delta`` (``delta`` the whole bucket's update), and every
+        ``master_resync_interval`` steps one all-gather of the master chunks replaces the
+        parameters, bounding what their rounding drifted."""
+        master = self.master_shard(opt, bucket)
+        if master is None:
+            return
+        if isinstance(decay, list):  # one per layer
+            decay = self.per_element(opt, bucket, decay, "coeff_shard")
+        lo, hi, _ = self.own_range(opt, bucket)
+        master[: hi - lo].mul_(decay).add_(delta[lo:hi], alpha=alpha)
+        if step % opt.master_resync_interval == 0:
+            padded = bucket.flats["grad_padded"]
+            opt.backend.all_gather(padded, master)
+            torch._foreach_copy_(bucket.params, bucket.views(padded[: bucket.numel]))
+
+    # --- per-layer reductions over the chunks ----------------------------------------------------
+    def layer_ids(self, opt, bucket: Bucket) -> torch.Tensor:
+        """For each element of this rank's chunk, the index of its parameter (layer) in the bucket."""
+        ids = bucket.flats.get("layer_ids")
+        if ids is None:
+            lo, hi, _ = self.own_range(opt, bucket)
+            starts = torch.tensor(bucket.offsets, dtype=torch.int64, device=bucket.device)
+            positions = torch.arange(lo, hi, dtype=torch.int64, device=bucket.device)
+            # an empty parameter shares its offset with the next one: right=True skips it
+            ids = bucket.flats["layer_ids"] = torch.searchsorted(starts, positions, right=True) - 1
+        return ids
+
+    def layer_norms(self, opt, bucket, parts):
+        """Sums of squares over this rank's chunk of each of ``parts``, one all-gather of them,
+        added in rank order."""
+        ids, n_layers = self.layer_ids(opt, bucket), len(bucket.params)
+        partial = torch.zeros(len(parts), n_layers, dtype=torch.float32, device=bucket.device)
+        square = shard(bucket, "square_shard", self.own_range(opt, bucket)[2])[: ids.numel()]
+        for row, v in zip(partial, parts):
+            row.index_add_(0, ids, torch.mul(v, v, out=square))
+        return list(self._gather(opt, partial.view(-1)).sum(dim=0).view(len(parts), n_layers).sqrt_())
+
+    def per_element(self, opt, bucket: Bucket, per_layer: list[float], name: str) -> torch.Tensor:
+        """A per-layer value spread over this rank's chunk (into the scratch buffer ``name``)."""
+        ids = self.layer_ids(opt, bucket)
+        values = torch.tensor(per_layer, dtype=torch.float32, device=bucket.device)
+        out = shard(bucket, name, self.own_range(opt, bucket)[2])[: ids.numel()]
+        return torch.index_select(values, 0, ids, out=out)
+
+    def layer_maxima(self, opt, bucket, values):
+        """Per layer, the maximum over every rank's chunk (one all-gather of a float per layer)."""
+        ids, n_layers = self.layer_ids(opt, bucket), len(bucket.params)
+        partial = torch.zeros(n_layers, dtype=torch.float32, device=bucket.device)
+        partial.scatter_reduce_(0, ids, values, "amax")
+        found = self._gather(opt, partial).amax(dim=0).tolist()
+        return [f if p.numel() else 1.0 for p, f in zip(bucket.params, found)]
+
+    def sum_over_ranks(self, opt, values: list[float]) -> list[float]:
+        """Each of ``values`` summed over the ranks (fp64, in rank order: the same on every rank)."""
+        device = opt._buckets[0].device if opt._buckets else torch.device("cpu")
+        mine = torch.tensor(values, dtype=torch.float64, device=device)
+        return self._gather(opt, mine).sum(dim=0).tolist()
+
+    def _gather(self, opt, partial: torch.Tensor) -> torch.Tensor:
+        world = opt.backend.world_size
+        everyone = torch.empty(world * partial.numel(), dtype=partial.dtype, device=partial.device)
+        opt.backend.all_gather(everyone, partial)
+        return everyone.view(world, partial.numel())
 
 
-def local_momentum(opt, bucket: Bucket, x: torch.Tensor, beta1: float, keep_previous: bool = False,
-                   row_scales: list[float] | None = None, preconditioner: torch.Tensor | None = None) -> None:
-    """``x`` <- ``b1 m + (1 - b1) g_i`` with ``m`` expanded from the kept rows (or the momentum
-    gathered at the freeze) and ``g_i`` read straight from ``p.grad``. ``row_scales``: per layer,
-    what the exchanged momentum was multiplied by (1-bit LAMB's scaling coefficients), divided
-    out after expanding. ``preconditioner``: per element, the fixed factor ``R`` of an exchange of
-    ``R m`` (OnebitAdam's preconditioned exchange): ``x`` <- ``b1 R m + (1 - b1) R g_i``, with
-    ``R m`` the kept rows themselves. ``keep_previous``: also keep this rank's chunk of ``m``
-    (``momentum_prev_shard``, for 1-bit LAMB's fresh variance)."""
-    if "exp_avg" in bucket.flats:
-        x.copy_(bucket.flats["exp_avg"])
-        if preconditioner is not None:
-            x.mul_(preconditioner)
-    else:
-        expand_result_rows(bucket.flats["momentum_rows"], bucket.numel, opt.backend.world_size, x)
-        if row_scales is not None:
-            scaling.unscale_(bucket.views(x), row_scales)
-    if keep_previous:
-        lo, hi, c = own_range(opt, bucket)
-        previous = shard(bucket, "momentum_prev_shard", c)[: hi - lo]
-        if preconditioner is None:
-            previous.copy_(x[lo:hi])
-        else:  # m = (R m) / R; 0 where R == 0 (v_f == 0)
-            torch.div(x[lo:hi], preconditioner[lo:hi], out=previous).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-    x.mul_(beta1)
-    alpha = (1 - beta1) * (opt._gather_inv_scale if opt._gather_inv_scale is not None else 1.0)
-    views, grads = [], []
-    factors = bucket.views(preconditioner) if preconditioner is not None else None
-    scales = []
-    for i, (p, view) in enumerate(zip(bucket.params, bucket.views(x))):
-        if p.grad is not None:
-            views.append(view)
-            grads.append(p.grad if p.grad.dtype == torch.float32 else p.grad.float())
-            if factors is not None:
-                scales.append(factors[i])
-    if views and factors is None:
-        torch._foreach_add_(views, grads, alpha=alpha)
-    elif views:
-        torch._foreach_addcmul_(views, scales, grads, value=alpha)
+class ShardedGradients(Sharded):
+    """ZeRO stage 2: as :class:`Sharded`, and the warmup gradients are reduce-scattered."""
+
+    stage = 2
+
+    def average(self, opt, bucket, grad):
+        """A reduce-scatter, then an all-gather of the averaged chunks, so that ``p.grad`` can
+        hold the whole average after backward (as DDP leaves it, for the loop's clipping) without
+        one rank's chunk being summed differently on another."""
+        world = opt.backend.world_size
+        c = chunk_numel(bucket.numel, world)
+        padded = bucket.flats["grad_padded"]
+        mine = shard(bucket, "grad_shard", c)
+        opt.backend.reduce_scatter(mine, padded, op="avg")
+        opt.backend.all_gather(padded, mine)
 
 
-def exchange(opt, bucket: Bucket, x: torch.Tensor) -> None:
-    """The compressed allreduce of the local momentum; keep the result's 1-bit rows."""
-    worker_error, server_error = opt.error_buffers(bucket)
-    compressed_allreduce(x, worker_error, server_error, opt.backend)
-    rows = result_rows(bucket.numel, opt.backend, x.device)
-    shard(bucket, "momentum_rows", rows.numel(), torch.uint8).copy_(rows)
-    bucket.flats.pop("exp_avg", None)
+#: the layout of each ``zero_stage``
+LAYOUTS: dict[int, type[Layout]] = {0: Replicated, 1: Sharded, 2: ShardedGradients}
 
 
-# --- per-layer reductions over the chunks -----------------------------------------------------------
-def layer_ids(opt, bucket: Bucket) -> torch.Tensor:
-    """For each element of this rank's chunk, the index of its parameter (layer) in the bucket."""
-    ids = bucket.flats.get("layer_ids")
-    if ids is None:
-        lo, hi, _ = own_range(opt, bucket)
-        starts = torch.tensor(bucket.offsets, dtype=torch.int64, device=bucket.device)
-        positions = torch.arange(lo, hi, dtype=torch.int64, device=bucket.device)
-        # an empty parameter shares its offset with the next one: right=True skips it
-        ids = bucket.flats["layer_ids"] = torch.searchsorted(starts, positions, right=True) - 1
-    return ids
-
-
-def layer_norms(opt, bucket: Bucket, values: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Per layer of the bucket, the L2 norm of each tensor of ``values`` (this rank's chunk of
-    a per-element quantity) over all ranks' chunks: sums of squares, one all-gather of them,
-    added in rank order (the same on every rank)."""
-    ids, n_layers = layer_ids(opt, bucket), len(bucket.params)
-    partial = torch.zeros(len(values), n_layers, dtype=torch.float32, device=bucket.device)
-    square = shard(bucket, "square_shard", own_range(opt, bucket)[2])[: ids.numel()]
-    for row, v in zip(partial, values):
-        row.index_add_(0, ids, torch.mul(v, v, out=square))
-    return list(_gather(opt, partial.view(-1)).sum(dim=0).view(len(values), n_layers).sqrt_())
-
-
-def per_element(opt, bucket: Bucket, per_layer: list[float], name: str) -> torch.Tensor:
-    """A per-layer value spread over this rank's chunk (into the scratch buffer ``name``)."""
-    ids = layer_ids(opt, bucket)
-    values = torch.tensor(per_layer, dtype=torch.float32, device=bucket.device)
-    return torch.index_select(values, 0, ids, out=shard(bucket, name, own_range(opt, bucket)[2])[: ids.numel()])
-
-
-def layer_maxima(opt, bucket: Bucket, values: torch.Tensor) -> torch.Tensor:
-    """Per layer, the maximum of ``values`` (this rank's chunk; >= 0) over all ranks' chunks
-    (0 for a layer without elements)."""
-    ids, n_layers = layer_ids(opt, bucket), len(bucket.params)
-    partial = torch.zeros(n_layers, dtype=torch.float32, device=bucket.device)
-    partial.scatter_reduce_(0, ids, values, "amax")
-    return _gather(opt, partial).amax(dim=0)
-
-
-def own_variance(opt, bucket: Bucket) -> torch.Tensor:
-    """This rank's chunk of the warmup variance (empty before the first step)."""
-    lo, hi, _ = own_range(opt, bucket)
-    v = bucket.flats.get("exp_avg_sq_shard")
-    return v[: hi - lo] if v is not None else torch.zeros(0, device=bucket.device)
-
-
-def sum_over_ranks(opt, values: list[float]) -> list[float]:
-    """Each of ``values`` summed over the ranks (fp64, in rank order: the same on every rank)."""
-    device = opt._buckets[0].device if opt._buckets else torch.device("cpu")
-    mine = torch.tensor(values, dtype=torch.float64, device=device)
-    return _gather(opt, mine).sum(dim=0).tolist()
-
-
-def _gather(opt, partial: torch.Tensor) -> torch.Tensor:
-    world = opt.backend.world_size
-    everyone = torch.empty(world * partial.numel(), dtype=partial.dtype, device=partial.device)
-    opt.backend.all_gather(everyone, partial)
-    return everyone.view(world, partial.numel())
-
+def for_stage(stage: int) -> Layout:
+    """The layout of ``zero_stage=stage`` (0, 1 or 2)."""
+    return LAYOUTS[stage]()

@@ -1,0 +1,293 @@
+"""Where an optimizer's state lives: replicated on every rank, or sharded ZeRO-style by the
+compressed allreduce's server chunks. One object, chosen once when the optimizer is made
+(``optimizer.layout``), answers every question whose answer depends on that; ``step()`` and the
+optimizers call it and never ask which layout it is.
+
+:class:`Layout` is the interface, :class:`Replicated` (``zero_stage=0``, and every optimizer that
+is not sharded) the layout of whole buffers on every rank, :class:`compressed_opt.zero.Sharded`
+(``zero_stage=1``) and :class:`compressed_opt.zero.ShardedGradients` (``zero_stage=2``) the sharded
+one; :func:`compressed_opt.zero.for_stage` picks one.
+
+What differs between them (the rest of a step is the same code for both):
+
+======================  ===================================  ==========================================
+                        replicated                           sharded (rank ``j``: chunk ``j``)
+======================  ===================================  ==========================================
+warmup ``m``, ``v``     whole buckets (``state[p]`` views)   chunk ``j``; update the chunk, all-gather
+gradient average        all-reduce                           all-reduce (1); reduce-scatter (2)
+compression momentum    ``exp_avg`` (fp32)                   the last exchange's 1-bit rows
+local momentum          formed before the exchange           formed while gathering ``p.grad``
+preconditioned update   keeps ``A``, one fused pass          ``A y`` by a division, per step
+bf16/fp16 parameters    updated in place                     and an fp32 master chunk, resynchronised
+======================  ===================================  ==========================================
+
+Every method takes the optimizer (the layout keeps nothing of its own, so copies and pickles of
+the optimizer carry it as it is) and, where it concerns one bucket, the bucket. Where the two
+differ inside one formula, the layout hands the optimizer what differs (this rank's part of a
+buffer, a workspace, the values it updates) and the formula is written once.
+"""
+from __future__ import annotations
+
+import torch
+
+from compressed_opt import cuda as kernels
+
+from . import scaling
+from .buckets import Bucket
+from .moments import descend_
+from .reductions import maxima, norms
+
+
+class Layout:
+    """The operations whose answer depends on where the state lives."""
+
+    #: the ``zero_stage`` this layout stands for
+    stage: int
+    #: whether each rank holds only its chunk of the state (then the 1-bit exchange is flat: its
+    #: server chunks are the shards)
+    sharded: bool
+
+    # --- checks, once -----------------------------------------------------------------------------
+    def declare_buffers(self, opt) -> None:
+        """Set the optimizer's bucket buffers for this layout (:mod:`compressed_opt.buffers`)."""
+        raise NotImplementedError
+
+    def check_options(self, opt, path: str, hierarchy: str) -> None:
+        """Raise ``ValueError`` for a ``path`` or ``hierarchy`` this layout cannot take."""
+        raise NotImplementedError
+
+    def check_rebuild(self, opt) -> None:
+        """Raise if the state cannot follow the parameters into new buckets."""
+        raise NotImplementedError
+
+    def checkpoint_problem(self, opt, rank: int, world: int, consolidated: bool) -> str | None:
+        """Why a checkpoint saved by rank ``rank`` of ``world`` cannot be loaded here (``None``:
+        it can)."""
+        raise NotImplementedError
+
+    def check_ddp(self, opt) -> None:
+        """Raise ``ValueError`` if the optimizer cannot drive a ``DistributedDataParallel`` model."""
+        raise NotImplementedError
+
+    # --- the gradients ----------------------------------------------------------------------------
+    def grad_buffer(self, opt, bucket: Bucket) -> torch.Tensor:
+        """The bucket's flat fp32 gradient workspace (``bucket.numel`` elements)."""
+        raise NotImplementedError
+
+    def average(self, opt, bucket: Bucket, grad: torch.Tensor) -> None:
+        """The full-precision average of the bucket's gradients, in place (collective)."""
+        raise NotImplementedError
+
+    # --- warmup: the update of the part this rank holds --------------------------------------------
+    def own(self, opt, bucket: Bucket, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a whole-bucket tensor (a view)."""
+        raise NotImplementedError
+
+    def state(self, opt, bucket: Bucket, name: str) -> torch.Tensor:
+        """This rank's part of the per-element state ``name`` (``"exp_avg"``, ``"exp_avg_sq"``,
+        ...; zeros when new), a flat fp32 view to update in place."""
+        raise NotImplementedError
+
+    def direction_buffer(self, opt, bucket: Bucket, grad: torch.Tensor) -> torch.Tensor:
+        """Where the update direction of this rank's part is formed, once the moments have read
+        the gradient ``grad``."""
+        raise NotImplementedError
+
+    def own_values(self, opt, bucket: Bucket):
+        """What this rank updates in place: the parameters (a list) or the fp32 values of its part
+        (a flat tensor); read it after the moments (it may reuse the gradient workspace)."""
+        raise NotImplementedError
+
+    def step_(self, opt, bucket: Bucket, values, direction: torch.Tensor, decay: float, alpha: float) -> None:
+        """``values <- values decay + alpha direction`` (:meth:`own_values`, :meth:`direction_buffer`);
+        afterwards every rank holds the whole new parameters."""
+        raise NotImplementedError
+
+    def add_values_(self, opt, bucket: Bucket, out: torch.Tensor, values, alpha: float) -> None:
+        """``out <- out + alpha values`` (``out``: a :meth:`direction_buffer`, ``values``: :meth:`own_values`)."""
+        raise NotImplementedError
+
+    def layer_norms(self, opt, bucket: Bucket, parts: list) -> list[torch.Tensor]:
+        """Per layer of the bucket, the L2 norm of each of ``parts`` (the part this rank holds of a
+        per-element quantity: a flat buffer, or :meth:`own_values`) over every rank's part, the
+        same on every rank: one float64 tensor per part."""
+        raise NotImplementedError
+
+    def step_layers_(self, opt, bucket: Bucket, values, update: torch.Tensor, coeffs: list[float],
+                     scale: float) -> None:
+        """``values <- values + scale coeff_l update`` on each layer ``l`` (1-bit LAMB's trust
+        ratios); afterwards every rank holds the whole new parameters."""
+        raise NotImplementedError
+
+    def sum_over_ranks(self, opt, values: list[float]) -> list[float]:
+        """Each of ``values`` (sums over the state this rank holds) summed over the state of every
+        rank, the same on every rank."""
+        raise NotImplementedError
+
+    def freeze(self, opt, bucket: Bucket) -> torch.Tensor:
+        """At the end of warmup: make the bucket's compression-stage state from its warmup state,
+        and return the whole raw variance ``v`` (the same on every rank; valid until the bucket's
+        next collective)."""
+        raise NotImplementedError
+
+    # --- compression stage ------------------------------------------------------------------------
+    def gather_local(self, opt, bucket: Bucket, grad: torch.Tensor) -> None:
+        """A compression step's gather into ``grad``: this rank's gradients, or already its local
+        momentum (see :meth:`local_momentum_`)."""
+        raise NotImplementedError
+
+    def local_momentum_(self, opt, bucket: Bucket, x: torch.Tensor, beta1: float) -> None:
+        """``x`` (as :meth:`gather_local` left it) <- what the 1-bit exchange averages: the local
+        momentum ``m_i = b1 m + (1 - b1) g_i``, or with the preconditioned exchange ``clip(R m_i,
+        +-c_l K)``, 0 where ``v_f == 0`` (:mod:`compressed_opt.onebit_adam`)."""
+        raise NotImplementedError
+
+    def exchange(self, opt, bucket: Bucket, x: torch.Tensor) -> None:
+        """``x`` <- the 1-bit compressed average of the ranks' ``x`` (collective)."""
+        raise NotImplementedError
+
+    def keep_momentum(self, opt, bucket: Bucket, m: torch.Tensor) -> None:
+        """Keep the averaged momentum ``m`` (whole) for the next step's local momentum."""
+        raise NotImplementedError
+
+    def previous_momentum(self, opt, bucket: Bucket) -> torch.Tensor:
+        """This rank's part of the momentum of the step before (1-bit LAMB, before
+        :meth:`keep_momentum`), to consume in place."""
+        raise NotImplementedError
+
+    def layer_maxima(self, opt, bucket: Bucket, values: torch.Tensor) -> list[float]:
+        """Per layer, the maximum of ``values`` (this rank's part of a per-element quantity, >= 0)
+        over every rank's part, the same on every rank; 1.0 for an empty layer."""
+        raise NotImplementedError
+
+    def keep_exchange_factors(self, opt, bucket: Bucket, root: torch.Tensor, denom: torch.Tensor,
+                              coeffs: list[float]) -> None:
+        """The preconditioner ``R = c_l / sqrt(v_f)`` was just made (from ``root = sqrt(v_f)``,
+        ``denom = sqrt(v_f) + eps`` and the layers' ``c_l``): keep what the compression steps
+        need beside it."""
+        raise NotImplementedError
+
+    def step_preconditioned_(self, opt, bucket: Bucket, y: torch.Tensor, decay: float, alpha: float,
+                             step: int) -> None:
+        """1-bit Adam's compression-stage update from the exchanged ``y = avg(R m_i)``:
+        ``p <- p decay + alpha f_l m / (sqrt(v_f) + eps)`` (``f_l``: the layer's variance factor),
+        keeping ``m = y / R``."""
+        raise NotImplementedError
+
+    def update_masters(self, opt, bucket: Bucket, step: int, decay, delta: torch.Tensor, alpha: float = 1.0) -> None:
+        """After a compression-stage update ``p <- p decay + alpha delta`` of the parameters
+        (``decay``: a float or one per layer): the same on any fp32 masters of them."""
+        raise NotImplementedError
+
+
+class Replicated(Layout):
+    """Every rank holds the whole state of every bucket."""
+
+    stage = 0
+    sharded = False
+
+    def declare_buffers(self, opt):
+        pass  # the optimizer class's own table
+
+    def check_options(self, opt, path, hierarchy):
+        pass
+
+    def check_rebuild(self, opt):
+        pass
+
+    def checkpoint_problem(self, opt, rank, world, consolidated):
+        return None  # another rank's or world size's error feedback is dropped on load (warned)
+
+    def check_ddp(self, opt):
+        pass
+
+    def grad_buffer(self, opt, bucket):
+        return bucket.flat("grad")
+
+    def average(self, opt, bucket, grad):
+        opt.backend.all_reduce(grad, op="avg")
+
+    def own(self, opt, bucket, whole):
+        return whole
+
+    def state(self, opt, bucket, name):
+        return bucket.flat(name)
+
+    def direction_buffer(self, opt, bucket, grad):
+        return grad  # free once the moments have read it
+
+    def own_values(self, opt, bucket):
+        return bucket.params
+
+    def step_(self, opt, bucket, values, direction, decay, alpha):
+        descend_(values, bucket.views(direction), decay, alpha)
+
+    def add_values_(self, opt, bucket, out, values, alpha):
+        torch._foreach_add_(bucket.views(out), values, alpha=alpha)
+
+    def layer_norms(self, opt, bucket, parts):
+        return [norms(part if isinstance(part, list) else bucket.views(part)) for part in parts]
+
+    def step_layers_(self, opt, bucket, values, update, coeffs, scale):
+        views = bucket.views(update)
+        torch._foreach_mul_(views, [scale * c for c in coeffs])
+        torch._foreach_add_(values, views)
+
+    def sum_over_ranks(self, opt, values):
+        return values
+
+    def freeze(self, opt, bucket):
+        return bucket.flat("exp_avg_sq")  # v stays where it is; v_f is made from it when first needed
+
+    def gather_local(self, opt, bucket, grad):
+        opt._gather_observed(bucket, grad)
+
+    def local_momentum_(self, opt, bucket, x, beta1):
+        m = bucket.flat("exp_avg")
+        r = opt._exchange_preconditioner(bucket)
+        if r is None:
+            torch.lerp(m, x, 1 - beta1, out=x)
+        else:  # one pass
+            kernels.lerp_scale_clamp_(x, m, 1 - beta1, r, opt._exchange_bounds(bucket), bucket.segments)
+
+    def exchange(self, opt, bucket, x):
+        opt.compressed_average(bucket, x)
+
+    def keep_momentum(self, opt, bucket, m):
+        bucket.flat("exp_avg").copy_(m)
+
+    def previous_momentum(self, opt, bucket):
+        return bucket.flat("exp_avg")
+
+    def layer_maxima(self, opt, bucket, values):
+        raw = [1.0] * len(bucket.params)
+        nonempty = [i for i, p in enumerate(bucket.params) if p.numel()]
+        if nonempty:
+            views = bucket.views(values)
+            for i, f in zip(nonempty, torch.stack(maxima([views[i] for i in nonempty])).tolist()):
+                raw[i] = f
+        return raw
+
+    def keep_exchange_factors(self, opt, bucket, root, denom, coeffs):
+        """Unless the optimizer still divides by ``sqrt(v_f) + eps`` itself, ``A = sqrt(v_f) /
+        (sqrt(v_f) + eps) / c_l`` (0 where ``v_f == 0``) takes the denominator's place: the
+        direction ``m / (sqrt(v_f) + eps)`` is ``A y``."""
+        if opt._keeps_denominator:
+            return
+        a = torch.div(root, denom).nan_to_num_(nan=0.0)
+        scaling.unscale_(bucket.views(a), coeffs)
+        bucket.flats["direction_factor"] = a
+        bucket.flats.pop("frozen_denominator", None)
+
+    def step_preconditioned_(self, opt, bucket, y, decay, alpha, step):
+        """``m = y / R`` into ``exp_avg``; ``p <- p decay + alpha f_l A y`` formed inside the
+        update (one pass, no direction buffer written)."""
+        opt._momentum_from_exchange(bucket, y, out=bucket.flat("exp_avg"))
+        factors = opt._variance_factors_of(bucket) or [1.0] * len(bucket.params)
+        if decay != 1.0:
+            torch._foreach_mul_(bucket.params, decay)
+        a = bucket.flats["direction_factor"]
+        torch._foreach_addcmul_(bucket.params, bucket.views(y), bucket.views(a), [alpha * f for f in factors])
+
+    def update_masters(self, opt, bucket, step, decay, delta, alpha=1.0):
+        pass  # the parameters are the truth
