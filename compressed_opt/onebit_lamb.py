@@ -49,8 +49,11 @@ Each of the three estimates LAMB's ratio from below: a local momentum carries th
 ``v_fresh``, rebuilt from the 1-bit momentum (its noise amplified ``1 / (1 - b1)`` times in
 ``g~``), overstates the variance, so the factor understates the step (on GPT-2 it sinks to
 ``factor_min`` in every layer); ``r_f`` is LAMB's ratio where it was last measured exactly. The
-largest of them is used. Cost: one norm pass over the exchanged vector per bucket, ``||p||``, and
-one all-gather of a float per layer and rank per step (before the update).
+largest of them is used. ``||p|| / ||u||`` is measured at the first compression step and every
+``trust_ratio_interval`` (10) steps after, and kept in between (``state[p]["trust_ratio_live"]``):
+a measuring step costs a norm pass over the exchanged vector (and a copy when ``wd != 0``),
+``||p||``, and one all-gather of a float per layer and rank (before the update); the others
+nothing.
 
 With ``bias_correction=True`` (the default) ``m_hat = m / (1 - b1^t)`` and
 ``v_fresh_hat = v_fresh / (1 - b2^t)``; ``False`` uses the raw moments everywhere (the paper's
@@ -92,7 +95,7 @@ from .onebit_adam import _FreezingAdam
 from .optimizer import common_args
 from .reductions import maxima, norms
 from .moments import bias_corrections, denominator_, momentum_, variance_
-from .validation import check_choice, check_nonneg_float
+from .validation import check_choice, check_nonneg_float, check_step_count
 
 __all__ = ["OnebitLamb"]
 
@@ -132,7 +135,9 @@ class OnebitLamb(_FreezingAdam):
             from the momentum's RMS (see the module doc).
         trust_ratio: ``"live"`` (default): in the compression stage each layer's coefficient is
             ``max(clip(||p|| / ||u||), r_f, r_f * factor)`` with ``||u||`` from the ranks' local
-            momenta, every step (see the module doc); ``"frozen"``: the paper's ``r_f * factor``.
+            momenta (see the module doc); ``"frozen"``: the paper's ``r_f * factor``.
+        trust_ratio_interval: the live ratio's ``||p|| / ||u||`` is measured at the first
+            compression step and every this many steps after, and kept in between (>= 1).
     """
 
     buffers = {"exp_avg_sq_fresh": Buffer(STATE)}  # v_fresh
@@ -149,9 +154,10 @@ class OnebitLamb(_FreezingAdam):
                  *, max_coeff=10.0, min_coeff=0.01, coeff_beta=0.9, factor_max=4.0, factor_min=0.5,
                  factor_threshold=0.1, bias_correction=True, backend=None, bucket_cap_mb=25.0, overlap=True,
                  accumulation_steps=1, zero_stage=0, master_resync_interval=100, exchange="preconditioned",
-                 hierarchy="auto", path="1bit", trust_ratio="live"):
+                 hierarchy="auto", path="1bit", trust_ratio="live", trust_ratio_interval=10):
         check_choice("trust_ratio", trust_ratio, self.TRUST_RATIOS)
         self.trust_ratio = trust_ratio
+        self.trust_ratio_interval = check_step_count("trust_ratio_interval", trust_ratio_interval, minimum=1)
         self._local_direction_sq = {}  # bucket index -> this rank's per-layer ||u_i||^2 (float64)
         self._direction_norms = {}  # bucket index -> per-layer RMS over the ranks of ||u_i||
         defaults = dict(
@@ -287,7 +293,7 @@ class OnebitLamb(_FreezingAdam):
                 coeffs = self._scaling_coeffs(bucket, m)
                 torch.lerp(m, grad, 1 - group["betas"][0], out=grad)
             scaling.scale_(bucket.views(grad), coeffs)
-        if self.trust_ratio == "live":
+        if self._measures_live_ratio(step):
             self._observe_local_direction(bucket, group, grad, step)
         self._exchange_1bit(bucket, grad)
         if preconditioned:
@@ -339,7 +345,7 @@ class OnebitLamb(_FreezingAdam):
                     raw[i] = f
         coeffs = self._compression_coeffs(params, group, raw)
         if self.trust_ratio == "live":
-            coeffs = self._live_coeffs(bucket, group, coeffs)
+            coeffs = self._live_coeffs(bucket, group, coeffs, self._measures_live_ratio(step))
 
         # p <- p - lr coeff (m_hat / (sqrt(v_f) + eps) + wd p)
         update = momentum  # free now (ZeRO: m is momentum itself, divided in place)
@@ -354,6 +360,11 @@ class OnebitLamb(_FreezingAdam):
             zero.compression_update(self, bucket, step, zero.per_element(self, bucket, decays, "coeff_shard"), update)
 
     # --- the live trust ratio (trust_ratio="live") -------------------------------------------------
+    def _measures_live_ratio(self, step) -> bool:
+        """Whether compression step ``step`` measures ``||p|| / ||u||`` (the first compression step,
+        then every ``trust_ratio_interval``; the same on every rank)."""
+        return self.trust_ratio == "live" and (step - self.freeze_step - 1) % self.trust_ratio_interval == 0
+
     def _observe_local_direction(self, bucket, group, x, step):
         """This rank's per-layer ``||u_i||^2``, ``u_i = m_i_hat / sqrt(v_f) + wd p`` its LAMB direction
         from its local momentum, from the exchanged vector ``x``: ``R m_i`` (bounded) with the
@@ -385,7 +396,7 @@ class OnebitLamb(_FreezingAdam):
         """Compression stage, live trust ratio: every rank's per-layer ``||u_i||^2`` (one all-gather
         of a float per layer), averaged in rank order so that every rank gets the same norms."""
         super()._before_update(step, averaged)
-        if averaged or self.trust_ratio != "live" or not self._buckets:
+        if averaged or not self._measures_live_ratio(step) or not self._buckets:
             return
         mine = torch.cat([self._local_direction_sq[b.index].to(torch.float64).cpu() for b in self._buckets])
         world = self.backend.world_size
@@ -400,18 +411,21 @@ class OnebitLamb(_FreezingAdam):
             self._direction_norms[b.index] = rms[offset: offset + len(b.params)]
             offset += len(b.params)
 
-    def _live_coeffs(self, bucket, group, frozen) -> list[float]:
+    def _live_coeffs(self, bucket, group, frozen, measure) -> list[float]:
         """Each layer's ``max(clip(||p|| / ||u||, min_coeff, max_coeff), r_f, r_f factor)``
-        (``frozen``: the layers' ``r_f factor``; the live term is left out where either norm is 0),
-        ``||u||`` the RMS over the ranks of their local ``||u_i||``."""
+        (``frozen``: the layers' ``r_f factor``; the live term is 0 where either norm is 0),
+        ``||u||`` the RMS over the ranks of their local ``||u_i||``. The live term is measured when
+        ``measure`` and kept in ``state[p]["trust_ratio_live"]`` (checkpointed) in between."""
         params = bucket.params
-        lo, hi = group["min_coeff"], group["max_coeff"]
+        if measure:
+            lo, hi = group["min_coeff"], group["max_coeff"]
+            for p, p_norm, u_norm in zip(params, norms(params).tolist(), self._direction_norms[bucket.index]):
+                live = min(max(p_norm / u_norm, lo), hi) if p_norm > 0 and u_norm > 0 else 0.0
+                self.state[p]["trust_ratio_live"] = live
         coeffs = []
-        for p, r_factor, p_norm, u_norm in zip(params, frozen, norms(params).tolist(),
-                                               self._direction_norms[bucket.index]):
+        for p, r_factor in zip(params, frozen):
             st = self.state[p]
-            live = min(max(p_norm / u_norm, lo), hi) if p_norm > 0 and u_norm > 0 else 0.0
-            st["lamb_coeff"] = coeff = max(live, st["trust_ratio_frozen"], r_factor)
+            st["lamb_coeff"] = coeff = max(st.get("trust_ratio_live", 0.0), st["trust_ratio_frozen"], r_factor)
             coeffs.append(coeff)
         return coeffs
 

@@ -36,11 +36,12 @@ class Reference:
     """1-bit LAMB (and plain LAMB before ``freeze``) for ``world`` ranks in one process."""
 
     def __init__(self, model, world, freeze, hp=HP, bias_correction=True, exchange="preconditioned",
-                 trust_ratio="live"):
+                 trust_ratio="live", trust_ratio_interval=10):
         self.model, self.world, self.freeze, self.hp = model, world, freeze, hp
         self.bc = bias_correction
         self.exchange = exchange
         self.trust_ratio = trust_ratio
+        self.interval = trust_ratio_interval
         self.params = list(model.parameters())
         self.order = list(reversed(self.params))  # the bucket's order: reverse registration
         self.st = {p: dict(m=torch.zeros_like(p), v=torch.zeros_like(p), ema=0.0) for p in self.params}
@@ -148,9 +149,10 @@ class Reference:
             u = (m_t / self.corr(b1, t)) / denom + hp["weight_decay"] * p
             coeff = s["r_f"] * factor
             if self.trust_ratio == "live":  # max(clip(||p|| / RMS_i ||u_i||), r_f, r_f factor)
-                pn, un = p.norm().item(), math.sqrt(u_sq[p] / self.world)
-                live = min(max(pn / un, hp["min_coeff"]), hp["max_coeff"]) if pn > 0 and un > 0 else 0.0
-                coeff = max(live, s["r_f"], coeff)
+                if (t - T - 1) % self.interval == 0:  # measured, then kept
+                    pn, un = p.norm().item(), math.sqrt(u_sq[p] / self.world)
+                    s["live"] = min(max(pn / un, hp["min_coeff"]), hp["max_coeff"]) if pn > 0 and un > 0 else 0.0
+                coeff = max(s["live"], s["r_f"], coeff)
             p -= hp["lr"] * coeff * u
             coeffs[p] = coeff
         self.coeffs.append([coeffs[p] for p in self.params])
@@ -188,14 +190,15 @@ def test_warmup_is_lamb_single_process():
 @pytest.mark.parametrize("bias_correction,exchange,trust_ratio", [
     (True, "preconditioned", "live"), (False, "preconditioned", "live"), (True, "momentum", "live"),
     (True, "preconditioned", "frozen"), (True, "momentum", "frozen")])
-def test_single_process_matches_reference_through_the_freeze(bias_correction, exchange, trust_ratio):
+@pytest.mark.parametrize("interval", [1, 3])
+def test_single_process_matches_reference_through_the_freeze(bias_correction, exchange, trust_ratio, interval):
     """World 1: warmup, freeze, and the compression stage (1-bit compression with one rank)."""
     steps, freeze = 10, 4
     model = small_model()
     ref = Reference(copy.deepcopy(model), 1, freeze, bias_correction=bias_correction, exchange=exchange,
-                    trust_ratio=trust_ratio)
+                    trust_ratio=trust_ratio, trust_ratio_interval=interval)
     opt = OnebitLamb(model.parameters(), freeze_step=freeze, bias_correction=bias_correction, exchange=exchange,
-                     trust_ratio=trust_ratio, **HP)
+                     trust_ratio=trust_ratio, trust_ratio_interval=interval, **HP)
     for k, batch in enumerate(live_batches(0, 1, steps), start=1):
         run_steps(model, opt, [batch])
         ref.step([batch])
@@ -397,7 +400,7 @@ def test_converges_like_lamb_on_digits(two_rank_results):
 @pytest.mark.multiprocess
 def test_live_trust_ratio_keeps_up_with_lamb(two_rank_results):
     """Frozen at step 30 of 150 with LAMB's default max_coeff: the live trust ratio ends within 5%
-    of LAMB's loss (measured: 0.72x), the paper's frozen one does not (1.23x)."""
+    of LAMB's loss (measured: 0.78x), the paper's frozen one does not (1.23x)."""
     r = two_rank_results[0]["convergence"]
     assert r == two_rank_results[1]["convergence"]
     assert r["lamb10"] < 0.2 * r["initial"]
