@@ -18,7 +18,8 @@ Optimizers and their uncompressed twins: ``onebitadam`` and ``zerooneadam`` agai
 adds OnebitAdam with ``exchange="momentum"`` (the paper's exchange) as ``onebitadam-momentum``, and
 OnebitAdam and ZeroOneAdam with ``variance_tracking=False`` (the paper's frozen variance) as
 ``onebitadam-frozen`` and ``zerooneadam-frozen``, and ZeroOneAdam refreshing its variance at every
-phase-A step (full precision until the freeze) as ``zerooneadam-dense``;
+phase-A step (full precision until the freeze) as ``zerooneadam-dense``, and OnebitLamb with the
+paper's frozen trust ratio (``trust_ratio="frozen"``) as ``onebitlamb-frozen``;
 ``--freeze-study`` OnebitAdam frozen at other steps and with ``freeze_step="auto"`` (``onebitadam@F``).
 
 Each (model, optimizer, seed) trains on 2 Gloo ranks (one process pair per model; every run of
@@ -52,8 +53,8 @@ sys.path.insert(0, HERE)  # e2e (the end-to-end benchmark's GPT), also under pyt
 RESULTS = os.path.join(HERE, "results")
 WORLD = 2
 TWIN = {"onebitadam": "adamw", "onebitadam-momentum": "adamw", "onebitadam-frozen": "adamw", "zerooneadam": "adamw",
-        "zerooneadam-frozen": "adamw", "zerooneadam-dense": "adamw", "onebitlamb": "lamb"}
-VARIANTS = ("onebitadam-momentum", "onebitadam-frozen", "zerooneadam-frozen", "zerooneadam-dense")
+        "zerooneadam-frozen": "adamw", "zerooneadam-dense": "adamw", "onebitlamb": "lamb", "onebitlamb-frozen": "lamb"}
+VARIANTS = ("onebitadam-momentum", "onebitadam-frozen", "zerooneadam-frozen", "zerooneadam-dense", "onebitlamb-frozen")
 FREEZE_STUDY = ("onebitadam@20", "onebitadam@100", "onebitadam@150", "onebitadam@auto")
 OPTIMIZERS = ("adamw", "onebitadam", "zerooneadam", "lamb", "onebitlamb")
 LAMB_LR = 1e-2
@@ -212,6 +213,8 @@ def make_optimizer(name: str, params, lr: float, freeze: int):
         return compressed_opt.OnebitLamb(params, lr=LAMB_LR, freeze_step=10**9, path=PATH)
     if name == "onebitlamb":
         return compressed_opt.OnebitLamb(params, lr=LAMB_LR, freeze_step=freeze, path=PATH)
+    if name == "onebitlamb-frozen":  # the paper's frozen trust ratio r_f * factor
+        return compressed_opt.OnebitLamb(params, lr=LAMB_LR, freeze_step=freeze, trust_ratio="frozen", path=PATH)
     raise ValueError(f"unknown optimizer {name!r}")
 
 

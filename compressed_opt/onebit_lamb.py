@@ -33,6 +33,28 @@ before the exchange and divided by it after. From the averaged momentum ``m_t`` 
              [(1 - factor_threshold) f_prev, (1 + factor_threshold) f_prev]   (f_prev starts at 1)
     p <- p - lr r_f factor (m_hat / (sqrt(v_f) + eps) + wd p)
 
+That is the paper's algorithm, ``trust_ratio="frozen"``. By default (``trust_ratio="live"``) the
+coefficient follows LAMB's own trust ratio instead, which keeps changing after the freeze (on
+digits it grows from 0.15 to 4.3 while ``r_f`` stays 0.15: docs/design.md 2.4). Each rank takes the
+norm of its *local* LAMB direction, ``u_i = m_i_hat / sqrt(v_f) + wd p`` (``m_i`` its local
+momentum, read off the vector it hands to the exchange: ``R m_i / c_l``), and one all-gather of a
+float per layer averages the squares in rank order, so every rank gets the same::
+
+    ||u|| = sqrt(mean_i ||u_i||^2)
+    coeff = max(clip(||p|| / ||u||, min_coeff, max_coeff), r_f, r_f factor)
+    p <- p - lr coeff (m_hat / (sqrt(v_f) + eps) + wd p)
+
+Each of the three estimates LAMB's ratio from below: a local momentum carries the 1-bit noise of
+``m_{t-1}`` and its rank's gradient noise, so ``||u||`` overstates the averaged direction's norm;
+``v_fresh``, rebuilt from the 1-bit momentum (its noise amplified ``1 / (1 - b1)`` times in
+``g~``), overstates the variance, so the factor understates the step (on GPT-2 it sinks to
+``factor_min`` in every layer); ``r_f`` is LAMB's ratio where it was last measured exactly. The
+largest of them is used. ``||p|| / ||u||`` is measured at the first compression step and every
+``trust_ratio_interval`` (10) steps after, and kept in between (``state[p]["trust_ratio_live"]``):
+a measuring step costs a norm pass over the exchanged vector (and a copy when ``wd != 0``),
+``||p||``, and one all-gather of a float per layer and rank (before the update); the others
+nothing.
+
 With ``bias_correction=True`` (the default) ``m_hat = m / (1 - b1^t)`` and
 ``v_fresh_hat = v_fresh / (1 - b2^t)``; ``False`` uses the raw moments everywhere (the paper's
 code). Unlike the paper's code, the factor is not blended towards 1 by the weight-decay share of
@@ -57,8 +79,8 @@ all-gather of a float per layer.
 
 Per-layer scalars live in ``optimizer.state[p]`` as Python floats (so checkpoints keep them
 exactly): ``trust_ratio_ema``, ``trust_ratio_updates``, ``trust_ratio_frozen``,
-``scaling_coeff``, ``last_factor`` and ``lamb_coeff`` (the coefficient ``r`` or ``r_f factor``
-the last step applied).
+``scaling_coeff``, ``last_factor`` and ``lamb_coeff`` (the coefficient the last step applied: ``r``
+in warmup, then the live one or ``r_f factor``).
 """
 from __future__ import annotations
 
@@ -71,8 +93,9 @@ from . import scaling
 from .buffers import SAVED, STATE, Buffer
 from .onebit_adam import _FreezingAdam
 from .optimizer import common_args
+from .reductions import norms
 from .moments import bias_corrections, denominator_, momentum_, variance_
-from .validation import check_nonneg_float
+from .validation import check_choice, check_nonneg_float, check_step_count
 
 __all__ = ["OnebitLamb"]
 
@@ -86,8 +109,9 @@ def _check_positive(name: str, value) -> float:
 
 @common_args
 class OnebitLamb(_FreezingAdam):
-    """1-bit LAMB: LAMB during warmup, then 1-bit compressed momentum with frozen variance and
-    trust ratios, rescaled per layer by the drift of a fresh variance estimate.
+    """1-bit LAMB: LAMB during warmup, then 1-bit compressed momentum with frozen variance; the
+    per-layer trust ratio follows LAMB's from the ranks' local momenta (``trust_ratio="live"``) or
+    is frozen and rescaled by the drift of a fresh variance estimate (the paper's, ``"frozen"``).
 
     Args:
         params: parameters or param groups, as for ``torch.optim.AdamW``.
@@ -109,9 +133,15 @@ class OnebitLamb(_FreezingAdam):
         exchange: ``"preconditioned"`` (default): exchange ``c_l m / sqrt(v_f)``, as
             :class:`OnebitAdam`; ``"momentum"``: the paper's exchange of ``c_l m`` with ``c_l``
             from the momentum's RMS (see the module doc).
+        trust_ratio: ``"live"`` (default): in the compression stage each layer's coefficient is
+            ``max(clip(||p|| / ||u||), r_f, r_f * factor)`` with ``||u||`` from the ranks' local
+            momenta (see the module doc); ``"frozen"``: the paper's ``r_f * factor``.
+        trust_ratio_interval: the live ratio's ``||p|| / ||u||`` is measured at the first
+            compression step and every this many steps after, and kept in between (>= 1).
     """
 
     buffers = {"exp_avg_sq_fresh": Buffer(STATE)}  # v_fresh
+    TRUST_RATIOS = ("live", "frozen")
     sharded_buffers = {"exp_avg_sq_fresh_shard": Buffer(SAVED)}
     _keeps_previous_momentum = True
 
@@ -123,7 +153,12 @@ class OnebitLamb(_FreezingAdam):
                  *, max_coeff=10.0, min_coeff=0.01, coeff_beta=0.9, factor_max=4.0, factor_min=0.5,
                  factor_threshold=0.1, bias_correction=True, backend=None, bucket_cap_mb=25.0, overlap=True,
                  accumulation_steps=1, zero_stage=0, master_resync_interval=100, exchange="preconditioned",
-                 hierarchy="auto", path=None):
+                 hierarchy="auto", path=None, trust_ratio="live", trust_ratio_interval=10):
+        check_choice("trust_ratio", trust_ratio, self.TRUST_RATIOS)
+        self.trust_ratio = trust_ratio
+        self.trust_ratio_interval = check_step_count("trust_ratio_interval", trust_ratio_interval, minimum=1)
+        self._local_direction_sq = {}  # bucket index -> this rank's per-layer ||u_i||^2 (float64)
+        self._direction_norms = {}  # bucket index -> per-layer RMS over the ranks of ||u_i||
         defaults = dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
             max_coeff=max_coeff, min_coeff=min_coeff, coeff_beta=coeff_beta,
@@ -228,6 +263,8 @@ class OnebitLamb(_FreezingAdam):
         self.layout.local_momentum_(self, bucket, grad, group["betas"][0])
         if not preconditioned:
             scaling.scale_(bucket.views(grad), coeffs)
+        if self._measures_live_ratio(step):
+            self._observe_local_direction(bucket, group, grad, step)
         self.layout.exchange(self, bucket, grad)
         if preconditioned:
             self._momentum_from_exchange(bucket, grad, out=grad)  # m_t = y / R
@@ -258,6 +295,8 @@ class OnebitLamb(_FreezingAdam):
         torch.sqrt(v_fresh, out=ratio).div_(bc2_sqrt).add_(eps)
         torch.div(layout.own(self, bucket, denom), ratio, out=ratio).nan_to_num_(nan=0.0, posinf=0.0)
         coeffs = self._compression_coeffs(params, group, layout.layer_maxima(self, bucket, ratio))
+        if self.trust_ratio == "live":
+            coeffs = self._live_coeffs(bucket, group, coeffs, self._measures_live_ratio(step))
 
         # p <- p - lr coeff (m_hat / (sqrt(v_f) + eps) + wd p)
         layout.keep_momentum(self, bucket, momentum)  # m <- m_t
@@ -270,6 +309,76 @@ class OnebitLamb(_FreezingAdam):
         torch._foreach_mul_(views, [-lr * c / bc1 for c in coeffs])
         torch._foreach_add_(params, views)
         layout.update_masters(self, bucket, step, decays, update)
+
+    # --- the live trust ratio (trust_ratio="live") -------------------------------------------------
+    def _measures_live_ratio(self, step) -> bool:
+        """Whether compression step ``step`` measures ``||p|| / ||u||`` (the first compression step,
+        then every ``trust_ratio_interval``; the same on every rank)."""
+        return self.trust_ratio == "live" and (step - self.freeze_step - 1) % self.trust_ratio_interval == 0
+
+    def _observe_local_direction(self, bucket, group, x, step):
+        """This rank's per-layer ``||u_i||^2``, ``u_i = m_i_hat / sqrt(v_f) + wd p`` its LAMB direction
+        from its local momentum, from the exchanged vector ``x``: ``R m_i`` (bounded) with the
+        preconditioned exchange, so ``m_i / sqrt(v_f) = x / c_l`` (the bound aside, and ``eps``:
+        where ``sqrt(v_f) < eps`` it overstates the step's ``m_i / (sqrt(v_f) + eps)``, which only
+        lowers the ratio towards its floor ``r_f``); ``c_l m_i`` with ``exchange="momentum"``."""
+        beta1, beta2 = group["betas"]
+        bc1, _ = bias_corrections(beta1, beta2, step, group["bias_correction"])
+        wd = group["weight_decay"]
+        params = bucket.params
+        coeffs = [self.state[p]["scaling_coeff"] for p in params]
+        views = bucket.views(x[: bucket.numel])
+        if self.exchange_mode == "preconditioned":
+            scales = [1.0 / (c * bc1) for c in coeffs]
+            if wd == 0:  # no copy: the norms of x, scaled
+                sq = norms(views).square_()
+                sq.mul_(torch.tensor(scales, dtype=sq.dtype, device=sq.device).square_())
+                self._local_direction_sq[bucket.index] = sq
+                return
+            direction = torch._foreach_mul(views, scales)
+        else:  # x = c_l m_i
+            direction = bucket.views(torch.div(x[: bucket.numel], self.frozen_denominator(bucket)[: bucket.numel]))
+            torch._foreach_mul_(direction, [1.0 / (c * bc1) for c in coeffs])
+        if wd != 0:
+            torch._foreach_add_(direction, [p.detach() for p in params], alpha=wd)
+        self._local_direction_sq[bucket.index] = norms(direction).square_()
+
+    def _before_update(self, step, averaged):
+        """Compression stage, live trust ratio: every rank's per-layer ``||u_i||^2`` (one all-gather
+        of a float per layer), averaged in rank order so that every rank gets the same norms."""
+        super()._before_update(step, averaged)
+        if averaged or not self._measures_live_ratio(step) or not self._buckets:
+            return
+        mine = torch.cat([self._local_direction_sq[b.index].to(torch.float64).cpu() for b in self._buckets])
+        world = self.backend.world_size
+        if world > 1:
+            device = self._buckets[0].device
+            everyone = torch.empty(world * mine.numel(), dtype=torch.float64, device=device)
+            self.backend.all_gather(everyone, mine.to(device))
+            mine = everyone.view(world, -1).cpu().mean(dim=0)
+        rms = mine.sqrt_().tolist()
+        offset = 0
+        for b in self._buckets:
+            self._direction_norms[b.index] = rms[offset: offset + len(b.params)]
+            offset += len(b.params)
+
+    def _live_coeffs(self, bucket, group, frozen, measure) -> list[float]:
+        """Each layer's ``max(clip(||p|| / ||u||, min_coeff, max_coeff), r_f, r_f factor)``
+        (``frozen``: the layers' ``r_f factor``; the live term is 0 where either norm is 0),
+        ``||u||`` the RMS over the ranks of their local ``||u_i||``. The live term is measured when
+        ``measure`` and kept in ``state[p]["trust_ratio_live"]`` (checkpointed) in between."""
+        params = bucket.params
+        if measure:
+            lo, hi = group["min_coeff"], group["max_coeff"]
+            for p, p_norm, u_norm in zip(params, norms(params).tolist(), self._direction_norms[bucket.index]):
+                live = min(max(p_norm / u_norm, lo), hi) if p_norm > 0 and u_norm > 0 else 0.0
+                self.state[p]["trust_ratio_live"] = live
+        coeffs = []
+        for p, r_factor in zip(params, frozen):
+            st = self.state[p]
+            st["lamb_coeff"] = coeff = max(st.get("trust_ratio_live", 0.0), st["trust_ratio_frozen"], r_factor)
+            coeffs.append(coeff)
+        return coeffs
 
     def _compression_coeffs(self, params, group, raw) -> list[float]:
         """Each layer's ``r_f * factor`` from the raw factors (clipped, and by the threshold)."""
