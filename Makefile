@@ -19,9 +19,14 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e ".[dev,mpi,bench]"
 	touch $(STAMP)
 
+# Two pytest workers, each taking whole files: a serial run keeps 2 cores ~30% busy (the ranks
+# mostly start, wait and exchange), two workers about twice as busy. Every multi-rank test has
+# its own file store or port and namespace prefix, so the workers never collide. TEST_WORKERS= runs serially.
+TEST_WORKERS ?= -n 2 --dist loadfile
+
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -P -m pytest -q -p no:cacheprovider --durations=15
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -P -m pytest -q -p no:cacheprovider --durations=15 $(TEST_WORKERS)
 
 # make demo (the main job), make bench, make bench-micro
 include benchmarks/bench.mk
