@@ -369,9 +369,9 @@ class OnebitLamb(_FreezingAdam):
         ``measure`` and kept in ``state[p]["trust_ratio_live"]`` (checkpointed) in between."""
         params = bucket.params
         if measure:
-            lo, hi = group["min_coeff"], group["max_coeff"]
-            for p, p_norm, u_norm in zip(params, norms(params).tolist(), self._direction_norms[bucket.index]):
-                live = min(max(p_norm / u_norm, lo), hi) if p_norm > 0 and u_norm > 0 else 0.0
+            p_norm = norms(params)
+            u_norm = p_norm.new_tensor(self._direction_norms[bucket.index])
+            for p, live in zip(params, _trust_ratios(p_norm, u_norm, group, where_zero=0.0)):
                 self.state[p]["trust_ratio_live"] = live
         coeffs = []
         for p, r_factor in zip(params, frozen):
@@ -397,11 +397,12 @@ class OnebitLamb(_FreezingAdam):
         return coeffs
 
 
-def _trust_ratios(p_norm: torch.Tensor, u_norm: torch.Tensor, group: dict) -> list[float]:
-    """``clip(||p|| / ||u||, min_coeff, max_coeff)`` per layer, 1 where a norm is 0."""
+def _trust_ratios(p_norm: torch.Tensor, u_norm: torch.Tensor, group: dict, where_zero: float = 1.0) -> list[float]:
+    """LAMB's trust ratio ``clip(||p|| / ||u||, min_coeff, max_coeff)`` per layer (the warmup's,
+    and the live term of the compression stage), ``where_zero`` where a norm is 0."""
     ratio = torch.where((p_norm > 0) & (u_norm > 0), p_norm / u_norm, torch.full_like(p_norm, -1.0))
     lo, hi = group["min_coeff"], group["max_coeff"]
-    return [1.0 if r < 0 else min(max(r, lo), hi) for r in ratio.tolist()]
+    return [where_zero if r < 0 else min(max(r, lo), hi) for r in ratio.tolist()]
 
 
 def _debiased_ema(st: dict, beta: float) -> float:
