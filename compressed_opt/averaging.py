@@ -46,6 +46,7 @@ from compressed_opt.comm import (
     hierarchical_error_buffer_sizes,
     node_backends,
 )
+from compressed_opt.validation import check_choice
 
 logger = logging.getLogger("compressed_opt")
 
@@ -63,8 +64,7 @@ def resolve_path(path: str | None, sharded: bool, world_size: int) -> str:
     name = "path"
     if path is None:
         path, name = os.environ.get(PATH_ENV) or "auto", PATH_ENV
-    if path not in PATHS:
-        raise ValueError(f"Invalid {name}: {path!r} (must be one of {', '.join(map(repr, PATHS))})")
+    check_choice(name, path, PATHS)
     if path == "auto":
         return "1bit" if sharded or world_size == 1 else "measure"
     if path != "1bit" and sharded:
