@@ -139,7 +139,7 @@ class Layout:
     def local_momentum_(self, opt, bucket: Bucket, x: torch.Tensor, beta1: float) -> None:
         """``x`` (as :meth:`gather_local` left it) <- what the 1-bit exchange averages: the local
         momentum ``m_i = b1 m + (1 - b1) g_i``, or with the preconditioned exchange ``clip(R m_i,
-        +-c_l K)``, 0 where ``v_f == 0`` (:mod:`compressed_opt.onebit_adam`)."""
+        +-c_l K / f_l)``, 0 where ``v_f == 0`` (:mod:`compressed_opt.onebit_adam`)."""
         raise NotImplementedError
 
     def exchange(self, opt, bucket: Bucket, x: torch.Tensor) -> None:

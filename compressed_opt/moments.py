@@ -7,12 +7,29 @@ ZeRO-sharded) calls these. In place on flat fp32 buffers (or chunks of them)::
     sqrt(v) / sqrt(1 - b2^t) + eps             denominator_
     sqrt(v / (1 - b2^F)) + eps, inf at v == 0  frozen_denominator_of (the compression stage's divisor)
     p = p decay + alpha d                      descend_ (AdamW's step: decay = 1 - lr wd, alpha = -lr / bc1)
+    the compression stage's |m / sqrt(v_f)|    COMPRESSED_STEP_BOUND (1.5)
+    the most one gradient spike gives           spike_bound: max(1, (1 - b1) / sqrt(1 - b2))
 """
 from __future__ import annotations
 
 import math
 
 import torch
+
+
+#: The compression stage's bound on a coordinate's ``|m / sqrt(v_f)|`` (OnebitAdam, 0/1 Adam; times
+#: ``c_l``, over the tracking factor). Adam's step, in units of ``lr``, is 1 for a gradient that
+#: keeps its sign and size, and up to :func:`spike_bound` (3.16) for a while after a rise, until
+#: ``v`` catches up, which a frozen ``v_f`` never does: a coordinate whose gradient grew after the
+#: freeze would keep taking that transient step. 1.5 is measured between the two
+#: (docs/design.md 2.3.1: 1 slows an early freeze, 2 and 3.16 let such coordinates outgrow Adam's).
+COMPRESSED_STEP_BOUND = 1.5
+
+
+def spike_bound(beta1: float, beta2: float) -> float:
+    """``max(1, (1 - b1) / sqrt(1 - b2))``: the largest ``|m / sqrt(v)|`` one gradient spike gives
+    Adam (3.16 at the default betas)."""
+    return max(1.0, (1 - beta1) / math.sqrt(1 - beta2))
 
 
 def momentum_(m: torch.Tensor, g: torch.Tensor, beta1: float) -> None:

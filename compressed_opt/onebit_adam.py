@@ -39,7 +39,6 @@ compression stage. 1-bit compression sends it ``+-scale`` like every other coord
 from __future__ import annotations
 
 import logging
-import math
 
 import torch
 
@@ -49,7 +48,8 @@ from . import scaling, zero
 from . import variance_tracking as tracking
 from .buffers import DERIVED, STATE, Buffer
 from .freeze import VarianceStabilityRule, resolve_rule, restore_rule
-from .moments import bias_corrections, denominator_, descend_, frozen_denominator_of, momentum_, variance_
+from .moments import (COMPRESSED_STEP_BOUND, bias_corrections, denominator_, descend_, frozen_denominator_of,
+                      momentum_, variance_)
 from .optimizer import CompressedOptimizer, common_args
 from .validation import check_adam_group, check_choice, check_step_count
 
@@ -194,21 +194,28 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
             self.layout.keep_exchange_factors(self, bucket, root, denom, coeffs)
         return r
 
+    def _bound_constant(self, betas) -> float:
+        """``K``, the bound on a coordinate's exchanged ``|m_i / sqrt(v_f)|``
+        (:data:`~compressed_opt.moments.COMPRESSED_STEP_BOUND`)."""
+        return COMPRESSED_STEP_BOUND
+
     def _exchange_bounds(self, bucket) -> list[float]:
-        """Per layer, the bound ``c_l K`` on the exchanged ``|R m_i|``, ``K = max(1, (1 - b1) /
-        sqrt(1 - b2))``: Adam's own bound on ``|m / sqrt(v)|``. Made once per preconditioner
-        (``c_l`` is set with it) and betas."""
+        """Per layer, the bound ``c_l K / f_l`` on the exchanged ``|R m_i|`` (:meth:`_bound_constant`;
+        ``f_l`` the layer's variance-tracking factor of the last update, which multiplies the step
+        after the exchange): no coordinate steps further than ``lr K``. ``c_l K`` is made once per
+        preconditioner (``c_l`` is set with it) and betas."""
         betas = tuple(self.param_groups[bucket.group_index]["betas"])
         key = (self._exchange_preconditioner(bucket), betas)
         cached = bucket.derived.get("exchange_bounds")
         if cached is None or cached[0][0] is not key[0] or cached[0][1] != betas:
-            k = max(1.0, (1 - betas[0]) / math.sqrt(1 - betas[1]))
+            k = self._bound_constant(betas)
             cached = (key, [k * self.state[p]["scaling_coeff"] for p in bucket.params])
             bucket.derived["exchange_bounds"] = cached
-        return cached[1]
+        factors = self._last_variance_factors(bucket)
+        return cached[1] if factors is None else [b / f for b, f in zip(cached[1], factors)]
 
     def _bound_(self, bucket, x: torch.Tensor) -> None:
-        """Clip the exchanged ``R m_i`` to ``+-c_l K`` (:meth:`_exchange_bounds`)."""
+        """Clip the exchanged ``R m_i`` to ``+-c_l K / f_l`` (:meth:`_exchange_bounds`)."""
         views, bounds = bucket.views(x), self._exchange_bounds(bucket)
         if views:
             torch._foreach_clamp_max_(views, bounds)
@@ -244,7 +251,7 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
                                       self._no_variance(bucket))
 
     def _load_extra_state(self, extra):
-        self._check_tracking_of(extra)
+        self._load_tracking_of(extra)
         # checkpoints from before the preconditioned exchange carry no "exchange": the paper's
         saved = extra.get("exchange", "momentum")
         if extra["frozen"] and saved != self.exchange_mode:

@@ -94,7 +94,7 @@ from .buffers import SAVED, STATE, Buffer
 from .onebit_adam import _FreezingAdam
 from .optimizer import common_args
 from .reductions import norms
-from .moments import bias_corrections, denominator_, momentum_, variance_
+from .moments import bias_corrections, denominator_, momentum_, spike_bound, variance_
 from .validation import check_choice, check_nonneg_float, check_step_count
 
 __all__ = ["OnebitLamb"]
@@ -167,6 +167,12 @@ class OnebitLamb(_FreezingAdam):
         )
         super().__init__(params, defaults, freeze_step, backend, bucket_cap_mb, overlap, accumulation_steps,
                          zero_stage, master_resync_interval, exchange, hierarchy=hierarchy, path=path)
+
+    def _bound_constant(self, betas) -> float:
+        """``K`` for the exchanged ``|m_i / sqrt(v_f)|``: Adam's bound for one gradient spike. The
+        trust ratio sets each layer's step from its direction's norm, and a tighter clip flattens
+        that direction (GPT-2 at a clip of 1: 1.30x LAMB's final loss; docs/design.md 2.3.1)."""
+        return spike_bound(*betas)
 
     def _validate_group(self, group):
         super()._validate_group(group)

@@ -130,9 +130,11 @@ class LayerVarianceTracking:
         self._summed_buffers = {}  # bucket index -> (address, version) of the buffer they were summed from
         self._layer_factors = {}  # bucket index -> this step's per-layer factors
 
-    def _check_tracking_of(self, extra: dict) -> None:
+    def _load_tracking_of(self, extra: dict) -> None:
         """A checkpoint saved in the compression stage must have been tracked as this optimizer
-        tracks (older checkpoints: not tracked)."""
+        tracks (older checkpoints: not tracked). The factors of the steps before the load are
+        forgotten (:meth:`_last_variance_factors` makes them again from the loaded rows)."""
+        self._layer_factors.clear()
         tracked = extra.get("variance_tracking", False)
         if extra["frozen"] and tracked != self.variance_tracking:
             name = type(self).__name__
@@ -214,6 +216,21 @@ class LayerVarianceTracking:
             track(rows, means[offset: offset + n].to(rows) / b.layer_numels, since, beta2)
             self._layer_factors[b.index] = factors(rows, now, then, beta2, group["bias_correction"])
             offset += n
+
+    def _last_variance_factors(self, bucket) -> list[float] | None:
+        """Compression stage: the per-layer factors of the last update (``None``: not tracked, or
+        still warming up), for the bound of the next exchange, which runs before this step's
+        factors exist. 1 before the first compressed update; after a load, made again from the
+        rows, which are the last update's."""
+        if not (self.variance_tracking and self.frozen):
+            return None
+        f = self._layer_factors.get(bucket.index)
+        if f is None:
+            group = self.param_groups[bucket.group_index]
+            _, now, then = self._tracking_clock(self.global_step)
+            f = factors(bucket.flats["layer_variance"], now, then, group["betas"][1], group["bias_correction"])
+            self._layer_factors[bucket.index] = f
+        return f
 
     def _variance_factors_of(self, bucket) -> list[float] | None:
         """This compression step's per-layer factors of the bucket (``None``: not tracked)."""

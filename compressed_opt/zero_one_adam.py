@@ -76,7 +76,7 @@ from . import scaling
 from . import variance_tracking as tracking
 from .buffers import DERIVED, LAYER, SCRATCH, STATE, Buffer
 from .freeze import VarianceStabilityRule, resolve_rule, restore_rule
-from .moments import denominator_, momentum_, variance_
+from .moments import COMPRESSED_STEP_BOUND, denominator_, momentum_, variance_
 from .optimizer import CompressedOptimizer, common_args
 from .validation import check_adam_group, check_choice, check_step_count
 
@@ -254,14 +254,15 @@ class ZeroOneAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
         for st, c in zip(states, new):
             st["scaling_coeff"] = c
 
-    def _exchange(self, bucket, x, lr_sum: float = 1.0) -> None:
+    def _exchange(self, bucket, x, lr_sum: float = 1.0, factors: list[float] | None = None) -> None:
         """``x`` <- the 1-bit compressed average of the ranks' ``x``: whitened and bounded
         (``exchange="preconditioned"``, :meth:`_preconditioner`), or each layer scaled by its
-        coefficient (``"momentum"``). ``lr_sum``: phase B's sum of lr over the interval (the bound
-        of ``sum lr m / sqrt(v)``)."""
+        coefficient (``"momentum"``). ``lr_sum``, ``factors``: phase B's sum of lr over the
+        interval and its tracking factors (the bound of ``sum lr m / sqrt(v)``)."""
         if self.exchange_mode == "preconditioned":
             r = self._preconditioner(bucket)
-            kernels.scale_clamp_(x, r, self._exchange_bounds(bucket, lr_sum), bucket.segments)  # one pass
+            bounds = self._exchange_bounds(bucket, lr_sum, factors)
+            kernels.scale_clamp_(x, r, bounds, bucket.segments)  # one pass
             self.compressed_average(bucket, x)
             x.div_(r)  # 0 / 0 where v == 0: the callers zero those coordinates (_no_variance_no_move_)
             return
@@ -297,16 +298,19 @@ class ZeroOneAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
             scaling.scale_(bucket.views(r), [self.state[p]["scaling_coeff"] for p in bucket.params])
         return r
 
-    def _exchange_bounds(self, bucket, lr_sum: float) -> list[float]:
+    def _exchange_bounds(self, bucket, lr_sum: float, factors: list[float] | None) -> list[float]:
         """Per layer, the bound on ``|R x_i|``. Phase A (gradients): ``1 / sqrt(1 - b2)``, what
         ``|g| / sqrt(v)`` could be had ``g`` been folded into ``v``. Phase B (``sum lr m``):
-        ``c_l lr_sum K``, ``K = max(1, (1 - b1) / sqrt(1 - b2))`` Adam's own bound on ``|m /
-        sqrt(v)|``."""
+        ``c_l lr_sum K / f_l``, ``K`` the compression stage's bound on ``|m / sqrt(v_f)|``
+        (:data:`~compressed_opt.moments.COMPRESSED_STEP_BOUND`), ``f_l`` the interval's tracking factor
+        (``factors``; ``None``: 1), which multiplies the synchronised step."""
         b1, b2 = self.param_groups[bucket.group_index]["betas"]
         if not self.frozen:
             return [1.0 / math.sqrt(1 - b2)] * len(bucket.params)
-        k = max(1.0, (1 - b1) / math.sqrt(1 - b2)) * lr_sum
-        return [k * self.state[p]["scaling_coeff"] for p in bucket.params]
+        k = COMPRESSED_STEP_BOUND * lr_sum
+        if factors is None:
+            return [k * self.state[p]["scaling_coeff"] for p in bucket.params]
+        return [k * self.state[p]["scaling_coeff"] / f for p, f in zip(bucket.params, factors)]
 
     def _refresh_preconditioner(self, bucket, old: torch.Tensor) -> None:
         """After a refresh (``v`` changed; ``old``: the ``R`` before it): the new ``R``, and the
@@ -415,7 +419,8 @@ class ZeroOneAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
         _no_variance_no_move_(m, bucket, v, False)
         denom = self._frozen_denominator(bucket, v, eps)
         acc.addcdiv_(m, denom, value=lr)  # acc += lr * m / (sqrt(v) + eps)
-        factors = self._interval_factors(bucket) or [1.0] * len(bucket.params)
+        tracked = self._interval_factors(bucket)
+        factors = tracked or [1.0] * len(bucket.params)
         if not self._syncs_now():
             if wd != 0:
                 torch._foreach_mul_(bucket.params, 1 - lr * wd)
@@ -428,7 +433,7 @@ class ZeroOneAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
         if lr_sum > 0:
             # y = average of acc * (sqrt(v) + eps) = sum lr m, identical on every rank
             acc.mul_(denom)
-            self._exchange(bucket, acc, lr_sum)
+            self._exchange(bucket, acc, lr_sum, tracked)
             _no_variance_no_move_(acc, bucket, v, False)
             torch.div(acc, lr_sum, out=m)
             if decay != 1.0:
@@ -555,7 +560,7 @@ class ZeroOneAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
         }
 
     def _load_extra_state(self, extra):
-        self._check_tracking_of(extra)
+        self._load_tracking_of(extra)
         # checkpoints from before the preconditioned exchange carry no "exchange": the paper's
         saved = extra.get("exchange", "momentum")
         if saved != self.exchange_mode and int(extra.get("global_step", 0)) > 0:

@@ -69,7 +69,7 @@ def reference_run(hp, steps, world, exchange="preconditioned", tracking=True):
     coefficient (``compressed_opt.scaling``; its formula has a test of its own) from ``v`` after
     every refresh and at the freeze; or (``exchange="preconditioned"``) whitened: times ``R``
     (phase A ``1 / sqrt(v)``, phase B ``c_l / sqrt(v_f)`` with ``c_l`` from the RMS of ``m /
-    sqrt(v_f)``), clipped (phase A ``1 / sqrt(1 - b2)``, phase B ``K c_l lr_sum``), divided by
+    sqrt(v_f)``), clipped (phase A ``1 / sqrt(1 - b2)``, phase B ``c_l lr_sum / f_l``), divided by
     ``R`` after, the errors carried over at each refresh. ``tracking``: phase B's per-layer variance
     tracking (``tests/tracking_reference.py``), its factor set at each interval's first step. Per
     step: (kind, params per rank)."""
@@ -159,7 +159,7 @@ def reference_run(hp, steps, world, exchange="preconditioned", tracking=True):
                     rms = [piece.pow(2).mean().sqrt().item() for piece in whitened.split(sizes)]
                     layer = torch.cat([torch.full((k,), c) for k, c in zip(sizes, scaling.coefficients(rms, sizes))])
                     coef = whitening(v, 10**9, layer)
-                    k_adam = max(1.0, (1 - b1) / math.sqrt(1 - b2))
+                    k_step = 1.5  # the compression stage's bound on |m / sqrt(v_f)|
                 else:
                     coef = new_coefficients(v)
             continue
@@ -178,7 +178,7 @@ def reference_run(hp, steps, world, exchange="preconditioned", tracking=True):
         if since_sync >= local_interval:
             kind = "sync"
             if pre:
-                bound = k_adam * lr_sum * layer
+                bound = k_step * lr_sum * layer / factor  # (factor: 1 untracked)
             y = exchange([ai * denom for ai in acc])
             m = [y / lr_sum for _ in range(world)]
             anchor = anchor * decay - factor * y / denom
