@@ -278,8 +278,6 @@ class Meter:
     # the result ----------------------------------------------------------------------------------------
     def finish(self, model, losses=None) -> dict | None:
         """Gather every rank's figures; rank 0 writes ``--out`` and returns the result."""
-        import torch.distributed as dist
-
         mine = {
             "rank": self.rank,
             "params_sha256": params_sha256(model),
@@ -287,8 +285,11 @@ class Meter:
             "losses": self.losses,
             "ours": self.ours, "unhooked": self.unhooked, "wire": self.wire,
         }
-        everyone = [None] * self.world
-        dist.all_gather_object(everyone, mine)
+        # (torch's all_gather_object as the job's last collective can abort the exit: see
+        # compressed_opt.comm.torch_backend)
+        from compressed_opt.comm import TorchBackend
+
+        everyone = TorchBackend().all_gather_object(mine)
         if self.rank != 0:
             return None
         r0 = everyone[0]
