@@ -197,38 +197,43 @@ SCHEDULE = {"gpt2": (300, 50), "bert": (300, 50), "gpt": (300, 50), "digits": (4
 
 def make_optimizer(name: str, params, lr: float, freeze: int, path: str = PATH):
     """The optimizer ``name``; ``name@F`` overrides the freeze step (``F`` an int or ``auto``),
-    ``name+P`` the path (``+fp32``: the compression stage's algorithm on the exact average)."""
-    import compressed_opt
+    ``name+P`` the path (``+fp32``: the compression stage's algorithm on the exact average),
+    ``name:k=v;k=v`` passes constructor arguments (``zerooneadam:var_update_scaler=32``)."""
+    import ast
 
+    from compressed_opt import OnebitAdam, OnebitLamb, ZeroOneAdam
+
+    extra = {}
+    if ":" in name:
+        name, _, args = name.partition(":")
+        extra = {k: ast.literal_eval(v) for k, _, v in (a.partition("=") for a in args.split(";"))}
     if "+" in name:
         name, _, path = name.partition("+")
     if "@" in name:
         name, _, at = name.partition("@")
         freeze = at if at == "auto" else int(at)
 
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    if name == "onebitadam":
-        return compressed_opt.OnebitAdam(params, lr=lr, freeze_step=freeze, path=path)
-    if name == FLOOR:
-        return compressed_opt.OnebitAdam(params, lr=lr, freeze_step=10**9, path=path)
-    if name == "onebitadam-frozen":
-        return compressed_opt.OnebitAdam(params, lr=lr, freeze_step=freeze, variance_tracking=False, path=path)
-    if name == "zerooneadam-dense":  # var_interval never doubles: every phase-A step refreshes
-        return compressed_opt.ZeroOneAdam(params, lr=lr, var_freeze_step=freeze, var_update_scaler=10**9, path=path)
-    if name == "zerooneadam-frozen":
-        return compressed_opt.ZeroOneAdam(params, lr=lr, var_freeze_step=freeze, variance_tracking=False, path=path)
-    if name == "onebitadam-momentum":
-        return compressed_opt.OnebitAdam(params, lr=lr, freeze_step=freeze, exchange="momentum", path=path)
-    if name == "zerooneadam":
-        return compressed_opt.ZeroOneAdam(params, lr=lr, var_freeze_step=freeze, path=path)
-    if name == "lamb":
-        return compressed_opt.OnebitLamb(params, lr=LAMB_LR, freeze_step=10**9, path=path)
-    if name == "onebitlamb":
-        return compressed_opt.OnebitLamb(params, lr=LAMB_LR, freeze_step=freeze, path=path)
-    if name == "onebitlamb-frozen":  # the paper's frozen trust ratio r_f * factor
-        return compressed_opt.OnebitLamb(params, lr=LAMB_LR, freeze_step=freeze, trust_ratio="frozen", path=path)
-    raise ValueError(f"unknown optimizer {name!r}")
+    adam = dict(lr=lr, freeze_step=freeze, path=path)
+    zero_one = dict(lr=lr, var_freeze_step=freeze, path=path)
+    lamb = dict(lr=LAMB_LR, freeze_step=freeze, path=path)
+    made = {
+        "adamw": lambda: torch.optim.AdamW(params, lr=lr, weight_decay=0.0, **extra),
+        "onebitadam": lambda: OnebitAdam(params, **adam, **extra),
+        FLOOR: lambda: OnebitAdam(params, **{**adam, "freeze_step": 10**9}, **extra),
+        "onebitadam-frozen": lambda: OnebitAdam(params, **adam, variance_tracking=False, **extra),
+        "onebitadam-momentum": lambda: OnebitAdam(params, **adam, exchange="momentum", **extra),
+        "zerooneadam": lambda: ZeroOneAdam(params, **zero_one, **extra),
+        # var_interval never doubles: every phase-A step refreshes
+        "zerooneadam-dense": lambda: ZeroOneAdam(params, **zero_one, var_update_scaler=10**9, **extra),
+        "zerooneadam-frozen": lambda: ZeroOneAdam(params, **zero_one, variance_tracking=False, **extra),
+        "lamb": lambda: OnebitLamb(params, **{**lamb, "freeze_step": 10**9}, **extra),
+        "onebitlamb": lambda: OnebitLamb(params, **lamb, **extra),
+        # the paper's frozen trust ratio r_f * factor
+        "onebitlamb-frozen": lambda: OnebitLamb(params, **lamb, trust_ratio="frozen", **extra),
+    }
+    if name not in made:
+        raise ValueError(f"unknown optimizer {name!r}")
+    return made[name]()
 
 
 # --- one rank ----------------------------------------------------------------------------------------------
@@ -337,7 +342,7 @@ def summarize(results: list[dict]) -> dict:
     by = {(r["model"], r["optimizer"], r["seed"]): r for r in results}
     summary = {}
     for (model, name, seed), r in sorted(by.items()):
-        twin = TWIN.get(name.partition("+")[0].partition("@")[0])
+        twin = TWIN.get(name.partition(":")[0].partition("+")[0].partition("@")[0])
         entry = summary.setdefault(model, {}).setdefault(name, {"seeds": {}})
         entry["seeds"][seed] = row = {"final_loss": r["final_loss"], "eval_loss": r["eval_loss"],
                                       "freeze_step": r.get("freeze_step"),
