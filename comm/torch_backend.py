@@ -1,20 +1,24 @@
 """The ``torch.distributed`` backend: NCCL for CUDA tensors, Gloo for CPU tensors, any group.
 
-*Who frees a collective's tensors.* Gloo's worker threads (and NCCL's watchdog) keep a reference
-to every tensor of a collective until a moment after it completed. If Python has dropped the
-tensor by then, that thread frees its Python object and must take the GIL to do so; when the
-interpreter has begun to exit, taking the GIL ends the thread with ``pthread_exit``, whose unwind
-through torch's C++ destructors aborts the process ("terminate called without an active
-exception"). A script whose last collective before exit sent a temporary tensor then dies at exit
-now and then (seen here: 1 exit in about 50, under load). So the backend holds every tensor it
-sends (:func:`_hold`) until torch no longer does, and what is still held when the interpreter
-exits stays referenced until this module is torn down, after torch's threads are done with it.
+*Torch's threads and the interpreter's exit.* Gloo's worker threads (and NCCL's watchdog) hold a
+reference to every tensor of a collective until a moment after it completed, and letting go of a
+tensor that has a Python object takes the GIL (torch decrefs the object, whether or not Python
+still holds it). Once the interpreter has begun to exit, taking the GIL ends the thread with
+``pthread_exit``, whose unwind through torch's C++ destructors aborts the process ("terminate
+called without an active exception"): a job whose last collective finished just before exit died
+now and then (seen here: 1 exit in about 50, under load; torch's ``destroy_process_group`` does
+not join those threads while a DDP module still holds the group). So the backend keeps the
+tensors of its recent collectives with their reference counts from before it sent them
+(:func:`_hold`), and at exit, while the interpreter is still whole, waits until torch has let go
+of them (:func:`_drain`, registered with ``atexit``; at most :data:`DRAIN_TIMEOUT_S`).
 """
 from __future__ import annotations
 
+import atexit
 import collections
 import pickle
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -26,22 +30,47 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-#: the tensors of the last collectives that torch may still hold, one entry per call
-_HELD: collections.deque[tuple[torch.Tensor, ...]] = collections.deque(maxlen=16)
+#: the tensors of the last collectives that torch may still hold, one entry per call: pairs of
+#: the tensor and its reference count before the call
+_HELD: collections.deque[tuple[tuple[torch.Tensor, int], ...]] = collections.deque(maxlen=16)
 _HELD_LOCK = threading.Lock()  # collectives are issued from the training and the communication thread
+#: the longest the interpreter's exit waits for torch's threads to let go of the held tensors
+DRAIN_TIMEOUT_S = 5.0
+
+
+def _released(entry) -> bool:
+    return all(t._use_count() <= before for t, before in entry)
 
 
 def _hold(*tensors: torch.Tensor) -> None:
-    """Keep a Python reference to the tensors of this and the last 15 collectives, dropping at
-    each call those torch no longer holds (``_use_count() == 1``: their Python object is the only
-    owner left). A tensor that is the base of live views counts them too, and stays until newer
-    calls push it out (the optimizers' buckets: they live on anyway). Cost per call: at most 32
-    reference counts read."""
+    """Keep ``tensors`` (about to be sent) with their reference counts now, in an entry of the last
+    16 calls; the entries torch has let go of since (every count back where it was) are dropped.
+    Cost per call: at most 32 reference counts read."""
+    entry = tuple((t, t._use_count()) for t in tensors)
     with _HELD_LOCK:
-        kept = [entry for entry in _HELD if any(t._use_count() > 1 for t in entry)]
+        kept = [e for e in _HELD if not _released(e)]
         _HELD.clear()
         _HELD.extend(kept)
-        _HELD.append(tensors)
+        _HELD.append(entry)
+
+
+def _drain(timeout: float = DRAIN_TIMEOUT_S) -> bool:
+    """Wait (sleeping, so torch's threads can take the GIL) until torch has let go of every held
+    tensor, at most ``timeout`` seconds; whether it did. Run at exit."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with _HELD_LOCK:
+            pending = [e for e in _HELD if not _released(e)]
+            _HELD.clear()
+            _HELD.extend(pending)
+        if not pending:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+
+
+atexit.register(_drain)
 
 
 class TorchBackend(Backend):

@@ -1,6 +1,7 @@
-"""The torch.distributed backend holds what it sends until torch lets go of it, and gathers Python
-objects the same way (``compressed_opt.comm.torch_backend``: a Gloo worker thread that frees a
-collective's tensors after the interpreter began to exit aborts the process)."""
+"""The torch.distributed backend keeps what it sends until torch lets go of it, waits at exit until
+torch has, and gathers Python objects the same way (``compressed_opt.comm.torch_backend``: a Gloo
+worker thread that lets go of a collective's tensors after the interpreter began to exit aborts
+the process)."""
 from __future__ import annotations
 
 import pytest
@@ -25,30 +26,36 @@ def _held_until_released(rank, world):
     gone = weakref.ref(sent)
     del sent
     gc.collect()
-    held_after_call = gone() is not None  # the caller dropped it; the backend has not
+    held_after_call = gone() is not None  # the caller dropped it; the backend keeps it to check
 
-    # a tensor some C++ owner still holds (here: the base of a live view) stays held through
-    # later calls, while one only Python holds is dropped at the next call
+    # one that another C++ owner still holds (here: a view made after the call, as torch's
+    # threads hold theirs) keeps the exit waiting, until the timeout, and not after it is let go
     base = torch.zeros(4)
-    view = base[:2]  # noqa: F841 - the other owner
     backend.broadcast(base, src=0)
+    view = base[:2]
+    waits = not tb._drain(timeout=0.05)
     kept = weakref.ref(base)
     del base
-    for _ in range(3):
+    for _ in range(3):  # later calls drop what torch let go of, not this
         backend.all_reduce(torch.ones(1))
     base_kept = kept() is not None
+    del view
+    drained = tb._drain(timeout=5.0)  # what the exit does: every count back where it was
     # at most the last 16 calls are held: a freed tensor is gone after that many more
     for _ in range(16):
         backend.all_reduce(torch.ones(1))
     gc.collect()
-    return result, held_after_call, base_kept, gone() is None, len(tb._HELD) <= 16
+    return result, held_after_call, waits, base_kept, drained, gone() is None, len(tb._HELD) <= 16
 
 
-def test_sent_tensors_are_held_until_torch_lets_go():
-    for result, held_after_call, base_kept, released, bounded in run_ranks(_held_until_released, 2, timeout=120):
+def test_sent_tensors_are_held_until_torch_lets_go_and_the_exit_waits_for_it():
+    for result, held_after_call, waits, base_kept, drained, released, bounded in run_ranks(_held_until_released, 2,
+                                                                                             timeout=120):
         assert result == [1.0] * 8
-        assert held_after_call, "a temporary sent by the backend was freed as soon as the caller dropped it"
+        assert held_after_call, "a temporary sent by the backend was forgotten as soon as the caller dropped it"
+        assert waits, "the exit did not wait for a tensor that another owner still holds"
         assert base_kept, "a tensor torch (or a view) still holds was dropped"
+        assert drained, "the exit's wait did not end once every tensor was let go"
         assert released and bounded
 
 
