@@ -268,40 +268,37 @@ def measure_size(backend, numel: int, src: torch.Tensor, args, device) -> dict:
 def breakdown(backend, numel: int, src: torch.Tensor, args, device) -> dict:
     """Each phase of one compressed allreduce timed alone (median over iterations of the slowest
     rank), with buffers of the sizes the real call uses. Phases: worker ``compress``, the 16-byte
-    ``header_allgather``, the bit ``all_to_all``, the server ``average_compress``, the
-    ``row_allgather`` of ``[scale | bits]`` and the final ``decompress``.
+    ``header_allgather``, the ``all_to_all`` of the rows, the server ``average_compress``, the
+    ``row_allgather`` of ``[block scales | bits]`` and the final ``decompress``.
 
     Each phase starts after a barrier, so the sum leaves out what the real call adds: the
     Python around the kernels, the agreement check of the headers, and each rank waiting in a
     collective for the other ranks to finish the previous phase."""
     world = backend.world_size
+    block = comm.DEFAULT_BLOCK
     chunk = comm.chunk_numel(numel, world)
-    row = chunk // 8
+    row = comm.row_bytes(numel, world, block)
     server_numel = comm.server_valid_numel(numel, world, backend.rank)
     u8 = dict(dtype=torch.uint8, device=device)
     x = torch.empty_like(src)
     worker_error = torch.zeros(numel, dtype=torch.float32, device=device)
     server_error = torch.zeros(chunk, dtype=torch.float32, device=device)
-    bits = torch.zeros(world * row, **u8)
-    bits_in = torch.zeros(world * row, **u8)
+    rows = torch.zeros(world * row, **u8)
+    rows_in = torch.zeros(world * row, **u8)
     header = torch.zeros(4, dtype=torch.int32, device=device)
     headers = torch.zeros(4 * world, dtype=torch.int32, device=device)
-    scale = torch.zeros(1, dtype=torch.float32, device=device)
-    scales = torch.ones(world, dtype=torch.float32, device=device)
-    server_row = torch.zeros(4 + row, **u8)
-    gathered = torch.zeros(world * (4 + row), **u8)
+    server_row = torch.zeros(row, **u8)
+    gathered = torch.zeros(world * row, **u8)
     refill = lambda: x.copy_(src)  # noqa: E731
     nothing = lambda: None  # noqa: E731
     phases = {
-        "compress": (lambda: kernels.compress_(x, worker_error, bits, scale), refill),
+        "compress": (lambda: kernels.compress_rows_(x, worker_error, rows.view(world, row), chunk, block), refill),
         "header_allgather": (lambda: backend.all_gather(headers, header), nothing),
-        "all_to_all": (lambda: backend.all_to_all(bits_in, bits), nothing),
-        "average_compress": (lambda: kernels.average_compress_(
-            bits_in.view(world, row), scales, server_error[:server_numel], server_row[4:],
-            server_row[0:4].view(torch.float32)), nothing),
+        "all_to_all": (lambda: backend.all_to_all(rows_in, rows), nothing),
+        "average_compress": (lambda: kernels.average_compress_rows_(
+            rows_in.view(world, row), server_error[:server_numel], server_row, chunk, block), nothing),
         "row_allgather": (lambda: backend.all_gather(gathered, server_row), nothing),
-        "decompress": (lambda: kernels.decompress_(
-            gathered.view(world, 4 + row)[:, 4:], scales, x), nothing),
+        "decompress": (lambda: kernels.decompress_rows_(gathered.view(world, row), x, chunk, block), nothing),
     }
     out = {}
     for name, (call, prepare) in phases.items():

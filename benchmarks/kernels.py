@@ -7,11 +7,13 @@ run, through the public dispatch functions of ``compressed_opt.cuda`` (the CuPy 
 
 * ``copy``: ``dst.copy_(src)`` of the n fp32 elements (a memcpy on the CPU, a device-to-device
   copy on the GPU): 4n bytes read and 4n written, the yardstick;
-* ``compress``: the worker's ``compress_(x, error, packed, scale)`` on n elements
-  (u = x + e; bits of u; s = ||u|| / sqrt(n); e <- u - s (2b - 1));
-* ``average_compress_wN``: the server's ``average_compress_`` of N = 2 and 4 rows of n bits
-  (z = e + (1/N) sum_i s_i (2 b_i - 1), then the compression of z), n elements of error;
-* ``decompress``: ``decompress_`` of 4 rows of n / 4 bits into n fp32 elements.
+* ``compress``: the worker's ``compress_rows_(x, error, rows, chunk, block)`` on n elements in 2
+  chunks (u = x + e; per block of ``--block`` elements s = ||u|| / sqrt(len); bits of u;
+  e <- u - s (2b - 1)), into 2 rows of [block scales | bits];
+* ``average_compress_wN``: the server's ``average_compress_rows_`` of N = 2 and 4 rows of a chunk
+  of n elements (z = e + (1/N) sum_i s_ib (2 b_i - 1), then the compression of z), n elements of
+  error;
+* ``decompress``: ``decompress_rows_`` of 4 rows of n / 4 elements into n fp32 elements.
 
 Reported per kernel: ``time_s``, the median time of one call; ``GBps`` = 4n / time (the fp32
 payload per second, 1 GB = 1e9 bytes); ``ratio_to_copy`` = copy time / kernel time, so 1.0 means
@@ -42,6 +44,7 @@ import torch  # noqa: E402
 
 from common import sync  # noqa: E402
 from compressed_opt import cuda as kernels  # noqa: E402
+from compressed_opt.comm import DEFAULT_BLOCK  # noqa: E402
 
 MiB = 1 << 20
 WORLDS = (2, 4)
@@ -77,55 +80,57 @@ def _timer(device: torch.device, repeat: int, inner: int):
     return measure
 
 
-def _buffers(n: int, device: torch.device, g: torch.Generator) -> dict:
+def _rows(count: int, chunk: int, block: int, device, g: torch.Generator) -> torch.Tensor:
+    """``count`` rows of random bits with scales in [0.5, 1.5)."""
+    nb, row_len = kernels.rows_layout(chunk, block)
+    rows = torch.randint(0, 256, (count, row_len), dtype=torch.uint8, generator=g)
+    rows[:, : 4 * nb] = (torch.rand(count, nb, generator=g) + 0.5).view(torch.uint8).view(count, 4 * nb)
+    return rows.to(device)
+
+
+def _buffers(n: int, block: int, device: torch.device, g: torch.Generator) -> dict:
     def rand(*shape):
         return torch.randn(*shape, generator=g).to(device)
 
-    def bits(rows, row_bytes):
-        return torch.randint(0, 256, (rows, row_bytes), dtype=torch.uint8, generator=g).to(device)
-
-    nbytes = kernels.packed_numel(n)
     return {
         "src": rand(n),
         "dst": torch.empty(n, device=device),
         "x": rand(n),
         "error": rand(n) * 0.1,
-        "packed": torch.empty(nbytes, dtype=torch.uint8, device=device),
-        "scale": torch.empty(1, device=device),
-        "chunks": {w: bits(w, nbytes) for w in WORLDS},
-        "scales": {w: torch.rand(w, generator=g).to(device) + 0.5 for w in WORLDS},
+        "worker_rows": _rows(2, n // 2, block, device, g),
+        "server_rows": {w: _rows(w, n, block, device, g) for w in WORLDS},
+        "server_row": torch.empty(kernels.rows_layout(n, block)[1], dtype=torch.uint8, device=device),
         "server_error": rand(n) * 0.1,
-        "rows": bits(DECOMPRESS_ROWS, kernels.packed_numel(n // DECOMPRESS_ROWS)),
-        "row_scales": torch.rand(DECOMPRESS_ROWS, generator=g).to(device),
+        "rows": _rows(DECOMPRESS_ROWS, n // DECOMPRESS_ROWS, block, device, g),
         "out": torch.empty(n, device=device),
     }
 
 
-def _operations(b: dict) -> dict:
+def _operations(b: dict, n: int, block: int) -> dict:
     ops = {
         "copy": lambda: b["dst"].copy_(b["src"]),
-        "compress": lambda: kernels.compress_(b["x"], b["error"], b["packed"], b["scale"]),
+        "compress": lambda: kernels.compress_rows_(b["x"], b["error"], b["worker_rows"], n // 2, block),
     }
     for w in WORLDS:
         ops[f"average_compress_w{w}"] = (
-            lambda w=w: kernels.average_compress_(
-                b["chunks"][w], b["scales"][w], b["server_error"], b["packed"], b["scale"]
-            )
+            lambda w=w: kernels.average_compress_rows_(b["server_rows"][w], b["server_error"], b["server_row"], n,
+                                                       block)
         )
-    ops["decompress"] = lambda: kernels.decompress_(b["rows"], b["row_scales"], b["out"])
+    ops["decompress"] = lambda: kernels.decompress_rows_(b["rows"], b["out"], n // DECOMPRESS_ROWS, block)
     return ops
 
 
-def run(device: torch.device, sizes_mb: list[float], repeat: int, inner: int, warmup: int) -> dict:
+def run(device: torch.device, sizes_mb: list[float], repeat: int, inner: int, warmup: int,
+        block: int = DEFAULT_BLOCK) -> dict:
     measure = _timer(device, repeat, inner)
     g = torch.Generator().manual_seed(0)
     results = []
     for size_mb in sizes_mb:
         n = int(size_mb * MiB) // 4
-        n -= n % (8 * DECOMPRESS_ROWS)  # whole bytes of bits in every decompressed row
-        b = _buffers(n, device, g)
-        entry = {"size_mb": size_mb, "numel": n, "fp32_bytes": 4 * n, "ops": {}}
-        for name, fn in _operations(b).items():
+        n -= n % (32 * DECOMPRESS_ROWS)  # chunks of a multiple of 32 elements in every row
+        b = _buffers(n, block, device, g)
+        entry = {"size_mb": size_mb, "numel": n, "fp32_bytes": 4 * n, "block": block, "ops": {}}
+        for name, fn in _operations(b, n, block).items():
             for _ in range(warmup):
                 fn()
             sync(device)
@@ -158,6 +163,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeat", type=int, default=10, help="timed samples per kernel and size")
     parser.add_argument("--inner", type=int, default=10, help="GPU: back-to-back calls per sample")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--block", type=int, default=DEFAULT_BLOCK, help="elements per 1-bit scale")
     parser.add_argument("--json", metavar="PATH", help="write every number to this JSON file")
     args = parser.parse_args(argv)
 
@@ -171,7 +177,7 @@ def main(argv=None) -> int:
     sizes = [float(s) for s in args.sizes_mb.split(",") if s.strip()]
 
     path = kernels.kernel_path(device)
-    report = run(device, sizes, args.repeat, args.inner, args.warmup)
+    report = run(device, sizes, args.repeat, args.inner, args.warmup, args.block)
     report["config"] = {
         "device": str(device),
         "device_name": (
@@ -181,6 +187,7 @@ def main(argv=None) -> int:
         "repeat": args.repeat,
         "inner": args.inner,
         "warmup": args.warmup,
+        "block": args.block,
         "torch": torch.__version__,
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "torch_threads": torch.get_num_threads(),

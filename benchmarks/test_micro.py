@@ -40,6 +40,7 @@ from compressed_opt import comm  # noqa: E402
 from compressed_opt import cuda as kernels  # noqa: E402
 
 MiB = 1 << 20
+BLOCK = comm.DEFAULT_BLOCK
 SIZES_MB = (1, 16)
 ROUNDS = 15
 WARMUP = 2
@@ -78,16 +79,19 @@ def buffers():
 
     def make(n):
         if n not in cache:
-            packed = kernels.packed_numel(n)
+            def rows(count, chunk):
+                nb, row_len = kernels.rows_layout(chunk, BLOCK)
+                r = torch.randint(0, 256, (count, row_len), dtype=torch.uint8, generator=g)
+                r[:, : 4 * nb] = (torch.rand(count, nb, generator=g) + 0.5).view(torch.uint8).view(count, 4 * nb)
+                return r
+
             cache[n] = {
                 "src": torch.randn(n, generator=g), "dst": torch.empty(n),
                 "x": torch.randn(n, generator=g), "error": torch.randn(n, generator=g) * 0.1,
-                "packed": torch.empty(packed, dtype=torch.uint8), "scale": torch.empty(1),
-                "chunks": torch.randint(0, 256, (2, packed), dtype=torch.uint8, generator=g),
-                "scales": torch.rand(2, generator=g) + 0.5,
+                "worker_rows": rows(2, n // 2), "server_rows": rows(2, n),
+                "server_row": torch.empty(kernels.rows_layout(n, BLOCK)[1], dtype=torch.uint8),
                 "server_error": torch.randn(n, generator=g) * 0.1,
-                "rows": torch.randint(0, 256, (2, kernels.packed_numel(n // 2)), dtype=torch.uint8, generator=g),
-                "row_scales": torch.rand(2, generator=g), "out": torch.empty(n),
+                "rows": rows(2, n // 2), "out": torch.empty(n),
             }
         return cache[n]
 
@@ -107,7 +111,7 @@ def _kernel_ratio(benchmark, b, n) -> None:
 def test_kernel_compress(benchmark, buffers, size_mb):
     n = _numel(size_mb)
     b = buffers(n)
-    _run(benchmark, lambda: kernels.compress_(b["x"], b["error"], b["packed"], b["scale"]))
+    _run(benchmark, lambda: kernels.compress_rows_(b["x"], b["error"], b["worker_rows"], n // 2, BLOCK))
     _kernel_ratio(benchmark, b, n)
 
 
@@ -115,8 +119,8 @@ def test_kernel_compress(benchmark, buffers, size_mb):
 def test_kernel_average_compress_2_ranks(benchmark, buffers, size_mb):
     n = _numel(size_mb)
     b = buffers(n)
-    _run(benchmark, lambda: kernels.average_compress_(b["chunks"], b["scales"], b["server_error"], b["packed"],
-                                                      b["scale"]))
+    _run(benchmark, lambda: kernels.average_compress_rows_(b["server_rows"], b["server_error"], b["server_row"], n,
+                                                           BLOCK))
     _kernel_ratio(benchmark, b, n)
 
 
@@ -124,7 +128,7 @@ def test_kernel_average_compress_2_ranks(benchmark, buffers, size_mb):
 def test_kernel_decompress(benchmark, buffers, size_mb):
     n = _numel(size_mb)
     b = buffers(n)
-    _run(benchmark, lambda: kernels.decompress_(b["rows"], b["row_scales"], b["out"]))
+    _run(benchmark, lambda: kernels.decompress_rows_(b["rows"], b["out"], n // 2, BLOCK))
     _kernel_ratio(benchmark, b, n)
 
 

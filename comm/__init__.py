@@ -11,12 +11,14 @@ Observers (:mod:`compressed_opt.comm.observe`: :func:`add_observer`, :func:`remo
 """
 from .backend import Backend, CommStats, CompletedWork, SingleProcessBackend, Work  # noqa: F401
 from .compressed import (  # noqa: F401
+    DEFAULT_BLOCK,
     CompressedAllreduce,
     chunk_numel,
     compressed_allreduce,
     error_buffer_sizes,
     expand_result_rows,
     result_rows,
+    row_bytes,
     server_valid_numel,
     wire_bytes,
 )

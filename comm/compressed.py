@@ -1,24 +1,30 @@
-"""Compressed allreduce with error feedback (docs/design.md 2.2; Tang et al., 1-bit Adam, ICML 2021).
+"""Compressed allreduce with error feedback (docs/design.md 2.2; Tang et al., 1-bit Adam, ICML 2021),
+with one 1-bit scale per block of ``block`` elements (docs/design.md 2.2, "Block scales").
 
 Each rank ``i`` holds ``x_i`` (``n`` elements), a *worker error* ``e_i`` (``n``) and a *server
-error* ``E_i`` (one chunk of ``c`` elements: rank ``j`` serves elements ``[j c, (j+1) c)``):
+error* ``E_i`` (one chunk of ``c`` elements: rank ``j`` serves elements ``[j c, (j+1) c)``). Each
+chunk splits into ``nb = ceil(c / block)`` blocks, and every block has a scale of its own:
 
-1. worker: ``u_i = x_i + e_i``; send bits ``b_i = [u_i >= 0]``, scale ``s_i = ||u_i|| / sqrt(n)``;
-   ``e_i <- u_i - s_i (2 b_i - 1)``;
-2. exchange 1: all-gather of the scales (with a header that every rank checks: same ``n`` and
-   dtype everywhere, so disagreeing ranks raise instead of hanging), all-to-all of the bits:
-   rank ``j`` gets chunk ``j`` of every rank's bits;
-3. server ``j``: ``z_j = (1/N) sum_i s_i (2 b_i[j] - 1) + E_j``; compress ``z_j`` to
-   ``(t_j, c_j)``; ``E_j <- z_j - t_j (2 c_j - 1)``;
-4. exchange 2: all-gather of ``[t_j | c_j]``;
-5. every rank writes ``y = concat_j t_j (2 c_j - 1)``: the same on every rank.
+1. worker: ``u_i = x_i + e_i``; per block ``s = ||u_block|| / sqrt(len)``; bits ``b_i = [u_i >= 0]``;
+   ``e_i <- u_i - s (2 b_i - 1)``; row ``j`` of what it sends is ``[the scales of chunk j's
+   blocks | chunk j's bits]``;
+2. exchange 1: all-gather of a header (every rank checks it: the same ``n``, dtype and block
+   everywhere, so disagreeing ranks raise instead of hanging), then all-to-all of the rows:
+   rank ``j`` gets row ``j`` of every rank;
+3. server ``j``: ``z_j = (1/N) sum_i s_ib (2 b_i[j] - 1) + E_j``, ``s_ib`` rank ``i``'s scale of
+   the element's block; compress ``z_j`` per block to ``[t_j | c_j]``; ``E_j <- z_j - C(z_j)``;
+4. exchange 2: all-gather of the rows ``[t_j | c_j]``;
+5. every rank writes ``y = concat_j t_jb (2 c_j - 1)``: the same on every rank.
 
-The worker's and the server's second pass (the error update) run while the bits they just
-packed are on the wire.
+One scale per block, not per buffer: a block's 1-bit noise is of the size of its own values, so
+a layer (or a run of coordinates) of small values is not drowned by the large ones, and the
+error feedback of many small coordinates cannot inflate one shared scale (the paper's single
+scale is ``block >= c``).
 
-Bytes each rank sends: ``(N-1)/N * n/8`` (all-to-all) + ``(N-1) * (n/N/8 + 4)`` (all-gather) +
-``(N-1) * 16`` (header) ~ ``2 (N-1)/N * n/8``, against ``2 (N-1)/N * 4n`` for an fp32 ring
-allreduce: 32x less. The element-wise work runs in three fused kernels (``compressed_opt.cuda``).
+Bytes each rank sends: ``(N-1) * row`` (all-to-all) + ``(N-1) * row`` (all-gather) + ``(N-1) *
+16`` (header), ``row = c/8 + 4 nb`` ~ ``2 (N-1)/N * n (1/8 + 4/block)``, against ``2 (N-1)/N * 4n``
+for an fp32 ring allreduce: 32x less but the scales (3% more bytes than bits alone at the default
+block of 1024). The element-wise work runs in three fused kernels (``compressed_opt.cuda``).
 
 The chunk ``c`` is ``ceil(n / N)`` rounded up to 32 elements (whole, 4-byte aligned bytes of
 bits); elements past ``n`` take no part: they are not counted in any scale and carry no error.
@@ -37,8 +43,10 @@ _DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 # reached only 50-65% of a 1 Gbit/s link, four concurrent ones its full rate (pieces >= 256 KiB).
 _PIECE_BYTES = 256 * 1024
 _MAX_PIECES = 4
-_HEADER_INTS = 4  # scale (as fp32 bits), numel low 31 bits, numel high bits, dtype code
+_HEADER_INTS = 4  # block, numel low 31 bits, numel high bits, dtype code
 _CHUNK_ALIGN = 32
+#: elements per 1-bit scale, by default (a multiple of 256)
+DEFAULT_BLOCK = 1024
 
 
 def chunk_numel(numel: int, world_size: int) -> int:
@@ -61,53 +69,63 @@ def server_valid_numel(numel: int, world_size: int, rank: int) -> int:
     return max(0, min(chunk, numel - rank * chunk))
 
 
-def wire_bytes(numel: int, world_size: int) -> int:
+def row_bytes(numel: int, world_size: int, block: int = DEFAULT_BLOCK) -> int:
+    """Bytes of one row (one chunk's scales and bits) of a compressed allreduce of ``numel``."""
+    return kernels.rows_layout(chunk_numel(numel, world_size), block)[1]
+
+
+def wire_bytes(numel: int, world_size: int, block: int = DEFAULT_BLOCK) -> int:
     """Bytes one rank sends in one compressed allreduce of ``numel`` elements (see module doc)."""
     n = world_size
-    row = chunk_numel(numel, n) // 8
-    header = (n - 1) * _HEADER_INTS * 4
-    return header + (n - 1) * row + (n - 1) * (row + 4)
+    return (n - 1) * _HEADER_INTS * 4 + 2 * (n - 1) * row_bytes(numel, n, block)
 
 
 class CompressedAllreduce:
-    """The buffers and exchanges of compressed allreduces of one size on one backend and device.
+    """The buffers and exchanges of compressed allreduces of one size and block on one backend
+    and device.
 
-    Made once, reused by every call: the worker's packed bits, the received chunks, the server's
-    output row and the gathered rows are allocated here and never per call.
+    Made once, reused by every call: the worker's rows, the received rows, the server's output
+    row and the gathered rows are allocated here and never per call.
     """
 
-    def __init__(self, numel: int, backend: Backend, device: torch.device):
+    def __init__(self, numel: int, backend: Backend, device: torch.device, block: int = DEFAULT_BLOCK):
         self.numel = numel
         self.backend = backend
         self.device = torch.device(device)
         world = backend.world_size
         self.chunk = chunk_numel(numel, world)
-        self.row_bytes = self.chunk // 8
+        kernels.check_rows_geometry(self.chunk, block)
+        self.block = block
+        self.row_len = kernels.rows_layout(self.chunk, block)[1]
         self.server_numel = server_valid_numel(numel, world, backend.rank)
         u8 = dict(dtype=torch.uint8, device=self.device)
         self.header_send = torch.zeros(_HEADER_INTS, dtype=torch.int32, device=self.device)
-        # the size fields are the plan's; the scale (and the dtype, not in the plan's key) per call
+        # the size fields are the plan's; the dtype (not in the plan's key) per call
+        self.header_send[0] = block
         self.header_send[1] = numel & 0x7FFFFFFF
         self.header_send[2] = numel >> 31
         self.header_recv = torch.empty(world * _HEADER_INTS, dtype=torch.int32, device=self.device)
-        self.worker_bits = torch.empty(world * self.row_bytes, **u8)
-        self.server_bits_in = torch.empty(world * self.row_bytes, **u8)
-        # exchange 2 rows: [t_j as 4 bytes | c_j], so one all-gather carries scales and bits
-        self.server_row = torch.empty(4 + self.row_bytes, **u8)
-        self.gathered = torch.empty(world * (4 + self.row_bytes), **u8)
-        self.worker_scales = torch.empty(world, dtype=torch.float32, device=self.device)
+        # rows [scales | bits]: what the worker sends to each server, what a server receives, its
+        # result row, and every server's result row
+        self.worker_rows = torch.empty(world * self.row_len, **u8)
+        self.server_rows_in = torch.empty(world * self.row_len, **u8)
+        self.server_row = torch.empty(self.row_len, **u8)
+        self.gathered = torch.empty(world * self.row_len, **u8)
         self.fp32_scratch: torch.Tensor | None = None
         self._header_dtype = 0
         self._stage: dict[str, torch.Tensor] = {}  # staging of pieces, made on first use
 
     def _check_agreement(self) -> None:
-        rows = self.header_recv.view(self.backend.world_size, _HEADER_INTS)[:, 1:].tolist()  # one copy
-        numels = [low + (high << 31) for low, high, _ in rows]
-        codes = [code for _, _, code in rows]
+        rows = self.header_recv.view(self.backend.world_size, _HEADER_INTS).tolist()  # one copy
+        numels = [low + (high << 31) for _, low, high, _ in rows]
+        blocks = [block for block, _, _, _ in rows]
+        codes = [code for _, _, _, code in rows]
         if len(set(numels)) != 1 or len(set(codes)) != 1:
             names = {v: k for k, v in _DTYPE_CODES.items()}
             per_rank = ", ".join(f"rank {r}: {n} x {names.get(c, c)}" for r, (n, c) in enumerate(zip(numels, codes)))
             raise ValueError(f"compressed_allreduce called with different tensors on different ranks ({per_rank})")
+        if len(set(blocks)) != 1:
+            raise ValueError(f"compressed_allreduce called with different blocks on different ranks ({blocks})")
 
     def _column_pieces(self, row_len: int) -> list[tuple[int, int]]:
         """Byte ranges of each rank's row that go out as separate, concurrent collectives."""
@@ -159,44 +177,33 @@ class CompressedAllreduce:
             x = self.fp32_scratch
             x.view(tensor.shape).copy_(tensor)
 
-        # 1. worker compress, first pass (bits and scale); the scale goes out in the header
-        scale_view = self.header_send[0:1].view(torch.float32)
-        with observe.span("kernel", "compress_"):
-            kernels.compress_(x, worker_error, self.worker_bits, scale_view, finish=False)
+        # 1. worker: compensate and compress every chunk into its row
+        with observe.span("kernel", "compress_rows_"):
+            kernels.compress_rows_(x, worker_error, self.worker_rows.view(world, self.row_len), self.chunk,
+                                   self.block)
         code = _DTYPE_CODES[tensor.dtype]
         if code != self._header_dtype:
             self.header_send[3] = self._header_dtype = code
 
-        # 2. exchange 1: headers (checked before any size-dependent collective), then bits,
-        #    with the worker's error update while they travel
+        # 2. exchange 1: headers (checked before any size-dependent collective), then rows
         backend.all_gather(self.header_recv, self.header_send)
         if world > 1:
             self._check_agreement()
         if self.numel == 0:
             return tensor
-        self.worker_scales.copy_(self.header_recv.view(world, _HEADER_INTS)[:, 0].view(torch.float32))
-        wait_bits = self._exchange(backend.all_to_all, self.server_bits_in, self.worker_bits, True, "a2a")
-        with observe.span("kernel", "finish_"):
-            kernels.finish_(worker_error, scale_view)
-        wait_bits()
+        self._exchange(backend.all_to_all, self.server_rows_in, self.worker_rows, True, "a2a")()
 
         # 3. server: average this rank's chunk of every worker, compensate, compress
-        mine = server_error[: self.server_numel]
-        server_scale = self.server_row[0:4].view(torch.float32)
-        with observe.span("kernel", "average_compress_"):
-            kernels.average_compress_(
-                self.server_bits_in.view(world, self.row_bytes), self.worker_scales, mine, self.server_row[4:],
-                server_scale, finish=False,
-            )
+        with observe.span("kernel", "average_compress_rows_"):
+            kernels.average_compress_rows_(self.server_rows_in.view(world, self.row_len),
+                                           server_error[: self.server_numel], self.server_row, self.chunk,
+                                           self.block)
 
-        # 4. exchange 2: every server's [t_j | c_j], with the server's error update meanwhile
-        wait_rows = self._exchange(backend.all_gather, self.gathered, self.server_row, False, "gather")
-        with observe.span("kernel", "finish_"):
-            kernels.finish_(mine, server_scale)
-        wait_rows()
+        # 4. exchange 2: every server's row
+        self._exchange(backend.all_gather, self.gathered, self.server_row, False, "gather")()
 
         # 5. decompress the concatenation of the server chunks
-        expand_result_rows(self.gathered, self.numel, world, x)
+        expand_result_rows(self.gathered, self.numel, world, x, self.block)
         if x is not flat:
             tensor.copy_(x.view(tensor.shape))
         return tensor
@@ -268,49 +275,51 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def compressed_allreduce(
-    tensor: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor, backend: Backend
+    tensor: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor, backend: Backend,
+    block: int = DEFAULT_BLOCK,
 ) -> torch.Tensor:
-    """Average ``tensor`` over the ranks of ``backend`` with error-feedback 1-bit compression.
+    """Average ``tensor`` over the ranks of ``backend`` with error-feedback 1-bit compression,
+    one scale per ``block`` elements (a multiple of 256) of each rank's chunk.
 
     Returns the decompressed average (same shape and dtype; written into ``tensor``'s storage
     when it is contiguous) — identical on every rank — and updates ``worker_error`` and
     ``server_error`` in place. Allocate the error buffers once, zeroed, with the sizes from
     :func:`error_buffer_sizes`, and pass the same ones on every call for the same tensor: they
     carry what compression lost into the next call. Every rank must call with a tensor of the
-    same numel and dtype; one that does not makes every rank raise ``ValueError``. ``tensor`` must
-    not require grad (pass ``tensor.detach()``), and the three tensors must not overlap in memory:
-    either raises ``ValueError`` naming the argument, before any communication.
-    Buffers for the exchange are reused across calls (kept by ``backend``).
+    same numel and dtype, and the same ``block``; one that does not makes every rank raise
+    ``ValueError``. ``tensor`` must not require grad (pass ``tensor.detach()``), and the three
+    tensors must not overlap in memory: either raises ``ValueError`` naming the argument, before
+    any communication. Buffers for the exchange are reused across calls (kept by ``backend``).
     """
     _validate(tensor, worker_error, server_error, backend)
-    key = _plan_key(tensor.numel(), tensor.device)
-    plan = backend.workspace(key, lambda: CompressedAllreduce(tensor.numel(), backend, tensor.device))
+    kernels.check_rows_geometry(chunk_numel(tensor.numel(), backend.world_size), block)
+    key = _plan_key(tensor.numel(), tensor.device, block)
+    plan = backend.workspace(key, lambda: CompressedAllreduce(tensor.numel(), backend, tensor.device, block))
     return plan(tensor, worker_error, server_error)
 
 
-def _plan_key(numel: int, device) -> tuple:
+def _plan_key(numel: int, device, block: int) -> tuple:
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:  # "cuda" means the current device
         device = torch.device("cuda", torch.cuda.current_device())
-    return ("compressed_allreduce", numel, device)
+    return ("compressed_allreduce", numel, device, block)
 
 
-def result_rows(numel: int, backend: Backend, device) -> torch.Tensor:
+def result_rows(numel: int, backend: Backend, device, block: int = DEFAULT_BLOCK) -> torch.Tensor:
     """The result of the last :func:`compressed_allreduce` of ``numel`` elements on ``backend``
-    as it travelled: ``world_size`` rows of ``[fp32 scale | sign bits]``, about ``numel/8``
+    as it travelled: ``world_size`` rows of ``[fp32 block scales | sign bits]``, about ``numel/8``
     bytes in all. A view of a reused buffer: copy it to keep it. :func:`expand_result_rows`
     turns it back into the result, exactly."""
-    plan = backend.find_workspace(_plan_key(numel, device))
+    plan = backend.find_workspace(_plan_key(numel, device, block))
     if plan is None:
         raise RuntimeError(f"no compressed_allreduce of {numel} elements ran on this backend")
     return plan.gathered
 
 
-def expand_result_rows(rows: torch.Tensor, numel: int, world_size: int, out: torch.Tensor) -> torch.Tensor:
+def expand_result_rows(rows: torch.Tensor, numel: int, world_size: int, out: torch.Tensor,
+                       block: int = DEFAULT_BLOCK) -> torch.Tensor:
     """``out`` (fp32, ``numel``) <- the compressed allreduce result that ``rows`` encode."""
-    row_bytes = chunk_numel(numel, world_size) // 8
-    framed = rows.view(world_size, 4 + row_bytes)
-    scales = framed[:, 0:4].contiguous().view(torch.float32).view(world_size)
-    with observe.span("kernel", "decompress_"):
-        kernels.decompress_(framed[:, 4:], scales, out)
+    chunk = chunk_numel(numel, world_size)
+    with observe.span("kernel", "decompress_rows_"):
+        kernels.decompress_rows_(rows.view(world_size, -1), out, chunk, block)
     return out

@@ -8,11 +8,11 @@ local rank ``l`` owns elements ``[l s, min((l+1) s, n))``: ``v_l = max(0, min(s,
 them (the input is padded with zeros to ``L s``; the padding takes no part in what follows).
 
 1. intra-node reduce-scatter, fp32: ``a_kl = (1/L) sum_j x_kj[shard l]``;
-2. inter-node: the compressed allreduce of docs/design.md 2.2 of ``a_kl`` over the ``K`` ranks
-   with local rank ``l`` (:class:`~compressed_opt.comm.compressed.CompressedAllreduce`, on the
-   ``v_l`` real elements), with the worker error ``e_kl`` (``v_l`` elements) and the server error
-   ``E_kl`` (``chunk_numel(v_l, K)``) of this rank: ``y_l ~ (1/K) sum_k a_kl``, the same on the
-   ``K`` ranks;
+2. inter-node: the compressed allreduce of docs/design.md 2.2 (one scale per ``block``) of
+   ``a_kl`` over the ``K`` ranks with local rank ``l`` (:class:`~compressed_opt.comm.compressed.
+   CompressedAllreduce`, on the ``v_l`` real elements), with the worker error ``e_kl`` (``v_l``
+   elements) and the server error ``E_kl`` (``chunk_numel(v_l, K)``) of this rank: ``y_l ~
+   (1/K) sum_k a_kl``, the same on the ``K`` ranks;
 3. intra-node all-gather: every rank writes ``y = concat_l y_l`` (``n`` elements).
 
 So ``y`` approximates ``(1/W) sum_kl x_kl``, and is identical, bit for bit, on every rank (each
@@ -44,6 +44,7 @@ import torch
 
 from .compressed import (
     _DTYPE_CODES,
+    DEFAULT_BLOCK,
     CompressedAllreduce,
     _overlaps,
     chunk_numel,
@@ -89,7 +90,8 @@ class WireBytes(NamedTuple):
     inter: int
 
 
-def hierarchical_wire_bytes(numel: int, local_size: int, node_count: int, local_rank: int = 0) -> WireBytes:
+def hierarchical_wire_bytes(numel: int, local_size: int, node_count: int, local_rank: int = 0,
+                            block: int = DEFAULT_BLOCK) -> WireBytes:
     """Bytes local rank ``local_rank`` sends in one hierarchical compressed allreduce of
     ``numel`` elements (see the module docstring). Local rank 0 holds the largest shard."""
     L, K = local_size, node_count
@@ -101,7 +103,7 @@ def hierarchical_wire_bytes(numel: int, local_size: int, node_count: int, local_
     intra += 2 * (L - 1) * 4 * s  # reduce-scatter: (L-1)/L of L s floats; all-gather: (L-1) s floats
     valid = shard_valid_numel(numel, L, local_rank)
     if K > 1 and valid:
-        inter += wire_bytes(valid, K)
+        inter += wire_bytes(valid, K, block)
     return WireBytes(intra, inter)
 
 
@@ -113,7 +115,7 @@ class HierarchicalCompressedAllreduce:
     call allocates no buffer (only a 3-element header is staged when its content changes: the
     first call, or a call whose arguments are invalid)."""
 
-    def __init__(self, numel: int, backends: NodeBackends, device):
+    def __init__(self, numel: int, backends: NodeBackends, device, block: int = DEFAULT_BLOCK):
         if not isinstance(backends, NodeBackends):
             raise TypeError(f"backends must be a NodeBackends (node_backends(...)), got {type(backends).__name__}")
         layout = backends.layout
@@ -140,7 +142,7 @@ class HierarchicalCompressedAllreduce:
         self.shard_buf = torch.empty(self.shard, **f32) if split else None
         self.gathered = torch.empty(padded, **f32) if split and padded != numel else None
         compress = K > 1 and self.valid > 0
-        self.inter_plan = CompressedAllreduce(self.valid, backends.inter, self.device) if compress else None
+        self.inter_plan = CompressedAllreduce(self.valid, backends.inter, self.device, block) if compress else None
 
     # --- agreement: every rank goes on, or every rank raises ------------------------------------
     def _write(self, name: str, buf: torch.Tensor, values: tuple) -> None:
@@ -252,15 +254,15 @@ class HierarchicalCompressedAllreduce:
         return tensor
 
 
-def _plan_key(numel: int, device) -> tuple:
+def _plan_key(numel: int, device, block: int) -> tuple:
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:  # "cuda" means the current device
         device = torch.device("cuda", torch.cuda.current_device())
-    return ("hierarchical_compressed_allreduce", numel, device)
+    return ("hierarchical_compressed_allreduce", numel, device, block)
 
 
 def hierarchical_compressed_allreduce(tensor: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor,
-                                      backends: NodeBackends) -> torch.Tensor:
+                                      backends: NodeBackends, block: int = DEFAULT_BLOCK) -> torch.Tensor:
     """Average ``tensor`` (float32, contiguous) over all ranks of ``backends.layout``: fp32
     inside each node, 1-bit with error feedback between nodes (module docstring; with one node
     nothing is compressed and the result is the full-precision average; with one rank per node it
@@ -280,6 +282,7 @@ def hierarchical_compressed_allreduce(tensor: torch.Tensor, worker_error: torch.
         raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
     if not isinstance(backends, NodeBackends):
         raise TypeError(f"backends must be a NodeBackends (node_backends(...)), got {type(backends).__name__}")
-    plan = backends.intra.workspace(_plan_key(tensor.numel(), tensor.device),
-                           lambda: HierarchicalCompressedAllreduce(tensor.numel(), backends, tensor.device))
+    plan = backends.intra.workspace(_plan_key(tensor.numel(), tensor.device, block),
+                                    lambda: HierarchicalCompressedAllreduce(tensor.numel(), backends, tensor.device,
+                                                                            block))
     return plan(tensor, worker_error, server_error)

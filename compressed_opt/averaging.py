@@ -37,6 +37,7 @@ import os
 import torch
 
 from compressed_opt.comm import (
+    DEFAULT_BLOCK,
     CommStats,
     chunk_numel,
     compressed_allreduce,
@@ -131,10 +132,10 @@ def choose_measured(candidates, backend, numels, device):
 
 
 class FlatAveraging:
-    """The compressed allreduce over all ranks of ``backend``."""
+    """The compressed allreduce over all ranks of ``backend``, one 1-bit scale per ``block``."""
 
-    def __init__(self, backend):
-        self.backend = backend
+    def __init__(self, backend, block: int = DEFAULT_BLOCK):
+        self.backend, self.block = backend, block
         self.key = ("flat", backend.world_size)
 
     def error_sizes(self, numel: int) -> tuple[int, int]:
@@ -147,14 +148,15 @@ class FlatAveraging:
         return (0, bucket.numel), (lo, hi)
 
     def __call__(self, x: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor) -> None:
-        compressed_allreduce(x, worker_error, server_error, self.backend)
+        compressed_allreduce(x, worker_error, server_error, self.backend, self.block)
 
 
 class NodeAveraging:
-    """The hierarchical compressed allreduce over ``backends`` (``node_backends(...)``)."""
+    """The hierarchical compressed allreduce over ``backends`` (``node_backends(...)``), one 1-bit
+    scale per ``block``."""
 
-    def __init__(self, backends):
-        self.backends = backends
+    def __init__(self, backends, block: int = DEFAULT_BLOCK):
+        self.backends, self.block = backends, block
         layout = backends.layout
         self.local_size, self.node_count = layout.local_size, layout.node_count
         self.key = ("node", self.local_size, self.node_count)
@@ -173,7 +175,7 @@ class NodeAveraging:
         return (start, end), (start + lo, start + min(lo + c, end - start))
 
     def __call__(self, x: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor) -> None:
-        hierarchical_compressed_allreduce(x, worker_error, server_error, self.backends)
+        hierarchical_compressed_allreduce(x, worker_error, server_error, self.backends, self.block)
 
 
 class _CountedInParent(CommStats):
@@ -197,32 +199,32 @@ def error_sizes_of(key, numel: int) -> tuple[int, int]:
     return error_buffer_sizes(numel, key[1])
 
 
-def candidates(backend, hierarchy: str, sharded: bool) -> list:
+def candidates(backend, hierarchy: str, sharded: bool, block: int = DEFAULT_BLOCK) -> list:
     """The averagings an optimizer on ``backend`` may use, the preferred first (collective: every
     rank calls it, at the same point; see the module docstring): with ``hierarchy="auto"`` on
     several nodes of several ranks, the hierarchical one and then the flat one (``path="measure"``
     times both); else the one exchange."""
     if backend.world_size == 1 or hierarchy == "flat":
-        return [FlatAveraging(backend)]
+        return [FlatAveraging(backend, block)]
     if sharded:
         logger.info("compressed_opt: ZeRO-sharded state: the flat 1-bit exchange (its chunks are the shards)")
-        return [FlatAveraging(backend)]
+        return [FlatAveraging(backend, block)]
     layout = discover_layout(backend)  # None (uneven nodes): logged there, on rank 0
     if layout is None:
-        return [FlatAveraging(backend)]
+        return [FlatAveraging(backend, block)]
     wanted = hierarchy == "node" or (layout.node_count > 1 and layout.local_size > 1)
     if not wanted:
-        return [FlatAveraging(backend)]
+        return [FlatAveraging(backend, block)]
     try:
         backends = node_backends(backend, layout)
     except ValueError as exc:  # (e.g. a torch.distributed sub-group: the same on every rank)
         if backend.rank == 0:
             logger.warning("compressed_opt: no per-node groups (%s): the flat 1-bit exchange", exc)
-        return [FlatAveraging(backend)]
+        return [FlatAveraging(backend, block)]
     if backend.rank == 0:
         logger.info("compressed_opt: hierarchical 1-bit exchange, %d nodes of %d ranks", layout.node_count,
                     layout.local_size)
     for sub, where in ((backends.intra, "intra_node"), (backends.inter, "inter_node")):
         sub.stats = _CountedInParent(backend.stats, where)
-    node = NodeAveraging(backends)
-    return [node] if hierarchy == "node" else [node, FlatAveraging(backend)]
+    node = NodeAveraging(backends, block)
+    return [node] if hierarchy == "node" else [node, FlatAveraging(backend, block)]

@@ -24,11 +24,17 @@ from collections.abc import Mapping
 
 import torch
 
+from compressed_opt.comm import chunk_numel, row_bytes
+
+from . import variance_tracking as tracking
 from .averaging import error_sizes_of
 
-#: the version of the ``state_dict()["compressed_opt"]`` layout this library writes and reads
-FORMAT = 1
-#: keys of ``state_dict()["compressed_opt"]`` that every format-1 checkpoint has
+#: the version of the ``state_dict()["compressed_opt"]`` layout this library writes
+FORMAT = 2
+#: the versions a load reads: format 1 (before one 1-bit scale per block, ``scale_block``: ZeRO's
+#: momentum rows then carried one scale per row) is migrated on load (:func:`upgrade`)
+READABLE = (1, 2)
+#: keys of ``state_dict()["compressed_opt"]`` that every checkpoint has
 REQUIRED_KEYS = ("format", "algorithm", "global_step", "rank", "world_size", "buckets")
 #: keys of an optimizer's ``_extra_state()`` that a load reads with a default (not required)
 _OPTIONAL_EXTRA = frozenset({"freeze_rule", "last_step_kind", "exchange", "variance_tracking", "ranks", "paths"})
@@ -132,10 +138,13 @@ def _check_locally(optimizer, state_dict) -> None:
     if "format" not in extra:
         _fail(optimizer, "state_dict['compressed_opt'] has no 'format' key: not a checkpoint of compressed_opt")
     fmt = extra["format"]
-    if not _is_int(fmt) or fmt != FORMAT:
+    if not _is_int(fmt) or fmt not in READABLE:
         _fail(optimizer,
-              f"checkpoint format {fmt!r} is not the format this version of compressed_opt reads "
-              f"({FORMAT}); it was written by another version, or is damaged")
+              f"checkpoint format {fmt!r} is not one this version of compressed_opt reads "
+              f"({', '.join(map(str, READABLE))}); it was written by another version, or is damaged")
+    block = saved_block(extra)
+    if fmt >= 2 and not (_is_int(block) and block >= 256 and block % 256 == 0):
+        _fail(optimizer, f"state_dict['compressed_opt']['scale_block'] must be a multiple of 256, got {block!r}")
     missing = [k for k in REQUIRED_KEYS if k not in extra]
     if missing:
         _fail(optimizer, f"state_dict['compressed_opt'] lacks the key(s) {', '.join(map(repr, missing))}")
@@ -157,10 +166,14 @@ def _check_locally(optimizer, state_dict) -> None:
                                              for n, p in paths.items()):
         _fail(optimizer, f"state_dict['compressed_opt']['paths'] must map bucket sizes ('123') to '1bit' or 'fp32', "
                          f"got {paths!r}")
-    _check_buckets(optimizer, extra["buckets"], world, key)
+    _check_buckets(optimizer, extra["buckets"], world, key, block)
     consolidated = "ranks" in extra
     if consolidated:
-        _check_rank_parts(optimizer, state_dict, extra["ranks"], world, key)
+        _check_rank_parts(optimizer, state_dict, extra["ranks"], world, key, block)
+    entries = list(extra["buckets"]) + [e for part in extra.get("ranks", ()) for e in part["buckets"]]
+    if block is not None and block != optimizer.scale_block and any("momentum_rows" in e for e in entries):
+        _fail(optimizer, f"this checkpoint's 1-bit momentum rows (ZeRO) hold one scale per {block} elements, this "
+                         f"optimizer's scale_block is {optimizer.scale_block}: resume with scale_block={block}")
     problem = optimizer.layout.checkpoint_problem(optimizer, rank, world, consolidated)
     if problem is not None:
         _fail(optimizer, problem)
@@ -181,7 +194,7 @@ def _averaging_key(optimizer, key, world: int) -> tuple:
     return tuple(key)
 
 
-def _check_rank_parts(optimizer, state_dict: Mapping, parts, world: int, key: tuple) -> None:
+def _check_rank_parts(optimizer, state_dict: Mapping, parts, world: int, key: tuple, block: int | None) -> None:
     """``state_dict()["compressed_opt"]["ranks"]`` (written by ``consolidate_state_dict``): one
     part per rank, in rank order, each checked as the rank's own checkpoint would be."""
     if not isinstance(parts, (list, tuple)) or len(parts) != world:
@@ -193,7 +206,7 @@ def _check_rank_parts(optimizer, state_dict: Mapping, parts, world: int, key: tu
         if not isinstance(part, Mapping) or set(part) != {"rank", "buckets", "state", "params"} or part["rank"] != r:
             _fail(optimizer, f"state_dict['compressed_opt']['ranks'][{r}] must be rank {r}'s part, a dict with the "
                              "keys 'rank', 'buckets', 'state' and 'params'")
-        _check_buckets(optimizer, part["buckets"], world, key)
+        _check_buckets(optimizer, part["buckets"], world, key, block)
         for field, value in (("state", part["state"]), ("params", part["params"])):
             if not isinstance(value, Mapping):
                 _fail(optimizer, f"ranks[{r}][{field!r}] must be a dict, got {type(value).__name__}")
@@ -251,6 +264,7 @@ def _check_param_groups(optimizer, state_dict: Mapping) -> None:
 
 def _check_param_state(optimizer, state_dict: Mapping) -> None:
     """Every per-parameter buffer of the algorithm has its parameter's shape."""
+    legacy = state_dict["compressed_opt"]["format"] < 2
     ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
     params = [p for g in optimizer.param_groups for p in g["params"]]
     place = {pid: i for i, pid in enumerate(ids)}
@@ -273,13 +287,14 @@ def _check_param_state(optimizer, state_dict: Mapping) -> None:
                                  f"(a checkpoint of another model?)")
         for field, width in optimizer.layer_state.items():
             value = st.get(field)
+            widths = {width, tracking.LEGACY_COLUMNS} if field == "layer_variance" and legacy else {width}
             if value is not None and (not isinstance(value, torch.Tensor) or not value.is_floating_point()
-                                      or tuple(value.shape) != (width,)):
+                                      or value.dim() != 1 or value.shape[0] not in widths):
                 _fail(optimizer, f"state of parameter {i}, {field!r}: expected a floating-point tensor of shape "
                                  f"({width},), got {getattr(value, 'shape', type(value).__name__)}")
 
 
-def _check_buckets(optimizer, buckets, world: int, key: tuple) -> None:
+def _check_buckets(optimizer, buckets, world: int, key: tuple, block: int | None) -> None:
     if not isinstance(buckets, (list, tuple)):
         _fail(optimizer, f"state_dict['compressed_opt']['buckets'] must be a list, got {type(buckets).__name__}")
     for j, entry in enumerate(buckets):
@@ -300,3 +315,58 @@ def _check_buckets(optimizer, buckets, world: int, key: tuple) -> None:
                                  f"of {numel} elements on {world} ranks")
         if ("worker_error" in entry) != ("server_error" in entry):
             _fail(optimizer, f"bucket {j} has only one of 'worker_error' and 'server_error'")
+        if "momentum_rows" in entry:
+            n = world * _row_len(numel, world, block)
+            if entry["momentum_rows"].dtype != torch.uint8 or entry["momentum_rows"].numel() != n:
+                _fail(optimizer, f"bucket {j}, 'momentum_rows': expected {n} bytes (uint8) for a bucket of {numel} "
+                                 f"elements on {world} ranks, got {entry['momentum_rows'].numel()}")
+
+
+def saved_block(extra: Mapping) -> int | None:
+    """The ``scale_block`` the checkpoint's 1-bit rows were laid out with; ``None`` for format 1
+    (one scale per row)."""
+    return None if extra.get("format", FORMAT) < 2 else extra.get("scale_block")
+
+
+def _row_len(numel: int, world: int, block: int | None) -> int:
+    """Bytes of one 1-bit row of a bucket of ``numel`` on ``world`` ranks (``block=None``: format 1)."""
+    return 4 + chunk_numel(numel, world) // 8 if block is None else row_bytes(numel, world, block)
+
+
+# --- older formats ---------------------------------------------------------------------------------
+def upgrade(optimizer, state_dict: Mapping) -> Mapping:
+    """A validated ``state_dict`` in the current format (the same object if it is): format 1's
+    ZeRO momentum rows, ``[scale | bits]`` per row, are laid out as rows of ``optimizer.scale_block``
+    blocks, the row's one scale in every block's place, which decompresses to the same values; its
+    variance-tracking rows gain the columns of :mod:`compressed_opt.variance_tracking` (no local
+    EMA: the reference is made as format 1 made it)."""
+    extra = state_dict["compressed_opt"]
+    if extra["format"] == FORMAT:
+        return state_dict
+    world = extra["world_size"]
+    block = optimizer.scale_block
+
+    def relaid(entries):
+        out = []
+        for entry in entries:
+            entry = dict(entry)
+            rows = entry.get("momentum_rows")
+            if rows is not None:
+                chunk = chunk_numel(entry["numel"], world)
+                nb = (row_bytes(entry["numel"], world, block) - chunk // 8) // 4
+                old = rows.view(world, 4 + chunk // 8)
+                new = torch.empty(world, 4 * nb + chunk // 8, dtype=torch.uint8, device=rows.device)
+                new[:, : 4 * nb] = old[:, :4].repeat(1, nb)
+                new[:, 4 * nb:] = old[:, 4:]
+                entry["momentum_rows"] = new.view(-1)
+            out.append(entry)
+        return out
+
+    extra = dict(extra, format=FORMAT, scale_block=block, buckets=relaid(extra["buckets"]))
+    if "ranks" in extra:
+        extra["ranks"] = [dict(part, buckets=relaid(part["buckets"])) for part in extra["ranks"]]
+    state = {}
+    for pid, st in state_dict["state"].items():
+        rows = st.get("layer_variance") if isinstance(st, Mapping) else None
+        state[pid] = st if rows is None else dict(st, layer_variance=tracking.upgrade_rows(rows))
+    return dict(state_dict, compressed_opt=extra, state=state)

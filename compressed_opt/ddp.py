@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from compressed_opt.comm.backend import nbytes
+from compressed_opt.cuda import Segments, segment_sumsq
 
 logger = logging.getLogger("compressed_opt")
 
@@ -41,6 +42,7 @@ class DDPHookState:
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.scratch = {}  # key -> torch.Tensor
+        self.segments = {}  # key -> compressed_opt.cuda.Segments of the bucket's parameters
 
     @property
     def optimizer(self):
@@ -76,16 +78,33 @@ class CanonicalLayout:
             torch._foreach_copy_([grads[i] for i in self.order], self.views)
 
 
+def _observe_sums(state: DDPHookState, opt, layout: CanonicalLayout, averaged: bool) -> None:
+    """The bucket's per-parameter sums of squares, as the optimizer's gather takes them (of fp32
+    values), handed to the optimizer (its variance tracking calibrates with them)."""
+    flat = layout.flat if layout.flat.dtype == torch.float32 else layout.flat.float()
+    sums = torch.empty(len(layout.params), dtype=torch.float64, device=flat.device)
+    segments = state.segments.get(layout.key)
+    if segments is None:
+        segments = state.segments[layout.key] = Segments([p.numel() for p in layout.params])
+    segment_sumsq(flat, segments, sums)
+    opt.observe_local_square_sums(layout.params, sums, averaged)
+
+
 def _average(state: DDPHookState, bucket: dist.GradBucket):
     buffer, grads = bucket.buffer(), bucket.gradients()
     opt = state.optimizer
     layout = CanonicalLayout(state, bucket.parameters(), grads, buffer)
+    observe = opt.observes_square_sums
+    if observe:
+        _observe_sums(state, opt, layout, averaged=False)  # the local gradients, before the average
     opt.backend.stats.record("all_reduce", 2 * (state.world_size - 1) / state.world_size * nbytes(buffer))
     fut = dist.all_reduce(layout.flat, group=state.process_group, async_op=True).get_future()
     world = state.world_size
 
     def divide(f):
         layout.flat.div_(world)
+        if observe:
+            _observe_sums(state, opt, layout, averaged=True)  # the average, before the loop sees it
         layout.copy_back(grads)
         return buffer
 

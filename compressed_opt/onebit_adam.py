@@ -43,6 +43,7 @@ import logging
 import torch
 
 from compressed_opt import cuda as kernels
+from compressed_opt.comm import DEFAULT_BLOCK
 
 from . import scaling, zero
 from . import variance_tracking as tracking
@@ -78,7 +79,7 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
 
     def __init__(self, params, defaults, freeze_step, backend, bucket_cap_mb, overlap=True, accumulation_steps=1,
                  zero_stage=0, master_resync_interval=100, exchange="preconditioned", variance_tracking=False,
-                 hierarchy="auto", path=None):
+                 hierarchy="auto", path=None, scale_block=DEFAULT_BLOCK):
         check_choice("exchange", exchange, self.EXCHANGES)
         self.exchange_mode = exchange
         self._init_variance_tracking(variance_tracking)
@@ -93,7 +94,7 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
         self.frozen = False
         super().__init__(params, defaults, backend=backend, bucket_cap_mb=bucket_cap_mb,
                          overlap=overlap, accumulation_steps=accumulation_steps, hierarchy=hierarchy, path=path,
-                         layout=zero.for_stage(zero_stage))
+                         layout=zero.for_stage(zero_stage), scale_block=scale_block)
 
     def _validate_group(self, group):
         check_adam_group(group)
@@ -310,10 +311,10 @@ class OnebitAdam(_FreezingAdam):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, freeze_step=100000,
                  *, bias_correction=True, backend=None, bucket_cap_mb=25.0, overlap=True, accumulation_steps=1,
                  zero_stage=0, master_resync_interval=100, exchange="preconditioned", variance_tracking=True,
-                 hierarchy="auto", path=None):
+                 hierarchy="auto", path=None, scale_block=DEFAULT_BLOCK):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bool(bias_correction))
         super().__init__(params, defaults, freeze_step, backend, bucket_cap_mb, overlap, accumulation_steps,
-                         zero_stage, master_resync_interval, exchange, variance_tracking, hierarchy, path)
+                         zero_stage, master_resync_interval, exchange, variance_tracking, hierarchy, path, scale_block)
 
     def _bucket_communicate(self, bucket, group, grad, step):
         """Compression stage: local momentum ``m_i = b1 m + (1 - b1) g_i`` into ``grad`` (as

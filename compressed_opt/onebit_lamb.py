@@ -88,6 +88,7 @@ import numbers
 
 import torch
 
+from compressed_opt.comm import DEFAULT_BLOCK
 
 from . import scaling
 from .buffers import SAVED, STATE, Buffer
@@ -153,7 +154,7 @@ class OnebitLamb(_FreezingAdam):
                  *, max_coeff=10.0, min_coeff=0.01, coeff_beta=0.9, factor_max=4.0, factor_min=0.5,
                  factor_threshold=0.1, bias_correction=True, backend=None, bucket_cap_mb=25.0, overlap=True,
                  accumulation_steps=1, zero_stage=0, master_resync_interval=100, exchange="preconditioned",
-                 hierarchy="auto", path=None, trust_ratio="live", trust_ratio_interval=10):
+                 hierarchy="auto", path=None, trust_ratio="live", trust_ratio_interval=10, scale_block=DEFAULT_BLOCK):
         check_choice("trust_ratio", trust_ratio, self.TRUST_RATIOS)
         self.trust_ratio = trust_ratio
         self.trust_ratio_interval = check_step_count("trust_ratio_interval", trust_ratio_interval, minimum=1)
@@ -166,7 +167,8 @@ class OnebitLamb(_FreezingAdam):
             bias_correction=bool(bias_correction),
         )
         super().__init__(params, defaults, freeze_step, backend, bucket_cap_mb, overlap, accumulation_steps,
-                         zero_stage, master_resync_interval, exchange, hierarchy=hierarchy, path=path)
+                         zero_stage, master_resync_interval, exchange, hierarchy=hierarchy, path=path,
+                         scale_block=scale_block)
 
     def _bound_constant(self, betas) -> float:
         """``K`` for the exchanged ``|m_i / sqrt(v_f)|``: Adam's bound for one gradient spike. The

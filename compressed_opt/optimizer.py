@@ -35,7 +35,7 @@ import weakref
 import torch
 from torch.optim import Optimizer
 
-from compressed_opt.comm import Backend, get_backend
+from compressed_opt.comm import DEFAULT_BLOCK, Backend, get_backend
 
 from . import averaging, ddp, frameworks
 from .buckets import Bucket, build_buckets
@@ -43,7 +43,7 @@ from .buffers import SAVED, SCRATCH, STATE, Buffer, names, overlay
 from .layout import Layout, Replicated
 from .overlap import BucketLauncher, GradientsChangedAfterLaunch
 from .persistence import Persistence
-from .validation import check_choice, check_nonneg_float, check_step_count
+from .validation import check_choice, check_nonneg_float, check_scale_block, check_step_count
 
 logger = logging.getLogger("compressed_opt")
 
@@ -62,6 +62,10 @@ COMMON_ARGS_DOC = """backend: a :class:`compressed_opt.comm.Backend`; ``None`` p
             ready (``False``: everything in ``step()``).
         accumulation_steps: backward passes per ``step()`` (gradient accumulation without
             ``no_sync()``); communication happens once, after the last.
+        scale_block: elements per 1-bit scale in the compressed exchange (a multiple of 256;
+            docs/design.md 2.2): each block of a rank's chunk is sent with a scale of its own, so
+            small values are not drowned by large ones elsewhere in the bucket; the scales add
+            ``4 / scale_block`` bytes per element to the bits' ``1/8`` (3% at 1024).
         hierarchy: where the 1-bit exchange runs (:mod:`compressed_opt.averaging`): ``"auto"``
             (hierarchical on two or more nodes of two or more ranks: fp32 inside a node, 1-bit
             between nodes; else flat), ``"node"`` (hierarchical), ``"flat"`` (over all ranks).
@@ -140,8 +144,10 @@ class CompressedOptimizer(Persistence, Optimizer):
 
     def __init__(self, params, defaults: dict, backend: Backend | None = None, bucket_cap_mb: float = 25.0,
                  overlap: bool = True, accumulation_steps: int = 1, hierarchy: str = "auto", path: str | None = None,
-                 layout: Layout | None = None):
+                 layout: Layout | None = None, scale_block: int = DEFAULT_BLOCK):
         check_choice("hierarchy", hierarchy, averaging.HIERARCHIES)
+        #: elements per 1-bit scale of the compressed exchange (the same on every rank)
+        self.scale_block = check_scale_block(scale_block)
         #: where the state lives, replicated or sharded (compressed_opt.layout): chosen here, once
         self.layout = Replicated() if layout is None else layout
         self.layout.check_options(self, path, hierarchy)
@@ -178,6 +184,7 @@ class CompressedOptimizer(Persistence, Optimizer):
         self._scaler_seen = False
         self._gather_inv_scale: float | None = None  # 1/scale of a GradScaler, applied when gathering
         self._averager = None  # what averages the warmup gradients in the optimizer's place (attach_averager)
+        self._regathering = False  # step() gathers the averages backward wrote into p.grad
         #: whether the ranks agreed that the loop leaves p.grad alone between backward and step(),
         #: so the compression stage may exchange during backward (see compressed_opt.overlap)
         self._speculate = False
@@ -294,7 +301,7 @@ class CompressedOptimizer(Persistence, Optimizer):
         if self._averaging is None:
             if self.backend.world_size > 1:  # (choosing is collective: in step(), on every rank)
                 raise RuntimeError(f"{type(self).__name__}: the exchange is chosen at the first step()")
-            self._averaging = averaging.FlatAveraging(self.backend)
+            self._averaging = averaging.FlatAveraging(self.backend, self.scale_block)
         return self._averaging
 
     def _choose_averaging(self) -> None:
@@ -304,7 +311,8 @@ class CompressedOptimizer(Persistence, Optimizer):
         is one of them), and the path of each bucket size; error buffers loaded from a checkpoint
         of another exchange are dropped (warned)."""
         if self._candidates is None:
-            self._candidates = averaging.candidates(self.backend, self.hierarchy, self.layout.sharded)
+            self._candidates = averaging.candidates(self.backend, self.hierarchy, self.layout.sharded,
+                                                    self.scale_block)
         measured = self.path == "measure"
         saved = None if self._saved_averaging is None else tuple(self._saved_averaging)
         keep = next((a for a in self._candidates if a.key == saved), None) if measured else None
@@ -422,6 +430,19 @@ class CompressedOptimizer(Persistence, Optimizer):
         self._averager = averager
         self._launcher.enabled = False
 
+    #: whether a DDP hook should hand the warmup gradients' sums of squares to
+    #: :meth:`observe_local_square_sums` (the variance tracking does)
+    observes_square_sums = False
+
+    def observe_local_square_sums(self, params, sums: torch.Tensor, averaged: bool = False) -> None:
+        """From a DDP hook averaging a full-precision step's gradients: ``params``' sums of squares
+        of their local gradients before the average (``averaged``: of the average, before the loop
+        sees it); what the variance tracking calibrates with (nothing here)."""
+
+    def observe_mean_square_sums(self, bucket: Bucket, mean: torch.Tensor) -> None:
+        """At the end of a full-precision step's backward, the bucket's average as backward made it
+        (the variance tracking's calibration; nothing here)."""
+
     def averages_next_step(self) -> bool:
         """Whether the next step is a full-precision one (its gradients averaged, not compressed)."""
         return self._needs_average(self.global_step + 1)
@@ -454,6 +475,12 @@ class CompressedOptimizer(Persistence, Optimizer):
     def _gather(self, bucket: Bucket, grad: torch.Tensor, step: int) -> None:
         """``grad`` <- this rank's gradients of the bucket (unscaled)."""
         bucket.gather_grads(grad, self._gather_inv_scale)
+
+    def _gathers_local(self) -> bool:
+        """Whether a gather now reads this rank's own gradients: not in a full-precision step
+        whose average a DDP hook, or this optimizer's backward, wrote into ``p.grad`` already."""
+        averaged = self._needs_average(self.global_step + 1)
+        return not (averaged and (self._averager is not None or self._regathering))
 
     def _gathered_finite(self, buckets: list[Bucket]) -> bool:
         """Whether every element of the buckets' gathered gradients is finite (one reduction)."""
@@ -519,6 +546,7 @@ class CompressedOptimizer(Persistence, Optimizer):
         if full:
             launcher.run_inline(range(launched, len(self._buckets)))
             for b in self._buckets:
+                self.observe_mean_square_sums(b, self._grad_buffer(b))
                 b.scatter_grads(self._grad_buffer(b))
             return
         for b in rest:  # a compression step launched ahead (the loop leaves p.grad alone)
@@ -604,11 +632,15 @@ class CompressedOptimizer(Persistence, Optimizer):
             done = len(self._buckets) if speculated else 0
             if full and launcher.finished:
                 # backward averaged the gradients into p.grad: use them as the loop left them
-                for b in self._buckets:
-                    if touched:
-                        self.gather(b)
-                    elif self._gather_inv_scale is not None:
-                        self._grad_buffer(b).mul_(self._gather_inv_scale)
+                self._regathering = True
+                try:
+                    for b in self._buckets:
+                        if touched:
+                            self.gather(b)
+                        elif self._gather_inv_scale is not None:
+                            self._grad_buffer(b).mul_(self._gather_inv_scale)
+                finally:
+                    self._regathering = False
                 checked = self._buckets
             else:
                 checked = self._buckets[done:]
@@ -640,6 +672,9 @@ class CompressedOptimizer(Persistence, Optimizer):
                 self._speculate = not anyone_touched  # agreed: the same on every rank
             if not (full and launcher.finished):
                 launcher.run_inline(range(done, len(self._buckets)), gather=False)
+                if full and self._averager is None:  # averaged here, from the gradients as they were gathered
+                    for b in self._buckets:
+                        self.observe_mean_square_sums(b, self._grad_buffer(b))
             self._before_update(step, full)
             for b in self._buckets:
                 self._bucket_step(b, self.param_groups[b.group_index], self._grad_buffer(b), step, full)
@@ -791,7 +826,7 @@ class CompressedOptimizer(Persistence, Optimizer):
                 total += p.numel()
         for g in self.param_groups:
             hparams.update(repr(sorted((k, v) for k, v in g.items() if k != "params" and _plain(v))).encode())
-        hparams.update(repr((self._extra_signature(), self.hierarchy, self.path)).encode())
+        hparams.update(repr((self._extra_signature(), self.hierarchy, self.path, self.scale_block)).encode())
         as_ints = lambda h: list(struct.unpack("<qq", h.digest()[:16]))  # noqa: E731
         # the bucket cap on its own: different caps lay out different buckets (and collectives)
         return as_ints(shapes) + as_ints(hparams) + [n_params, total, self.bucket_cap_bytes]

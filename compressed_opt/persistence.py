@@ -17,11 +17,16 @@ import warnings
 
 import torch
 
-from compressed_opt.comm import Backend, get_backend
+from compressed_opt.comm import DEFAULT_BLOCK, Backend, get_backend
 
 from . import checkpoint, consolidate, frameworks
 from .checkpoint import validate_state_dict
 from .overlap import BucketLauncher
+
+
+#: attributes a copy pickled by an older version lacks, with what they start from
+_ADDED_SINCE_PICKLED = {"scale_block": DEFAULT_BLOCK, "_regathering": False, "_summed_step": dict,
+                        "_warmup_local": dict}
 
 
 class Persistence:
@@ -38,6 +43,7 @@ class Persistence:
             "buckets": buckets,
             "averaging": None if self._averaging is None else list(self._averaging.key),
             "paths": {str(n): p for n, p in sorted(self.exchange_paths.items())},
+            "scale_block": self.scale_block,
             **self._extra_state(),
         }
         if self._consolidated is not None and self._consolidated[0] == self.global_step:
@@ -48,6 +54,7 @@ class Persistence:
 
     def _load_state_dict(self, state_dict: dict) -> None:
         validate_state_dict(self, state_dict)  # strict checks; every rank agrees or raises (compressed_opt.checkpoint)
+        state_dict = checkpoint.upgrade(self, state_dict)  # an older format, laid out as this one
         state_dict, own_params = consolidate.own_part(self, state_dict)  # this rank's part of a consolidated one
         extra = state_dict.get("compressed_opt")
         if extra is None:
@@ -333,6 +340,9 @@ class Persistence:
             self._frameworks_checked = False
             self._averaging = None
             self._launcher = BucketLauncher(self, self.accumulation_steps)
+            for name, value in _ADDED_SINCE_PICKLED.items():  # a copy pickled by an older version
+                if name not in self.__dict__:
+                    self.__dict__[name] = value() if callable(value) else value
             if not self.__dict__.get("_closed", False):
                 self._start_hooks()
         if not had_differentiable:

@@ -78,6 +78,13 @@ def check_choice(name: str, value, choices: tuple) -> None:
         raise ValueError(f"Invalid {name}: {value!r} (must be one of {', '.join(map(repr, choices))})")
 
 
+def check_scale_block(value) -> int:
+    """``scale_block``: elements per 1-bit scale, a positive multiple of 256 (the kernels' tile)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 256 or value % 256:
+        raise ValueError(f"Invalid scale_block: {value!r} (must be a positive multiple of 256)")
+    return value
+
+
 def check_step_count(name: str, value, allow_auto: bool = False, minimum: int = 0):
     if allow_auto and value == "auto":
         return value

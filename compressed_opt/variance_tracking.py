@@ -12,23 +12,35 @@ The fix keeps ``v_f``'s per-coordinate shape and follows one scalar per layer (p
 has in the compression stage; their per-layer means of squares are averaged over the ranks in the
 step's existing agreement all-gather (``L`` floats per step, no extra collective). A local
 gradient's second moment exceeds the average's (it carries ``world`` times the noise), so it is
-calibrated once against the averaged gradient of the last warmup steps::
+calibrated once against the averaged gradient, at the same warmup steps::
 
     warmup:       a_l = EMA_0.9 of mean_l(g^2)     (g: the averaged gradient; bias-corrected)
+                  kappa_l = EMA_0.9 of the ranks' mean of mean_l(g_i^2) / EMA_0.9 of mean_l(gbar^2)
+                                  (g_i: their local gradients, gbar their average, as backward made
+                                   them, at the same steps: local over averaged second moments)
     freeze F:     cal_l = mean_l v(F) / a_l         (v raw, not bias-corrected); rho_l = 1
+                  ref_l = kappa_l * mean_l v(F)
     step t > F:   w_l = mean over the ranks of mean_l(g_i^2)
-                  ref_l = cal_l * (mean of w_l over the steps F+1 .. F+min(t-F, C))      (C = 10)
                   rho_l = b2 rho_l + (1 - b2) w_l / ref_l
                   factor_l = clip((rho_l c(t))^(-1/2), 1/B, B),  c(t) = (1 - b2^F) / (1 - b2^t)
                              (c = 1 without bias correction), B = 4
     update:       p <- p - lr factor_l m_hat / (sqrt(v_f) + eps)
 
-``w_l / ref_l`` is the averaged gradient's second moment now in units of ``v(F)``, so ``rho_l``
-follows Adam's recursion ``v = b2 v + (1 - b2) g^2`` for the layer's mean, and ``factor_l`` is
-``sqrt(v_f / v_hat(t))`` for it. The factor scales the step after the exchange: the exchanged
-vector, its bound and its error feedback are untouched.
+``w_l / ref_l = (w_l / kappa_l) / mean_l v(F)`` is the averaged gradient's second moment now in
+units of ``v(F)``, so ``rho_l`` follows Adam's recursion ``v = b2 v + (1 - b2) g^2`` for the
+layer's mean, and ``factor_l`` is ``sqrt(v_f / v_hat(t))`` for it. The factor scales the step
+after the exchange: the exchanged vector, its bound and its error feedback are untouched.
 
-The five numbers per layer (:data:`COLUMNS`) are one row of a ``(L, 5)`` float64 tensor per
+``kappa_l`` is measured where the local and the averaged gradients are both at hand, at the same
+steps and before the training loop touches the average (clipping, a GradScaler's unscaling: both
+sides as backward made them, so any scale cancels): gradients are spiky (a layer's mean square
+moves by 10-1000x between windows of ten steps), so a ratio of windows taken at different steps is
+off by as much. The sums come from the pass that gathers the local gradients and, for the average,
+from where it is written into ``p.grad`` (under a DDP hook, from the hook). Where a warmup step saw
+neither (a checkpoint of an older version), ``ref_l`` falls back to ``cal_l`` times the mean of
+``w_l`` over the first ``C = 10`` compression steps.
+
+The eight numbers per layer (:data:`COLUMNS`) are one row of a ``(L, 8)`` float64 tensor per
 bucket; each parameter's ``optimizer.state[p]["layer_variance"]`` is a view of its row, so
 checkpoints carry them exactly. :class:`LayerVarianceTracking` plugs this into an optimizer.
 """
@@ -36,14 +48,22 @@ from __future__ import annotations
 
 import torch
 
+from compressed_opt.cuda import segment_sumsq
+
 from .buffers import LAYER, Buffer
 from .reductions import norms
 
 #: the columns of a layer's row: the warmup EMA of the sum of squares of the averaged gradient
 #: (whole on every rank in every mode, ZeRO included), the EMA's number of updates, rho, the
-#: reference ``ref_l`` and the calibration ``cal_l``
-COLUMNS = ("grad_sq_ema", "ema_updates", "ratio", "reference", "calibration")
-EMA, UPDATES, RATIO, REFERENCE, CALIBRATION = range(len(COLUMNS))
+#: reference ``ref_l``, the calibration ``cal_l``, the warmup EMAs of the ranks' mean sum of squares
+#: of their local gradients and of their average's, both as backward made them (NaN once a warmup
+#: step had none), and 1 where ``ref_l`` was made from them at the freeze (0: from the first
+#: compression steps)
+COLUMNS = ("grad_sq_ema", "ema_updates", "ratio", "reference", "calibration", "local_sq_ema", "mean_sq_ema",
+           "reference_fixed")
+EMA, UPDATES, RATIO, REFERENCE, CALIBRATION, LOCAL_EMA, MEAN_EMA, FIXED = range(len(COLUMNS))
+#: the columns of version 1 (checkpoint format 1), which a load extends (:func:`upgrade_rows`)
+LEGACY_COLUMNS = 5
 #: the EMA's coefficient for ``a_l``: about the last 10 warmup steps
 EMA_BETA = 0.9
 #: compression steps whose local second moments are averaged into the reference
@@ -70,22 +90,46 @@ def sums(tensors: list[torch.Tensor], device) -> torch.Tensor:
     return norms(tensors, 1, device)
 
 
-def observe_warmup(rows: torch.Tensor, sums: torch.Tensor) -> None:
-    """One warmup step: ``sums`` (per layer, the averaged gradient's sum of squares) into the EMA."""
+def upgrade_rows(rows: torch.Tensor) -> torch.Tensor:
+    """Rows of version 1 (5 columns) with this version's columns: no local EMA (NaN: the fallback
+    reference), no reference fixed at the freeze."""
+    if rows.shape[-1] == len(COLUMNS):
+        return rows
+    extra = rows.new_zeros(*rows.shape[:-1], len(COLUMNS) - rows.shape[-1])
+    extra[..., LOCAL_EMA - LEGACY_COLUMNS] = float("nan")
+    extra[..., MEAN_EMA - LEGACY_COLUMNS] = float("nan")
+    return torch.cat([rows, extra], dim=-1)
+
+
+def observe_warmup(rows: torch.Tensor, sums: torch.Tensor, raw: tuple | None) -> None:
+    """One warmup step: ``sums`` (per layer, the averaged gradient's sum of squares, as the step
+    uses it) into the EMA; ``raw``, ``(local, mean)``: the ranks' mean of their local gradients'
+    sums of squares and their average's, as backward made both, into the local and mean EMAs
+    (``None``: this step's were not seen, which makes them NaN)."""
     rows[:, EMA].mul_(EMA_BETA).add_(sums.to(rows), alpha=1 - EMA_BETA)
+    for column, values in zip((LOCAL_EMA, MEAN_EMA), raw if raw is not None else (None, None)):
+        if values is None:
+            rows[:, column] = float("nan")
+        else:
+            rows[:, column].mul_(EMA_BETA).add_(values.to(rows), alpha=1 - EMA_BETA)
     rows[:, UPDATES].add_(1.0)
 
 
 def start(rows: torch.Tensor, variance_sums: torch.Tensor, numels: torch.Tensor) -> None:
     """At the freeze: ``cal_l`` from the EMA and the layers' sums of the raw variance ``v(F)``;
-    ``rho = 1``. A layer that never had a gradient gets ``cal = 0`` (its ``v_f`` is 0: it does not
-    move anyway)."""
+    ``rho = 1``; ``ref_l = kappa_l mean_l v(F)`` where the local and mean EMAs were kept through
+    the warmup (else 0, made from the first compression steps). A layer that never had a gradient
+    gets ``cal = 0`` (its ``v_f`` is 0: it does not move anyway)."""
     numels = numels.to(rows)
     debias = 1.0 - EMA_BETA ** rows[:, UPDATES].clamp(min=1.0)
     a = rows[:, EMA] / numels / debias
     rows[:, CALIBRATION] = torch.where(a > 0, variance_sums.to(rows) / numels / a, torch.zeros_like(a))
     rows[:, RATIO] = 1.0
-    rows[:, REFERENCE] = 0.0
+    kappa = rows[:, LOCAL_EMA] / rows[:, MEAN_EMA]
+    fixed = torch.isfinite(kappa) & (kappa > 0) & (rows[:, CALIBRATION] > 0)
+    v_mean = variance_sums.to(rows) / numels
+    rows[:, REFERENCE] = torch.where(fixed, kappa * v_mean, torch.zeros_like(kappa))
+    rows[:, FIXED] = fixed.to(rows)
 
 
 def track(rows: torch.Tensor, local_means: torch.Tensor, since_freeze: int, beta2: float) -> None:
@@ -93,9 +137,10 @@ def track(rows: torch.Tensor, local_means: torch.Tensor, since_freeze: int, beta
     ``mean_l(g_i^2)``, identical on every rank) into the reference (the first
     :data:`CALIBRATION_STEPS` steps) and into ``rho``."""
     w = local_means.to(rows)
-    if since_freeze <= CALIBRATION_STEPS:
+    if since_freeze <= CALIBRATION_STEPS:  # (where the warmup did not fix the reference)
         target = w * rows[:, CALIBRATION]
-        rows[:, REFERENCE].add_((target - rows[:, REFERENCE]) / since_freeze)
+        update = (target - rows[:, REFERENCE]) / since_freeze
+        rows[:, REFERENCE].add_(torch.where(rows[:, FIXED] > 0, torch.zeros_like(update), update))
     ref = rows[:, REFERENCE]
     ratio = torch.where(ref > 0, w / ref, torch.ones_like(w))
     rows[:, RATIO].mul_(beta2).add_(ratio, alpha=1 - beta2)
@@ -128,7 +173,16 @@ class LayerVarianceTracking:
         self.layer_state = {"layer_variance": len(COLUMNS)} if enabled else {}
         self._local_square_sums = {}  # bucket index -> this step's per-layer sums of g_i^2
         self._summed_buffers = {}  # bucket index -> (address, version) of the buffer they were summed from
+        self._summed_step = {}  # bucket index -> the step whose local gradients they are
+        self._mean_sums = {}  # bucket index -> (step, per-layer sums of squares of the raw average)
+        self._hooked_sums = {}  # parameter id -> (step, its local sum of squares), from a DDP hook
+        self._hooked_means = {}  # parameter id -> (step, its average's sum of squares), from a DDP hook
+        self._warmup_local = {}  # bucket index -> a warmup step's ranks' mean of those sums
         self._layer_factors = {}  # bucket index -> this step's per-layer factors
+
+    @property
+    def observes_square_sums(self) -> bool:
+        return self.variance_tracking
 
     def _load_tracking_of(self, extra: dict) -> None:
         """A checkpoint saved in the compression stage must have been tracked as this optimizer
@@ -153,10 +207,12 @@ class LayerVarianceTracking:
         return new_rows(len(bucket.params), bucket.device)
 
     def _observe_averaged_gradient(self, bucket, grad) -> None:
-        """Warmup: the averaged gradient's per-layer sums of squares into the EMA."""
+        """Warmup: the averaged gradient's per-layer sums of squares into the EMA, and the ranks'
+        local ones of the same step (when the gather saw them) into the local EMA."""
         if self.variance_tracking:
             observe_warmup(bucket.flats["layer_variance"],
-                           square_sums(bucket.views(grad[: bucket.numel]), bucket.device))
+                           square_sums(bucket.views(grad[: bucket.numel]), bucket.device),
+                           self._warmup_local.get(bucket.index))
 
     def _start_variance_tracking(self, bucket, v) -> None:
         """At the freeze, from the bucket's whole raw variance ``v`` (not bias-corrected), the
@@ -171,19 +227,56 @@ class LayerVarianceTracking:
         if self.variance_tracking and self.frozen:
             self._local_square_sums[bucket.index] = square_sums(
                 [p.grad for p in bucket.params], bucket.device, self._gather_inv_scale)
+            self._summed_step[bucket.index] = self.global_step + 1
 
     def _gather_observed(self, bucket, grad: torch.Tensor) -> None:
-        """The bucket's gradients into ``grad`` (unscaled); in the compression stage, this rank's
+        """The bucket's gradients into ``grad`` (unscaled); where they are this rank's own (not
+        an average a DDP hook or this step's full-precision average wrote into ``p.grad``), their
         per-layer sums of ``g_i^2`` in the same pass."""
-        if not (self.variance_tracking and self.frozen):
+        if not (self.variance_tracking and self._gathers_local()):
             bucket.gather_grads(grad, self._gather_inv_scale)
+            if self.variance_tracking:
+                self._take_hooked_sums(bucket, grad.device)
             return
-        out = self._local_square_sums.get(bucket.index)
-        if out is None or out.numel() != len(bucket.params) or out.device != grad.device:
-            out = torch.empty(len(bucket.params), dtype=torch.float64, device=grad.device)
-            self._local_square_sums[bucket.index] = out
+        out = self._local_sums_buffer(bucket, grad.device)
         bucket.gather_grads(grad, self._gather_inv_scale, square_sums=out)
         self._summed_buffers[bucket.index] = (grad.data_ptr(), grad._version)
+        self._summed_step[bucket.index] = self.global_step + 1
+
+    def _local_sums_buffer(self, bucket, device) -> torch.Tensor:
+        out = self._local_square_sums.get(bucket.index)
+        if out is None or out.numel() != len(bucket.params) or out.device != device:
+            out = torch.empty(len(bucket.params), dtype=torch.float64, device=device)
+            self._local_square_sums[bucket.index] = out
+        return out
+
+    def observe_local_square_sums(self, params, sums: torch.Tensor, averaged: bool = False) -> None:
+        """From a DDP hook, during a full-precision step's backward: ``params``' sums of squares
+        (float64, one each, as the gather computes them) of their local gradients before DDP
+        averages them (``averaged``: of the average, before the loop sees it)."""
+        step = self.global_step + 1
+        into = self._hooked_means if averaged else self._hooked_sums
+        for p, s in zip(params, sums):
+            into[id(p)] = (step, s)
+
+    def observe_mean_square_sums(self, bucket, mean: torch.Tensor) -> None:
+        """End of a full-precision step's backward: the bucket's average ``mean`` as backward made
+        it, before it goes into ``p.grad`` (and before the loop clips or unscales it)."""
+        if self.variance_tracking:
+            sums = torch.empty(len(bucket.params), dtype=torch.float64, device=mean.device)
+            segment_sumsq(mean, bucket.segments, sums)
+            self._mean_sums[bucket.index] = (self.global_step + 1, sums)
+
+    def _take_hooked_sums(self, bucket, device) -> None:
+        """The bucket's sums of this step from a DDP hook, where it saw every parameter."""
+        step = self.global_step + 1
+        seen = [self._hooked_sums.get(id(p)) for p in bucket.params]
+        means = [self._hooked_means.get(id(p)) for p in bucket.params]
+        if not seen or any(s is None or s[0] != step for s in seen + means):
+            return
+        self._local_sums_buffer(bucket, device).copy_(torch.stack([s for _, s in seen]))
+        self._summed_step[bucket.index] = step
+        self._mean_sums[bucket.index] = (step, torch.stack([s for _, s in means]).to(device))
 
     def _gathered_finite(self, buckets):
         """From the sums of squares where they were taken of the buffers as they are now: float64
@@ -197,14 +290,31 @@ class LayerVarianceTracking:
         return not sums or bool(torch.cat(sums).sum().isfinite())
 
     def _step_statistics(self, step):
-        if not (self.variance_tracking and self.frozen):
+        """The per-layer sums of this step's local ``g_i^2``: every compression step, and the
+        full-precision steps whose local gradients the gather saw (every rank alike: the same
+        mode everywhere)."""
+        if not self.variance_tracking or not self._buckets:
             return super()._step_statistics(step)
-        return torch.cat([self._local_square_sums[b.index].to(b.device) for b in self._buckets])
+        local = all(self._summed_step.get(b.index) == step for b in self._buckets)
+        if self.frozen or (local and self._needs_average(step)):
+            return torch.cat([self._local_square_sums[b.index].to(b.device) for b in self._buckets])
+        return super()._step_statistics(step)
 
     def _before_update(self, step, averaged):
-        """Compression stage: every rank's per-layer sums into ``rho``, and this step's factors."""
+        """Compression stage: every rank's per-layer sums into ``rho``, and this step's factors.
+        A full-precision step: the ranks' mean of their sums, for :meth:`_observe_averaged_gradient`."""
         super()._before_update(step, averaged)
-        if not (self.variance_tracking and self.frozen):
+        if not self.variance_tracking:
+            return
+        if not self.frozen:
+            self._warmup_local.clear()
+            if averaged and self._rank_statistics.numel():
+                local, offset = self._rank_statistics.mean(dim=0), 0
+                for b in self._buckets:
+                    mean = self._mean_sums.get(b.index)
+                    if mean is not None and mean[0] == step:
+                        self._warmup_local[b.index] = (local[offset: offset + len(b.params)], mean[1])
+                    offset += len(b.params)
             return
         means = self._rank_statistics.mean(dim=0)  # (the same rows, in rank order, on every rank)
         offset = 0

@@ -24,7 +24,8 @@ denominator ``sqrt(v_f) + eps`` of the whole bucket (the compression-stage updat
 every element, on every rank, so that no full-precision parameter all-gather is needed).
 
 Compression stage: the averaged momentum is identical on every rank and is exactly what the last
-exchange's second all-gather carried: ``N`` rows of ``[scale | sign bits]``, ``n/8 + 4N`` bytes.
+exchange's second all-gather carried: ``N`` rows of ``[block scales | sign bits]``, ``n/8 + 4n /
+scale_block`` bytes.
 Each rank keeps those rows instead of an fp32 momentum (32x less) and expands them when it forms
 its next local momentum; every rank applies the same update to its replica of the parameters, so
 the parameters stay identical without any full-precision traffic. (1-bit LAMB's fresh variance is
@@ -40,7 +41,7 @@ bounding the drift of their rounding (an fp32 all-gather: ``4n (N-1)/N`` bytes p
 Per-rank state of 1-bit Adam, fp32 parameters, ``n`` elements, ``N`` ranks (bytes): stage 0
 warmup ``8n`` (``m``, ``v``); ZeRO warmup ``8n/N``; stage 0 compression ``16n + 4n/N`` (``m``,
 ``v``, the frozen denominator, the worker error, the server error); ZeRO compression
-``8n + 4n/N + n/8`` (denominator, worker error, server error, the momentum rows). 1-bit LAMB adds
+``8n + 4n/N + n/8 + 4n/scale_block`` (denominator, worker error, server error, the momentum rows). 1-bit LAMB adds
 its fresh variance: ``4n`` more in stage 0, ``4n/N`` with ZeRO.
 
 0/1 Adam is not sharded: its phase-B state is per rank by the algorithm (each rank's local
@@ -68,7 +69,7 @@ BUFFERS = {
     "exp_avg": Buffer(SAVED),  # the momentum gathered at the freeze (until the first exchange keeps rows)
     "frozen_denominator": Buffer(SAVED),  # sqrt(v_f) + eps, gathered at the freeze
     "preconditioner": Buffer(SAVED),  # R = c_l / sqrt(v_f)
-    "momentum_rows": Buffer(SAVED, torch.uint8),  # the last exchange's [scale | bits] rows: the momentum
+    "momentum_rows": Buffer(SAVED, torch.uint8),  # the last exchange's [scales | bits] rows: the momentum
     "master_shard": Buffer(SAVED),  # fp32 masters of this rank's chunk (bf16/fp16 parameters)
     # workspace
     "grad_padded": Buffer(SCRATCH),
@@ -252,7 +253,7 @@ class Sharded(Layout):
             if preconditioner is not None:
                 x.mul_(preconditioner)
         else:
-            expand_result_rows(bucket.flats["momentum_rows"], bucket.numel, opt.backend.world_size, x)
+            expand_result_rows(bucket.flats["momentum_rows"], bucket.numel, opt.backend.world_size, x, opt.scale_block)
             if row_scales is not None:
                 scaling.unscale_(bucket.views(x), row_scales)
         if keep_previous:
@@ -292,8 +293,8 @@ class Sharded(Layout):
         """The compressed allreduce of the local momentum (always flat: its server chunks are the
         shards); keep the result's 1-bit rows: they are the momentum from now on."""
         worker_error, server_error = opt.error_buffers(bucket)
-        compressed_allreduce(x, worker_error, server_error, opt.backend)
-        rows = result_rows(bucket.numel, opt.backend, x.device)
+        compressed_allreduce(x, worker_error, server_error, opt.backend, opt.scale_block)
+        rows = result_rows(bucket.numel, opt.backend, x.device, opt.scale_block)
         shard(bucket, "momentum_rows", rows.numel(), torch.uint8).copy_(rows)
         bucket.flats.pop("exp_avg", None)
 

@@ -71,12 +71,13 @@ import math
 import torch
 
 from compressed_opt import cuda as kernels
+from compressed_opt.comm import DEFAULT_BLOCK
 
 from . import scaling
 from . import variance_tracking as tracking
 from .buffers import DERIVED, LAYER, SCRATCH, STATE, Buffer
 from .freeze import VarianceStabilityRule, resolve_rule, restore_rule
-from .moments import COMPRESSED_STEP_BOUND, denominator_, momentum_, variance_
+from .moments import COMPRESSED_STEP_BOUND, WHITENED_GRADIENT_BOUND, denominator_, momentum_, variance_
 from .optimizer import CompressedOptimizer, common_args
 from .validation import check_adam_group, check_choice, check_step_count
 
@@ -165,7 +166,8 @@ class ZeroOneAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *,
                  var_freeze_step=100000, var_update_scaler=16, local_step_scaler=32678, local_step_clipper=16,
                  bias_correction=True, backend=None, bucket_cap_mb=25.0, overlap=True, accumulation_steps=1,
-                 zero_stage=0, exchange="preconditioned", variance_tracking=True, hierarchy="auto", path=None):
+                 zero_stage=0, exchange="preconditioned", variance_tracking=True, hierarchy="auto", path=None,
+                 scale_block=DEFAULT_BLOCK):
         check_choice("exchange", exchange, self.EXCHANGES)
         self.exchange_mode = exchange
         self._init_variance_tracking(variance_tracking)
@@ -201,7 +203,8 @@ class ZeroOneAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
         self.last_step_kind: str | None = None
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
         super().__init__(params, defaults, backend=backend, bucket_cap_mb=bucket_cap_mb,
-                         overlap=overlap, accumulation_steps=accumulation_steps, hierarchy=hierarchy, path=path)
+                         overlap=overlap, accumulation_steps=accumulation_steps, hierarchy=hierarchy, path=path,
+                         scale_block=scale_block)
 
     def _validate_group(self, group):
         check_adam_group(group)
@@ -299,14 +302,13 @@ class ZeroOneAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
         return r
 
     def _exchange_bounds(self, bucket, lr_sum: float, factors: list[float] | None) -> list[float]:
-        """Per layer, the bound on ``|R x_i|``. Phase A (gradients): ``1 / sqrt(1 - b2)``, what
-        ``|g| / sqrt(v)`` could be had ``g`` been folded into ``v``. Phase B (``sum lr m``):
+        """Per layer, the bound on ``|R x_i|``. Phase A (gradients): :data:`~compressed_opt.moments.
+        WHITENED_GRADIENT_BOUND` (3; what ``|g_i| / sqrt(v)`` may be, in units of its RMS). Phase B (``sum lr m``):
         ``c_l lr_sum K / f_l``, ``K`` the compression stage's bound on ``|m / sqrt(v_f)|``
         (:data:`~compressed_opt.moments.COMPRESSED_STEP_BOUND`), ``f_l`` the interval's tracking factor
         (``factors``; ``None``: 1), which multiplies the synchronised step."""
-        b1, b2 = self.param_groups[bucket.group_index]["betas"]
         if not self.frozen:
-            return [1.0 / math.sqrt(1 - b2)] * len(bucket.params)
+            return [WHITENED_GRADIENT_BOUND] * len(bucket.params)
         k = COMPRESSED_STEP_BOUND * lr_sum
         if factors is None:
             return [k * self.state[p]["scaling_coeff"] for p in bucket.params]

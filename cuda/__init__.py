@@ -1,31 +1,35 @@
 """Element-wise kernels of error-feedback 1-bit compression, dispatched by tensor device.
 
-Three kernels carry all element-wise work of the compressed allreduce (docs/design.md 2.1, 2.2); each
-works in place on flat, contiguous buffers that the caller owns and reuses:
+Three kernels carry all element-wise work of the compressed allreduce (docs/design.md 2.1, 2.2).
+A buffer of ``world`` chunks of ``chunk`` elements travels as ``world`` *rows* of bytes, row ``j``
+holding chunk ``j``: ``nb = ceil(chunk / block)`` fp32 scales, one per block of ``block``
+elements of the chunk, then the chunk's ``chunk / 8`` bytes of sign bits (:func:`rows_layout`).
+Each kernel works in place on flat buffers that the caller owns and reuses; rows may lie
+``rows.stride(0) >= row_len`` bytes apart:
 
-``compress_(x, error, packed, scale_out, finish=True)``
-    ``u = x + error`` (``x=None`` means ``x = 0``); ``s = ||u|| / sqrt(n)``; ``packed`` gets the
-    bits ``[u >= 0]``; ``error <- u - s (2b - 1)``; ``scale_out`` (one fp32 element) gets ``s``.
-    With ``finish=False`` only the first pass runs: ``packed`` and ``scale_out`` are final and
-    ``error`` holds ``u``; :func:`finish_` (the second pass) completes it later, e.g. while the
-    bits are on the wire.
-``average_compress_(chunks, scales, error, packed, scale_out, finish=True)``
-    the server side: ``z = error + (1/N) sum_i scales[i] (2 chunks[i] - 1)``, then compress ``z``
-    with ``error`` as above. ``chunks`` is ``uint8 [N, row_bytes]``; ``error`` holds the chunk's
-    valid elements (at most ``8 * row_bytes``).
-``decompress_(packed, scales, out)``
-    ``out[k] = scales[k // c] * (2 b_k - 1)`` with ``c = 8 * row_bytes``: the concatenation of
-    every server's decompressed chunk. ``packed`` is ``uint8 [N, row_bytes]``; its rows may be
-    strided (``packed.stride(0) >= row_bytes``), e.g. a view that skips a header in each row.
+``compress_rows_(x, error, rows, chunk, block)``
+    the worker side, over the ``n = error.numel()`` valid elements: ``u = x + error`` (``x=None``
+    means ``x = 0``); per block ``s = sqrt(sum u^2 / count)`` over its valid elements (0 when none);
+    bits ``[u >= 0]``; ``error <- u - s (2b - 1)``. ``rows`` is ``uint8 [world, row_len]`` with
+    ``world * chunk >= n``.
+``average_compress_rows_(rows, error, out_row, chunk, block)``
+    the server side, over this rank's ``m = error.numel() <= chunk`` valid elements: ``z = error +
+    sum_i (s_ib / world) (2 b_i - 1)`` (``s_ib`` the scale of row ``i``'s block ``b``, added in rank
+    order), then compress ``z`` with ``error`` into ``out_row`` (``uint8 [row_len]``).
+``decompress_rows_(rows, out, chunk, block)``
+    ``out[k] = s (2 b_k - 1)`` from row ``k // chunk``, block ``(k % chunk) // block``: the
+    concatenation of every row's decompressed chunk.
 
-:mod:`~compressed_opt.cuda.segmented` holds the segmented element-wise passes around them (the
-gather of the gradients with their per-segment sums of squares, the update's preconditioning
-and its inverse).
+``chunk`` is a multiple of 32 and ``block`` a multiple of 256 (a CUDA warp tile); at most 1024
+rows for the server side. :mod:`~compressed_opt.cuda.segmented` holds the segmented element-wise
+passes around them (the gather of the gradients with their per-segment sums of squares, the
+update's preconditioning and its inverse).
 
-Bits: bit ``k`` is bit ``k % 8`` of byte ``k // 8``; bits past the valid elements are 1.
-Float buffers are fp32. CUDA tensors run the CuPy kernels of ``onebit.cu`` on the current stream
-(no synchronisation); CPU tensors run ``onebit_cpu.c`` (compiled at first use), or the PyTorch
-reference where no C compiler exists. ``COMPRESSED_OPT_KERNELS=reference`` forces the reference.
+Bits: bit ``k`` of a row's bits is bit ``k % 8`` of byte ``k // 8``; bits of invalid elements
+are 1. Float buffers are fp32. CUDA tensors run the CuPy kernels of ``onebit.cu`` on the current
+stream (no synchronisation); CPU tensors run ``onebit_cpu.c`` (compiled at first use), or the
+PyTorch reference where no C compiler exists. ``COMPRESSED_OPT_KERNELS=reference`` forces the
+reference.
 """
 from __future__ import annotations
 
@@ -47,10 +51,11 @@ from . import reference
 from .segmented import Segments, divide_where_nonzero_, gather_, lerp_scale_clamp_, scale_clamp_, segment_sumsq
 
 __all__ = [
-    "compress_",
-    "finish_",
-    "average_compress_",
-    "decompress_",
+    "compress_rows_",
+    "average_compress_rows_",
+    "decompress_rows_",
+    "rows_layout",
+    "check_rows_geometry",
     "packed_numel",
     "kernel_path",
     "reference",
@@ -135,63 +140,64 @@ def _check_flat(name: str, t: torch.Tensor, dtype: torch.dtype, device: torch.de
         raise ValueError(f"{name} must be contiguous")
 
 
-def compress_(x, error, packed, scale_out, finish: bool = True) -> None:
+def rows_layout(chunk: int, block: int) -> tuple[int, int]:
+    """``(blocks per chunk, bytes per row)`` of chunks of ``chunk`` elements with one scale per
+    ``block``: ``ceil(chunk / block)`` fp32 scales, then ``chunk / 8`` bytes of bits."""
+    return reference.rows_layout(chunk, block)
+
+
+def check_rows_geometry(chunk: int, block: int) -> None:
+    """Raise unless ``chunk`` is a multiple of 32 and ``block`` a positive multiple of 256."""
+    if not isinstance(block, int) or isinstance(block, bool) or block <= 0 or block % 256:
+        raise ValueError(f"block must be a positive multiple of 256 elements, got {block!r}")
+    if chunk < 0 or chunk % 32:
+        raise ValueError(f"chunk must be a multiple of 32 elements, got {chunk}")
+
+
+def _check_rows(name: str, rows: torch.Tensor, row_len: int, device: torch.device, count: int | None = None) -> None:
+    if not isinstance(rows, torch.Tensor) or rows.dtype != torch.uint8 or rows.device != device:
+        raise TypeError(f"{name} must be a uint8 tensor on {device}")
+    if rows.dim() != 2 or rows.shape[1] != row_len or rows.stride(1) != 1 or rows.stride(0) < row_len:
+        raise ValueError(f"{name} must be [rows, {row_len}] bytes with contiguous, non-overlapping rows, "
+                         f"got shape {tuple(rows.shape)} strides {rows.stride()}")
+    if count is not None and rows.shape[0] != count:
+        raise ValueError(f"{name} must have {count} rows, got {rows.shape[0]}")
+
+
+def compress_rows_(x, error, rows, chunk: int, block: int) -> None:
+    check_rows_geometry(chunk, block)
     device = error.device
     _check_flat("error", error, torch.float32, device)
     if x is not None:
         _check_flat("x", x, torch.float32, device)
         if x.numel() != error.numel():
             raise ValueError(f"x has {x.numel()} elements but error has {error.numel()}")
-    _check_flat("packed", packed, torch.uint8, device)
-    _check_flat("scale_out", scale_out, torch.float32, device)
-    if packed.numel() < packed_numel(error.numel()):
-        raise ValueError(f"packed needs {packed_numel(error.numel())} bytes, has {packed.numel()}")
-    if scale_out.numel() != 1:
-        raise ValueError("scale_out must have exactly one element")
-    _impl(device).compress_(x, error, packed, scale_out, finish)
+    _check_rows("rows", rows, rows_layout(chunk, block)[1], device)
+    if error.numel() > rows.shape[0] * chunk:
+        raise ValueError(f"{rows.shape[0]} rows of {chunk} elements cannot hold {error.numel()}")
+    _impl(device).compress_rows_(x, error, rows, chunk, block)
 
 
-def average_compress_(chunks, scales, error, packed, scale_out, finish: bool = True) -> None:
-    device = error.device
-    for name, t, dtype in (
-        ("chunks", chunks, torch.uint8),
-        ("scales", scales, torch.float32),
-        ("error", error, torch.float32),
-        ("packed", packed, torch.uint8),
-        ("scale_out", scale_out, torch.float32),
-    ):
-        _check_flat(name, t, dtype, device)
-    if chunks.dim() != 2 or scales.numel() != chunks.shape[0]:
-        raise ValueError("chunks must be [world, row_bytes] with one scale per row")
-    if chunks.shape[0] > 1024:
-        raise ValueError("at most 1024 ranks are supported by the compression kernels")
-    row_bytes = chunks.shape[1]
-    if error.numel() > 8 * row_bytes or packed.numel() != row_bytes:
-        raise ValueError("error must fit in one row of chunks and packed must be one row long")
-    if scale_out.numel() != 1:
-        raise ValueError("scale_out must have exactly one element")
-    _impl(device).average_compress_(chunks, scales, error, packed, scale_out, finish)
-
-
-def finish_(error, scale_out) -> None:
-    """The second pass of a compression started with ``finish=False``: ``error`` holds ``u``;
-    ``error <- u - s (2 [u >= 0] - 1)`` with ``s = scale_out``."""
+def average_compress_rows_(rows, error, out_row, chunk: int, block: int) -> None:
+    check_rows_geometry(chunk, block)
     device = error.device
     _check_flat("error", error, torch.float32, device)
-    _check_flat("scale_out", scale_out, torch.float32, device)
-    _impl(device).finish_(error, scale_out)
+    _check_flat("out_row", out_row, torch.uint8, device)
+    _, row_len = rows_layout(chunk, block)
+    _check_rows("rows", rows, row_len, device)
+    if rows.shape[0] > 1024:
+        raise ValueError("at most 1024 ranks are supported by the compression kernels")
+    if error.numel() > chunk or out_row.numel() != row_len:
+        raise ValueError(f"error must hold at most {chunk} elements and out_row {row_len} bytes, got "
+                         f"{error.numel()} and {out_row.numel()}")
+    _impl(device).average_compress_rows_(rows, error, out_row, chunk, block)
 
 
-def decompress_(packed, scales, out) -> None:
+def decompress_rows_(rows, out, chunk: int, block: int) -> None:
+    check_rows_geometry(chunk, block)
     device = out.device
-    if not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8 or packed.device != device:
-        raise TypeError(f"packed must be a uint8 tensor on {device}")
-    if packed.dim() != 2 or packed.stride(1) != 1 or packed.stride(0) < packed.shape[1]:
-        raise ValueError("packed must be [world, row_bytes] with contiguous, non-overlapping rows")
-    _check_flat("scales", scales, torch.float32, device)
     _check_flat("out", out, torch.float32, device)
-    if packed.dim() != 2 or scales.numel() != packed.shape[0]:
-        raise ValueError("packed must be [world, row_bytes] with one scale per row")
-    if out.numel() > packed.numel() * 8:  # numel() of the view: rows * row_bytes
-        raise ValueError(f"out has {out.numel()} elements but packed holds {packed.numel() * 8} bits")
-    _impl(device).decompress_(packed, scales, out)
+    _check_rows("rows", rows, rows_layout(chunk, block)[1], device)
+    if out.numel() > rows.shape[0] * chunk:
+        raise ValueError(f"out has {out.numel()} elements but {rows.shape[0]} rows hold {rows.shape[0] * chunk}")
+    _impl(device).decompress_rows_(rows, out, chunk, block)

@@ -11,15 +11,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
-import math
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-
-import torch
 
 SOURCE = Path(__file__).with_name("onebit_cpu.c")
 _FLAG_SETS = (["-O3", "-march=native"], ["-O3"])
@@ -60,14 +57,12 @@ def _compile(compiler: str, flags: list[str], target: Path) -> bool:
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-    lib.co_compensate_pack.argtypes = [p, p, p, i64, i64]
-    lib.co_compensate_pack.restype = ctypes.c_double
-    lib.co_subtract_decompressed.argtypes = [p, f32, i64]
-    lib.co_subtract_decompressed.restype = None
-    lib.co_average_compensate_pack.argtypes = [p, p, i64, i64, p, p, i64]
-    lib.co_average_compensate_pack.restype = ctypes.c_double
-    lib.co_decompress.argtypes = [p, p, i64, i64, i64, p, i64]
-    lib.co_decompress.restype = None
+    lib.co_compress_rows.argtypes = [p, p, p, i64, i64, i64, i64, i64]
+    lib.co_compress_rows.restype = None
+    lib.co_average_compress_rows.argtypes = [p, i64, i64, i64, i64, p, p, i64]
+    lib.co_average_compress_rows.restype = ctypes.c_int
+    lib.co_decompress_rows.argtypes = [p, i64, i64, i64, i64, p, i64]
+    lib.co_decompress_rows.restype = None
     lib.co_has_avx2.restype = ctypes.c_int
     lib.co_segment_sumsq.argtypes = [p, p, i64, p]
     lib.co_segment_sumsq.restype = None
@@ -100,40 +95,16 @@ def library() -> ctypes.CDLL | None:
     return None
 
 
-def _scale(sumsq: float, n: int, scale_out: torch.Tensor) -> None:
-    scale_out.fill_(math.sqrt(sumsq / n) if n else 0.0)
+def compress_rows_(x, error, rows, chunk, block):
+    library().co_compress_rows(None if x is None else x.data_ptr(), error.data_ptr(), rows.data_ptr(), rows.stride(0),
+                               rows.shape[0], chunk, block, error.numel())
 
 
-def finish_(error, scale_out):
-    # pass 2 uses the fp32 scale that is sent, so that error == u - C(u) exactly
-    library().co_subtract_decompressed(error.data_ptr(), ctypes.c_float(scale_out.item()), error.numel())
+def average_compress_rows_(rows, error, out_row, chunk, block):
+    library().co_average_compress_rows(rows.data_ptr(), rows.stride(0), rows.shape[0], chunk, block,
+                                       error.data_ptr(), out_row.data_ptr(), error.numel())
 
 
-def compress_(x, error, packed, scale_out, finish=True):
-    lib = library()
-    n = error.numel()
-    sumsq = lib.co_compensate_pack(
-        None if x is None else x.data_ptr(), error.data_ptr(), packed.data_ptr(), n, packed.numel()
-    )
-    _scale(sumsq, n, scale_out)
-    if finish:
-        finish_(error, scale_out)
-
-
-def average_compress_(chunks, scales, error, packed, scale_out, finish=True):
-    lib = library()
-    world, row_bytes = chunks.shape
-    n = error.numel()
-    sumsq = lib.co_average_compensate_pack(
-        chunks.data_ptr(), scales.data_ptr(), world, row_bytes, error.data_ptr(), packed.data_ptr(), n
-    )
-    _scale(sumsq, n, scale_out)
-    if finish:
-        finish_(error, scale_out)
-
-
-def decompress_(packed, scales, out):
-    rows, row_bytes = packed.shape
-    library().co_decompress(
-        packed.data_ptr(), scales.data_ptr(), rows, row_bytes, packed.stride(0), out.data_ptr(), out.numel()
-    )
+def decompress_rows_(rows, out, chunk, block):
+    library().co_decompress_rows(rows.data_ptr(), rows.stride(0), rows.shape[0], chunk, block, out.data_ptr(),
+                                 out.numel())

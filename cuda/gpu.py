@@ -1,17 +1,22 @@
 """CuPy path of the compression kernels: ``onebit.cu``, compiled with NVRTC at first use.
 
 Same three functions as :mod:`compressed_opt.cuda.cpu`, on CUDA tensors (validated by the
-dispatcher in ``compressed_opt.cuda``), with the math of docs/design.md 2.1 and 2.2:
+dispatcher in ``compressed_opt.cuda``), with the contract of its module docstring: a buffer of
+``world`` chunks travels as ``world`` rows ``[nb fp32 scales | chunk / 8 bytes of bits]``, one
+scale per block of ``block`` elements (docs/design.md 2.1, 2.2):
 
-* ``compress_``: ``u = x + e``; ``b = [u >= 0]``; ``s = ||u|| / sqrt(n)``; ``e <- u - s (2b - 1)``.
-* ``average_compress_``: ``z = e + sum_i (s_i / N) (2 b_i - 1)``, then compress ``z`` with ``e``.
-* ``decompress_``: ``out_k = s_r (2 b_k - 1)`` with ``r = k // (8 * row_bytes)``.
+* ``compress_rows_``: ``u = x + e``; per block ``s = sqrt(sum u^2 / count)``; bits ``[u >= 0]``;
+  ``e <- u - s (2b - 1)``.
+* ``average_compress_rows_``: ``z = e + sum_i (s_ib / N) (2 b_i - 1)`` in rank order, then
+  compress ``z`` with ``e`` into one row.
+* ``decompress_rows_``: ``out_k = s (2 b_k - 1)`` from row ``k // chunk``, block
+  ``(k % chunk) // block``.
 
-Each compression is two kernel launches (pass 1: form u, pack, reduce the scale on the device;
-pass 2: subtract the decompressed value), a decompression one. They run on torch's current
-stream of the tensors' device and never synchronise with the host: the scale stays on the device.
-Pass 1 reduces the sum of squares through a small workspace (fp64 partial sums and a ticket
-counter that the kernel resets itself), one per (device, stream) so that streams never share it.
+Each is one kernel launch (none for no work). A compression gives each (row, block) unit to one
+warp, which reduces the block's sum of squares with shuffles and writes its scale itself: no
+workspace, no grid-wide reduction. The launches run on torch's current stream of the tensors'
+device and never synchronise with the host. The launch plans (``*_plan``) are pure functions of
+sizes and pointers, so they can be checked without a GPU.
 
 CuPy is imported lazily: importing this module works without it, using it raises ImportError.
 :func:`is_available` says whether the kernels can actually run here.
@@ -26,17 +31,16 @@ import torch
 
 SOURCE = Path(__file__).with_name("onebit.cu")
 BLOCK = 256  # CO_BLOCK in onebit.cu: threads per block
-WARPS = BLOCK // 32
+WARPS = BLOCK // 32  # CO_WARPS: one (row, block) unit, or one tile, per warp at a time
 TILE = 256  # CO_TILE: elements per warp tile (32 bytes of bits)
-MAX_PARTIALS = 4096  # most blocks of a pass-1 launch: fp64 partial sums in the workspace
+MAX_GRID_X = (1 << 31) - 1
 MAX_GRID_Y = 65535
 
 # Kernel signatures: p pointer, q int64, i int32 (see onebit.cu).
 SIGNATURES = {
-    "co_compress_pack": "pppqqppp",
-    "co_average_compress_pack": "ppiqppqppp",
-    "co_subtract_decompressed": "ppq",
-    "co_decompress": "ppqqqpq",
+    "co_compress_rows": "pppqqqqq",
+    "co_average_compress_rows": "pqiqqppq",
+    "co_decompress_rows": "pqqqqpq",
 }
 _CTYPES = {"p": ctypes.c_uint64, "q": ctypes.c_int64, "i": ctypes.c_int32}
 
@@ -56,47 +60,48 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _grid(work_blocks: int, resident: int, cap: int = 1 << 31) -> int:
+def _grid(work_blocks: int, resident: int, cap: int = MAX_GRID_X) -> int:
     """Enough blocks for the work, at most what fits on the device at once (grid-stride loops)."""
     return max(1, min(work_blocks, resident, cap))
 
 
-# ---- launch plans: (kernel, (grid_x, grid_y), args), pure functions of sizes and pointers ----
+def _blocks(chunk: int, block: int) -> int:
+    return _cdiv(chunk, block)
 
 
-def compress_plan(x, error, packed, scale_out, n, nbytes, partials, ticket, resident):
-    """Launches of ``compress_``: pass 1 over ``ceil(nbytes / 32)`` warp tiles, then pass 2."""
-    grid = _grid(_cdiv(_cdiv(nbytes, TILE // 8), WARPS), resident["co_compress_pack"], MAX_PARTIALS)
-    plan = [("co_compress_pack", (grid, 1), (x, error, packed, n, nbytes, scale_out, partials, ticket))]
-    return plan + subtract_plan(error, scale_out, n, resident)
+# ---- launch plans: [(kernel, (grid_x, grid_y), args)], pure functions of sizes and pointers ----
 
 
-def average_compress_plan(chunks, scales, world, row_bytes, error, packed, n, scale_out, partials,
-                          ticket, resident):
-    """Launches of ``average_compress_``: server pass 1 over the row's tiles, then pass 2."""
-    name = "co_average_compress_pack"
-    grid = _grid(_cdiv(_cdiv(row_bytes, TILE // 8), WARPS), resident[name], MAX_PARTIALS)
-    args = (chunks, scales, world, row_bytes, error, packed, n, scale_out, partials, ticket)
-    return [(name, (grid, 1), args)] + subtract_plan(error, scale_out, n, resident)
+def compress_plan(x, error, rows, row_stride, world, chunk, block, n, resident):
+    """Launches of ``compress_rows_``: one warp per (row, block) unit, ``world * nb`` of them."""
+    units = world * _blocks(chunk, block)
+    if units == 0:
+        return []
+    name = "co_compress_rows"
+    grid = _grid(_cdiv(units, WARPS), resident[name])
+    return [(name, (grid, 1), (x, error, rows, row_stride, world, chunk, block, n))]
 
 
-def subtract_plan(error, scale_out, n, resident):
-    """Pass 2 (none for an empty buffer): each thread handles 4 elements per step."""
+def average_compress_plan(rows, row_stride, world, chunk, block, error, out_row, m, resident):
+    """Launches of ``average_compress_rows_``: one warp per block of the chunk, ``nb`` of them."""
+    units = _blocks(chunk, block)
+    if units == 0:
+        return []
+    name = "co_average_compress_rows"
+    grid = _grid(_cdiv(units, WARPS), resident[name])
+    return [(name, (grid, 1), (rows, row_stride, world, chunk, block, error, out_row, m))]
+
+
+def decompress_plan(rows, row_stride, chunk, block, out, n, resident):
+    """Launches of ``decompress_rows_``: blocks along y walk the ``ceil(n / chunk)`` rows, warps
+    along x a row's tiles."""
     if n == 0:
         return []
-    grid = _grid(_cdiv(n, 4 * BLOCK), resident["co_subtract_decompressed"])
-    return [("co_subtract_decompressed", (grid, 1), (error, scale_out, n))]
-
-
-def decompress_plan(packed, scales, row_bytes, row_stride, out, n, resident):
-    """Launches of ``decompress_``: blocks along y walk the rows, along x a row's tiles."""
-    if n == 0:
-        return []
-    chunk = 8 * row_bytes
-    rows = _cdiv(n, chunk)
-    grid_y = min(rows, MAX_GRID_Y)
-    grid_x = _grid(_cdiv(_cdiv(min(n, chunk), TILE), WARPS), _cdiv(resident["co_decompress"], grid_y))
-    return [("co_decompress", (grid_x, grid_y), (packed, scales, rows, row_bytes, row_stride, out, n))]
+    nrows = _cdiv(n, chunk)
+    grid_y = min(nrows, MAX_GRID_Y)
+    name = "co_decompress_rows"
+    grid_x = _grid(_cdiv(_cdiv(min(n, chunk), TILE), WARPS), _cdiv(resident[name], grid_y))
+    return [(name, (grid_x, grid_y), (rows, row_stride, nrows, chunk, block, out, n))]
 
 
 # ---- execution with CuPy ----
@@ -118,15 +123,6 @@ class _Kernels:
             self.resident = {
                 name: sms * max(1, occupancy(f, BLOCK, 0)) for name, f in self.functions.items()
             }
-        self._workspaces: dict[int, torch.Tensor] = {}
-
-    def workspace(self, stream: int) -> tuple[int, int]:
-        """(partials, ticket) pointers of this stream's pass-1 workspace, zeroed on first use."""
-        ws = self._workspaces.get(stream)
-        if ws is None:
-            ws = torch.zeros(MAX_PARTIALS * 8 + 8, dtype=torch.uint8, device=f"cuda:{self.index}")
-            self._workspaces[stream] = ws
-        return ws.data_ptr(), ws.data_ptr() + MAX_PARTIALS * 8
 
     def run(self, plan, stream: int) -> None:
         """Launch the plan on ``stream`` (asynchronous: nothing waits for the device)."""
@@ -159,40 +155,34 @@ def _ptr(t) -> int:
     return 0 if t is None else t.data_ptr()
 
 
-def compress_(x, error, packed, scale_out, finish=True):
+def compress_rows_(x, error, rows, chunk, block):
     kernels, stream = _context(error.device)
-    partials, ticket = kernels.workspace(stream)
-    plan = compress_plan(
-        _ptr(x), error.data_ptr(), packed.data_ptr(), scale_out.data_ptr(), error.numel(),
-        packed.numel(), partials, ticket, kernels.resident,
-    )
-    kernels.run(plan if finish else plan[:1], stream)
-
-
-def average_compress_(chunks, scales, error, packed, scale_out, finish=True):
-    kernels, stream = _context(error.device)
-    partials, ticket = kernels.workspace(stream)
-    world, row_bytes = chunks.shape
-    plan = average_compress_plan(
-        chunks.data_ptr(), scales.data_ptr(), world, row_bytes, error.data_ptr(), packed.data_ptr(),
-        error.numel(), scale_out.data_ptr(), partials, ticket, kernels.resident,
-    )
-    kernels.run(plan if finish else plan[:1], stream)
-
-
-def finish_(error, scale_out):
-    """Pass 2 alone (after a ``finish=False`` compression)."""
-    kernels, stream = _context(error.device)
-    kernels.run(subtract_plan(error.data_ptr(), scale_out.data_ptr(), error.numel(), kernels.resident), stream)
-
-
-def decompress_(packed, scales, out):
-    kernels, stream = _context(out.device)
-    plan = decompress_plan(
-        packed.data_ptr(), scales.data_ptr(), packed.shape[1], packed.stride(0), out.data_ptr(),
-        out.numel(), kernels.resident,
-    )
+    plan = compress_plan(_ptr(x), error.data_ptr(), rows.data_ptr(), rows.stride(0), rows.shape[0], chunk, block,
+                         error.numel(), kernels.resident)
     kernels.run(plan, stream)
+
+
+def average_compress_rows_(rows, error, out_row, chunk, block):
+    kernels, stream = _context(error.device)
+    plan = average_compress_plan(rows.data_ptr(), rows.stride(0), rows.shape[0], chunk, block, error.data_ptr(),
+                                 out_row.data_ptr(), error.numel(), kernels.resident)
+    kernels.run(plan, stream)
+
+
+def decompress_rows_(rows, out, chunk, block):
+    kernels, stream = _context(out.device)
+    plan = decompress_plan(rows.data_ptr(), rows.stride(0), chunk, block, out.data_ptr(), out.numel(),
+                           kernels.resident)
+    kernels.run(plan, stream)
+
+
+# The self-check: two rows of chunk 32 (one block each), scales 2 and 0.5, read 40 elements.
+_CHECK_ROWS = [
+    [0x00, 0x00, 0x00, 0x40, 0b10110101, 0b00000010, 0xFF, 0x00],
+    [0x00, 0x00, 0x00, 0x3F, 0b01100001, 0x00, 0x00, 0x00],
+]
+_CHECK_OUT = ([2.0, -2.0, 2.0, -2.0, 2.0, 2.0, -2.0, 2.0, -2.0, 2.0] + [-2.0] * 6 + [2.0] * 8 + [-2.0] * 8
+              + [0.5, -0.5, -0.5, -0.5, -0.5, 0.5, 0.5, -0.5])
 
 
 @functools.cache
@@ -204,11 +194,10 @@ def _works_on(index: int) -> bool:
         if cp.cuda.runtime.getDeviceCount() <= index:
             return False
         device = torch.device("cuda", index)
-        packed = torch.tensor([[0b10110101, 0b00000010]], dtype=torch.uint8, device=device)
-        out = torch.empty(10, dtype=torch.float32, device=device)
-        decompress_(packed, torch.tensor([2.0], device=device), out)
-        expected = [2.0, -2.0, 2.0, -2.0, 2.0, 2.0, -2.0, 2.0, -2.0, 2.0]
-        return out.tolist() == expected
+        rows = torch.tensor(_CHECK_ROWS, dtype=torch.uint8, device=device)
+        out = torch.empty(len(_CHECK_OUT), dtype=torch.float32, device=device)
+        decompress_rows_(rows, out, 32, 256)
+        return out.tolist() == _CHECK_OUT
     except Exception:  # no CuPy, no driver, NVRTC missing or failing, launch error, ...
         return False
 

@@ -3,24 +3,36 @@
  *
  * Compiled at first use by compressed_opt.cuda.gpu with CuPy (NVRTC): no host code, no #include.
  * Same contract as onebit_cpu.c and reference.py, on fp32 buffers:
- *   bit k of a packed buffer is bit (k % 8) of byte k / 8 (little bit order);
- *   bit = 1 iff u >= 0 (zero counts as +); bits past the n valid elements are 1;
- *   decompressed value = scale * (2 bit - 1).
+ *   a buffer of world chunks of chunk elements travels as world rows of bytes, row j =
+ *   [nb fp32 scales (4 nb bytes, little endian) | chunk / 8 bytes of chunk j's sign bits],
+ *   nb = ceil(chunk / block); block b of a chunk is its elements [b block, min((b+1) block, chunk)),
+ *   and rows lie row_stride >= 4 nb + chunk / 8 bytes apart;
+ *   bit k of a row's bits is bit (k % 8) of byte k / 8 (little bit order);
+ *   bit = 1 iff u >= 0 (zero counts as +); bits of invalid elements are 1;
+ *   per block, s = sqrt(sum(u^2) / count) over its valid elements (fp64 sum, 0 when count == 0),
+ *   stored as fp32; decompressed value = s * (2 bit - 1), with that fp32 s.
+ * chunk is a multiple of 32 and block a multiple of 256 (CO_TILE), so a block is whole warp tiles
+ * (the last block of a chunk may end with a part of one, of whole bytes).
  *
- * A compression is two launches on one stream and never waits for the host:
- *   pass 1 (co_compress_pack, co_average_compress_pack) forms u, stores it in error, packs its
- *     signs and reduces scale = sqrt(sum(u^2) / n) on the device: each block stores its partial
- *     sum (fp64), and the last block to finish (a ticket counter that wraps back to 0) adds the
- *     partials in a fixed order and writes the fp32 scale to scale_out;
- *   pass 2 (co_subtract_decompressed) reads scale_out: error <- u - scale * (u >= 0 ? 1 : -1).
+ * Kernels (one launch each, no workspace, no grid-wide reduction, nothing waits for the host):
+ *   co_compress_rows: one warp owns one unit (row j, block b) of the world * nb; pass 1 walks the
+ *     block's tiles: u = x + error, stored in error, its bits packed, sum(u^2) accumulated in
+ *     fp64; a shuffle reduction gives the block's fp32 scale; pass 2 walks the tiles again
+ *     (reloading u from error, cache-hot) and stores error <- u - s (u >= 0 ? 1 : -1).
+ *     Every byte of every row is written: empty blocks get scale 0 and bits 0xFF.
+ *   co_average_compress_rows: the same over the nb blocks of one chunk, with u = z = error +
+ *     sum_i w_ib (2 b_ik - 1), w_ib = scale_ib / (float)world, added in rank order i = 0, 1, ...
+ *     like onebit_cpu.c (any world: lane l loads w for rank i0 + l, a shuffle hands it round).
+ *   co_decompress_rows: blocks along y walk the rows, warps along x a row's tiles; a tile lies in
+ *     one block, so it has one scale.
  *
  * Work is cut into warp tiles of CO_TILE = 256 elements, i.e. 32 bytes of bits: lane l owns
  * elements 32 j + l (j < 8) of its tile, so every load and store of floats is coalesced; the
  * ballot of step j is the 32 bits of bytes 4 j .. 4 j + 3 of the tile, and lane l writes byte l.
  * Going the other way, lane l loads byte l of the tile and __shfl_sync hands each lane its byte.
- * Tiles are dealt to warps grid-stride, so any grid size is correct; launch with
- * blockDim.x == CO_BLOCK and, for pass 1, gridDim.x <= the length of the partials workspace.
- * Nothing needs aligned pointers: tensors may be views at any offset.
+ * Units and tiles are dealt to warps grid-stride, so any grid size is correct; launch with
+ * blockDim.x == CO_BLOCK. Nothing needs aligned pointers: tensors may be views at any offset, and
+ * scales are read and written byte by byte.
  */
 
 #define CO_BLOCK 256 /* threads per block */
@@ -33,201 +45,219 @@
 typedef long long i64;
 typedef unsigned char u8;
 
-/* Sum over the warp, complete in lane 0. */
-__device__ __forceinline__ double co_warp_sum(double v) {
-    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_down_sync(CO_ALL, v, offset);
+__device__ __forceinline__ int co_lane() { return threadIdx.x & 31; }
+
+/* Sum over the warp, the same value in every lane (the butterfly adds the same pairs in each). */
+__device__ __forceinline__ double co_warp_allsum(double v) {
+    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(CO_ALL, v, offset);
     return v;
 }
 
-/* Sum over the block, complete in thread 0; called by every thread of the block. */
-__device__ double co_block_sum(double v) {
-    __shared__ double warp_part[CO_WARPS];
-    v = co_warp_sum(v);
-    if ((threadIdx.x & 31) == 0) warp_part[threadIdx.x >> 5] = v;
-    __syncthreads();
-    v = threadIdx.x < CO_WARPS ? warp_part[threadIdx.x] : 0.0;
-    if (threadIdx.x < 32) v = co_warp_sum(v);
-    __syncthreads(); /* warp_part may be reused by the next call */
-    return v;
+/* The fp32 at p (4 bytes, little endian, any alignment). */
+__device__ __forceinline__ float co_load_scale(const u8 *p) {
+    return __uint_as_float((unsigned)p[0] | ((unsigned)p[1] << 8) | ((unsigned)p[2] << 16) |
+                           ((unsigned)p[3] << 24));
 }
+
+/* Store s at p (4 bytes, little endian, any alignment): lanes 0..3 write one byte each. */
+__device__ __forceinline__ void co_store_scale(u8 *p, float s) {
+    const int lane = co_lane();
+    if (lane < 4) p[lane] = (u8)(__float_as_uint(s) >> (8 * lane));
+}
+
+/* min(max(v, 0), hi) */
+__device__ __forceinline__ i64 co_clamp(i64 v, i64 hi) { return v < 0 ? 0 : (v > hi ? hi : v); }
 
 /*
- * End of pass 1, called by every thread with its share `acc` of sum(u^2): block b stores its
- * partial sum in partials[b]; the last block adds partials[0 .. gridDim.x) and writes
- * scale_out[0] = sqrt(sum / n) (0 when n == 0). The ticket returns to 0 for the next launch.
+ * u[j] = src[c] for c = t * CO_TILE + 32 j + lane < count, else 0 (whole tiles load unguarded).
+ * src is not __restrict__: pass 2 reloads what pass 1 stored, which the read-only (non-coherent)
+ * cache path must not serve.
  */
-__device__ void co_finish_scale(double acc, double *partials, unsigned *ticket, i64 n,
-                                float *scale_out) {
-    __shared__ bool last;
-    double block_total = co_block_sum(acc);
-    if (threadIdx.x == 0) {
-        partials[blockIdx.x] = block_total;
-        __threadfence();
-        last = atomicInc(ticket, gridDim.x - 1) == gridDim.x - 1;
-    }
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    double total = 0.0;
-    for (unsigned b = threadIdx.x; b < gridDim.x; b += CO_BLOCK) total += __ldcg(partials + b);
-    total = co_block_sum(total);
-    if (threadIdx.x == 0) scale_out[0] = n > 0 ? (float)sqrt(total / (double)n) : 0.0f;
-}
-
-/*
- * Pack the signs of tile t, u[j] = u_k for k = t * CO_TILE + 32 j + lane (bits k >= n are 1):
- * byte t * CO_TILE_BYTES + lane of packed, if below nbytes, is written by this lane.
- */
-__device__ __forceinline__ void co_pack_tile(const float *u, i64 t, i64 n, i64 nbytes,
-                                             u8 *packed) {
-    const int lane = threadIdx.x & 31;
-    unsigned mine = 0;
+__device__ __forceinline__ void co_load_tile(const float *src, i64 t, i64 count, float *u) {
+    const i64 c0 = t * CO_TILE + co_lane();
+    if ((t + 1) * CO_TILE <= count) {
 #pragma unroll
-    for (int j = 0; j < CO_STEPS; ++j) {
-        i64 k = t * CO_TILE + 32 * j + lane;
-        unsigned word = __ballot_sync(CO_ALL, k >= n || u[j] >= 0.0f);
-        if ((lane >> 2) == j) mine = word;
-    }
-    i64 b = t * CO_TILE_BYTES + lane;
-    if (b < nbytes) packed[b] = (u8)(mine >> (8 * (lane & 3)));
-}
-
-/* u[j] = src[k] for k = t * CO_TILE + 32 j + lane < n, else 0 (whole tiles load unguarded). */
-__device__ __forceinline__ void co_load_tile(const float *__restrict__ src, i64 t, i64 n, float *u) {
-    const i64 k0 = t * CO_TILE + (threadIdx.x & 31);
-    if ((t + 1) * CO_TILE <= n) {
-#pragma unroll
-        for (int j = 0; j < CO_STEPS; ++j) u[j] = src[k0 + 32 * j];
+        for (int j = 0; j < CO_STEPS; ++j) u[j] = src[c0 + 32 * j];
     } else {
 #pragma unroll
-        for (int j = 0; j < CO_STEPS; ++j) u[j] = k0 + 32 * j < n ? src[k0 + 32 * j] : 0.0f;
+        for (int j = 0; j < CO_STEPS; ++j) u[j] = c0 + 32 * j < count ? src[c0 + 32 * j] : 0.0f;
     }
 }
 
-/* Store u[j] (k < n) into error and return the sum of the squares of the tile's u[j]. */
-__device__ __forceinline__ float co_store_tile(const float *u, i64 t, i64 n, float *error) {
-    const i64 k0 = t * CO_TILE + (threadIdx.x & 31);
-    float sq = 0.0f;
+/* dst[c] = u[j] for c = t * CO_TILE + 32 j + lane < count. */
+__device__ __forceinline__ void co_store_tile(const float *u, i64 t, i64 count, float *__restrict__ dst) {
+    const i64 c0 = t * CO_TILE + co_lane();
 #pragma unroll
-    for (int j = 0; j < CO_STEPS; ++j) {
-        if (k0 + 32 * j < n) error[k0 + 32 * j] = u[j];
-        sq += u[j] * u[j]; /* u[j] == 0 past n */
-    }
+    for (int j = 0; j < CO_STEPS; ++j)
+        if (c0 + 32 * j < count) dst[c0 + 32 * j] = u[j];
+}
+
+/* Sum of the squares of the tile's u[j], in fp64 (u[j] == 0 past count; each square is exact). */
+__device__ __forceinline__ double co_sumsq_tile(const float *u) {
+    double sq = 0.0;
+#pragma unroll
+    for (int j = 0; j < CO_STEPS; ++j) sq += (double)u[j] * (double)u[j];
     return sq;
 }
 
-/* Tiles are walked grid-stride, one warp per tile: the first tile of this warp, and the step. */
-__device__ __forceinline__ i64 co_first_tile() { return (i64)blockIdx.x * CO_WARPS + (threadIdx.x >> 5); }
-__device__ __forceinline__ i64 co_tile_stride() { return (i64)gridDim.x * CO_WARPS; }
+/*
+ * Pack the signs of tile t of a block, u[j] = u_c for c = t * CO_TILE + 32 j + lane (bits of
+ * c >= count are 1): byte t * CO_TILE_BYTES + lane of bits, if below nbytes, is written by this lane.
+ */
+__device__ __forceinline__ void co_pack_tile(const float *u, i64 t, i64 count, i64 nbytes,
+                                             u8 *__restrict__ bits) {
+    const int lane = co_lane();
+    unsigned mine = 0;
+#pragma unroll
+    for (int j = 0; j < CO_STEPS; ++j) {
+        const i64 c = t * CO_TILE + 32 * j + lane;
+        const unsigned word = __ballot_sync(CO_ALL, c >= count || u[j] >= 0.0f);
+        if ((lane >> 2) == j) mine = word;
+    }
+    const i64 b = t * CO_TILE_BYTES + lane;
+    if (b < nbytes) bits[b] = (u8)(mine >> (8 * (lane & 3)));
+}
 
 /*
- * Worker pass 1: u = x + error (x == NULL: u = error), error <- u, packed <- [u >= 0]
- * (nbytes >= ceil(n / 8) bytes, bits past n set to 1), scale_out <- sqrt(sum(u^2) / n).
+ * End of a unit, called by the whole warp with its lane's share `acc` of sum(u^2) over the count
+ * valid elements of the block, which error (the block's first element) holds as u: the scale
+ * s = sqrt(sum / count) (0 when count == 0) goes to scale_slot, and error <- u - s (2 [u >= 0] - 1).
  */
-extern "C" __global__ void co_compress_pack(const float *__restrict__ x, float *__restrict__ error,
-                                            u8 *__restrict__ packed, i64 n, i64 nbytes,
-                                            float *scale_out, double *partials, unsigned *ticket) {
-    const i64 tiles = (nbytes + CO_TILE_BYTES - 1) / CO_TILE_BYTES;
-    double acc = 0.0;
-    for (i64 t = co_first_tile(); t < tiles; t += co_tile_stride()) {
+__device__ __forceinline__ void co_finish_unit(double acc, i64 count, float *__restrict__ error,
+                                               u8 *__restrict__ scale_slot) {
+    const double total = co_warp_allsum(acc);
+    const float s = count > 0 ? (float)sqrt(total / (double)count) : 0.0f;
+    co_store_scale(scale_slot, s);
+    const i64 tiles = (count + CO_TILE - 1) / CO_TILE;
+    for (i64 t = 0; t < tiles; ++t) {
         float u[CO_STEPS];
-        co_load_tile(error, t, n, u);
-        if (x != 0) {
-            float v[CO_STEPS];
-            co_load_tile(x, t, n, v);
+        co_load_tile(error, t, count, u);
 #pragma unroll
-            for (int j = 0; j < CO_STEPS; ++j) u[j] = v[j] + u[j];
-            acc += co_store_tile(u, t, n, error);
-        } else {
-            float sq = 0.0f; /* error already holds u */
-#pragma unroll
-            for (int j = 0; j < CO_STEPS; ++j) sq += u[j] * u[j];
-            acc += sq;
-        }
-        co_pack_tile(u, t, n, nbytes, packed);
+        for (int j = 0; j < CO_STEPS; ++j) u[j] = u[j] - (u[j] >= 0.0f ? s : -s);
+        co_store_tile(u, t, count, error);
     }
-    co_finish_scale(acc, partials, ticket, n, scale_out);
+}
+
+/* Units are walked grid-stride, one warp per unit: the first unit of this warp, and the step. */
+__device__ __forceinline__ i64 co_first_warp() { return (i64)blockIdx.x * CO_WARPS + (threadIdx.x >> 5); }
+__device__ __forceinline__ i64 co_warp_stride() { return (i64)gridDim.x * CO_WARPS; }
+
+/*
+ * Worker: over the n <= world * chunk valid elements, u = x + error (x == NULL: u = error);
+ * row j of rows (world rows, row_stride bytes apart) <- chunk j compressed, one scale per block;
+ * error <- u - C(u). Units: world * nb, unit q = (row q / nb, block q % nb).
+ */
+extern "C" __global__ void co_compress_rows(const float *__restrict__ x, float *__restrict__ error,
+                                            u8 *__restrict__ rows, i64 row_stride, i64 world, i64 chunk,
+                                            i64 block, i64 n) {
+    const i64 nb = (chunk + block - 1) / block;
+    const i64 units = world * nb;
+    for (i64 q = co_first_warp(); q < units; q += co_warp_stride()) {
+        const i64 j = q / nb, b = q - j * nb;
+        const i64 lo = b * block;                              /* the block's first element in the chunk */
+        const i64 len = chunk - lo < block ? chunk - lo : block; /* its elements, a multiple of 32 */
+        const i64 base = j * chunk + lo;                       /* ... and in the buffer */
+        const i64 count = co_clamp(n - base, len);             /* of which valid */
+        u8 *row = rows + j * row_stride;
+        u8 *bits = row + 4 * nb + lo / 8;
+        float *e = error + base;
+        const float *xs = x != 0 ? x + base : 0;
+        const i64 tiles = (len + CO_TILE - 1) / CO_TILE;
+        double acc = 0.0;
+        for (i64 t = 0; t < tiles; ++t) {
+            float u[CO_STEPS];
+            co_load_tile(e, t, count, u);
+            if (xs != 0) {
+                float v[CO_STEPS];
+                co_load_tile(xs, t, count, v);
+#pragma unroll
+                for (int k = 0; k < CO_STEPS; ++k) u[k] = v[k] + u[k];
+                co_store_tile(u, t, count, e);
+            } /* else error already holds u */
+            acc += co_sumsq_tile(u);
+            co_pack_tile(u, t, count, len / 8, bits);
+        }
+        co_finish_unit(acc, count, e, row + 4 * b);
+    }
 }
 
 /*
- * Server pass 1: z = error + sum_i w_i (2 b_i - 1) with w_i = scales[i] / world (fp32), added
- * in the order i = 0, 1, ... like onebit_cpu.c; b_i is row i of chunks (world rows of row_bytes
- * bytes, contiguous). Then error <- z, packed (row_bytes bytes) <- [z >= 0], scale_out as above.
- * n <= 8 * row_bytes valid elements; world <= 1024.
+ * Server, one chunk: over the m <= chunk valid elements, error <- z = error + sum_i w_ib (2 b_ik - 1)
+ * with w_ib = (scale b of row i) / world in fp32, added in rank order i = 0, 1, ...; rows: world
+ * rows, row_stride bytes apart. Then out_row <- z compressed (one scale per block), error <- z - C(z).
+ * Units: the nb blocks of the chunk.
  */
-extern "C" __global__ void co_average_compress_pack(const u8 *__restrict__ chunks,
-                                                    const float *__restrict__ scales, int world,
-                                                    i64 row_bytes, float *__restrict__ error,
-                                                    u8 *__restrict__ packed, i64 n,
-                                                    float *scale_out, double *partials,
-                                                    unsigned *ticket) {
-    __shared__ float weight[1024];
-    for (int i = threadIdx.x; i < world; i += CO_BLOCK) weight[i] = scales[i] / (float)world;
-    __syncthreads();
-    const int lane = threadIdx.x & 31;
-    const i64 tiles = (row_bytes + CO_TILE_BYTES - 1) / CO_TILE_BYTES;
-    double acc = 0.0;
-    for (i64 t = co_first_tile(); t < tiles; t += co_tile_stride()) {
-        float z[CO_STEPS];
-        co_load_tile(error, t, n, z);
-        const i64 b = t * CO_TILE_BYTES + lane; /* the byte of each row this lane loads */
-        const bool in_row = 8 * b < n;
+extern "C" __global__ void co_average_compress_rows(const u8 *__restrict__ rows, i64 row_stride, int world,
+                                                    i64 chunk, i64 block, float *__restrict__ error,
+                                                    u8 *__restrict__ out_row, i64 m) {
+    const int lane = co_lane();
+    const i64 nb = (chunk + block - 1) / block;
+    const float fworld = (float)world;
+    for (i64 b = co_first_warp(); b < nb; b += co_warp_stride()) {
+        const i64 lo = b * block;
+        const i64 len = chunk - lo < block ? chunk - lo : block;
+        const i64 count = co_clamp(m - lo, len);
+        const u8 *in_bits = rows + 4 * nb + lo / 8; /* row 0's bits of this block */
+        const u8 *in_scale = rows + 4 * b;          /* row 0's scale of this block */
+        float *e = error + lo;
+        const i64 tiles = (len + CO_TILE - 1) / CO_TILE;
+        double acc = 0.0;
+        for (i64 t = 0; t < tiles; ++t) {
+            float z[CO_STEPS];
+            co_load_tile(e, t, count, z);
+            if (t * CO_TILE < count) {
+                const i64 byte = t * CO_TILE_BYTES + lane; /* the byte of each row this lane loads */
+                const bool mine = 8 * byte < count;
+                for (int i0 = 0; i0 < world; i0 += 32) {
+                    /* lane l holds w of rank i0 + l; the shuffle below hands each rank's to all */
+                    const float w_lane = i0 + lane < world
+                        ? co_load_scale(in_scale + (i64)(i0 + lane) * row_stride) / fworld : 0.0f;
+                    const int ranks = world - i0 < 32 ? world - i0 : 32;
 #pragma unroll 4
-        for (int i = 0; i < world; ++i) {
-            const unsigned byte = in_row ? chunks[i * row_bytes + b] : 0u;
-            const float w = weight[i];
+                    for (int r = 0; r < ranks; ++r) {
+                        const float w = __shfl_sync(CO_ALL, w_lane, r);
+                        const unsigned packed = mine ? in_bits[(i64)(i0 + r) * row_stride + byte] : 0u;
 #pragma unroll
-            for (int j = 0; j < CO_STEPS; ++j) {
-                /* element k = t * CO_TILE + 32 j + lane is bit lane % 8 of tile byte 4 j + lane / 8 */
-                unsigned bits = __shfl_sync(CO_ALL, byte, 4 * j + (lane >> 3));
-                if (t * CO_TILE + 32 * j + lane < n) z[j] += (bits >> (lane & 7)) & 1u ? w : -w;
+                        for (int j = 0; j < CO_STEPS; ++j) {
+                            /* element c = t * CO_TILE + 32 j + lane: bit lane % 8 of tile byte 4 j + lane / 8 */
+                            const unsigned bits = __shfl_sync(CO_ALL, packed, 4 * j + (lane >> 3));
+                            if (t * CO_TILE + 32 * j + lane < count) z[j] += (bits >> (lane & 7)) & 1u ? w : -w;
+                        }
+                    }
+                }
+                co_store_tile(z, t, count, e);
             }
+            acc += co_sumsq_tile(z);
+            co_pack_tile(z, t, count, len / 8, out_row + 4 * nb + lo / 8);
         }
-        acc += co_store_tile(z, t, n, error);
-        co_pack_tile(z, t, n, row_bytes, packed);
-    }
-    co_finish_scale(acc, partials, ticket, n, scale_out);
-}
-
-/* Pass 2: error holds u; error <- u - s (u >= 0 ? 1 : -1) with s = scale[0], the fp32 scale. */
-extern "C" __global__ void co_subtract_decompressed(float *__restrict__ error,
-                                                    const float *__restrict__ scale, i64 n) {
-    const float s = scale[0];
-    for (i64 k0 = (i64)blockIdx.x * 4 * CO_BLOCK + threadIdx.x; k0 < n;
-         k0 += (i64)gridDim.x * 4 * CO_BLOCK) {
-        float u[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) u[j] = k0 + j * CO_BLOCK < n ? error[k0 + j * CO_BLOCK] : 0.0f;
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-            if (k0 + j * CO_BLOCK < n) error[k0 + j * CO_BLOCK] = u[j] - (u[j] >= 0.0f ? s : -s);
+        co_finish_unit(acc, count, e, out_row + 4 * b);
     }
 }
 
 /*
- * Decompress: out[k] = scales[r] (2 b_k - 1) for k < n, with chunk c = 8 * row_bytes elements
- * per row, r = k / c, and b_k bit k % c of row r, which starts at packed + r * row_stride.
- * Row r is handled by blocks blockIdx.y = r (mod gridDim.y); rows covers ceil(n / c).
+ * Decompress: out[k] = s (2 b_k - 1) for k < n, with row r = k / chunk (row_stride bytes apart),
+ * s the scale of block (k % chunk) / block of row r and b_k bit k % chunk of row r's bits.
+ * Row r is handled by blocks blockIdx.y = r (mod gridDim.y); nrows covers ceil(n / chunk).
  */
-extern "C" __global__ void co_decompress(const u8 *__restrict__ packed,
-                                         const float *__restrict__ scales, i64 rows, i64 row_bytes,
-                                         i64 row_stride, float *__restrict__ out, i64 n) {
-    const int lane = threadIdx.x & 31;
-    const i64 chunk = 8 * row_bytes;
-    for (i64 r = blockIdx.y; r < rows; r += gridDim.y) {
-        const i64 valid = n - r * chunk < chunk ? n - r * chunk : chunk;
-        const u8 *row = packed + r * row_stride;
+extern "C" __global__ void co_decompress_rows(const u8 *__restrict__ rows, i64 row_stride, i64 nrows,
+                                              i64 chunk, i64 block, float *__restrict__ out, i64 n) {
+    const int lane = co_lane();
+    const i64 nb = (chunk + block - 1) / block;
+    for (i64 r = blockIdx.y; r < nrows; r += gridDim.y) {
+        const i64 valid = co_clamp(n - r * chunk, chunk);
+        const u8 *row = rows + r * row_stride;
+        const u8 *bits = row + 4 * nb;
         float *dst = out + r * chunk;
-        const float s = scales[r];
         const i64 tiles = (valid + CO_TILE - 1) / CO_TILE;
-        for (i64 t = co_first_tile(); t < tiles; t += co_tile_stride()) {
-            const i64 b = t * CO_TILE_BYTES + lane;
-            const unsigned byte = 8 * b < valid ? row[b] : 0u;
+        for (i64 t = co_first_warp(); t < tiles; t += co_warp_stride()) {
+            const float s = co_load_scale(row + 4 * (t * CO_TILE / block)); /* one block per tile */
+            const i64 byte = t * CO_TILE_BYTES + lane;
+            const unsigned packed = 8 * byte < valid ? bits[byte] : 0u;
 #pragma unroll
             for (int j = 0; j < CO_STEPS; ++j) {
-                unsigned bits = __shfl_sync(CO_ALL, byte, 4 * j + (lane >> 3));
-                i64 c = t * CO_TILE + 32 * j + lane;
-                if (c < valid) dst[c] = (bits >> (lane & 7)) & 1u ? s : -s;
+                const unsigned b = __shfl_sync(CO_ALL, packed, 4 * j + (lane >> 3));
+                const i64 c = t * CO_TILE + 32 * j + lane;
+                if (c < valid) dst[c] = (b >> (lane & 7)) & 1u ? s : -s;
             }
         }
     }

@@ -3,14 +3,17 @@
  * element-wise passes around it (compressed_opt.cuda.segmented).
  *
  * Compiled at first use by compressed_opt.cuda.cpu with the system C compiler and loaded with
- * ctypes. Same contract as the CUDA kernels in onebit.cu:
- *   bit k of a packed buffer is bit (k % 8) of byte k / 8 (little bit order);
- *   bit = 1 iff u >= 0 (zero counts as +); decompressed value = scale * (2 bit - 1).
- * Each compression is two passes over memory: pass 1 forms u, packs its signs and returns
- * sum(u^2); the caller turns that into scale = sqrt(sum / n); pass 2 turns u into the new error
+ * ctypes. Same contract as the CUDA kernels in onebit.cu and compressed_opt.cuda.reference:
+ *   a buffer of world chunks travels as world rows, row j = [nb fp32 scales | chunk j's bits],
+ *   nb = ceil(chunk / block), one scale per block of a chunk;
+ *   bit k of a row's bits is bit (k % 8) of byte k / 8 (little bit order);
+ *   bit = 1 iff u >= 0 (zero counts as +), 1 for invalid elements; value = scale * (2 bit - 1).
+ * A compression walks each block twice while it is in cache: pass 1 forms u, packs its signs and
+ * sums u^2, which gives the block's scale sqrt(sum / count); pass 2 turns u into the new error
  * u - scale * sign(u). The AVX2 paths are used when compiled with -march on a CPU that has it;
  * the scalar paths give bit-identical results (the sum of squares may differ in rounding).
  */
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 #if defined(__AVX2__) && defined(__FMA__)
@@ -39,11 +42,10 @@ static inline uint8_t sign_byte_tail(const float *u, int64_t start, int64_t n) {
 }
 
 /*
- * Worker pass 1: error <- u = x + error (x == NULL means x = 0); packed <- signs of u.
- * n elements are valid; packed has nbytes >= ceil(n / 8) bytes, the bits past n are set to 1.
- * Returns sum(u^2) over the n valid elements.
+ * Compensate and pack n elements: error <- u = x + error (x == NULL means x = 0); packed <- the
+ * signs of u, nbytes >= ceil(n / 8) bytes, the bits past n set to 1. Returns sum(u^2).
  */
-double co_compensate_pack(const float *x, float *error, uint8_t *packed, int64_t n, int64_t nbytes) {
+static double compensate_pack(const float *x, float *error, uint8_t *packed, int64_t n, int64_t nbytes) {
     double total = 0.0;
     int64_t full = n & ~(int64_t)15; /* multiple of 16 handled by the vector loop */
 #ifdef CO_AVX2
@@ -96,8 +98,8 @@ double co_compensate_pack(const float *x, float *error, uint8_t *packed, int64_t
     return total;
 }
 
-/* Worker and server pass 2: error holds u; error <- u - scale * (u >= 0 ? 1 : -1). */
-void co_subtract_decompressed(float *error, float scale, int64_t n) {
+/* error holds u; error <- u - scale * (u >= 0 ? 1 : -1), over n elements. */
+static void subtract_decompressed(float *error, float scale, int64_t n) {
     for (int64_t i = 0; i < n; ++i) {
         float u = error[i];
         error[i] = u - (u >= 0.0f ? scale : -scale);
@@ -105,76 +107,147 @@ void co_subtract_decompressed(float *error, float scale, int64_t n) {
 }
 
 /*
- * Server pass 1: error <- z = error + (1/N) sum_i scales[i] * (2 b_i - 1), over the n valid
- * elements of this rank's chunk; b_i is chunk row i of `chunks` (N rows of row_bytes bytes).
- * Then packs the signs of z like co_compensate_pack and returns sum(z^2).
+ * Rows: chunk j of a buffer travels as row j, nb = ceil(chunk / block) fp32 scales (4 nb bytes)
+ * then chunk / 8 bytes of bits; block b of a chunk is its elements [b block, min((b+1) block,
+ * chunk)). chunk and block are multiples of 8 (the callers: of 32 and of 256).
  */
-double co_average_compensate_pack(const uint8_t *chunks, const float *scales, int64_t world,
-                                  int64_t row_bytes, float *error, uint8_t *packed, int64_t n) {
-    float weight[1024];
-    float *w = world <= 1024 ? weight : NULL;
-    if (!w) return -1.0; /* the caller checks world <= 1024 */
-    for (int64_t i = 0; i < world; ++i) w[i] = scales[i] / (float)world;
-    int64_t full_bytes = n / 8;
-#ifdef CO_AVX2
-    const __m256i lane = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
-    for (int64_t b = 0; b < full_bytes; ++b) {
-        __m256 z = _mm256_loadu_ps(error + 8 * b);
-        for (int64_t i = 0; i < world; ++i) {
-            __m256i m = _mm256_and_si256(_mm256_set1_epi32(chunks[i * row_bytes + b]), lane);
-            __m256 pos = _mm256_set1_ps(w[i]);
-            __m256 neg = _mm256_set1_ps(-w[i]);
-            z = _mm256_add_ps(z, _mm256_blendv_ps(neg, pos, _mm256_castsi256_ps(_mm256_cmpeq_epi32(m, lane))));
-        }
-        _mm256_storeu_ps(error + 8 * b, z);
-    }
-#else
-    for (int64_t b = 0; b < full_bytes; ++b) {
-        float z[8];
-        for (int j = 0; j < 8; ++j) z[j] = error[8 * b + j];
-        for (int64_t i = 0; i < world; ++i) {
-            unsigned byte = chunks[i * row_bytes + b];
-            for (int j = 0; j < 8; ++j) z[j] += (byte >> j) & 1u ? w[i] : -w[i];
-        }
-        for (int j = 0; j < 8; ++j) error[8 * b + j] = z[j];
-    }
-#endif
-    for (int64_t k = 8 * full_bytes; k < n; ++k) {
-        float z = error[k];
-        for (int64_t i = 0; i < world; ++i)
-            z += (chunks[i * row_bytes + k / 8] >> (k % 8)) & 1u ? w[i] : -w[i];
-        error[k] = z;
-    }
-    return co_compensate_pack(NULL, error, packed, n, row_bytes);
+static int64_t blocks_of(int64_t chunk, int64_t block) { return (chunk + block - 1) / block; }
+
+static float load_scale(const uint8_t *p) {
+    float s;
+    memcpy(&s, p, sizeof s);
+    return s;
 }
 
 /*
- * Decompress: out[k] = scales[r] * (2 b_k - 1) for k < n, where row r = k / (8 * row_bytes) starts
- * at packed + r * row_stride and b_k is bit k % (8 * row_bytes) of that row.
+ * Compress the valid elements [0, valid) of one chunk held in error (u after compensate, or to
+ * be compensated with x): per block, pack its bits into bits, its scale sqrt(sum(u^2) / count)
+ * into scales (4 bytes each), and subtract the decompressed values while the block is in cache.
  */
-void co_decompress(const uint8_t *packed, const float *scales, int64_t rows, int64_t row_bytes,
-                   int64_t row_stride, float *out, int64_t n) {
-    int64_t chunk = 8 * row_bytes;
-    for (int64_t r = 0; r < rows && r * chunk < n; ++r) {
-        const uint8_t *row = packed + r * row_stride;
-        float *dst = out + r * chunk;
-        int64_t valid = n - r * chunk < chunk ? n - r * chunk : chunk;
-        int64_t full_bytes = valid / 8;
-        float s = scales[r];
+static void compress_chunk(const float *x, float *error, uint8_t *scales, uint8_t *bits, int64_t chunk,
+                           int64_t block, int64_t valid) {
+    const int64_t nb = blocks_of(chunk, block);
+    for (int64_t b = 0; b < nb; ++b) {
+        const int64_t lo = b * block;
+        const int64_t len = chunk - lo < block ? chunk - lo : block;
+        int64_t count = valid - lo;
+        count = count < 0 ? 0 : (count > len ? len : count);
+        float s = 0.0f;
+        if (count > 0) {
+            double sumsq = compensate_pack(x ? x + lo : NULL, error + lo, bits + lo / 8, count, len / 8);
+            s = (float)sqrt(sumsq / (double)count);
+            subtract_decompressed(error + lo, s, count);
+        } else {
+            memset(bits + lo / 8, 0xFF, (size_t)(len / 8));
+        }
+        memcpy(scales + 4 * b, &s, sizeof s);
+    }
+}
+
+/*
+ * Worker: error <- u = x + error over the n valid elements of world chunks (x == NULL: x = 0);
+ * row j of rows (row_stride bytes apart) <- chunk j compressed; error <- u - C(u).
+ */
+void co_compress_rows(const float *x, float *error, uint8_t *rows, int64_t row_stride, int64_t world,
+                      int64_t chunk, int64_t block, int64_t n) {
+    const int64_t nb = blocks_of(chunk, block);
+    for (int64_t j = 0; j < world; ++j) {
+        const int64_t lo = j * chunk;
+        int64_t valid = n - lo;
+        valid = valid < 0 ? 0 : (valid > chunk ? chunk : valid);
+        uint8_t *row = rows + j * row_stride;
+        const int64_t at = valid ? lo : 0; /* (no pointer past the buffers for empty chunks) */
+        compress_chunk(x ? x + at : NULL, error + at, row, row + 4 * nb, chunk, block, valid);
+    }
+}
+
+/*
+ * Server: over the m valid elements of this rank's chunk, error <- z = error + sum_i w_ib (2 b_i - 1),
+ * w_ib = (scale b of row i) / world, added in rank order i = 0, 1, ...; b_i the bits of row i of
+ * rows (world rows, row_stride bytes apart). Then out_row <- z compressed, error <- z - C(z).
+ * Returns -1 if world > 1024 (the caller checks), else 0.
+ */
+int co_average_compress_rows(const uint8_t *rows, int64_t row_stride, int64_t world, int64_t chunk,
+                             int64_t block, float *error, uint8_t *out_row, int64_t m) {
+    float w[1024];
+    if (world > 1024) return -1;
+    const int64_t nb = blocks_of(chunk, block);
+    for (int64_t b = 0; b < nb; ++b) {
+        const int64_t lo = b * block;
+        const int64_t len = chunk - lo < block ? chunk - lo : block;
+        int64_t count = m - lo;
+        count = count < 0 ? 0 : (count > len ? len : count);
+        if (count == 0) break;
+        for (int64_t i = 0; i < world; ++i) w[i] = load_scale(rows + i * row_stride + 4 * b) / (float)world;
+        float *z = error + lo;
+        const int64_t byte0 = 4 * nb + lo / 8, full_bytes = count / 8;
 #ifdef CO_AVX2
         const __m256i lane = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
-        const __m256 pos = _mm256_set1_ps(s), neg = _mm256_set1_ps(-s);
-        for (int64_t b = 0; b < full_bytes; ++b) {
-            __m256i m = _mm256_and_si256(_mm256_set1_epi32(row[b]), lane);
-            _mm256_storeu_ps(dst + 8 * b, _mm256_blendv_ps(neg, pos, _mm256_castsi256_ps(_mm256_cmpeq_epi32(m, lane))));
+        for (int64_t k = 0; k < full_bytes; ++k) {
+            __m256 acc = _mm256_loadu_ps(z + 8 * k);
+            for (int64_t i = 0; i < world; ++i) {
+                __m256i bitm = _mm256_and_si256(_mm256_set1_epi32(rows[i * row_stride + byte0 + k]), lane);
+                __m256 pos = _mm256_set1_ps(w[i]);
+                __m256 neg = _mm256_set1_ps(-w[i]);
+                acc = _mm256_add_ps(acc, _mm256_blendv_ps(neg, pos, _mm256_castsi256_ps(_mm256_cmpeq_epi32(bitm, lane))));
+            }
+            _mm256_storeu_ps(z + 8 * k, acc);
         }
 #else
-        for (int64_t b = 0; b < full_bytes; ++b) {
-            unsigned byte = row[b];
-            for (int j = 0; j < 8; ++j) dst[8 * b + j] = (byte >> j) & 1u ? s : -s;
+        for (int64_t k = 0; k < full_bytes; ++k) {
+            float v[8];
+            for (int j = 0; j < 8; ++j) v[j] = z[8 * k + j];
+            for (int64_t i = 0; i < world; ++i) {
+                unsigned byte = rows[i * row_stride + byte0 + k];
+                for (int j = 0; j < 8; ++j) v[j] += (byte >> j) & 1u ? w[i] : -w[i];
+            }
+            for (int j = 0; j < 8; ++j) z[8 * k + j] = v[j];
         }
 #endif
-        for (int64_t k = 8 * full_bytes; k < valid; ++k) dst[k] = (row[k / 8] >> (k % 8)) & 1u ? s : -s;
+        for (int64_t e = 8 * full_bytes; e < count; ++e) {
+            float v = z[e];
+            for (int64_t i = 0; i < world; ++i)
+                v += (rows[i * row_stride + byte0 + e / 8] >> (e % 8)) & 1u ? w[i] : -w[i];
+            z[e] = v;
+        }
+    }
+    compress_chunk(NULL, error, out_row, out_row + 4 * nb, chunk, block, m);
+    return 0;
+}
+
+/*
+ * Decompress: out[k] = s (2 b_k - 1) for k < n, with row r = k / chunk (row_stride bytes apart),
+ * s the scale of block (k % chunk) / block of row r, b_k bit k % chunk of row r's bits.
+ */
+void co_decompress_rows(const uint8_t *rows, int64_t row_stride, int64_t nrows, int64_t chunk, int64_t block,
+                        float *out, int64_t n) {
+    const int64_t nb = blocks_of(chunk, block);
+    for (int64_t r = 0; r < nrows && r * chunk < n; ++r) {
+        const uint8_t *row = rows + r * row_stride;
+        const uint8_t *bits = row + 4 * nb;
+        const int64_t valid = n - r * chunk < chunk ? n - r * chunk : chunk;
+        for (int64_t b = 0; b * block < valid; ++b) {
+            const int64_t lo = b * block;
+            const int64_t count = valid - lo < block ? valid - lo : block;
+            const float s = load_scale(row + 4 * b);
+            float *dst = out + r * chunk + lo;
+            const uint8_t *src = bits + lo / 8;
+            const int64_t full_bytes = count / 8;
+#ifdef CO_AVX2
+            const __m256i lane = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+            const __m256 pos = _mm256_set1_ps(s), neg = _mm256_set1_ps(-s);
+            for (int64_t k = 0; k < full_bytes; ++k) {
+                __m256i m = _mm256_and_si256(_mm256_set1_epi32(src[k]), lane);
+                _mm256_storeu_ps(dst + 8 * k, _mm256_blendv_ps(neg, pos, _mm256_castsi256_ps(_mm256_cmpeq_epi32(m, lane))));
+            }
+#else
+            for (int64_t k = 0; k < full_bytes; ++k) {
+                unsigned byte = src[k];
+                for (int j = 0; j < 8; ++j) dst[8 * k + j] = (byte >> j) & 1u ? s : -s;
+            }
+#endif
+            for (int64_t e = 8 * full_bytes; e < count; ++e) dst[e] = (src[e / 8] >> (e % 8)) & 1u ? s : -s;
+        }
     }
 }
 

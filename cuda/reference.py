@@ -3,17 +3,32 @@
 Readable, allocating, slow: the definition the fast paths (``cpu``, ``gpu``) are tested against,
 and the CPU fallback where no C compiler is available. The math (docs/design.md 2.1, 2.2):
 
-* compress: ``u = x + e``; ``s = ||u|| / sqrt(n)``; ``b_k = [u_k >= 0]``; ``e <- u - s (2b - 1)``.
-* average-compress (server): ``z = e + (1/N) sum_i s_i (2 b_i - 1)``, then compress ``z`` with ``e``.
-* decompress: ``out_k = s_{k // c} (2 b_k - 1)`` for chunks of ``c = 8 * row_bytes`` elements.
+A buffer of ``world`` chunks of ``chunk`` elements travels as ``world`` *rows*, row ``j`` holding
+chunk ``j``: ``nb = ceil(chunk / block)`` fp32 scales, then ``chunk / 8`` bytes of sign bits
+(:func:`rows_layout`). Block ``b`` of a chunk is its elements ``[b block, min((b + 1) block,
+chunk))``; of those, only the valid ones (below ``n`` in the whole buffer) count.
 
-Bit ``k`` of a packed buffer is bit ``k % 8`` (least significant first) of byte ``k // 8``.
+* compress (worker): ``u = x + e``; per block ``s = sqrt(sum u^2 / count)`` over its valid
+  elements (0 when it has none); ``bit_k = [u_k >= 0]``; ``e <- u - s (2 bit - 1)``.
+* average-compress (server, one chunk): ``z = e + sum_i (s_ib / world) (2 bit_ik - 1)``, ``s_ib``
+  the scale of row ``i``'s block ``b``; then compress ``z`` with ``e`` into one row.
+* decompress: ``out_k = s_rb (2 bit_k - 1)``, ``r = k // chunk``, ``b = (k % chunk) // block``.
+
+Bit ``k`` of a row's bits is bit ``k % 8`` (least significant first) of byte ``k // 8``; bits of
+invalid elements are 1. Scales are the fp32 values, the errors subtract exactly those.
 """
 from __future__ import annotations
 
 import torch
 
 _BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+
+
+def rows_layout(chunk: int, block: int) -> tuple[int, int]:
+    """``(blocks per chunk, bytes per row)``: ``ceil(chunk / block)`` scales of 4 bytes, then
+    ``chunk / 8`` bytes of bits."""
+    nb = -(-chunk // block)
+    return nb, 4 * nb + chunk // 8
 
 
 def pack_bits(bits: torch.Tensor, nbytes: int) -> torch.Tensor:
@@ -30,40 +45,66 @@ def unpack_bits(packed: torch.Tensor) -> torch.Tensor:
     return (packed.reshape(-1, 1) & weights).ne(0).reshape(-1)
 
 
-def _scale(u: torch.Tensor) -> torch.Tensor:
-    if u.numel() == 0:
-        return torch.zeros((), dtype=torch.float32, device=u.device)
-    return (torch.linalg.vector_norm(u.double()) / u.numel() ** 0.5).float()
+def row_scales(rows: torch.Tensor, nb: int) -> torch.Tensor:
+    """The ``[R, nb]`` fp32 scales at the start of each row of ``rows`` (``[R, row_len]`` bytes)."""
+    # (a copy: a view of the rows may start at any byte, and fp32 needs 4-byte alignment)
+    scales = rows[:, : 4 * nb].clone(memory_format=torch.contiguous_format).reshape(-1)
+    return scales.view(torch.float32).view(rows.shape[0], nb)
 
 
-def _compress_in_place(u: torch.Tensor, packed: torch.Tensor, scale_out: torch.Tensor, finish: bool) -> None:
-    packed.copy_(pack_bits(u >= 0, packed.numel()))
-    scale_out.copy_(_scale(u).reshape(scale_out.shape))
-    if finish:
-        finish_(u, scale_out)
+def _blocks(chunk: int, block: int, valid: int):
+    """``(b, lo, hi, end)`` per block of a chunk: its elements ``[lo, end)`` of the chunk, of
+    which ``[lo, hi)`` are valid (``valid`` elements of the chunk are)."""
+    for b, lo in enumerate(range(0, chunk, block)):
+        end = min(lo + block, chunk)
+        yield b, lo, max(lo, min(end, valid)), end
 
 
-def finish_(error, scale_out):
-    scale = scale_out.reshape(())
-    error.sub_(torch.where(error >= 0, scale, -scale))
+def _compress_chunk(u: torch.Tensor, chunk: int, block: int, row: torch.Tensor) -> None:
+    """``u`` (the chunk's valid elements, in place) -> row ``row`` (scales, bits); ``u`` becomes
+    the error ``u - C(u)``."""
+    nb, _ = rows_layout(chunk, block)
+    scales = torch.zeros(nb, dtype=torch.float32, device=u.device)
+    bits = torch.ones(chunk, dtype=torch.bool, device=u.device)
+    for b, lo, hi, _ in _blocks(chunk, block, u.numel()):
+        if hi > lo:
+            part = u[lo:hi]
+            scales[b] = (torch.linalg.vector_norm(part.double()) / (hi - lo) ** 0.5).float()
+            bits[lo:hi] = part >= 0
+            part.sub_(torch.where(part >= 0, scales[b], -scales[b]))
+    row[: 4 * nb].copy_(scales.view(torch.uint8))
+    row[4 * nb:].copy_(pack_bits(bits, chunk // 8))
 
 
-def compress_(x, error, packed, scale_out, finish=True):
+def compress_rows_(x, error, rows, chunk, block):
     if x is not None:
         error.add_(x)
-    _compress_in_place(error, packed, scale_out, finish)
-
-
-def average_compress_(chunks, scales, error, packed, scale_out, finish=True):
-    world = chunks.shape[0]
     n = error.numel()
-    signs = unpack_bits(chunks).view(world, -1)[:, :n].float() * 2 - 1
-    error.add_(((scales.view(world, 1) / world) * signs).sum(dim=0))
-    _compress_in_place(error, packed, scale_out, finish)
+    for j in range(rows.shape[0]):
+        lo = min(n, j * chunk)
+        _compress_chunk(error[lo: min(n, lo + chunk)], chunk, block, rows[j])
 
 
-def decompress_(packed, scales, out):
-    chunk = packed.shape[-1] * 8
-    signs = unpack_bits(packed.contiguous())[: out.numel()].float() * 2 - 1
-    per_element = scales.repeat_interleave(chunk)[: out.numel()]
-    out.copy_(per_element * signs)
+def _signs(rows: torch.Tensor, nb: int, chunk: int) -> torch.Tensor:
+    """``[R, chunk]`` +-1 of the rows' bits."""
+    return unpack_bits(rows[:, 4 * nb:].contiguous().reshape(-1)).view(rows.shape[0], chunk).float() * 2 - 1
+
+
+def average_compress_rows_(rows, error, out_row, chunk, block):
+    world = rows.shape[0]
+    nb, _ = rows_layout(chunk, block)
+    m = error.numel()
+    weights = row_scales(rows, nb) / world  # [world, nb], fp32 as the kernels form them
+    per_element = weights.repeat_interleave(block, dim=1)[:, :chunk]
+    terms = (per_element * _signs(rows, nb, chunk))[:, :m]
+    for i in range(world):  # in rank order, as the kernels add them
+        error.add_(terms[i])
+    _compress_chunk(error, chunk, block, out_row)
+
+
+def decompress_rows_(rows, out, chunk, block):
+    nb, _ = rows_layout(chunk, block)
+    n = out.numel()
+    r = -(-n // chunk) if n else 0
+    scales = row_scales(rows[:r], nb).repeat_interleave(block, dim=1)[:, :chunk]
+    out.copy_((scales * _signs(rows[:r], nb, chunk)).reshape(-1)[:n])

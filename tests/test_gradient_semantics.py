@@ -3,7 +3,8 @@
 
 After backward, ``p.grad`` holds the rank average in a full-precision step (as DDP leaves it) and
 the rank's own gradient in a compression-stage step. Loops that clip (global norm), unscale a
-GradScaler and clip, or scale the gradients in place must give, bit for bit, the same parameters
+GradScaler and clip, scale the gradients in place, or leave the unscaling to ``scaler.step`` must
+give, bit for bit, the same parameters
 in every mode (overlapped, synchronous, a DDP-wrapped model found automatically, ZeRO 1 and 2) as
 in the synchronous mode, and the same twice for the same seed; 1-bit Adam's warmup with clipping
 must match DDP + AdamW + ``clip_grad_norm_``. Two Gloo ranks, different data on each."""
@@ -25,7 +26,7 @@ OPTIMIZERS = {
 _SHARDED = ("zero1", "zero1_sync", "zero2", "zero2_sync")
 MODES = {"adam": ("sync", "overlap", "ddp", *_SHARDED), "lamb": ("sync", "overlap", "ddp", *_SHARDED),
          "zero_one": ("sync", "overlap", "ddp")}
-LOOPS = ("clip", "unscale_clip", "scale_in_place")
+LOOPS = ("clip", "unscale_clip", "scale_in_place", "scaler")
 
 
 def _make(name, mode):
@@ -39,24 +40,26 @@ def _make(name, mode):
 
 
 def _train(model, net, opt, loop, batches):
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8) if loop == "unscale_clip" else None
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8) if loop in ("unscale_clip", "scaler") else None
     for x, y in batches:
         opt.zero_grad()
         loss = nn.functional.cross_entropy(net(x), y)
         (scaler.scale(loss) if scaler else loss).backward()
-        if scaler:
+        if loop == "unscale_clip":
             scaler.unscale_(opt)
         if loop == "scale_in_place":
             for p in model.parameters():
                 p.grad.mul_(0.5)
-        else:
+        elif loop != "scaler":  # (scaler: the optimizer unscales, as scaler.step hands it the scale)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
         if scaler:
             scaler.step(opt)
             scaler.update()
         else:
             opt.step()
-    return [p.detach().clone() for p in model.parameters()]
+    # with the variance tracking's rows (its calibration made from this warmup's local gradients)
+    rows = [opt.state[p]["layer_variance"].clone() for p in model.parameters() if "layer_variance" in opt.state[p]]
+    return [p.detach().clone() for p in model.parameters()] + rows
 
 
 def _every_mode(rank, world, name):
@@ -91,6 +94,14 @@ def test_every_mode_uses_the_gradients_the_loop_left(name):
                 assert _same(got, reference), (loop, mode, rank)
                 assert _same(got, runs[0][loop, mode]) or not same_ranks, (loop, mode, "ranks differ")
         assert _same(runs[0][loop, "overlap", "again"], runs[0][loop, "overlap"]), (loop, "two runs differ")
+        if name != "lamb":  # the tracking's calibration: local over averaged second moments, as backward made
+            n = len(list(mlp(hidden=32).parameters()))  # them (whatever the loop does to p.grad after)
+            for mode in MODES[name]:
+                for rows in runs[0][loop, mode][n:]:
+                    # (a mean of squares is at least the square of the mean; a GradScaler's scale on one side
+                    # only would make it 65536x, the loop's clipping of the average alone ~100x)
+                    kappa = (rows[5] / rows[6]).item()
+                    assert 1.0 <= kappa < 4, (loop, mode, kappa)
         for stage in ("zero1", "zero2") if "zero1" in MODES[name] else ():
             # ... but uses the same gradients
             diff = max((a - b).abs().max().item() for a, b in zip(runs[0][loop, stage], sync))

@@ -507,11 +507,12 @@ def test_wire_bytes():
     assert hierarchical_wire_bytes(n, 1, 4) == (0, wire_bytes(n, 4) + 3 * 24)
     # one node: fp32 reduce-scatter and all-gather, nothing between nodes
     assert hierarchical_wire_bytes(n, 4, 1) == (2 * 3 * n + 3 * 24, 0)
-    # a node of L ranks sends 2 (K-1)/K * n/8 to other nodes (the scaling model's floor), plus 44 bytes
-    # per rank and peer node: the agreement header (24), the compressed allreduce's (16) and its scale (4)
+    # a node of L ranks sends 2 (K-1)/K * n/8 to other nodes (the scaling model's floor) and the
+    # scales, 4 bytes per 1024 elements, plus 40 bytes per rank and peer node: the agreement header
+    # (24) and the compressed allreduce's (16)
     for nodes, per_node in ((2, 2), (2, 8), (16, 8)):
         per_node_bytes = sum(hierarchical_wire_bytes(n, per_node, nodes, j).inter for j in range(per_node))
-        assert per_node_bytes == 2 * (nodes - 1) / nodes * n / 8 + per_node * (nodes - 1) * 44
+        assert per_node_bytes == 2 * (nodes - 1) / nodes * n * (1 / 8 + 4 / 1024) + per_node * (nodes - 1) * 40
     # the last local rank's shard is shorter, and a shard of padding sends nothing between nodes
     assert hierarchical_wire_bytes(1000, 3, 2, 2).inter < hierarchical_wire_bytes(1000, 3, 2, 0).inter
     assert hierarchical_wire_bytes(5, 4, 2, 1).inter == 24

@@ -12,7 +12,7 @@ from compressed_opt.comm import add_observer, observe, observing, remove_observe
 from distributed import run_ranks
 from optim_tasks import shard_batches
 
-KERNELS = {"compress_", "finish_", "average_compress_", "decompress_"}
+KERNELS = {"compress_rows_", "average_compress_rows_", "decompress_rows_"}
 
 
 def _observed_training(rank, world):

@@ -93,7 +93,7 @@ def reference_run(world, steps, freeze_step, exchange="preconditioned", tracking
             for p, *gs in zip(params, *grads):
                 p.grad = sum(gs) / world
             ref.step()
-            track.warmup([p.grad for p in flat_order])
+            track.warmup([p.grad for p in flat_order], [list(reversed(g)) for g in grads])
             if t == freeze_step:
                 track.freeze([ref.state[p]["exp_avg_sq"] for p in flat_order])
                 m = torch.cat([ref.state[p]["exp_avg"].reshape(-1) for p in flat_order])

@@ -248,3 +248,64 @@ def test_zero_with_param_groups_unused_and_empty_parameters(name):
     results = run_ranks(_unsharded_and_sharded, 2, _groups_unused_and_empty, name, timeout=120)
     assert all(n_buckets >= 3 for rank in results for n_buckets, _ in rank)
     _assert_sharded_as_unsharded(results)
+
+
+def _older_and_other_checkpoints(rank, world):
+    """A compression-stage ZeRO checkpoint of format 1 (the 1-bit momentum rows with one scale per
+    row; written here by a run whose one block covers each row, laid out exactly so) is migrated to
+    this library's blocks: the same momentum values; one of format 2 with another scale_block is
+    refused by a ZeRO optimizer and taken by an unsharded one (whose errors fit any block)."""
+    from compressed_opt import checkpoint
+    from compressed_opt.comm import expand_result_rows
+
+    def train(zero_stage, scale_block):
+        torch.manual_seed(0)
+        model = mlp()
+        opt = make("adam", model.parameters(), freeze_step=2, zero_stage=zero_stage, bucket_cap_mb=0.02,
+                   scale_block=scale_block)
+        for x, y in gaussian_batches(rank, world, 4):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        return model, opt
+
+    model, opt = train(1, 1 << 20)
+    old = opt.state_dict()
+    old["compressed_opt"]["format"] = 1
+    del old["compressed_opt"]["scale_block"]
+    resumed = mlp()
+    resumed.load_state_dict(model.state_dict())
+    fresh = make("adam", resumed.parameters(), freeze_step=2, zero_stage=1, bucket_cap_mb=0.02)
+    checkpoint.validate_state_dict(fresh, old)
+    new = checkpoint.upgrade(fresh, old)
+    same = []
+    for a, b in zip(old["compressed_opt"]["buckets"], new["compressed_opt"]["buckets"]):
+        x, y = torch.empty(a["numel"]), torch.empty(a["numel"])
+        expand_result_rows(a["momentum_rows"], a["numel"], world, x, 1 << 20)
+        expand_result_rows(b["momentum_rows"], b["numel"], world, y, fresh.scale_block)
+        same.append(torch.equal(x, y))
+    fresh.load_state_dict(old)
+    for x, y in gaussian_batches(rank, world, 2):  # it trains on from the migrated rows
+        fresh.zero_grad()
+        nn.functional.cross_entropy(resumed(x), y).backward()
+        fresh.step()
+    finite = all(bool(p.isfinite().all()) for p in resumed.parameters())
+    refused = None
+    try:
+        make("adam", mlp().parameters(), freeze_step=2, zero_stage=1, bucket_cap_mb=0.02,
+             scale_block=2048).load_state_dict(train(1, 1024)[1].state_dict())
+    except ValueError as exc:
+        refused = str(exc)
+    plain = train(0, 1024)[1].state_dict()
+    other = make("adam", mlp().parameters(), freeze_step=2, zero_stage=0, bucket_cap_mb=0.02, scale_block=2048)
+    other.load_state_dict(plain)
+    return len(same), all(same), finite, [p.detach() for p in resumed.parameters()], refused
+
+
+@pytest.mark.multiprocess
+def test_format_1_checkpoints_are_migrated_and_another_scale_block_is_refused_under_zero():
+    results = run_ranks(_older_and_other_checkpoints, 2, timeout=180)
+    for buckets, same, finite, params, refused in results:
+        assert buckets >= 2 and same, "the migrated 1-bit rows decompress to other values than the format-1 ones"
+        assert finite and all(torch.equal(a, b) for a, b in zip(params, results[0][3]))
+        assert refused is not None and "resume with scale_block=1024" in refused, refused

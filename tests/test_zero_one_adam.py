@@ -69,7 +69,8 @@ def reference_run(hp, steps, world, exchange="preconditioned", tracking=True):
     coefficient (``compressed_opt.scaling``; its formula has a test of its own) from ``v`` after
     every refresh and at the freeze; or (``exchange="preconditioned"``) whitened: times ``R``
     (phase A ``1 / sqrt(v)``, phase B ``c_l / sqrt(v_f)`` with ``c_l`` from the RMS of ``m /
-    sqrt(v_f)``), clipped (phase A ``1 / sqrt(1 - b2)``, phase B ``c_l lr_sum / f_l``), divided by
+    sqrt(v_f)``), clipped (phase A at 3, ``compressed_opt.moments.WHITENED_GRADIENT_BOUND``, phase B
+    ``c_l lr_sum / f_l``), divided by
     ``R`` after, the errors carried over at each refresh. ``tracking``: phase B's per-layer variance
     tracking (``tests/tracking_reference.py``), its factor set at each interval's first step. Per
     step: (kind, params per rank)."""
@@ -113,7 +114,7 @@ def reference_run(hp, steps, world, exchange="preconditioned", tracking=True):
             worker_err[r].mul_(ratio)
             server_err[r][: min(n, (r + 1) * c) - r * c].mul_(ratio[r * c : (r + 1) * c])
 
-    bound = torch.full((n,), 1 / math.sqrt(1 - b2))
+    bound = torch.full((n,), 3.0)
 
     def exchange(xs):  # the 1-bit average, each layer scaled by its coefficient
         if pre:
@@ -128,7 +129,7 @@ def reference_run(hp, steps, world, exchange="preconditioned", tracking=True):
             refresh = t % var_interval == 0
             if refresh:
                 avg = sum(g) * (1.0 / world)
-                track.warmup(avg.split(sizes))
+                track.warmup(avg.split(sizes), [gi.split(sizes) for gi in g])
                 v = b2 * v + (1 - b2) * avg * avg
                 if pre:
                     new = whitening(v, refreshes + 1)
