@@ -1,7 +1,10 @@
 """Scaling model: bytes per rank and per node, and a modelled communication time per step, for
 data-parallel training of ``n`` parameters on ``M`` nodes of ``L`` ranks (``N = M L``), by method.
 
-Bytes a step sends (``n`` fp32 elements; the 1-bit scales, a few bytes per chunk, left out):
+Bytes a step sends (``n`` fp32 elements). A 1-bit element costs ``c = (1 + 32 / B) / 8`` bytes:
+its bit and its share of the fp32 scale of its block of ``B`` elements (``--scale-block``, the
+optimizers' ``scale_block``, 1024 by default: ``c = 1.03125 / 8``). Below, ``n / 8`` stands for
+``c n`` (the headers, 16 bytes per row, left out):
 
 * ``ddp_fp32`` / ``ddp_bf16``: a ring allreduce of ``b n`` bytes (``b`` = 4 or 2) over all ``N``
   ranks, the ring laid out node by node: each rank sends ``2 (N - 1) / N * b n``; one rank per
@@ -32,12 +35,19 @@ import os
 import sys
 
 METHODS = ("ddp_fp32", "ddp_bf16", "flat_1bit", "hier_1bit")
+DEFAULT_BLOCK = 1024  # compressed_opt.comm.DEFAULT_BLOCK (this script does not import the package)
 
 
-def bytes_per_step(method: str, n: float, nodes: int, per_node: int) -> dict:
+def onebit_bytes(n: float, block: int = DEFAULT_BLOCK) -> float:
+    """Bytes of ``n`` elements in 1-bit rows: ``n / 8`` of bits and 4 per block of ``block``."""
+    return n / 8 * (1 + 32 / block)
+
+
+def bytes_per_step(method: str, n: float, nodes: int, per_node: int, block: int = DEFAULT_BLOCK) -> dict:
     """``{"inter_node": bytes a node sends to other nodes, "intra_rank": bytes a rank sends inside
     its node, "messages": sequential message steps}`` for one step of ``n`` fp32 gradients."""
     world = nodes * per_node
+    bits = onebit_bytes(n, block)
     if method in ("ddp_fp32", "ddp_bf16"):
         b = 4 if method == "ddp_fp32" else 2
         ring = 2 * (world - 1) / world * b * n
@@ -47,22 +57,22 @@ def bytes_per_step(method: str, n: float, nodes: int, per_node: int) -> dict:
     if method == "flat_1bit":
         if world == 1:
             return {"inter_node": 0.0, "intra_rank": 0.0, "messages": 0}
-        a2a_out = per_node * (world - per_node) / world * n / 8
-        gather_out = (world - 1) / world * n / 8 if nodes > 1 else 0.0
-        a2a_in = (per_node - 1) / world * n / 8
-        gather_in = (world - 1) / world * n / 8 if per_node > 1 else 0.0
+        a2a_out = per_node * (world - per_node) / world * bits
+        gather_out = (world - 1) / world * bits if nodes > 1 else 0.0
+        a2a_in = (per_node - 1) / world * bits
+        gather_in = (world - 1) / world * bits if per_node > 1 else 0.0
         return {"inter_node": a2a_out + gather_out, "intra_rank": a2a_in + gather_in, "messages": 2 * (world - 1)}
     if method == "hier_1bit":
-        inter = 2 * (nodes - 1) / nodes * n / 8 if nodes > 1 else 0.0
+        inter = 2 * (nodes - 1) / nodes * bits if nodes > 1 else 0.0
         intra = 2 * (per_node - 1) / per_node * 4 * n if per_node > 1 else 0.0
         return {"inter_node": inter, "intra_rank": intra, "messages": 2 * (per_node - 1) + 2 * (nodes - 1)}
     raise ValueError(f"unknown method {method!r} (one of {', '.join(METHODS)})")
 
 
 def comm_seconds(method: str, n: float, nodes: int, per_node: int, inter_bps: float, intra_bps: float,
-                 latency_s: float, mem_bps: float) -> float:
+                 latency_s: float, mem_bps: float, block: int = DEFAULT_BLOCK) -> float:
     """The modelled communication time of one step (see the module doc)."""
-    b = bytes_per_step(method, n, nodes, per_node)
+    b = bytes_per_step(method, n, nodes, per_node, block)
     t = b["inter_node"] / inter_bps + b["intra_rank"] / intra_bps + b["messages"] * latency_s
     if method.endswith("1bit") and nodes * per_node > 1:
         t += 6 * 4 * n / mem_bps
@@ -70,17 +80,17 @@ def comm_seconds(method: str, n: float, nodes: int, per_node: int, inter_bps: fl
 
 
 def table(n: float, nodes_list, per_node_list, inter_gbits, intra_gbyte: float, latency_us: float,
-          mem_gbyte: float) -> list[dict]:
+          mem_gbyte: float, block: int = DEFAULT_BLOCK) -> list[dict]:
     rows = []
     for gbit in inter_gbits:
         for per_node in per_node_list:
             for nodes in nodes_list:
                 row = {"inter_gbit": gbit, "nodes": nodes, "ranks_per_node": per_node}
                 for m in METHODS:
-                    b = bytes_per_step(m, n, nodes, per_node)
+                    b = bytes_per_step(m, n, nodes, per_node, block)
                     row[m] = {"inter_node_bytes": b["inter_node"], "intra_rank_bytes": b["intra_rank"],
                               "comm_s": comm_seconds(m, n, nodes, per_node, gbit * 1e9 / 8, intra_gbyte * 1e9,
-                                                     latency_us * 1e-6, mem_gbyte * 1e9)}
+                                                     latency_us * 1e-6, mem_gbyte * 1e9, block)}
                 rows.append(row)
     return rows
 
@@ -98,11 +108,13 @@ def main(argv=None) -> int:
     p.add_argument("--intra-gbyte", type=float, default=200.0, help="intra-node bandwidth per rank, GB/s")
     p.add_argument("--latency-us", type=float, default=10.0, help="latency per message step")
     p.add_argument("--mem-gbyte", type=float, default=2000.0, help="memory bandwidth for the compression passes")
+    p.add_argument("--scale-block", type=int, default=DEFAULT_BLOCK,
+                   help="elements per 1-bit scale (the optimizers' scale_block)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     rows = table(args.params, ints(args.nodes), ints(args.ranks_per_node),
-                 [float(x) for x in args.inter_gbit.split(",")], args.intra_gbyte, args.latency_us, args.mem_gbyte)
+                 [float(x) for x in args.inter_gbit.split(",")], args.intra_gbyte, args.latency_us, args.mem_gbyte, args.scale_block)
     print(f"# {args.params / 1e6:.0f}M parameters; MB a node sends to other nodes per step, and modelled "
           f"communication ms per step")
     head = "".join(f" {m + ' MB':>15} {m + ' ms':>15}" for m in METHODS)
