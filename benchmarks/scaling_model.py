@@ -114,7 +114,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     rows = table(args.params, ints(args.nodes), ints(args.ranks_per_node),
-                 [float(x) for x in args.inter_gbit.split(",")], args.intra_gbyte, args.latency_us, args.mem_gbyte, args.scale_block)
+                 [float(x) for x in args.inter_gbit.split(",")], args.intra_gbyte, args.latency_us, args.mem_gbyte,
+                 args.scale_block)
     print(f"# {args.params / 1e6:.0f}M parameters; MB a node sends to other nodes per step, and modelled "
           f"communication ms per step")
     head = "".join(f" {m + ' MB':>15} {m + ' ms':>15}" for m in METHODS)
