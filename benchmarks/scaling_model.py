@@ -19,6 +19,10 @@ optimizers' ``scale_block``, 1024 by default: ``c = 1.03125 / 8``). Below, ``n /
   the same local rank, an all-gather inside the node. Between nodes, per node:
   ``L * 2 (M - 1) / M * n / (8 L) = 2 (M - 1) / M * n / 8`` (2 nodes: ``n / 8``, the floor);
   inside the node, per rank: ``2 (L - 1) / L * 4 n`` (reduce-scatter and all-gather in fp32).
+* ``hier_fp32`` (not in the table: the warmup's fp32 average on the hierarchical exchange, which
+  NCCL's topology-aware all-reduce also approaches): the same three steps at full precision;
+  between nodes, per node, ``2 (M - 1) / M * 4 n`` (2 nodes: ``4 n``, where the ring sends
+  ``2 (N - 1) / N * 4 n``).
 
 Time: inter-node bytes per node over the node's link, plus intra-node bytes per rank over the
 intra-node link, plus a latency per message of each collective's steps (ring: ``2 (N - 1)``;
@@ -62,8 +66,8 @@ def bytes_per_step(method: str, n: float, nodes: int, per_node: int, block: int 
         a2a_in = (per_node - 1) / world * bits
         gather_in = (world - 1) / world * bits if per_node > 1 else 0.0
         return {"inter_node": a2a_out + gather_out, "intra_rank": a2a_in + gather_in, "messages": 2 * (world - 1)}
-    if method == "hier_1bit":
-        inter = 2 * (nodes - 1) / nodes * bits if nodes > 1 else 0.0
+    if method in ("hier_1bit", "hier_fp32"):
+        inter = 2 * (nodes - 1) / nodes * (bits if method == "hier_1bit" else 4 * n) if nodes > 1 else 0.0
         intra = 2 * (per_node - 1) / per_node * 4 * n if per_node > 1 else 0.0
         return {"inter_node": inter, "intra_rank": intra, "messages": 2 * (per_node - 1) + 2 * (nodes - 1)}
     raise ValueError(f"unknown method {method!r} (one of {', '.join(METHODS)})")

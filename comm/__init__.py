@@ -5,7 +5,8 @@ Backends (:class:`Backend`): :class:`TorchBackend` (NCCL/Gloo via ``torch.distri
 Multi-node jobs: :mod:`~compressed_opt.comm.topology` finds which ranks share a node
 (:func:`discover_layout`, :class:`NodeLayout`) and splits a backend into intra- and inter-node
 backends (:func:`node_backends`); :func:`hierarchical_compressed_allreduce` averages at full
-precision inside a node and 1-bit between nodes.
+precision inside a node and 1-bit between nodes, :func:`hierarchical_average` at full precision
+throughout, the same way.
 Observers (:mod:`compressed_opt.comm.observe`: :func:`add_observer`, :func:`remove_observer`,
 :func:`observing`) see the compression kernels and the optimizers' waits for communication.
 """
@@ -25,6 +26,7 @@ from .compressed import (  # noqa: F401
 from .hierarchical import (  # noqa: F401
     HierarchicalCompressedAllreduce,
     WireBytes,
+    hierarchical_average,
     hierarchical_compressed_allreduce,
     hierarchical_error_buffer_sizes,
     hierarchical_wire_bytes,

@@ -91,9 +91,11 @@ class WireBytes(NamedTuple):
 
 
 def hierarchical_wire_bytes(numel: int, local_size: int, node_count: int, local_rank: int = 0,
-                            block: int = DEFAULT_BLOCK) -> WireBytes:
+                            block: int = DEFAULT_BLOCK, exact: bool = False) -> WireBytes:
     """Bytes local rank ``local_rank`` sends in one hierarchical compressed allreduce of
-    ``numel`` elements (see the module docstring). Local rank 0 holds the largest shard."""
+    ``numel`` elements (see the module docstring), or with ``exact`` in one
+    :func:`hierarchical_average` (the shard's fp32 all-reduce between the nodes: ``2 (K-1)/K * 4``
+    bytes per element). Local rank 0 holds the largest shard."""
     L, K = local_size, node_count
     intra = (L - 1) * _HEADER_BYTES
     inter = (K - 1) * _HEADER_BYTES
@@ -103,7 +105,7 @@ def hierarchical_wire_bytes(numel: int, local_size: int, node_count: int, local_
     intra += 2 * (L - 1) * 4 * s  # reduce-scatter: (L-1)/L of L s floats; all-gather: (L-1) s floats
     valid = shard_valid_numel(numel, L, local_rank)
     if K > 1 and valid:
-        inter += wire_bytes(valid, K, block)
+        inter += round(2 * (K - 1) / K * 4 * valid) if exact else wire_bytes(valid, K, block)
     return WireBytes(intra, inter)
 
 
@@ -198,8 +200,9 @@ class HierarchicalCompressedAllreduce:
                 "(every rank must pass valid arguments and a tensor of the same numel and dtype; "
                 f"this rank saw {'; '.join(parts)})")
 
-    def _check(self, tensor: torch.Tensor, worker_error, server_error) -> Exception | None:
-        """This rank's arguments' first problem, as the exception to raise, or ``None``."""
+    def _check(self, tensor: torch.Tensor, errors: tuple | None) -> Exception | None:
+        """This rank's arguments' first problem, as the exception to raise, or ``None``;
+        ``errors``: the exchange's ``(worker_error, server_error)``, ``None`` for the exact average."""
         if tensor.dtype != torch.float32:
             return TypeError(f"hierarchical_compressed_allreduce takes float32 tensors, got {tensor.dtype}")
         if tensor.device != self.device:
@@ -210,6 +213,9 @@ class HierarchicalCompressedAllreduce:
         if tensor.requires_grad:
             return ValueError("tensor requires grad: the allreduce writes the average into it in place, which "
                               "autograd cannot see; pass tensor.detach() under torch.no_grad()")
+        if errors is None:
+            return None
+        worker_error, server_error = errors
         sizes = (f"{self.numel} elements on {self.node_count} node(s) of {self.local_size} (see "
                  "hierarchical_error_buffer_sizes)")
         for name, buf, expected in (("worker_error", worker_error, self.worker_numel),
@@ -228,7 +234,25 @@ class HierarchicalCompressedAllreduce:
     def __call__(self, tensor: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor) -> torch.Tensor:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
-        self._agree(self._check(tensor, worker_error, server_error), tensor.dtype)
+        self._agree(self._check(tensor, (worker_error, server_error)), tensor.dtype)
+        if self.inter_plan is None:
+            return self._through_shards(tensor, None)
+        return self._through_shards(
+            tensor, lambda shard: self.inter_plan(shard, worker_error[: self.valid],
+                                                  server_error[: self.inter_server_numel]))
+
+    def average(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The exact fp32 average, the same three steps with an fp32 all-reduce between the nodes
+        in place of the 1-bit one (no error buffers); the agreement first, as for the exchange."""
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
+        self._agree(self._check(tensor, None), tensor.dtype)
+        inter = self.backends.inter
+        return self._through_shards(tensor, (lambda shard: inter.all_reduce(shard, op="avg"))
+                                    if self.node_count > 1 and self.valid > 0 else None)
+
+    def _through_shards(self, tensor: torch.Tensor, between_nodes) -> torch.Tensor:
+        """Steps 1 and 3 of the module docstring around ``between_nodes(shard)`` (in place)."""
         if self.numel == 0:
             return tensor
         x = tensor.view(-1)
@@ -242,9 +266,9 @@ class HierarchicalCompressedAllreduce:
                 self.padded_in[: self.numel].copy_(x)
             intra.reduce_scatter(self.shard_buf, source, op="avg")
             shard = self.shard_buf[: self.valid]
-        # 2. 1-bit compressed allreduce of the shard among the nodes
-        if self.inter_plan is not None:
-            self.inter_plan(shard, worker_error[: self.valid], server_error[: self.inter_server_numel])
+        # 2. among the nodes: the 1-bit compressed allreduce of the shard, or its fp32 average
+        if between_nodes is not None:
+            between_nodes(shard)
         # 3. all-gather inside the node
         if self.shard_buf is not None:
             target = x if self.gathered is None else self.gathered
@@ -259,6 +283,19 @@ def _plan_key(numel: int, device, block: int) -> tuple:
     if device.type == "cuda" and device.index is None:  # "cuda" means the current device
         device = torch.device("cuda", torch.cuda.current_device())
     return ("hierarchical_compressed_allreduce", numel, device, block)
+
+
+def _plan(tensor, backends, block: int) -> HierarchicalCompressedAllreduce:
+    """The reusable buffers for ``tensor``'s numel, device and ``block`` (checks what would
+    raise on this rank alone, before any communication)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
+    if not isinstance(backends, NodeBackends):
+        raise TypeError(f"backends must be a NodeBackends (node_backends(...)), got {type(backends).__name__}")
+    plan = backends.intra.workspace(_plan_key(tensor.numel(), tensor.device, block),
+                                    lambda: HierarchicalCompressedAllreduce(tensor.numel(), backends, tensor.device,
+                                                                            block))
+    return plan
 
 
 def hierarchical_compressed_allreduce(tensor: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor,
@@ -278,11 +315,20 @@ def hierarchical_compressed_allreduce(tensor: torch.Tensor, worker_error: torch.
     not a :class:`~compressed_opt.comm.topology.NodeBackends`, raises on that rank alone, before
     any communication. Buffers are reused across calls (kept by ``backends.intra``).
     """
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
-    if not isinstance(backends, NodeBackends):
-        raise TypeError(f"backends must be a NodeBackends (node_backends(...)), got {type(backends).__name__}")
-    plan = backends.intra.workspace(_plan_key(tensor.numel(), tensor.device, block),
-                                    lambda: HierarchicalCompressedAllreduce(tensor.numel(), backends, tensor.device,
-                                                                            block))
-    return plan(tensor, worker_error, server_error)
+    return _plan(tensor, backends, block)(tensor, worker_error, server_error)
+
+
+def hierarchical_average(tensor: torch.Tensor, backends: NodeBackends, block: int = DEFAULT_BLOCK) -> torch.Tensor:
+    """The exact average of ``tensor`` (float32, contiguous) over all ranks of ``backends.layout``,
+    the hierarchical way: an fp32 reduce-scatter inside each node, the fp32 all-reduce of each
+    shard among the nodes, an all-gather inside the node. A node sends ``~ 2 (K-1)/K * 4n`` bytes
+    to the other nodes where a ring over all ``W`` ranks sends ``2 (W-1)/W * 4n``, for backends
+    whose all-reduce does not follow the nodes by itself (Gloo's ring; NCCL already does).
+
+    Writes the result into ``tensor`` and returns it, identical on every rank (each shard is one
+    all-reduce's result, and the all-gather copies it); it may differ from a flat all-reduce's
+    in the last bits (another order of the sums). Collective, checked and agreed like
+    :func:`hierarchical_compressed_allreduce`, whose buffers for the same numel and ``block`` it
+    shares (kept by ``backends.intra``).
+    """
+    return _plan(tensor, backends, block).average(tensor)

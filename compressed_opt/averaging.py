@@ -43,6 +43,7 @@ from compressed_opt.comm import (
     compressed_allreduce,
     discover_layout,
     error_buffer_sizes,
+    hierarchical_average,
     hierarchical_compressed_allreduce,
     hierarchical_error_buffer_sizes,
     node_backends,
@@ -88,7 +89,7 @@ def _time_paths(averaging, backend, numel: int, device) -> tuple[float, float]:
             if path == "1bit":
                 averaging(y, we, se)
             else:
-                backend.all_reduce(y, op="avg")
+                averaging.average(y)
             if rep:
                 times[path].append(time.perf_counter() - start)
     return sorted(times["1bit"])[_PATH_REPS // 2], sorted(times["fp32"])[_PATH_REPS // 2]
@@ -150,13 +151,17 @@ class FlatAveraging:
     def __call__(self, x: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor) -> None:
         compressed_allreduce(x, worker_error, server_error, self.backend, self.block)
 
+    def average(self, x: torch.Tensor) -> None:
+        """``x`` <- the exact average over all ranks: the backend's all-reduce."""
+        self.backend.all_reduce(x, op="avg")
+
 
 class NodeAveraging:
-    """The hierarchical compressed allreduce over ``backends`` (``node_backends(...)``), one 1-bit
-    scale per ``block``."""
+    """The hierarchical compressed allreduce over ``backends`` (``node_backends(...)`` of the
+    optimizer's ``backend``), one 1-bit scale per ``block``."""
 
-    def __init__(self, backends, block: int = DEFAULT_BLOCK):
-        self.backends, self.block = backends, block
+    def __init__(self, backends, backend, block: int = DEFAULT_BLOCK):
+        self.backends, self.backend, self.block = backends, backend, block
         layout = backends.layout
         self.local_size, self.node_count = layout.local_size, layout.node_count
         self.key = ("node", self.local_size, self.node_count)
@@ -176,6 +181,14 @@ class NodeAveraging:
 
     def __call__(self, x: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor) -> None:
         hierarchical_compressed_allreduce(x, worker_error, server_error, self.backends, self.block)
+
+    def average(self, x: torch.Tensor) -> None:
+        """``x`` <- the exact average over all ranks, fp32 inside each node and between the nodes
+        (:func:`~compressed_opt.comm.hierarchical_average`; other dtypes: the flat all-reduce)."""
+        if x.dtype == torch.float32 and x.is_contiguous():
+            hierarchical_average(x, self.backends, self.block)
+        else:
+            self.backend.all_reduce(x, op="avg")
 
 
 class _CountedInParent(CommStats):
@@ -226,5 +239,5 @@ def candidates(backend, hierarchy: str, sharded: bool, block: int = DEFAULT_BLOC
                     layout.local_size)
     for sub, where in ((backends.intra, "intra_node"), (backends.inter, "inter_node")):
         sub.stats = _CountedInParent(backend.stats, where)
-    node = NodeAveraging(backends, block)
+    node = NodeAveraging(backends, backend, block)
     return [node] if hierarchy == "node" else [node, FlatAveraging(backend, block)]

@@ -205,7 +205,7 @@ class Replicated(Layout):
         return bucket.flat("grad")
 
     def average(self, opt, bucket, grad):
-        opt.backend.all_reduce(grad, op="avg")
+        opt.averaging.average(grad)  # (the hierarchical exchange averages fp32 the hierarchical way too)
 
     def own(self, opt, bucket, whole):
         return whole

@@ -362,7 +362,7 @@ class CompressedOptimizer(Persistence, Optimizer):
         """``x`` <- the ranks' 1-bit compressed average of ``x``, with the bucket's error feedback
         (or, where ``path`` says so for the bucket, their exact fp32 average)."""
         if self.path != "1bit" and (self.path == "fp32" or self.exchange_paths.get(bucket.numel) == "fp32"):
-            self.backend.all_reduce(x, op="avg")
+            self.averaging.average(x)
             return
         worker_error, server_error = self.error_buffers(bucket)
         self.averaging(x, worker_error, server_error)
@@ -539,6 +539,8 @@ class CompressedOptimizer(Persistence, Optimizer):
         full = self._needs_average(self.global_step + 1)
         if not full and not launcher.launch_ahead:
             return  # p.grad keeps the local gradient; step() exchanges it
+        if self._averaging is None or self._saved_averaging is not None:
+            self._choose_averaging()  # (collective) before the first average: it is the exchange's way
         # every rank waits for its thread, then communicates the rest in order on this thread:
         # the collectives pair up whichever buckets each rank could launch early
         launcher.wait()

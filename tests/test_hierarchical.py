@@ -29,6 +29,7 @@ from compressed_opt.comm import (
     discover_layout,
     error_buffer_sizes,
     get_backend,
+    hierarchical_average,
     hierarchical_compressed_allreduce,
     hierarchical_error_buffer_sizes,
     hierarchical_wire_bytes,
@@ -94,6 +95,11 @@ def _flat_steps(backend, sizes, steps):
     return out
 
 
+def _flat_mean(backend, x):
+    backend.all_reduce(x, op="avg")
+    return x
+
+
 def _running_mean_errors(allreduce, rank, world, calls, numel):
     """Relative error of the running mean of ``calls`` results of the same input, after 1 call
     and after all of them, against the exact average."""
@@ -153,6 +159,16 @@ def _four_ranks(rank, world):
            "ranks": (backends.intra.rank, backends.intra.world_size, backends.inter.rank, backends.inter.world_size),
            "contiguous": _steps(backends, SIZES, STEPS)}
     out["stats"] = (backends.intra.stats.snapshot(), backends.inter.stats.snapshot())
+    backends.intra.stats.reset(), backends.inter.stats.reset()
+    out["exact"] = {n: hierarchical_average(rank_input(rank, n, 0), backends) for n in SIZES}
+    out["exact stats"] = (backends.intra.stats.snapshot(), backends.inter.stats.snapshot())
+    out["exact bad"] = {
+        "float64 on rank 1": _outcome(lambda: hierarchical_average(
+            torch.ones(100, dtype=torch.float64 if rank == 1 else torch.float32), backends)),
+        "numel differs on rank 3": _outcome(lambda: hierarchical_average(torch.ones(120 if rank == 3 else 100),
+                                                                         backends)),
+        "fine afterwards": _outcome(lambda: hierarchical_average(torch.ones(100), backends)),
+    }
 
     alternating = discover_layout(backend, env={}, hostname="node-" + "ab"[rank % 2])
     out["alternating"] = (alternating.nodes, alternating.source, _steps(node_backends(backend, alternating), [1000], 2))
@@ -189,6 +205,9 @@ def _two_ranks(rank, world):
         "2x1": (by_node.nodes, by_node.source, _steps(node_backends(backend, by_node), SIZES, STEPS)),
         "flat": _flat_steps(backend, SIZES, STEPS),
         "1x2": (one_node.nodes, _steps(node_backends(backend, one_node), SIZES, STEPS)),
+        "exact": {name: {n: hierarchical_average(rank_input(rank, n, 0), node_backends(backend, layout))
+                         for n in SIZES} for name, layout in (("2x1", by_node), ("1x2", one_node))},
+        "flat exact": {n: _flat_mean(backend, rank_input(rank, n, 0)) for n in SIZES},
         "hostnames": str(discover_layout(backend, env={})),
         "3 per node": discover_layout(backend, env={RANKS_PER_NODE_ENV: "3"}),
     }
@@ -285,6 +304,33 @@ def test_bytes_counted_by_the_backends_match_the_formula(four):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(200)
+def test_the_exact_hierarchical_average(four):
+    # fp32 inside the node and between the nodes: the exact average, the same on every rank, and
+    # between the nodes 4 bytes per element of the rank's shard (a flat ring sends 6 per element)
+    for numel in SIZES:
+        mean = sum(rank_input(r, numel, 0).double() for r in range(4)) / 4
+        for result in four:
+            got = result["exact"][numel]
+            assert torch.equal(got, four[0]["exact"][numel]), f"ranks differ, numel {numel}"
+            assert torch.allclose(got.double(), mean, rtol=1e-6, atol=1e-6), numel
+    for rank, result in enumerate(four):
+        intra, inter = result["exact stats"]
+        want = [hierarchical_wire_bytes(n, 2, 2, local_rank=rank % 2, exact=True) for n in SIZES]
+        assert intra["total_bytes"] == sum(w.intra for w in want)
+        assert inter["total_bytes"] == sum(w.inter for w in want)
+        assert want[-1].inter - 24 == 4 * shard_valid_numel(SIZES[-1], 2, rank % 2)
+        bad = result["exact bad"]
+        assert bad["fine afterwards"] is None
+        for case, culprit in (("float64 on rank 1", 1), ("numel differs on rank 3", None)):
+            assert bad[case] is not None, (case, rank)
+            if rank == culprit:
+                assert bad[case][0] == "TypeError" and "float32" in bad[case][1]
+            else:
+                assert bad[case][0] == "ValueError" and "every rank raises" in bad[case][1], (case, rank, bad[case])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
 def test_undecidable_layouts_are_flat_on_every_rank_with_one_log_line(four):
     for rank, result in enumerate(four):
         assert result["uneven"] is None and result["one rank differs"] is None
@@ -353,6 +399,16 @@ def test_one_rank_per_node_is_bitwise_the_flat_exchange(two):
             assert all(torch.equal(a, b) for a, b in zip(outputs, flat[0]))
             assert torch.equal(worker_error, flat[1]) and torch.equal(server_error, flat[2])
     check_against_reference(two, ((0,), (1,)), SIZES, STEPS, key=lambda r: r["2x1"][2])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_the_exact_average_of_degenerate_layouts(two):
+    # one rank per node: the flat all-reduce, bit for bit; one node: the node's average
+    for result in two:
+        for numel in SIZES:
+            assert torch.equal(result["exact"]["2x1"][numel], result["flat exact"][numel])
+            assert torch.equal(result["exact"]["1x2"][numel], (rank_input(0, numel, 0) + rank_input(1, numel, 0)) * 0.5)
 
 
 @pytest.mark.multiprocess
