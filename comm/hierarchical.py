@@ -21,6 +21,8 @@ in step 2, so the time-average of ``y`` converges to the time-average of the exa
 with the flat exchange. Degenerate layouts: ``K = 1`` (one node) compresses nothing, ``y`` is
 the full-precision average (steps 1 and 3); ``L = 1`` is exactly the flat compressed allreduce
 over the ``K = W`` ranks (step 2 alone; ``W = 1`` returns the input unchanged).
+:func:`hierarchical_average` takes the same steps with an fp32 all-reduce in step 2: the exact
+average, with the same bytes inside the node and ``2 (K-1)/K * 4n`` per node between nodes.
 
 The error buffers have the same size on every rank (:func:`hierarchical_error_buffer_sizes`:
 ``s`` and ``chunk_numel(s, K)``; none when ``K = 1``); rank ``(k, l)`` uses their first ``v_l``
