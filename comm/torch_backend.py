@@ -7,7 +7,8 @@ still holds it). Once the interpreter has begun to exit, taking the GIL ends the
 ``pthread_exit``, whose unwind through torch's C++ destructors aborts the process ("terminate
 called without an active exception"): a job whose last collective finished just before exit died
 now and then (seen here: 1 exit in about 50, under load; torch's ``destroy_process_group`` does
-not join those threads while a DDP module still holds the group). So the backend keeps the
+not join those threads while a DDP module still holds the group; dropping that module joins
+them with the GIL held, which hangs a thread that has a tensor left to let go of). So the backend keeps the
 tensors of its recent collectives with their reference counts from before it sent them
 (:func:`_hold`), and at exit, while the interpreter is still whole, waits until torch has let go
 of them (:func:`_drain`, registered with ``atexit``; at most :data:`DRAIN_TIMEOUT_S`).
@@ -54,15 +55,19 @@ def _hold(*tensors: torch.Tensor) -> None:
         _HELD.append(entry)
 
 
-def _drain(timeout: float = DRAIN_TIMEOUT_S) -> bool:
+def _drain(timeout: float = DRAIN_TIMEOUT_S, tensors=None) -> bool:
     """Wait (sleeping, so torch's threads can take the GIL) until torch has let go of every held
-    tensor, at most ``timeout`` seconds; whether it did. Run at exit."""
+    tensor, or of the held ones among ``tensors``, at most ``timeout`` seconds; whether it did.
+    Run at exit (every tensor)."""
     deadline = time.monotonic() + timeout
+    ids = None if tensors is None else {id(t) for t in tensors}
     while True:
         with _HELD_LOCK:
             pending = [e for e in _HELD if not _released(e)]
             _HELD.clear()
             _HELD.extend(pending)
+        if ids is not None:
+            pending = [e for e in pending if any(id(t) in ids for t, _ in e)]
         if not pending:
             return True
         if time.monotonic() > deadline:
@@ -131,17 +136,22 @@ class TorchBackend(Backend):
 
     def all_gather_object(self, obj) -> list:
         """Every rank's ``obj`` (picklable, small: results, logs), in rank order; a collective.
-        What ``torch.distributed.all_gather_object`` does, with its tensors held past torch's
-        release of them (the module docstring): safe as a script's last collective before exit."""
+        What ``torch.distributed.all_gather_object`` does, but it returns only once torch's
+        threads have let go of its tensors (the module docstring): safe as a script's last
+        collective, before its exit or before it drops a DDP module, whose process group's
+        destructor joins those threads while holding the GIL (a Gloo thread that still has to let
+        go of a tensor then waits for the GIL forever: a hang, seen 1 in about 150 jobs)."""
         device = torch.device("cuda", torch.cuda.current_device()) if self.process_group_backend == "nccl" else None
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
         sizes = torch.empty(self.world_size, dtype=torch.int64, device=device)
-        self.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=device))
+        mine = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+        self.all_gather(sizes, mine)
         counts = sizes.tolist()
         padded = torch.zeros(max(counts), dtype=torch.uint8, device=device)
         padded[: data.numel()] = data
         rows = torch.empty(self.world_size * padded.numel(), dtype=torch.uint8, device=device)
         self.all_gather(rows, padded)
+        _drain(tensors=(mine, sizes, rows, padded))  # once torch let go of them (module docstring; before any view)
         rows = rows.view(self.world_size, -1).cpu()
         return [pickle.loads(rows[r, :n].numpy().tobytes()) for r, n in enumerate(counts)]
 

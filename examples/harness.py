@@ -285,8 +285,8 @@ class Meter:
             "losses": self.losses,
             "ours": self.ours, "unhooked": self.unhooked, "wire": self.wire,
         }
-        # (torch's all_gather_object as the job's last collective can abort the exit: see
-        # compressed_opt.comm.torch_backend)
+        # (torch's all_gather_object as the job's last collective can abort the exit, or hang
+        # when the DDP module is dropped right after: see compressed_opt.comm.torch_backend)
         from compressed_opt.comm import TorchBackend
 
         everyone = TorchBackend().all_gather_object(mine)
