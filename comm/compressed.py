@@ -298,11 +298,13 @@ def compressed_allreduce(
     return plan(tensor, worker_error, server_error)
 
 
-def _plan_key(numel: int, device, block: int) -> tuple:
+def _plan_key(numel: int, device, block: int, kind: str = "compressed_allreduce") -> tuple:
+    """The workspace key of a plan: what it is, its numel, device (``"cuda"`` as the current
+    device) and block."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:  # "cuda" means the current device
         device = torch.device("cuda", torch.cuda.current_device())
-    return ("compressed_allreduce", numel, device, block)
+    return (kind, numel, device, block)
 
 
 def result_rows(numel: int, backend: Backend, device, block: int = DEFAULT_BLOCK) -> torch.Tensor:

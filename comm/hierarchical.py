@@ -49,6 +49,7 @@ from .compressed import (
     DEFAULT_BLOCK,
     CompressedAllreduce,
     _overlaps,
+    _plan_key,
     chunk_numel,
     error_buffer_problem,
     error_buffer_sizes,
@@ -280,13 +281,6 @@ class HierarchicalCompressedAllreduce:
         return tensor
 
 
-def _plan_key(numel: int, device, block: int) -> tuple:
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:  # "cuda" means the current device
-        device = torch.device("cuda", torch.cuda.current_device())
-    return ("hierarchical_compressed_allreduce", numel, device, block)
-
-
 def _plan(tensor, backends, block: int) -> HierarchicalCompressedAllreduce:
     """The reusable buffers for ``tensor``'s numel, device and ``block`` (checks what would
     raise on this rank alone, before any communication)."""
@@ -294,9 +288,9 @@ def _plan(tensor, backends, block: int) -> HierarchicalCompressedAllreduce:
         raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
     if not isinstance(backends, NodeBackends):
         raise TypeError(f"backends must be a NodeBackends (node_backends(...)), got {type(backends).__name__}")
-    plan = backends.intra.workspace(_plan_key(tensor.numel(), tensor.device, block),
-                                    lambda: HierarchicalCompressedAllreduce(tensor.numel(), backends, tensor.device,
-                                                                            block))
+    key = _plan_key(tensor.numel(), tensor.device, block, "hierarchical_compressed_allreduce")
+    plan = backends.intra.workspace(key, lambda: HierarchicalCompressedAllreduce(tensor.numel(), backends,
+                                                                                 tensor.device, block))
     return plan
 
 

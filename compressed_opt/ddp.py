@@ -42,7 +42,9 @@ class DDPHookState:
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.scratch = {}  # key -> torch.Tensor
-        self.segments = {}  # key -> compressed_opt.cuda.Segments of the bucket's parameters
+        #: key -> (compressed_opt.cuda.Segments of the bucket's parameters, their indices in the
+        #: optimizer's state_dict order as an int64 tensor): what the sums of squares need
+        self.segments = {}
 
     @property
     def optimizer(self):
@@ -83,11 +85,13 @@ def _observe_sums(state: DDPHookState, opt, layout: CanonicalLayout, averaged: b
     values), handed to the optimizer (its variance tracking calibrates with them)."""
     flat = layout.flat if layout.flat.dtype == torch.float32 else layout.flat.float()
     sums = torch.empty(len(layout.params), dtype=torch.float64, device=flat.device)
-    segments = state.segments.get(layout.key)
-    if segments is None:
-        segments = state.segments[layout.key] = Segments([p.numel() for p in layout.params])
+    known = state.segments.get(layout.key)
+    if known is None:
+        indices = torch.tensor([opt.param_index(p) for p in layout.params], dtype=torch.int64, device=flat.device)
+        known = state.segments[layout.key] = (Segments([p.numel() for p in layout.params]), indices)
+    segments, indices = known
     segment_sumsq(flat, segments, sums)
-    opt.observe_local_square_sums(layout.params, sums, averaged)
+    opt.observe_local_square_sums(indices, sums, averaged)
 
 
 def _average(state: DDPHookState, bucket: dist.GradBucket):

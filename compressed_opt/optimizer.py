@@ -434,10 +434,11 @@ class CompressedOptimizer(Persistence, Optimizer):
     #: :meth:`observe_local_square_sums` (the variance tracking does)
     observes_square_sums = False
 
-    def observe_local_square_sums(self, params, sums: torch.Tensor, averaged: bool = False) -> None:
-        """From a DDP hook averaging a full-precision step's gradients: ``params``' sums of squares
-        of their local gradients before the average (``averaged``: of the average, before the loop
-        sees it); what the variance tracking calibrates with (nothing here)."""
+    def observe_local_square_sums(self, indices: torch.Tensor, sums: torch.Tensor, averaged: bool = False) -> None:
+        """From a DDP hook averaging a full-precision step's gradients: the sums of squares of the
+        local gradients, before the average (``averaged``: of the average, before the loop sees
+        it), of the parameters with these indices (:meth:`param_index`, int64); what the variance
+        tracking calibrates with (nothing here)."""
 
     def observe_mean_square_sums(self, bucket: Bucket, mean: torch.Tensor) -> None:
         """At the end of a full-precision step's backward, the bucket's average as backward made it

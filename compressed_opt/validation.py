@@ -17,6 +17,8 @@ import numbers
 
 import torch
 
+from compressed_opt import cuda as kernels
+
 
 def check_nonneg_float(name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
@@ -80,9 +82,7 @@ def check_choice(name: str, value, choices: tuple) -> None:
 
 def check_scale_block(value) -> int:
     """``scale_block``: elements per 1-bit scale, a positive multiple of 256 (the kernels' tile)."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < 256 or value % 256:
-        raise ValueError(f"Invalid scale_block: {value!r} (must be a positive multiple of 256)")
-    return value
+    return kernels.check_block(value, "scale_block")
 
 
 def check_step_count(name: str, value, allow_auto: bool = False, minimum: int = 0):

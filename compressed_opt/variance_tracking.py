@@ -175,8 +175,9 @@ class LayerVarianceTracking:
         self._summed_buffers = {}  # bucket index -> (address, version) of the buffer they were summed from
         self._summed_step = {}  # bucket index -> the step whose local gradients they are
         self._mean_sums = {}  # bucket index -> (step, per-layer sums of squares of the raw average)
-        self._hooked_sums = {}  # parameter id -> (step, its local sum of squares), from a DDP hook
-        self._hooked_means = {}  # parameter id -> (step, its average's sum of squares), from a DDP hook
+        #: from a DDP hook, by whether they are of the average: (per parameter in state_dict order,
+        #: its last sum of squares, the step it is of)
+        self._hooked = {}
         self._warmup_local = {}  # bucket index -> a warmup step's ranks' mean of those sums
         self._layer_factors = {}  # bucket index -> this step's per-layer factors
 
@@ -250,14 +251,19 @@ class LayerVarianceTracking:
             self._local_square_sums[bucket.index] = out
         return out
 
-    def observe_local_square_sums(self, params, sums: torch.Tensor, averaged: bool = False) -> None:
-        """From a DDP hook, during a full-precision step's backward: ``params``' sums of squares
-        (float64, one each, as the gather computes them) of their local gradients before DDP
-        averages them (``averaged``: of the average, before the loop sees it)."""
-        step = self.global_step + 1
-        into = self._hooked_means if averaged else self._hooked_sums
-        for p, s in zip(params, sums):
-            into[id(p)] = (step, s)
+    def observe_local_square_sums(self, indices: torch.Tensor, sums: torch.Tensor, averaged: bool = False) -> None:
+        """From a DDP hook, during a full-precision step's backward: the sums of squares (float64,
+        one per parameter, as the gather computes them) of the local gradients of the parameters
+        ``indices`` before DDP averages them (``averaged``: of the average, before the loop sees
+        it)."""
+        count = sum(len(g["params"]) for g in self.param_groups)
+        values, steps = self._hooked.get(averaged, (None, None))
+        if values is None or values.numel() != count or values.device != sums.device:
+            values = torch.zeros(count, dtype=torch.float64, device=sums.device)
+            steps = torch.zeros(count, dtype=torch.int64, device=sums.device)
+            self._hooked[averaged] = (values, steps)
+        values.index_copy_(0, indices, sums)
+        steps.index_fill_(0, indices, self.global_step + 1)
 
     def observe_mean_square_sums(self, bucket, mean: torch.Tensor) -> None:
         """End of a full-precision step's backward: the bucket's average ``mean`` as backward made
@@ -269,14 +275,19 @@ class LayerVarianceTracking:
 
     def _take_hooked_sums(self, bucket, device) -> None:
         """The bucket's sums of this step from a DDP hook, where it saw every parameter."""
-        step = self.global_step + 1
-        seen = [self._hooked_sums.get(id(p)) for p in bucket.params]
-        means = [self._hooked_means.get(id(p)) for p in bucket.params]
-        if not seen or any(s is None or s[0] != step for s in seen + means):
+        if len(self._hooked) != 2 or not bucket.params:
             return
-        self._local_sums_buffer(bucket, device).copy_(torch.stack([s for _, s in seen]))
+        indices = bucket.derived.get("param_indices")
+        (local, local_steps), (mean, mean_steps) = self._hooked[False], self._hooked[True]
+        if indices is None or indices.device != local.device:
+            indices = bucket.derived["param_indices"] = torch.tensor(
+                [self.param_index(p) for p in bucket.params], dtype=torch.int64, device=local.device)
+        step = self.global_step + 1
+        if not bool(torch.cat([local_steps[indices], mean_steps[indices]]).eq(step).all()):
+            return
+        self._local_sums_buffer(bucket, device).copy_(local[indices])
         self._summed_step[bucket.index] = step
-        self._mean_sums[bucket.index] = (step, torch.stack([s for _, s in means]).to(device))
+        self._mean_sums[bucket.index] = (step, mean[indices].to(device))
 
     def _gathered_finite(self, buckets):
         """From the sums of squares where they were taken of the buffers as they are now: float64

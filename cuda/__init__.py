@@ -56,7 +56,7 @@ __all__ = [
     "decompress_rows_",
     "rows_layout",
     "check_rows_geometry",
-    "packed_numel",
+    "check_block",
     "kernel_path",
     "reference",
     "Segments",
@@ -68,9 +68,8 @@ __all__ = [
 ]
 
 
-def packed_numel(numel: int) -> int:
-    """Bytes needed for the sign bits of ``numel`` elements."""
-    return (numel + 7) // 8
+#: the most rows the server side averages (``onebit_cpu.c`` keeps one weight per row on its stack)
+MAX_SERVER_ROWS = 1024
 
 
 _warned_fallback = False
@@ -146,10 +145,16 @@ def rows_layout(chunk: int, block: int) -> tuple[int, int]:
     return reference.rows_layout(chunk, block)
 
 
+def check_block(block, name: str = "block") -> int:
+    """``block`` if it is a positive multiple of 256 elements (a CUDA warp tile), else raise."""
+    if not isinstance(block, int) or isinstance(block, bool) or block <= 0 or block % 256:
+        raise ValueError(f"{name} must be a positive multiple of 256 elements, got {block!r}")
+    return block
+
+
 def check_rows_geometry(chunk: int, block: int) -> None:
     """Raise unless ``chunk`` is a multiple of 32 and ``block`` a positive multiple of 256."""
-    if not isinstance(block, int) or isinstance(block, bool) or block <= 0 or block % 256:
-        raise ValueError(f"block must be a positive multiple of 256 elements, got {block!r}")
+    check_block(block)
     if chunk < 0 or chunk % 32:
         raise ValueError(f"chunk must be a multiple of 32 elements, got {chunk}")
 
@@ -185,8 +190,8 @@ def average_compress_rows_(rows, error, out_row, chunk: int, block: int) -> None
     _check_flat("out_row", out_row, torch.uint8, device)
     _, row_len = rows_layout(chunk, block)
     _check_rows("rows", rows, row_len, device)
-    if rows.shape[0] > 1024:
-        raise ValueError("at most 1024 ranks are supported by the compression kernels")
+    if rows.shape[0] > MAX_SERVER_ROWS:
+        raise ValueError(f"at most {MAX_SERVER_ROWS} ranks are supported by the compression kernels")
     if error.numel() > chunk or out_row.numel() != row_len:
         raise ValueError(f"error must hold at most {chunk} elements and out_row {row_len} bytes, got "
                          f"{error.numel()} and {out_row.numel()}")

@@ -20,7 +20,6 @@ from pathlib import Path
 
 SOURCE = Path(__file__).with_name("onebit_cpu.c")
 _FLAG_SETS = (["-O3", "-march=native"], ["-O3"])
-MAX_WORLD = 1024
 
 
 def _cpu_signature() -> str:
@@ -101,8 +100,9 @@ def compress_rows_(x, error, rows, chunk, block):
 
 
 def average_compress_rows_(rows, error, out_row, chunk, block):
-    library().co_average_compress_rows(rows.data_ptr(), rows.stride(0), rows.shape[0], chunk, block,
-                                       error.data_ptr(), out_row.data_ptr(), error.numel())
+    if library().co_average_compress_rows(rows.data_ptr(), rows.stride(0), rows.shape[0], chunk, block,
+                                          error.data_ptr(), out_row.data_ptr(), error.numel()):
+        raise ValueError(f"{rows.shape[0]} rows: more than the kernel's weights")  # (checked before the call)
 
 
 def decompress_rows_(rows, out, chunk, block):

@@ -113,6 +113,11 @@ static void subtract_decompressed(float *error, float scale, int64_t n) {
  */
 static int64_t blocks_of(int64_t chunk, int64_t block) { return (chunk + block - 1) / block; }
 
+static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+/* How many of the len elements starting at lo are among the first n: clamp(n - lo, 0, len). */
+static int64_t valid_in(int64_t n, int64_t lo, int64_t len) { return n <= lo ? 0 : min64(n - lo, len); }
+
 static float load_scale(const uint8_t *p) {
     float s;
     memcpy(&s, p, sizeof s);
@@ -128,10 +133,7 @@ static void compress_chunk(const float *x, float *error, uint8_t *scales, uint8_
                            int64_t block, int64_t valid) {
     const int64_t nb = blocks_of(chunk, block);
     for (int64_t b = 0; b < nb; ++b) {
-        const int64_t lo = b * block;
-        const int64_t len = chunk - lo < block ? chunk - lo : block;
-        int64_t count = valid - lo;
-        count = count < 0 ? 0 : (count > len ? len : count);
+        const int64_t lo = b * block, len = min64(chunk - lo, block), count = valid_in(valid, lo, len);
         float s = 0.0f;
         if (count > 0) {
             double sumsq = compensate_pack(x ? x + lo : NULL, error + lo, bits + lo / 8, count, len / 8);
@@ -152,9 +154,7 @@ void co_compress_rows(const float *x, float *error, uint8_t *rows, int64_t row_s
                       int64_t chunk, int64_t block, int64_t n) {
     const int64_t nb = blocks_of(chunk, block);
     for (int64_t j = 0; j < world; ++j) {
-        const int64_t lo = j * chunk;
-        int64_t valid = n - lo;
-        valid = valid < 0 ? 0 : (valid > chunk ? chunk : valid);
+        const int64_t lo = j * chunk, valid = valid_in(n, lo, chunk);
         uint8_t *row = rows + j * row_stride;
         const int64_t at = valid ? lo : 0; /* (no pointer past the buffers for empty chunks) */
         compress_chunk(x ? x + at : NULL, error + at, row, row + 4 * nb, chunk, block, valid);
@@ -173,10 +173,7 @@ int co_average_compress_rows(const uint8_t *rows, int64_t row_stride, int64_t wo
     if (world > 1024) return -1;
     const int64_t nb = blocks_of(chunk, block);
     for (int64_t b = 0; b < nb; ++b) {
-        const int64_t lo = b * block;
-        const int64_t len = chunk - lo < block ? chunk - lo : block;
-        int64_t count = m - lo;
-        count = count < 0 ? 0 : (count > len ? len : count);
+        const int64_t lo = b * block, count = valid_in(m, lo, min64(chunk - lo, block));
         if (count == 0) break;
         for (int64_t i = 0; i < world; ++i) w[i] = load_scale(rows + i * row_stride + 4 * b) / (float)world;
         float *z = error + lo;
@@ -225,10 +222,9 @@ void co_decompress_rows(const uint8_t *rows, int64_t row_stride, int64_t nrows, 
     for (int64_t r = 0; r < nrows && r * chunk < n; ++r) {
         const uint8_t *row = rows + r * row_stride;
         const uint8_t *bits = row + 4 * nb;
-        const int64_t valid = n - r * chunk < chunk ? n - r * chunk : chunk;
+        const int64_t valid = min64(n - r * chunk, chunk);
         for (int64_t b = 0; b * block < valid; ++b) {
-            const int64_t lo = b * block;
-            const int64_t count = valid - lo < block ? valid - lo : block;
+            const int64_t lo = b * block, count = min64(valid - lo, block);
             const float s = load_scale(row + 4 * b);
             float *dst = out + r * chunk + lo;
             const uint8_t *src = bits + lo / 8;

@@ -401,6 +401,14 @@ def test_bad_hyperparameters_raise_as_adamw(info, kwargs):
     assert len(opt.param_groups) == 1
 
 
+@pytest.mark.parametrize("block", [0, 100, 1000, -256, 256.0, True, "1024"], ids=repr)
+@by_optim
+def test_a_bad_scale_block_is_refused_when_the_optimizer_is_made(info, block):
+    with pytest.raises(ValueError, match="scale_block must be a positive multiple of 256 elements"):
+        info.cls(make_params(), scale_block=block)
+    assert info.cls(make_params(), scale_block=2048).scale_block == 2048
+
+
 # Where ours differ from AdamW, on purpose: (kwargs, AdamW's outcome type, ours, what ours says)
 DIFFERENT_FROM_ADAMW = [
     # AdamW's error is an accident of its implementation; ours names the problem (same type here)
