@@ -30,10 +30,12 @@ from . import variance_tracking as tracking
 from .averaging import error_sizes_of
 
 #: the version of the ``state_dict()["compressed_opt"]`` layout this library writes
-FORMAT = 2
-#: the versions a load reads: format 1 (before one 1-bit scale per block, ``scale_block``: ZeRO's
-#: momentum rows then carried one scale per row) is migrated on load (:func:`upgrade`)
-READABLE = (1, 2)
+FORMAT = 3
+#: the versions a load reads, migrated on load (:func:`upgrade`): format 1 (before one 1-bit scale
+#: per block, ``scale_block``: ZeRO's momentum rows then carried one scale per row) and format 2
+#: (before the tracked exchange, docs/design.md 2.3.3: error buffers and ZeRO's rows made with
+#: exchange factors of 1)
+READABLE = (1, 2, 3)
 #: keys of ``state_dict()["compressed_opt"]`` that every checkpoint has
 REQUIRED_KEYS = ("format", "algorithm", "global_step", "rank", "world_size", "buckets")
 #: keys of an optimizer's ``_extra_state()`` that a load reads with a default (not required)
@@ -335,14 +337,19 @@ def _row_len(numel: int, world: int, block: int | None) -> int:
 
 # --- older formats ---------------------------------------------------------------------------------
 def upgrade(optimizer, state_dict: Mapping) -> Mapping:
-    """A validated ``state_dict`` in the current format (the same object if it is): format 1's
-    ZeRO momentum rows, ``[scale | bits]`` per row, are laid out as rows of ``optimizer.scale_block``
+    """A validated ``state_dict`` in the current format (the same object if it is). Formats 1 and
+    2 were saved before the tracked exchange: their error buffers and ZeRO rows hold values of
+    exchange factors 1, which ``unit_exchange_factors`` says (the optimizer carries the errors
+    over at its first exchange; the rows are read with factors 1, the default). Format 1's ZeRO
+    momentum rows, ``[scale | bits]`` per row, are laid out as rows of ``optimizer.scale_block``
     blocks, the row's one scale in every block's place, which decompresses to the same values; its
     variance-tracking rows gain the columns of :mod:`compressed_opt.variance_tracking` (no local
     EMA: the reference is made as format 1 made it)."""
     extra = state_dict["compressed_opt"]
     if extra["format"] == FORMAT:
         return state_dict
+    if extra["format"] == 2:
+        return dict(state_dict, compressed_opt=dict(extra, format=FORMAT, unit_exchange_factors=True))
     world = extra["world_size"]
     block = optimizer.scale_block
 
@@ -362,7 +369,7 @@ def upgrade(optimizer, state_dict: Mapping) -> Mapping:
             out.append(entry)
         return out
 
-    extra = dict(extra, format=FORMAT, scale_block=block, buckets=relaid(extra["buckets"]))
+    extra = dict(extra, format=FORMAT, scale_block=block, buckets=relaid(extra["buckets"]), unit_exchange_factors=True)
     if "ranks" in extra:
         extra["ranks"] = [dict(part, buckets=relaid(part["buckets"])) for part in extra["ranks"]]
     state = {}

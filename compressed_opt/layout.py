@@ -138,8 +138,9 @@ class Layout:
 
     def local_momentum_(self, opt, bucket: Bucket, x: torch.Tensor, beta1: float) -> None:
         """``x`` (as :meth:`gather_local` left it) <- what the 1-bit exchange averages: the local
-        momentum ``m_i = b1 m + (1 - b1) g_i``, or with the preconditioned exchange ``clip(R m_i,
-        +-c_l K / f_l)``, 0 where ``v_f == 0`` (:mod:`compressed_opt.onebit_adam`)."""
+        momentum ``m_i = b1 m + (1 - b1) g_i``, or with the preconditioned exchange ``clip(s_l R m_i,
+        +-c_l K)`` (``s_l``: ``opt._exchange_factors``, called once per exchange), 0 where
+        ``v_f == 0`` (:mod:`compressed_opt.onebit_adam`)."""
         raise NotImplementedError
 
     def exchange(self, opt, bucket: Bucket, x: torch.Tensor) -> None:
@@ -169,9 +170,9 @@ class Layout:
 
     def step_preconditioned_(self, opt, bucket: Bucket, y: torch.Tensor, decay: float, alpha: float,
                              step: int) -> None:
-        """1-bit Adam's compression-stage update from the exchanged ``y = avg(R m_i)``:
-        ``p <- p decay + alpha f_l m / (sqrt(v_f) + eps)`` (``f_l``: the layer's variance factor),
-        keeping ``m = y / R``."""
+        """1-bit Adam's compression-stage update from the exchanged ``y = avg(s_l R m_i)``:
+        ``p <- p decay + alpha f_l m / (sqrt(v_f) + eps)`` (``f_l``: the layer's variance factor;
+        ``f_l / s_l`` times ``A y``: ``opt._update_factors``), keeping ``m = y / (s_l R)``."""
         raise NotImplementedError
 
     def update_masters(self, opt, bucket: Bucket, step: int, decay, delta: torch.Tensor, alpha: float = 1.0) -> None:
@@ -247,8 +248,9 @@ class Replicated(Layout):
         r = opt._exchange_preconditioner(bucket)
         if r is None:
             torch.lerp(m, x, 1 - beta1, out=x)
-        else:  # one pass
-            kernels.lerp_scale_clamp_(x, m, 1 - beta1, r, opt._exchange_bounds(bucket), bucket.segments)
+        else:  # one pass: clip(s_l R m_i, +-c_l K)
+            kernels.lerp_scale_clamp_(x, m, 1 - beta1, r, opt._exchange_bounds(bucket), bucket.segments,
+                                      opt._exchange_factors(bucket))
 
     def exchange(self, opt, bucket, x):
         opt.compressed_average(bucket, x)
@@ -280,10 +282,10 @@ class Replicated(Layout):
         bucket.flats.pop("frozen_denominator", None)
 
     def step_preconditioned_(self, opt, bucket, y, decay, alpha, step):
-        """``m = y / R`` into ``exp_avg``; ``p <- p decay + alpha f_l A y`` formed inside the
-        update (one pass, no direction buffer written)."""
+        """``m = y / (s_l R)`` into ``exp_avg``; ``p <- p decay + alpha (f_l / s_l) A y`` formed
+        inside the update (one pass, no direction buffer written)."""
         opt._momentum_from_exchange(bucket, y, out=bucket.flat("exp_avg"))
-        factors = opt._variance_factors_of(bucket) or [1.0] * len(bucket.params)
+        factors = opt._update_factors(bucket) or [1.0] * len(bucket.params)
         if decay != 1.0:
             torch._foreach_mul_(bucket.params, decay)
         a = bucket.flats["direction_factor"]

@@ -7,7 +7,7 @@ ZeRO-sharded) calls these. In place on flat fp32 buffers (or chunks of them)::
     sqrt(v) / sqrt(1 - b2^t) + eps             denominator_
     sqrt(v / (1 - b2^F)) + eps, inf at v == 0  frozen_denominator_of (the compression stage's divisor)
     p = p decay + alpha d                      descend_ (AdamW's step: decay = 1 - lr wd, alpha = -lr / bc1)
-    the compression stage's |m / sqrt(v_f)|    COMPRESSED_STEP_BOUND (1.5)
+    the compression stage's |m / sqrt(v_f)|    COMPRESSED_STEP_BOUND (1.25)
     the most one gradient spike gives           spike_bound: max(1, (1 - b1) / sqrt(1 - b2))
     0/1 Adam's phase-A |g_i / sqrt(v_hat)|      WHITENED_GRADIENT_BOUND (3)
 """
@@ -18,13 +18,14 @@ import math
 import torch
 
 
-#: The compression stage's bound on a coordinate's ``|m / sqrt(v_f)|`` (OnebitAdam, 0/1 Adam; times
-#: ``c_l``, over the tracking factor). Adam's step, in units of ``lr``, is 1 for a gradient that
-#: keeps its sign and size, and up to :func:`spike_bound` (3.16) for a while after a rise, until
-#: ``v`` catches up, which a frozen ``v_f`` never does: a coordinate whose gradient grew after the
-#: freeze would keep taking that transient step. 1.5 is measured between the two
-#: (docs/design.md 2.3.1: 1 slows an early freeze, 2 and 3.16 let such coordinates outgrow Adam's).
-COMPRESSED_STEP_BOUND = 1.5
+#: The compression stage's bound on a coordinate's step ``|m / sqrt(v_f)|`` times its tracking
+#: factor, in units of ``lr`` (OnebitAdam, 0/1 Adam; times ``c_l`` on the exchanged values). Adam's
+#: step is 1 for a gradient that keeps its sign and size, and up to :func:`spike_bound` (3.16) for
+#: a while after a rise, until ``v`` catches up, which a frozen ``v_f`` never does: a coordinate
+#: whose gradient grew after the freeze would keep taking that transient step. 1.25 is measured
+#: (docs/design.md 2.3.1: 1 slows an early freeze; at 1.5 and above, growing biases of GPT-2 and
+#: BERT outgrew AdamW's by more than 2x).
+COMPRESSED_STEP_BOUND = 1.25
 
 #: 0/1 Adam's bound on a local gradient's ``|g_i / sqrt(v_hat)|`` in its phase-A 1-bit exchange.
 #: The whitened gradient has an RMS near 1; ``1 / sqrt(1 - b2)`` (31.6) is what one coordinate can

@@ -92,6 +92,7 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
         self.freeze_rule = resolve_rule(freeze_step)
         self.freeze_step = None if self.freeze_rule is not None else freeze_step
         self.frozen = False
+        self._unit_factor_errors: set[int] = set()  # buckets whose loaded errors are of s = 1
         super().__init__(params, defaults, backend=backend, bucket_cap_mb=bucket_cap_mb,
                          overlap=overlap, accumulation_steps=accumulation_steps, hierarchy=hierarchy, path=path,
                          layout=zero.for_stage(zero_stage), scale_block=scale_block)
@@ -137,6 +138,10 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
         self.frozen = True
         self.freeze_step = step
         self.reset_error_buffers()
+        for b in self._buckets:
+            b.derived.pop("exchange_factors", None)
+            for p in b.params:
+                self.state[p].pop("exchange_factor", None)
         for b in self._buckets:
             self._start_variance_tracking(b, self.layout.freeze(self, b))
         logger.info("%s: variance frozen at the end of step %d; compression starts", type(self).__name__, step)
@@ -196,15 +201,14 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
         return r
 
     def _bound_constant(self, betas) -> float:
-        """``K``, the bound on a coordinate's exchanged ``|m_i / sqrt(v_f)|``
+        """``K``, the bound on a coordinate's exchanged ``|m_i / sqrt(v_f)|`` in units of its step
         (:data:`~compressed_opt.moments.COMPRESSED_STEP_BOUND`)."""
         return COMPRESSED_STEP_BOUND
 
     def _exchange_bounds(self, bucket) -> list[float]:
-        """Per layer, the bound ``c_l K / f_l`` on the exchanged ``|R m_i|`` (:meth:`_bound_constant`;
-        ``f_l`` the layer's variance-tracking factor of the last update, which multiplies the step
-        after the exchange): no coordinate steps further than ``lr K``. ``c_l K`` is made once per
-        preconditioner (``c_l`` is set with it) and betas."""
+        """Per layer, the bound ``c_l K`` on the exchanged ``|s_l R m_i|`` (:meth:`_bound_constant`;
+        ``s_l`` the layer's exchange factor, :meth:`_exchange_factors`): no coordinate steps further
+        than ``lr K``. Made once per preconditioner (``c_l`` is set with it) and betas."""
         betas = tuple(self.param_groups[bucket.group_index]["betas"])
         key = (self._exchange_preconditioner(bucket), betas)
         cached = bucket.derived.get("exchange_bounds")
@@ -212,15 +216,63 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
             k = self._bound_constant(betas)
             cached = (key, [k * self.state[p]["scaling_coeff"] for p in bucket.params])
             bucket.derived["exchange_bounds"] = cached
-        factors = self._last_variance_factors(bucket)
-        return cached[1] if factors is None else [b / f for b, f in zip(cached[1], factors)]
+        return cached[1]
 
     def _bound_(self, bucket, x: torch.Tensor) -> None:
-        """Clip the exchanged ``R m_i`` to ``+-c_l K / f_l`` (:meth:`_exchange_bounds`)."""
+        """Clip the exchanged ``s_l R m_i`` to ``+-c_l K`` (:meth:`_exchange_bounds`)."""
         views, bounds = bucket.views(x), self._exchange_bounds(bucket)
         if views:
             torch._foreach_clamp_max_(views, bounds)
             torch._foreach_clamp_min_(views, [-b for b in bounds])
+
+    # --- the tracked exchange: each layer reaches the compressor at the size of its step ----------
+    def _exchange_factors(self, bucket) -> list[float] | None:
+        """Per layer, ``s_l``, what the preconditioned exchange multiplies ``R m_i`` by before the
+        1-bit exchange: the layer's variance-tracking factor of the last update (the latest there
+        is before this step's all-gather), so that every layer reaches the compressor at the size
+        of its step and the scales of the blocks it shares with other layers fit it
+        (docs/design.md 2.3.3). ``None`` (1) with the paper's exchange or without tracking.
+        Called once per exchange: the factors are kept with the bucket for the rest of the step
+        (:meth:`_applied_exchange_factors`), and after it in ``state[p]["exchange_factor"]``."""
+        if self.exchange_mode != "preconditioned":
+            return None
+        s = self._last_variance_factors(bucket)
+        if s is None:
+            return None
+        bucket.derived["exchange_factors"] = s
+        if bucket.index in self._unit_factor_errors:  # a checkpoint of format 2: errors made with s = 1
+            scaling.rescale_errors(self, bucket, [1.0] * len(s), s)
+            self._unit_factor_errors.discard(bucket.index)
+        return s
+
+    def _applied_exchange_factors(self, bucket) -> list[float] | None:
+        """The ``s_l`` of this step's exchange (``None``: not tracked)."""
+        if self.exchange_mode != "preconditioned" or not (self.variance_tracking and self.frozen):
+            return None
+        return bucket.derived.get("exchange_factors")
+
+    def _kept_exchange_factors(self, bucket) -> list[float]:
+        """The ``s_l`` of the last exchange, whose result a sharded layout keeps as 1-bit rows (1
+        for a checkpoint of format 2, or before any tracked exchange)."""
+        return [self.state[p].get("exchange_factor", 1.0) for p in bucket.params]
+
+    def _update_factors(self, bucket) -> list[float] | None:
+        """Per layer, what the exchanged ``y`` is multiplied by in the update on top of ``A``:
+        ``f_l / s_l`` (this step's tracking factor over the exchange's), ``f_l`` when the exchange
+        was not tracked, ``None`` without tracking."""
+        f = self._variance_factors_of(bucket)
+        s = self._applied_exchange_factors(bucket)
+        if f is None or s is None:
+            return f
+        return [a / b for a, b in zip(f, s)]
+
+    def _record_exchange_factors(self, bucket) -> None:
+        """After the update: the exchange's ``s_l`` into ``state[p]["exchange_factor"]`` (the
+        sharded layout's rows are in its units; checkpoints carry it)."""
+        s = self._applied_exchange_factors(bucket)
+        if s is not None:
+            for p, v in zip(bucket.params, s):
+                self.state[p]["exchange_factor"] = v
 
     def _preconditioned_coeffs(self, bucket, inv_root: torch.Tensor) -> list[float]:
         """Each layer's ``c_l = mean_k s_k / s_l``, ``s_l`` the RMS of ``m / sqrt(v_f)`` over layer
@@ -245,14 +297,19 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
         return idx
 
     def _momentum_from_exchange(self, bucket, y: torch.Tensor, out: torch.Tensor) -> None:
-        """``m = y / R`` into ``out`` (0 where ``v_f == 0``; the cached indices of those zeros
-        spare the composed path a mask pass per step)."""
+        """``m = y / (s_l R)`` into ``out`` (0 where ``v_f == 0``; the cached indices of those
+        zeros spare the composed path a mask pass per step; ``s_l`` the exchange's factors,
+        :meth:`_exchange_factors`, divided in the same pass)."""
         n = bucket.numel
+        s = self._applied_exchange_factors(bucket)
         kernels.divide_where_nonzero_(y[:n], self._exchange_preconditioner(bucket)[:n], out[:n],
-                                      self._no_variance(bucket))
+                                      self._no_variance(bucket), *((bucket.segments, s) if s is not None else ()))
 
     def _load_extra_state(self, extra):
         self._load_tracking_of(extra)
+        # a compression-stage checkpoint of format 2: its error buffers hold errors of s = 1
+        unit = extra["frozen"] and extra.get("unit_exchange_factors", False) and self.variance_tracking
+        self._unit_factor_errors = set(range(len(extra["buckets"]))) if unit else set()
         # checkpoints from before the preconditioned exchange carry no "exchange": the paper's
         saved = extra.get("exchange", "momentum")
         if extra["frozen"] and saved != self.exchange_mode:
@@ -340,8 +397,9 @@ class OnebitAdam(_FreezingAdam):
             layout.step_(self, bucket, layout.own_values(self, bucket), direction, 1 - lr * wd, -lr / bc1)
             return
         # compression stage: grad holds the compressed average (_bucket_communicate)
-        if self.exchange_mode == "preconditioned":  # y = the average of R m_i
+        if self.exchange_mode == "preconditioned":  # y = the average of s_l R m_i
             layout.step_preconditioned_(self, bucket, grad, 1 - lr * wd, -lr / bc1, step)
+            self._record_exchange_factors(bucket)
             return
         layout.keep_momentum(self, bucket, grad)
         direction = grad  # m / (sqrt(v_f) + eps), in place

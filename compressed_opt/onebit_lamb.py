@@ -84,10 +84,12 @@ in warmup, then the live one or ``r_f factor``).
 """
 from __future__ import annotations
 
+import math
 import numbers
 
 import torch
 
+from compressed_opt import cuda as kernels
 from compressed_opt.comm import DEFAULT_BLOCK
 
 from . import scaling
@@ -303,13 +305,13 @@ class OnebitLamb(_FreezingAdam):
         torch.sqrt(v_fresh, out=ratio).div_(bc2_sqrt).add_(eps)
         torch.div(layout.own(self, bucket, denom), ratio, out=ratio).nan_to_num_(nan=0.0, posinf=0.0)
         coeffs = self._compression_coeffs(params, group, layout.layer_maxima(self, bucket, ratio))
-        if self.trust_ratio == "live":
-            coeffs = self._live_coeffs(bucket, group, coeffs, self._measures_live_ratio(step))
 
         # p <- p - lr coeff (m_hat / (sqrt(v_f) + eps) + wd p)
         layout.keep_momentum(self, bucket, momentum)  # m <- m_t
         update = momentum  # free now
         torch.div(momentum, denom, out=update)
+        if self.trust_ratio == "live":
+            coeffs = self._live_coeffs(bucket, group, coeffs, self._measures_live_ratio(step), update, bc1)
         decays = [1.0 - lr * c * wd for c in coeffs]
         if wd != 0:
             torch._foreach_mul_(params, decays)
@@ -370,23 +372,41 @@ class OnebitLamb(_FreezingAdam):
             self._direction_norms[b.index] = rms[offset: offset + len(b.params)]
             offset += len(b.params)
 
-    def _live_coeffs(self, bucket, group, frozen, measure) -> list[float]:
-        """Each layer's ``max(clip(||p|| / ||u||, min_coeff, max_coeff), r_f, r_f factor)``
-        (``frozen``: the layers' ``r_f factor``; the live term is 0 where either norm is 0),
-        ``||u||`` the RMS over the ranks of their local ``||u_i||``. The live term is measured when
-        ``measure`` and kept in ``state[p]["trust_ratio_live"]`` (checkpointed) in between."""
+    def _live_coeffs(self, bucket, group, frozen, measure, update, bc1) -> list[float]:
+        """Each layer's ``min(max(clip(||p|| / ||u||, min_coeff, max_coeff), r_f, r_f factor),
+        cap)`` (``frozen``: the layers' ``r_f factor``; the live term is 0 where either norm is 0),
+        ``||u||`` the RMS over the ranks of their local ``||u_i||``; ``cap`` LAMB's own trust ratio
+        of the direction this step applies, ``clip(||p|| / ||d||, min_coeff, max_coeff)`` with ``d
+        = update / bc1 + wd p`` (``update``: ``m_t / (sqrt(v_f) + eps)``, whole), so no layer steps
+        further than LAMB would from where it is. Both are measured when ``measure`` and kept in
+        ``state[p]`` (``trust_ratio_live``, ``trust_ratio_cap``: checkpointed) in between."""
         params = bucket.params
         if measure:
             p_norm = norms(params)
             u_norm = p_norm.new_tensor(self._direction_norms[bucket.index])
-            for p, live in zip(params, _trust_ratios(p_norm, u_norm, group, where_zero=0.0)):
+            d_norm = self._step_direction_norms(bucket, group, update, bc1)
+            caps = _trust_ratios(p_norm, d_norm, group)
+            for p, live, cap in zip(params, _trust_ratios(p_norm, u_norm, group, where_zero=0.0), caps):
                 self.state[p]["trust_ratio_live"] = live
+                self.state[p]["trust_ratio_cap"] = cap
         coeffs = []
         for p, r_factor in zip(params, frozen):
             st = self.state[p]
-            st["lamb_coeff"] = coeff = max(st.get("trust_ratio_live", 0.0), st["trust_ratio_frozen"], r_factor)
+            coeff = max(st.get("trust_ratio_live", 0.0), st["trust_ratio_frozen"], r_factor)
+            st["lamb_coeff"] = coeff = min(coeff, st.get("trust_ratio_cap", math.inf))
             coeffs.append(coeff)
         return coeffs
+
+    def _step_direction_norms(self, bucket, group, update, bc1) -> torch.Tensor:
+        """Per layer, ``||update / bc1 + wd p||`` (float64): the norm of the direction the step
+        applies, the 1-bit exchange's noise included; one pass (a copy when ``wd != 0``)."""
+        wd = group["weight_decay"]
+        if wd == 0:
+            sq = torch.empty(len(bucket.params), dtype=torch.float64, device=update.device)
+            return kernels.segment_sumsq(update, bucket.segments, sq).sqrt_().div_(bc1)
+        direction = torch._foreach_mul(bucket.views(update), 1.0 / bc1)
+        torch._foreach_add_(direction, [p.detach() for p in bucket.params], alpha=wd)
+        return norms(direction)
 
     def _compression_coeffs(self, params, group, raw) -> list[float]:
         """Each layer's ``r_f * factor`` from the raw factors (clipped, and by the threshold)."""

@@ -26,7 +26,7 @@ from .overlap import BucketLauncher
 
 #: attributes a copy pickled by an older version lacks, with what they start from
 _ADDED_SINCE_PICKLED = {"scale_block": DEFAULT_BLOCK, "_regathering": False, "_summed_step": dict,
-                        "_warmup_local": dict}
+                        "_warmup_local": dict, "_unit_factor_errors": set}
 
 
 class Persistence:

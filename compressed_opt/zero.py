@@ -234,22 +234,29 @@ class Sharded(Layout):
         """The local momentum, formed from ``p.grad`` directly (:meth:`form_local_momentum`)."""
         opt._observe_local_gradient(bucket)
         beta1 = opt.param_groups[bucket.group_index]["betas"][0]
+        preconditioner = opt._exchange_preconditioner(bucket)
+        factors = opt._exchange_factors(bucket) if preconditioner is not None else None
         self.form_local_momentum(opt, bucket, grad, beta1, keep_previous=opt._keeps_previous_momentum,
-                                 row_scales=opt._exchange_scales(bucket),
-                                 preconditioner=opt._exchange_preconditioner(bucket))
+                                 row_scales=opt._exchange_scales(bucket), preconditioner=preconditioner,
+                                 factors=None if factors is None else (opt._kept_exchange_factors(bucket), factors))
 
     def form_local_momentum(self, opt, bucket: Bucket, x: torch.Tensor, beta1: float, keep_previous: bool = False,
-                            row_scales: list[float] | None = None,
-                            preconditioner: torch.Tensor | None = None) -> None:
+                            row_scales: list[float] | None = None, preconditioner: torch.Tensor | None = None,
+                            factors: tuple[list[float], list[float]] | None = None) -> None:
         """``x`` <- ``b1 m + (1 - b1) g_i`` with ``m`` expanded from the kept rows (or the momentum
         gathered at the freeze) and ``g_i`` read straight from ``p.grad``. ``row_scales``: per layer,
         what the exchanged momentum was multiplied by (1-bit LAMB's scaling coefficients), divided
         out after expanding. ``preconditioner``: per element, the fixed factor ``R`` of an exchange of
         ``R m`` (OnebitAdam's preconditioned exchange): ``x`` <- ``b1 R m + (1 - b1) R g_i``, with
-        ``R m`` the kept rows themselves. ``keep_previous``: also keep this rank's chunk of ``m``
-        (``momentum_prev_shard``, for 1-bit LAMB's fresh variance)."""
+        ``R m`` the kept rows themselves. ``factors``: ``(kept, new)`` per layer, the exchange
+        factors the kept rows were made with and this exchange's (the tracked exchange,
+        :meth:`~compressed_opt.onebit_adam._FreezingAdam._exchange_factors`): ``x`` <- ``new (b1 R m +
+        (1 - b1) R g_i)``, the rows divided by ``kept``. ``keep_previous``: also keep this rank's
+        chunk of ``m`` (``momentum_prev_shard``, for 1-bit LAMB's fresh variance)."""
+        kept, new = factors if factors is not None else (None, None)
         if "exp_avg" in bucket.flats:
             x.copy_(bucket.flats["exp_avg"])
+            kept = None  # the momentum gathered at the freeze: not scaled
             if preconditioner is not None:
                 x.mul_(preconditioner)
         else:
@@ -263,21 +270,31 @@ class Sharded(Layout):
                 previous.copy_(x[lo:hi])
             else:  # m = (R m) / R; 0 where R == 0 (v_f == 0)
                 torch.div(x[lo:hi], preconditioner[lo:hi], out=previous).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-        x.mul_(beta1)
         alpha = (1 - beta1) * (opt._gather_inv_scale if opt._gather_inv_scale is not None else 1.0)
+        if new is None:
+            x.mul_(beta1)
+            alphas = None
+        else:  # per layer: b1 new / kept on the rows, (1 - b1) new on the gradient
+            kept = kept if kept is not None else [1.0] * len(new)
+            torch._foreach_mul_(bucket.views(x), [beta1 * n / k for n, k in zip(new, kept)])
+            alphas = [alpha * n for n in new]
         views, grads = [], []
         factors = bucket.views(preconditioner) if preconditioner is not None else None
-        scales = []
+        scales, values = [], []
         for i, (p, view) in enumerate(zip(bucket.params, bucket.views(x))):
             if p.grad is not None:
                 views.append(view)
                 grads.append(p.grad if p.grad.dtype == torch.float32 else p.grad.float())
                 if factors is not None:
                     scales.append(factors[i])
+                if alphas is not None:
+                    values.append(alphas[i])
         if views and factors is None:
             torch._foreach_add_(views, grads, alpha=alpha)
-        elif views:
+        elif views and alphas is None:
             torch._foreach_addcmul_(views, scales, grads, value=alpha)
+        elif views:
+            torch._foreach_addcmul_(views, scales, grads, values)
 
     def local_momentum_(self, opt, bucket, x, beta1):
         """``x`` holds ``m_i`` (``R m_i``) already (:meth:`gather_local`); preconditioned, it is
@@ -313,7 +330,9 @@ class Sharded(Layout):
 
     def step_preconditioned_(self, opt, bucket, y, decay, alpha, step):
         self._direction_from_exchange_(opt, bucket, y)
-        opt._variance_factors_(bucket, y)
+        factors = opt._update_factors(bucket)  # f_l / s_l
+        if factors is not None and bucket.views(y):
+            torch._foreach_mul_(bucket.views(y), factors)
         descend_(bucket.params, bucket.views(y), decay, alpha)
         self.update_masters(opt, bucket, step, decay, y, alpha)
 

@@ -65,7 +65,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.co_has_avx2.restype = ctypes.c_int
     lib.co_segment_sumsq.argtypes = [p, p, i64, p]
     lib.co_segment_sumsq.restype = None
-    lib.co_lerp_scale_clamp.argtypes = [p, p, f32, p, p, p, i64]
+    lib.co_lerp_scale_clamp.argtypes = [p, p, f32, p, p, p, p, i64]
     lib.co_lerp_scale_clamp.restype = None
     lib.co_scale_clamp.argtypes = [p, p, p, p, i64]
     lib.co_scale_clamp.restype = None
@@ -73,6 +73,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.co_gather.restype = None
     lib.co_divide_where_nonzero.argtypes = [p, p, p, i64]
     lib.co_divide_where_nonzero.restype = None
+    lib.co_divide_where_nonzero_segments.argtypes = [p, p, p, p, p, i64]
+    lib.co_divide_where_nonzero_segments.restype = None
     return lib
 
 

@@ -305,34 +305,35 @@ void co_gather(const int64_t *srcs, float *out, const int64_t *off, int64_t nseg
 }
 
 /*
- * x <- clamp(r * lerp(m, x, w), -b_s, b_s) over segment s, with torch.lerp's formula
- * (m + w (x - m) for |w| < 1/2, else x - (x - m)(1 - w)); NaN stays NaN.
+ * x <- clamp(c_s * (r * lerp(m, x, w)), -b_s, b_s) over segment s, with torch.lerp's formula
+ * (m + w (x - m) for |w| < 1/2, else x - (x - m)(1 - w)); NaN stays NaN. scales == NULL: c_s = 1
+ * (a multiplication by 1 is exact, so the result is the unscaled one bit for bit).
  */
 void co_lerp_scale_clamp(float *x, const float *m, float w, const float *r, const double *bounds,
-                         const int64_t *off, int64_t nseg) {
+                         const double *scales, const int64_t *off, int64_t nseg) {
     const int small = w < 0.5f && w > -0.5f;
     const float wc = 1.0f - w;
     for (int64_t s = 0; s < nseg; ++s) {
-        const float b = (float)bounds[s], nb = -b;
+        const float b = (float)bounds[s], nb = -b, c = scales ? (float)scales[s] : 1.0f;
         const int64_t lo = off[s], n = off[s + 1] - off[s];
         float *restrict xs = x + lo;
         const float *restrict ms = m + lo, *restrict rs = r + lo;
         if (small) {
             for (int64_t i = 0; i < n; ++i) {
-                float v = rs[i] * (ms[i] + w * (xs[i] - ms[i]));
+                float v = c * (rs[i] * (ms[i] + w * (xs[i] - ms[i])));
                 xs[i] = v > b ? b : (v < nb ? nb : v);
             }
         } else {
             for (int64_t i = 0; i < n; ++i) {
                 float d = xs[i] - ms[i];
-                float v = rs[i] * (xs[i] - d * wc);
+                float v = c * (rs[i] * (xs[i] - d * wc));
                 xs[i] = v > b ? b : (v < nb ? nb : v);
             }
         }
     }
 }
 
-/* x <- clamp(r * x, -b_s, b_s) over segment s; NaN stays NaN. */
+/* x <- clamp(r * x, -b_s, b_s) over segment s. */
 void co_scale_clamp(float *x, const float *r, const double *bounds, const int64_t *off, int64_t nseg) {
     for (int64_t s = 0; s < nseg; ++s) {
         const float b = (float)bounds[s], nb = -b;
@@ -367,5 +368,23 @@ void co_divide_where_nonzero(float *y, const float *r, float *q, int64_t n) {
         const float *restrict ys = y, *restrict rs = r;
         float *restrict qs = q;
         for (int64_t i = 0; i < n; ++i) qs[i] = quotient_or_zero(ys[i], rs[i]);
+    }
+}
+
+/* (y / r) / c_s over segment s, or +0 where r == 0 (q may be y). */
+void co_divide_where_nonzero_segments(float *y, const float *r, float *q, const double *divisors,
+                                      const int64_t *off, int64_t nseg) {
+    for (int64_t s = 0; s < nseg; ++s) {
+        const float c = (float)divisors[s];
+        const int64_t lo = off[s], n = off[s + 1] - off[s];
+        if (q == y) {
+            float *restrict ys = y + lo;
+            const float *restrict rs = r + lo;
+            for (int64_t i = 0; i < n; ++i) ys[i] = quotient_or_zero(ys[i], rs[i]) / c;
+        } else {
+            const float *restrict ys = y + lo, *restrict rs = r + lo;
+            float *restrict qs = q + lo;
+            for (int64_t i = 0; i < n; ++i) qs[i] = quotient_or_zero(ys[i], rs[i]) / c;
+        }
     }
 }

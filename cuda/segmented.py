@@ -11,12 +11,14 @@ operation and per segment:
 ``segment_sumsq(x, segments, out)``
     ``out[s] = sum_{k in s} x_k^2``, accumulated in float64 (squares of gradients below ~1e-19
     underflow in fp32).
-``lerp_scale_clamp_(x, m, weight, r, bounds, segments)``
-    ``x <- clamp(r * lerp(m, x, weight), -b_s, b_s)`` element-wise, ``b_s = bounds[s]``.
+``lerp_scale_clamp_(x, m, weight, r, bounds, segments, scales=None)``
+    ``x <- clamp(c_s * r * lerp(m, x, weight), -b_s, b_s)`` element-wise, ``b_s = bounds[s]``,
+    ``c_s = scales[s]`` (1 without ``scales``).
 ``scale_clamp_(x, r, bounds, segments)``
     ``x <- clamp(r * x, -b_s, b_s)``.
-``divide_where_nonzero_(y, r, out, zero_index=None)``
-    ``out <- y / r``, 0 where ``r == 0`` (not segmented; ``out`` may be ``y``).
+``divide_where_nonzero_(y, r, out, zero_index=None, segments=None, divisors=None)``
+    ``out <- y / r``, 0 where ``r == 0`` (``out`` may be ``y``); with ``segments`` and
+    ``divisors``, then divided by ``divisors[s]`` on segment ``s``.
 
 CPU tensors run ``onebit_cpu.c`` (one pass, no per-segment call); other devices, and CPUs where
 no C compiler exists (or ``COMPRESSED_OPT_KERNELS=reference``), compose the same math from
@@ -128,18 +130,24 @@ def segment_sumsq(x: torch.Tensor, segments: Segments, out: torch.Tensor) -> tor
 
 
 def lerp_scale_clamp_(x: torch.Tensor, m: torch.Tensor, weight: float, r: torch.Tensor, bounds,
-                      segments: Segments) -> None:
-    """``x`` <- ``clamp(r * lerp(m, x, weight), -bounds[s], bounds[s])`` on each segment ``s``."""
+                      segments: Segments, scales=None) -> None:
+    """``x`` <- ``clamp(c_s * (r * lerp(m, x, weight)), -bounds[s], bounds[s])`` on each segment
+    ``s`` (``c_s = scales[s]``; 1, exactly the unscaled result, without ``scales``)."""
     _check(segments, x, m, r)
     b = _doubles(bounds, len(segments))
+    c = None if scales is None else _doubles(scales, len(segments))
     lib = _native(x, m, r)
     if lib is not None:
         lib.co_lerp_scale_clamp(x.data_ptr(), m.data_ptr(), float(weight), r.data_ptr(), b.data_ptr(),
-                                segments.offsets.data_ptr(), len(segments))
+                                None if c is None else c.data_ptr(), segments.offsets.data_ptr(), len(segments))
         return
     n = segments.numel
     torch.lerp(m[:n], x[:n], weight, out=x[:n])
     x[:n].mul_(r[:n])
+    if c is not None:
+        views = segments.split(x)
+        if views:
+            torch._foreach_mul_(views, [float(v) for v in c.to(torch.float32).tolist()])
     _clamp_segments_(x, b.tolist(), segments)
 
 
@@ -163,21 +171,43 @@ def _clamp_segments_(x: torch.Tensor, bounds: list[float], segments: Segments) -
 
 
 def divide_where_nonzero_(y: torch.Tensor, r: torch.Tensor, out: torch.Tensor,
-                          zero_index: torch.Tensor | None = None) -> None:
+                          zero_index: torch.Tensor | None = None, segments: Segments | None = None,
+                          divisors=None) -> None:
     """``out`` <- ``y / r``, 0 where ``r == 0`` (``out`` may be ``y``; all three the same shape).
     ``zero_index``: where known, the indices of ``r``'s zeros (1-D int64), which spares the
-    composed path a mask pass; the native pass needs none."""
+    composed path a mask pass; the native pass needs none. ``segments`` and ``divisors``: then
+    ``out`` divided by ``divisors[s]`` on each segment ``s``, in the same pass (only the segments'
+    elements are written then)."""
     if not (y.shape == r.shape == out.shape):
         shapes = ", ".join(str(tuple(t.shape)) for t in (y, r, out))
         raise ValueError(f"y, r and out must have one shape, got {shapes}")
+    if (segments is None) != (divisors is None):
+        raise ValueError("segments and divisors go together")
+    d = None
+    if segments is not None:
+        _check(segments, y)
+        d = _doubles(divisors, len(segments))
     lib = _native(y, r, out)
     if lib is not None:
-        lib.co_divide_where_nonzero(y.data_ptr(), r.data_ptr(), out.data_ptr(), y.numel())
+        if d is None:
+            lib.co_divide_where_nonzero(y.data_ptr(), r.data_ptr(), out.data_ptr(), y.numel())
+        else:
+            lib.co_divide_where_nonzero_segments(y.data_ptr(), r.data_ptr(), out.data_ptr(), d.data_ptr(),
+                                                 segments.offsets.data_ptr(), len(segments))
         return
+    if d is not None:  # only the segments' elements
+        n = segments.numel
+        y, r, out = y[:n], r[:n], out[:n]
+        if zero_index is not None:
+            zero_index = zero_index[zero_index < n]
     if zero_index is not None:
         torch.div(y, r, out=out)
         out.view(-1).index_fill_(0, zero_index, 0.0)
-        return
-    zero = r == 0
-    torch.div(y, r, out=out)
-    out.masked_fill_(zero, 0.0)
+    else:
+        zero = r == 0
+        torch.div(y, r, out=out)
+        out.masked_fill_(zero, 0.0)
+    if d is not None:
+        views = segments.split(out)
+        if views:
+            torch._foreach_div_(views, [float(v) for v in d.to(torch.float32).tolist()])

@@ -96,8 +96,9 @@ def _short_group(sd):
 
 
 CORRUPTIONS = {
-    "format 999": (_set(("compressed_opt", "format"), 999), r"checkpoint format 999 .*reads \(1, 2\)"),
-    "format garbage": (_set(("compressed_opt", "format"), "garbage"), r"checkpoint format 'garbage' .*reads \(1, 2\)"),
+    "format 999": (_set(("compressed_opt", "format"), 999), r"checkpoint format 999 .*reads \(1, 2, 3\)"),
+    "format garbage": (_set(("compressed_opt", "format"), "garbage"),
+                       r"checkpoint format 'garbage' .*reads \(1, 2, 3\)"),
     "no format": (_set(("compressed_opt", "format"), _DELETE), r"no 'format' key"),
     "no algorithm": (_set(("compressed_opt", "algorithm"), _DELETE), r"lacks the key\(s\) 'algorithm'"),
     "no global_step": (_set(("compressed_opt", "global_step"), _DELETE), r"lacks the key\(s\) 'global_step'"),

@@ -60,8 +60,8 @@ def _warmup_and_compression(rank, world, steps, freeze_step, exchange="precondit
 def preconditioned_exchange(m, v_f, sizes, eps, betas):
     """The preconditioned exchange's fixed factors, written out from the module doc: per element
     ``R = c_l / sqrt(v_f)`` and ``A = sqrt(v_f) / (sqrt(v_f) + eps) / c_l`` (both 0 where
-    ``v_f == 0``), per element the bound ``K c_l`` (``K = 1.5``, ``compressed_opt.moments.COMPRESSED_STEP_BOUND``;
-    the caller divides it by the last update's tracking factor); ``c_l = mean_k s_k / s_l`` with
+    ``v_f == 0``), per element the bound ``K c_l`` (``K = 1.25``, ``compressed_opt.moments.COMPRESSED_STEP_BOUND``,
+    on the exchanged ``s_l R m_i``); ``c_l = mean_k s_k / s_l`` with
     ``s_l`` the RMS of ``m / sqrt(v_f)`` over layer ``l`` (1 for an all-zero layer)."""
     denom = (v_f.sqrt() + eps).masked_fill(v_f == 0, float("inf"))
     root = (denom - eps).clamp(min=eps * 2.0**-20)
@@ -69,7 +69,7 @@ def preconditioned_exchange(m, v_f, sizes, eps, betas):
     mean = sum(rms) / len(rms)
     coeff = [mean / r if r > 0 else 1.0 for r in rms]
     per_element = torch.cat([torch.full((n,), c) for n, c in zip(sizes, coeff)])
-    k = 1.5
+    k = 1.25
     return per_element / root, torch.nan_to_num(root / denom, nan=0.0) / per_element, k * per_element
 
 
@@ -104,11 +104,11 @@ def reference_run(world, steps, freeze_step, exchange="preconditioned", tracking
         else:
             local = [b1 * m + (1 - b1) * torch.cat([g[i].reshape(-1) for i in reversed(range(len(params)))])
                      for g in grads]
-            if exchange == "preconditioned":
-                b = bound / last_factor
-                y = simulate([torch.minimum(torch.maximum(r * x, -b), b) for x in local], we, se)
-                m = torch.where(v_f == 0, 0.0, y / r)
-                direction = y * a / (1 - b1**t)
+            if exchange == "preconditioned":  # the tracked exchange: s = the last update's factor
+                s = last_factor
+                y = simulate([torch.minimum(torch.maximum(s * (r * x), -bound), bound) for x in local], we, se)
+                m = torch.where(v_f == 0, 0.0, y / r / s)
+                direction = y * a / (1 - b1**t) / s
             else:
                 m = simulate(local, we, se)
                 direction = (m / (1 - b1**t)) / (v_f.sqrt() + HP["eps"])

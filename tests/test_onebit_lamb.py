@@ -148,11 +148,13 @@ class Reference:
             s["last"] = factor
             u = (m_t / self.corr(b1, t)) / denom + hp["weight_decay"] * p
             coeff = s["r_f"] * factor
-            if self.trust_ratio == "live":  # max(clip(||p|| / RMS_i ||u_i||), r_f, r_f factor)
+            if self.trust_ratio == "live":  # min(max(clip(||p|| / RMS_i ||u_i||), r_f, r_f factor), cap)
                 if (t - T - 1) % self.interval == 0:  # measured, then kept
-                    pn, un = p.norm().item(), math.sqrt(u_sq[p] / self.world)
+                    pn, un, dn = p.norm().item(), math.sqrt(u_sq[p] / self.world), u.norm().item()
                     s["live"] = min(max(pn / un, hp["min_coeff"]), hp["max_coeff"]) if pn > 0 and un > 0 else 0.0
-                coeff = max(s["live"], s["r_f"], coeff)
+                    # the cap: LAMB's own ratio of the direction u this step applies
+                    s["cap"] = min(max(pn / dn, hp["min_coeff"]), hp["max_coeff"]) if pn > 0 and dn > 0 else 1.0
+                coeff = min(max(s["live"], s["r_f"], coeff), s["cap"])
             p -= hp["lr"] * coeff * u
             coeffs[p] = coeff
         self.coeffs.append([coeffs[p] for p in self.params])

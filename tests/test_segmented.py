@@ -81,14 +81,17 @@ def test_gather_of_other_dtypes_and_strides(path):
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_lerp_scale_clamp(path, seed):
+@pytest.mark.parametrize("scaled", [False, True])
+def test_lerp_scale_clamp(path, seed, scaled):
     segs, x, m, r, g = _case(seed)
     bounds = (torch.rand(len(segs), generator=g) * 2).tolist()
+    scales = (0.25 + torch.rand(len(segs), generator=g) * 4).tolist() if scaled else None
     tail = x[segs.numel:].clone()
     expected = []
-    for xs, ms, rs, b in zip(segs.split(x), segs.split(m), segs.split(r), bounds):
-        expected.append((rs * torch.lerp(ms, xs, 0.1)).clamp(-b, b))
-    segmented.lerp_scale_clamp_(x, m, 0.1, r, bounds, segs)
+    for i, (xs, ms, rs, b) in enumerate(zip(segs.split(x), segs.split(m), segs.split(r), bounds)):
+        v = rs * torch.lerp(ms, xs, 0.1)
+        expected.append((v * scales[i] if scaled else v).clamp(-b, b))
+    segmented.lerp_scale_clamp_(x, m, 0.1, r, bounds, segs, scales)
     torch.testing.assert_close(x[: segs.numel], torch.cat(expected), rtol=1e-6, atol=1e-7)
     assert torch.equal(x[segs.numel:], tail)
     assert all(abs(v) <= b for s, b in zip(segs.split(x), bounds) for v in s.tolist())
@@ -126,6 +129,26 @@ def test_divide_where_nonzero(path, seed, in_place):
         assert torch.equal(y, y0)
 
 
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("known_zeros", [False, True])
+def test_divide_where_nonzero_per_segment(path, seed, in_place, known_zeros):
+    """``(y / r) / d_s`` on segment ``s``, 0 where ``r == 0``; past the segments nothing is written."""
+    segs, y, _, r, g = _case(seed)
+    divisors = (0.25 + torch.rand(len(segs), generator=g) * 4).tolist()
+    y0 = y.clone()
+    q = y if in_place else torch.full_like(y, 7.0)
+    tail = q[segs.numel:].clone()
+    zeros = torch.nonzero(r == 0).view(-1) if known_zeros else None
+    segmented.divide_where_nonzero_(y, r, q, zeros, segs, divisors)
+    expected = torch.cat([torch.where(rs != 0, ys / rs, torch.zeros_like(ys)) / d
+                          for ys, rs, d in zip(segs.split(y0), segs.split(r), divisors)])
+    torch.testing.assert_close(q[: segs.numel], expected, rtol=1e-6, atol=0)
+    assert torch.equal(q[segs.numel:], tail)
+    with pytest.raises(ValueError, match="go together"):
+        segmented.divide_where_nonzero_(y, r, q, None, segs)
+
+
 def test_divide_where_nonzero_with_known_zeros(path):
     _, y, _, r, _ = _case(2)
     expected = torch.where(r != 0, y / r, torch.zeros_like(y))
@@ -142,12 +165,15 @@ def test_native_and_reference_agree(monkeypatch):
         monkeypatch.setenv("COMPRESSED_OPT_KERNELS", "reference" if p == "reference" else "native")
         segs, x, m, r, g = _case(5, sizes=(1000, 7, 33333, 0, 2))
         bounds = [0.5, 1.0, 2.0, 1.0, 0.1]
-        segmented.lerp_scale_clamp_(x, m, 0.1, r, bounds, segs)
+        scales = [1.5, 0.3, 1.0, 2.0, 0.7]
+        segmented.lerp_scale_clamp_(x, m, 0.1, r, bounds, segs, scales)
         q = torch.zeros_like(x)
         segmented.divide_where_nonzero_(x, r, q)
+        q2 = torch.zeros_like(x)
+        segmented.divide_where_nonzero_(x, r, q2, None, segs, scales)
         out = torch.empty(len(segs), dtype=torch.float64)
         segmented.segment_sumsq(x, segs, out)
-        results[p] = (x, q, out)
+        results[p] = (x, q, q2, out)
     for a, b in zip(results["native"], results["reference"]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 

@@ -90,6 +90,42 @@ def test_format_1_rows_are_extended_on_load(name):
     assert all(bool(p.isfinite().all()) for p in model.parameters())
 
 
+def test_format_2_errors_are_carried_to_the_exchange_factors(monkeypatch):
+    """A compression-stage checkpoint of format 2 (before the tracked exchange: its error buffers
+    hold errors of exchange factors 1, docs/design.md 2.3.3) loads; at the first exchange each
+    layer's errors are multiplied by the factor that exchange applies, once, and the run trains on."""
+    from compressed_opt import scaling
+
+    model = mlp()
+    opt = OPTIMIZERS["OnebitAdam"](model.parameters(), 2, True, lr=1e-3)
+    run_steps(model, opt, list(shard_batches(0, 1, 6)))
+    saved = opt.state_dict()
+    assert saved["compressed_opt"]["format"] == 3
+    assert all("exchange_factor" in st for st in saved["state"].values())
+    old = {**saved, "compressed_opt": {**saved["compressed_opt"], "format": 2},
+           "state": {k: {n: v for n, v in st.items() if n != "exchange_factor"} for k, st in saved["state"].items()}}
+    calls = []
+    carry = scaling.rescale_errors
+    monkeypatch.setattr(scaling, "rescale_errors",
+                        lambda o, b, a, c: (calls.append((list(a), list(c))), carry(o, b, a, c)))
+    resumed = OPTIMIZERS["OnebitAdam"](model.parameters(), 2, True, lr=1e-3)
+    resumed.load_state_dict(old)
+    loaded = old["compressed_opt"]["buckets"][0]["worker_error"].clone()
+    errors = []
+    real = resumed.compressed_average
+    monkeypatch.setattr(resumed, "compressed_average",
+                        lambda b, x: (errors.append(resumed.error_buffers(b)[0].clone()), real(b, x)))
+    run_steps(model, resumed, list(shard_batches(0, 1, 3)))
+    factors = resumed._buckets[0].derived["exchange_factors"]
+    assert len(calls) == 1 and calls[0][0] == [1.0] * len(factors)  # once, from factors 1
+    first = resumed._buckets[0]
+    expected = loaded.clone()
+    torch._foreach_mul_(first.views(expected), calls[0][1])
+    assert torch.equal(errors[0], expected)  # the first exchange compensates with the carried errors
+    assert not resumed._unit_factor_errors
+    assert all(bool(p.isfinite().all()) for p in model.parameters())
+
+
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_a_compression_stage_checkpoint_of_the_other_setting_is_refused(name):
     make = OPTIMIZERS[name]

@@ -160,7 +160,7 @@ def reference_run(hp, steps, world, exchange="preconditioned", tracking=True):
                     rms = [piece.pow(2).mean().sqrt().item() for piece in whitened.split(sizes)]
                     layer = torch.cat([torch.full((k,), c) for k, c in zip(sizes, scaling.coefficients(rms, sizes))])
                     coef = whitening(v, 10**9, layer)
-                    k_step = 1.5  # the compression stage's bound on |m / sqrt(v_f)|
+                    k_step = 1.25  # the compression stage's bound on |m / sqrt(v_f)|
                 else:
                     coef = new_coefficients(v)
             continue

@@ -32,11 +32,15 @@ def test_passes_agree_with_the_cpu(sizes):
         x_, m_, a_, r_ = (t.to(device) for t in (x, m, a, r))
         out = torch.empty(len(segs), dtype=torch.float64, device=device)
         segmented.segment_sumsq(x_, segs, out)
+        scaled = x_.clone()
+        segmented.lerp_scale_clamp_(scaled, m_, 0.1, r_, per_segment, segs, per_segment[::-1])
         segmented.lerp_scale_clamp_(x_, m_, 0.1, r_, per_segment, segs)
         y = x_.clone()
         segmented.scale_clamp_(y, r_, per_segment, segs)
         q = torch.zeros_like(x_)
         segmented.divide_where_nonzero_(x_ * a_, r_, q)
-        results[device] = [t.cpu() for t in (out, x_, y, q)]
+        q2 = torch.zeros_like(x_)
+        segmented.divide_where_nonzero_(x_ * a_, r_, q2, None, segs, per_segment)
+        results[device] = [t.cpu() for t in (out, x_, y, q, scaled, q2)]
     for c, g in zip(results["cpu"], results["cuda"]):
         torch.testing.assert_close(g, c, rtol=1e-5, atol=1e-6)
