@@ -16,9 +16,10 @@ optimizers' ``scale_block``, 1024 by default: ``c = 1.03125 / 8``). Below, ``n /
   ``L (N - L) / N * n / 8 + (N - 1) / N * n / 8`` (2 x 2 ranks: ``7 n / 32``; 2 x 4: ``23 n / 64``).
 * ``hier_1bit`` (hierarchical): a full-precision reduce-scatter inside the node (each local rank
   then owns ``n / L``), the 1-bit compressed allreduce of that shard among the ``M`` ranks with
-  the same local rank, an all-gather inside the node. Between nodes, per node:
-  ``L * 2 (M - 1) / M * n / (8 L) = 2 (M - 1) / M * n / 8`` (2 nodes: ``n / 8``, the floor);
-  inside the node, per rank: ``2 (L - 1) / L * 4 n`` (reduce-scatter and all-gather in fp32).
+  the same local rank, an all-gather inside the node of the shards' results as their 1-bit rows.
+  Between nodes, per node: ``L * 2 (M - 1) / M * n / (8 L) = 2 (M - 1) / M * n / 8`` (2 nodes:
+  ``n / 8``, the floor); inside the node, per rank: ``(L - 1) / L * (4 n + n / 8)`` (the
+  reduce-scatter in fp32, the all-gather in 1-bit rows).
 * ``hier_fp32`` (not in the table: the warmup's fp32 average on the hierarchical exchange, which
   NCCL's topology-aware all-reduce also approaches): the same three steps at full precision;
   between nodes, per node, ``2 (M - 1) / M * 4 n`` (2 nodes: ``4 n``, where the ring sends
@@ -68,7 +69,9 @@ def bytes_per_step(method: str, n: float, nodes: int, per_node: int, block: int 
         return {"inter_node": a2a_out + gather_out, "intra_rank": a2a_in + gather_in, "messages": 2 * (world - 1)}
     if method in ("hier_1bit", "hier_fp32"):
         inter = 2 * (nodes - 1) / nodes * (bits if method == "hier_1bit" else 4 * n) if nodes > 1 else 0.0
-        intra = 2 * (per_node - 1) / per_node * 4 * n if per_node > 1 else 0.0
+        # the reduce-scatter in fp32; the all-gather of the result in 1-bit rows (fp32 on one node)
+        gathered = bits if method == "hier_1bit" and nodes > 1 else 4 * n
+        intra = (per_node - 1) / per_node * (4 * n + gathered) if per_node > 1 else 0.0
         return {"inter_node": inter, "intra_rank": intra, "messages": 2 * (per_node - 1) + 2 * (nodes - 1)}
     raise ValueError(f"unknown method {method!r} (one of {', '.join(METHODS)})")
 

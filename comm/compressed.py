@@ -166,7 +166,11 @@ class CompressedAllreduce:
 
         return wait
 
-    def __call__(self, tensor: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor) -> torch.Tensor:
+    def __call__(self, tensor: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor,
+                 agreed: bool = False) -> torch.Tensor:
+        """One exchange (the module docstring's steps). ``agreed``: the caller has already made every
+        rank agree on the numel, dtype and block (the hierarchical exchange's agreement), so the
+        header all-gather of exchange 1 is left out."""
         backend, world = self.backend, self.backend.world_size
         flat = tensor.view(-1) if tensor.is_contiguous() else None
         if flat is not None and tensor.dtype == torch.float32:
@@ -186,9 +190,10 @@ class CompressedAllreduce:
             self.header_send[3] = self._header_dtype = code
 
         # 2. exchange 1: headers (checked before any size-dependent collective), then rows
-        backend.all_gather(self.header_recv, self.header_send)
-        if world > 1:
-            self._check_agreement()
+        if not agreed:
+            backend.all_gather(self.header_recv, self.header_send)
+            if world > 1:
+                self._check_agreement()
         if self.numel == 0:
             return tensor
         self._exchange(backend.all_to_all, self.server_rows_in, self.worker_rows, True, "a2a")()

@@ -13,10 +13,14 @@ them (the input is padded with zeros to ``L s``; the padding takes no part in wh
    CompressedAllreduce`, on the ``v_l`` real elements), with the worker error ``e_kl`` (``v_l``
    elements) and the server error ``E_kl`` (``chunk_numel(v_l, K)``) of this rank: ``y_l ~
    (1/K) sum_k a_kl``, the same on the ``K`` ranks;
-3. intra-node all-gather: every rank writes ``y = concat_l y_l`` (``n`` elements).
+3. intra-node all-gather of each ``y_l`` *as it travelled between the nodes*: the ``K`` 1-bit
+   rows of step 2's last exchange (``[block scales | sign bits]``, about ``v_l / 8`` bytes, padded
+   to local rank 0's size), not its ``4 v_l`` fp32 bytes; every rank expands the ``L`` row sets
+   into ``y = concat_l y_l`` (``n`` elements) with the decompression step 2 itself ends with.
 
 So ``y`` approximates ``(1/W) sum_kl x_kl``, and is identical, bit for bit, on every rank (each
-``y_l`` is one compressed allreduce's result, and the all-gather copies it). Error feedback runs
+``y_l`` is one compressed allreduce's result, and every rank decompresses the same rows the same
+way). Error feedback runs
 in step 2, so the time-average of ``y`` converges to the time-average of the exact average, as
 with the flat exchange. Degenerate layouts: ``K = 1`` (one node) compresses nothing, ``y`` is
 the full-precision average (steps 1 and 3); ``L = 1`` is exactly the flat compressed allreduce
@@ -29,12 +33,15 @@ The error buffers have the same size on every rank (:func:`hierarchical_error_bu
 and ``chunk_numel(v_l, K)`` elements, the rest stays zero.
 
 Before any of that, every rank says whether its arguments are valid and which ``n`` and dtype it
-has (an all-gather of 24 bytes inside the node, then one between the nodes): if any rank's are
+has, and its block (an all-gather of 32 bytes inside the node, then one between the nodes, which
+also stands for step 2's own check of its header): if any rank's are
 not valid, or the ranks disagree, every rank raises instead of some hanging in a collective.
 
 Bytes one rank sends per call (:func:`hierarchical_wire_bytes`): inside its node
-``2 (L-1) 4 s ~ 2 (L-1)/L * 4n`` (fp32 reduce-scatter and all-gather) plus ``24 (L-1)``;
-between nodes ``wire_bytes(v_l, K) ~ 2 (K-1)/K * n / (8 L)`` plus ``24 (K-1)``: a node sends
+``(L-1) 4 s ~ (L-1)/L * 4n`` (the fp32 reduce-scatter) plus ``(L-1) K r`` (the rows' all-gather,
+``r = row_bytes(s, K, block)``, ``~ (L-1)/L * n (1/8 + 4/block)``) plus ``32 (L-1)``;
+between nodes ``wire_bytes(v_l, K) ~ 2 (K-1)/K * n / (8 L)`` plus ``16 (K-1)`` (32 for the
+agreement, less the 16 of step 2's header, left out): a node sends
 ``~ 2 (K-1)/K * n/8`` to the other nodes, where the flat exchange over ``W`` ranks sends
 ``~ (L (W-L) + W-1)/W * n/8``.
 """
@@ -53,11 +60,13 @@ from .compressed import (
     chunk_numel,
     error_buffer_problem,
     error_buffer_sizes,
+    expand_result_rows,
+    row_bytes,
     wire_bytes,
 )
 from .topology import NodeBackends
 
-_HEADER = 3  # int64: status, numel, dtype code
+_HEADER = 4  # int64: status, numel, dtype code, block
 _HEADER_BYTES = 8 * _HEADER
 _OK, _INVALID, _DISAGREE = 0, 1, 2
 
@@ -105,10 +114,12 @@ def hierarchical_wire_bytes(numel: int, local_size: int, node_count: int, local_
     if numel == 0:
         return WireBytes(intra, inter)
     s = shard_numel(numel, L)
-    intra += 2 * (L - 1) * 4 * s  # reduce-scatter: (L-1)/L of L s floats; all-gather: (L-1) s floats
+    intra += (L - 1) * 4 * s  # reduce-scatter: (L-1)/L of L s floats
+    # all-gather of the shard's result: fp32 (the exact average, or one node), else its 1-bit rows
+    intra += (L - 1) * (4 * s if exact or K == 1 else K * row_bytes(s, K, block))
     valid = shard_valid_numel(numel, L, local_rank)
-    if K > 1 and valid:
-        inter += round(2 * (K - 1) / K * 4 * valid) if exact else wire_bytes(valid, K, block)
+    if K > 1 and valid:  # (the compressed allreduce's own 16-byte header is left out: agreed before)
+        inter += round(2 * (K - 1) / K * 4 * valid) if exact else wire_bytes(valid, K, block) - 16 * (K - 1)
     return WireBytes(intra, inter)
 
 
@@ -148,6 +159,11 @@ class HierarchicalCompressedAllreduce:
         self.gathered = torch.empty(padded, **f32) if split and padded != numel else None
         compress = K > 1 and self.valid > 0
         self.inter_plan = CompressedAllreduce(self.valid, backends.inter, self.device, block) if compress else None
+        # step 3 of the compressed exchange: every local rank's rows, padded to local rank 0's size
+        self.block = block
+        self.rows_len = K * row_bytes(self.shard, K, block) if split and K > 1 else 0
+        self.rows_out = torch.zeros(self.rows_len, dtype=torch.uint8, device=self.device) if self.rows_len else None
+        self.rows_in = torch.empty(L * self.rows_len, dtype=torch.uint8, device=self.device) if self.rows_len else None
 
     # --- agreement: every rank goes on, or every rank raises ------------------------------------
     def _write(self, name: str, buf: torch.Tensor, values: tuple) -> None:
@@ -159,7 +175,7 @@ class HierarchicalCompressedAllreduce:
         """All-gather (status, numel, dtype) inside the node, then each node's verdict between
         the nodes; raise on every rank unless every rank is valid and all agree."""
         backends, L, K = self.backends, self.local_size, self.node_count
-        mine = (_INVALID if problem else _OK, self.numel, _DTYPE_CODES.get(dtype, 0))
+        mine = (_INVALID if problem else _OK, self.numel, _DTYPE_CODES.get(dtype, 0), self.block)
         if L > 1:
             self._write("header", self.header, mine)
             backends.intra.all_gather(self.intra_headers, self.header)
@@ -186,21 +202,21 @@ class HierarchicalCompressedAllreduce:
         layout = self.backends.layout
         names = {code: str(dtype).replace("torch.", "") for dtype, code in _DTYPE_CODES.items()}
 
-        def what(numel, code):
-            return f"{numel} x {names.get(code, 'a dtype other than float32')}"
+        def what(numel, code, block):
+            return f"{numel} x {names.get(code, 'a dtype other than float32')} in blocks of {block}"
 
         seen = []
-        for j, (status, numel, code) in enumerate(local):
+        for j, (status, *agreed) in enumerate(local):
             rank = layout.intra_ranks[j]
-            seen.append(f"rank {rank}: " + ("invalid arguments" if status == _INVALID else what(numel, code)))
+            seen.append(f"rank {rank}: " + ("invalid arguments" if status == _INVALID else what(*agreed)))
         parts = [f"node {layout.node}: " + ", ".join(seen)]
-        for rank, (verdict, numel, code) in zip(sorted(layout.inter_ranks), nodes):
+        for rank, (verdict, *agreed) in zip(sorted(layout.inter_ranks), nodes):
             k = layout.node_of(rank)
             if k != layout.node:
                 state = {_INVALID: "a rank with invalid arguments", _DISAGREE: "ranks that disagree"}
-                parts.append(f"node {k}: " + state.get(verdict, what(numel, code)))
+                parts.append(f"node {k}: " + state.get(verdict, what(*agreed)))
         return ("hierarchical_compressed_allreduce: not every rank can go on, so every rank raises "
-                "(every rank must pass valid arguments and a tensor of the same numel and dtype; "
+                "(every rank must pass valid arguments and a tensor of the same numel and dtype, with the same block; "
                 f"this rank saw {'; '.join(parts)})")
 
     def _check(self, tensor: torch.Tensor, errors: tuple | None) -> Exception | None:
@@ -238,11 +254,14 @@ class HierarchicalCompressedAllreduce:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
         self._agree(self._check(tensor, (worker_error, server_error)), tensor.dtype)
-        if self.inter_plan is None:
+        if self.node_count == 1:
             return self._through_shards(tensor, None)
-        return self._through_shards(
-            tensor, lambda shard: self.inter_plan(shard, worker_error[: self.valid],
-                                                  server_error[: self.inter_server_numel]))
+
+        def between_nodes(shard):
+            if self.inter_plan is not None:  # (every rank agreed on n, dtype and block: the shards' sizes follow)
+                self.inter_plan(shard, worker_error[: self.valid], server_error[: self.inter_server_numel], agreed=True)
+
+        return self._through_shards(tensor, between_nodes, as_rows=self.rows_in is not None)
 
     def average(self, tensor: torch.Tensor) -> torch.Tensor:
         """The exact fp32 average, the same three steps with an fp32 all-reduce between the nodes
@@ -254,8 +273,9 @@ class HierarchicalCompressedAllreduce:
         return self._through_shards(tensor, (lambda shard: inter.all_reduce(shard, op="avg"))
                                     if self.node_count > 1 and self.valid > 0 else None)
 
-    def _through_shards(self, tensor: torch.Tensor, between_nodes) -> torch.Tensor:
-        """Steps 1 and 3 of the module docstring around ``between_nodes(shard)`` (in place)."""
+    def _through_shards(self, tensor: torch.Tensor, between_nodes, as_rows: bool = False) -> torch.Tensor:
+        """Steps 1 and 3 of the module docstring around ``between_nodes(shard)`` (in place);
+        ``as_rows``: step 3 gathers the 1-bit rows of ``between_nodes``' compressed allreduce."""
         if self.numel == 0:
             return tensor
         x = tensor.view(-1)
@@ -272,13 +292,30 @@ class HierarchicalCompressedAllreduce:
         # 2. among the nodes: the 1-bit compressed allreduce of the shard, or its fp32 average
         if between_nodes is not None:
             between_nodes(shard)
-        # 3. all-gather inside the node
-        if self.shard_buf is not None:
+        # 3. all-gather inside the node: the 1-bit rows, expanded here, or the fp32 shards
+        if as_rows:
+            self._gather_rows(x)
+        elif self.shard_buf is not None:
             target = x if self.gathered is None else self.gathered
             intra.all_gather(target, self.shard_buf)
             if self.gathered is not None:
                 x.copy_(self.gathered[: self.numel])
         return tensor
+
+    def _gather_rows(self, x: torch.Tensor) -> None:
+        """Every local rank's rows of its shard's result (the inter-node exchange's gathered rows,
+        ``K`` of them), all-gathered inside the node, each expanded into its shard of ``x``."""
+        L, K, s = self.local_size, self.node_count, self.shard
+        if self.inter_plan is not None:
+            mine = self.inter_plan.gathered
+            self.rows_out[: mine.numel()].copy_(mine)
+        self.backends.intra.all_gather(self.rows_in, self.rows_out)
+        rows = self.rows_in.view(L, self.rows_len)
+        for j in range(L):
+            valid = shard_valid_numel(self.numel, L, j)
+            if valid:
+                length = K * row_bytes(valid, K, self.block)
+                expand_result_rows(rows[j, :length], valid, K, x[j * s: j * s + valid], self.block)
 
 
 def _plan(tensor, backends, block: int) -> HierarchicalCompressedAllreduce:

@@ -128,10 +128,10 @@ def _bad_calls(backends, rank):
     def buffers(numel):
         return [torch.zeros(k) for k in hierarchical_error_buffer_sizes(numel, layout.local_size, layout.node_count)]
 
-    def call(tensor, we=None, se=None):
+    def call(tensor, we=None, se=None, block=1024):
         default_we, default_se = buffers(tensor.numel())
         return lambda: hierarchical_compressed_allreduce(
-            tensor, default_we if we is None else we, default_se if se is None else se, backends)
+            tensor, default_we if we is None else we, default_se if se is None else se, backends, block)
 
     we_n, se_n = hierarchical_error_buffer_sizes(100, layout.local_size, layout.node_count)
     ok = torch.ones(100)
@@ -139,6 +139,8 @@ def _bad_calls(backends, rank):
     return {
         "float64 on rank 1": _outcome(call(torch.ones(100, dtype=torch.float64) if rank == 1 else ok.clone())),
         "numel differs on rank 3": _outcome(call(torch.ones(120) if rank == 3 else ok.clone())),
+        # (the shards' own exchange between the nodes sends no header of its own: this agreement is it)
+        "block differs on rank 2": _outcome(call(ok.clone(), block=2048 if rank == 2 else 1024)),
         "worker error too small everywhere": _outcome(call(ok.clone(), we=torch.zeros(we_n - 1))),
         "overlapping error buffers": _outcome(call(ok.clone(), we=shared[:we_n], se=shared[we_n - 1:-1])),
         "not contiguous on rank 0": _outcome(call(torch.ones(200)[::2] if rank == 0 else ok.clone())),
@@ -318,7 +320,7 @@ def test_the_exact_hierarchical_average(four):
         want = [hierarchical_wire_bytes(n, 2, 2, local_rank=rank % 2, exact=True) for n in SIZES]
         assert intra["total_bytes"] == sum(w.intra for w in want)
         assert inter["total_bytes"] == sum(w.inter for w in want)
-        assert want[-1].inter - 24 == 4 * shard_valid_numel(SIZES[-1], 2, rank % 2)
+        assert want[-1].inter - 32 == 4 * shard_valid_numel(SIZES[-1], 2, rank % 2)  # (the agreement's 32)
         bad = result["exact bad"]
         assert bad["fine afterwards"] is None
         for case, culprit in (("float64 on rank 1", 1), ("numel differs on rank 3", None)):
@@ -371,8 +373,13 @@ def test_bad_input_raises_on_every_rank(four):
     for rank in range(4):
         kind, msg = bad[rank]["numel differs on rank 3"]
         assert kind == "ValueError" and "every rank raises" in msg
-    assert "rank 2: 100 x float32, rank 3: 120 x float32" in bad[2]["numel differs on rank 3"][1]
+    assert ("rank 2: 100 x float32 in blocks of 1024, rank 3: 120 x float32 in blocks of 1024"
+            in bad[2]["numel differs on rank 3"][1])
     assert "node 1: ranks that disagree" in bad[0]["numel differs on rank 3"][1]
+    for rank in range(4):  # a block that differs between the nodes (rank 0's and 2's shards meet only there)
+        kind, msg = bad[rank]["block differs on rank 2"]
+        assert kind == "ValueError" and "every rank raises" in msg and "same block" in msg
+    assert "rank 2: 100 x float32 in blocks of 2048" in bad[3]["block differs on rank 2"][1]
     for rank in range(4):
         assert "worker_error must be a contiguous buffer of 64" in bad[rank]["worker error too small everywhere"][1]
         assert "server_error overlaps worker_error" in bad[rank]["overlapping error buffers"][1]
@@ -559,16 +566,19 @@ def test_error_buffer_sizes():
 
 def test_wire_bytes():
     n = 1 << 24
-    # one rank per node: the flat exchange plus the 24-byte agreement header per peer
-    assert hierarchical_wire_bytes(n, 1, 4) == (0, wire_bytes(n, 4) + 3 * 24)
+    # one rank per node: the flat exchange with the 32-byte agreement in place of its 16-byte header, per peer
+    assert hierarchical_wire_bytes(n, 1, 4) == (0, wire_bytes(n, 4) - 3 * 16 + 3 * 32)
     # one node: fp32 reduce-scatter and all-gather, nothing between nodes
-    assert hierarchical_wire_bytes(n, 4, 1) == (2 * 3 * n + 3 * 24, 0)
+    assert hierarchical_wire_bytes(n, 4, 1) == (2 * 3 * n + 3 * 32, 0)
     # a node of L ranks sends 2 (K-1)/K * n/8 to other nodes (the scaling model's floor) and the
-    # scales, 4 bytes per 1024 elements, plus 40 bytes per rank and peer node: the agreement header
-    # (24) and the compressed allreduce's (16)
+    # scales, 4 bytes per 1024 elements, plus the 32-byte agreement per rank and peer node (it
+    # stands for the compressed allreduce's own header, left out); inside the node a rank sends
+    # its (L-1)/L of the fp32 reduce-scatter and its shard's result as 1-bit rows to L-1 peers
     for nodes, per_node in ((2, 2), (2, 8), (16, 8)):
         per_node_bytes = sum(hierarchical_wire_bytes(n, per_node, nodes, j).inter for j in range(per_node))
-        assert per_node_bytes == 2 * (nodes - 1) / nodes * n * (1 / 8 + 4 / 1024) + per_node * (nodes - 1) * 40
+        assert per_node_bytes == 2 * (nodes - 1) / nodes * n * (1 / 8 + 4 / 1024) + per_node * (nodes - 1) * 32
+        intra = hierarchical_wire_bytes(n, per_node, nodes, 0).intra
+        assert intra == (per_node - 1) * (4 * n / per_node + n / per_node * (1 / 8 + 4 / 1024) + 32)
     # the last local rank's shard is shorter, and a shard of padding sends nothing between nodes
     assert hierarchical_wire_bytes(1000, 3, 2, 2).inter < hierarchical_wire_bytes(1000, 3, 2, 0).inter
-    assert hierarchical_wire_bytes(5, 4, 2, 1).inter == 24
+    assert hierarchical_wire_bytes(5, 4, 2, 1).inter == 32
