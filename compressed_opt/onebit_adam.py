@@ -11,23 +11,27 @@ Compression stage: no gradient allreduce. Each rank forms its local momentum
 ``m_i = b1 m + (1 - b1) g_i`` and ``m = compressed_allreduce(m_i)`` (error feedback, identical on
 every rank); ``p <- p (1 - lr wd) - lr * (m / (1 - b1^t)) / (sqrt(v_f) + eps)``.
 
-*The preconditioned exchange* (``exchange="preconditioned"``, the default; docs/design.md,
-"Numerics"). The paper exchanges ``m_i`` itself. One 1-bit scale then serves a whole bucket, so a
-coordinate whose frozen variance is tiny (GPT-2's attention key bias: gradients ~1e-11, ``v_f``
-~1e-24) receives ``+-scale`` of the bucket's typical momentum, and ``scale / (sqrt(v_f) + eps)``
+*The preconditioned exchange* (``exchange="preconditioned"``, the default; docs/design.md 2.3.1).
+The paper exchanges ``m_i`` itself. One 1-bit scale then serves a whole bucket, so a coordinate
+whose frozen variance is tiny (GPT-2's attention key bias: gradients ~1e-11, ``v_f`` ~1e-24)
+receives ``+-scale`` of the bucket's typical momentum, and ``scale / (sqrt(v_f) + eps)``
 moves it by up to ``lr * scale / eps`` per step: a key bias of 5e-6 jumped to 145 at the first
 compressed step. Since ``v_f`` is the same on every rank, the average commutes with any fixed
 per-coordinate factor, so we exchange the *preconditioned* momentum instead::
 
     R = c_l / (sqrt(v_f) + eps)          per coordinate, fixed from the freeze on (0 where v_f == 0)
-    y = compressed_allreduce(R * m_i)    (error feedback in this space)
-    m = y / R;   p <- p (1 - lr wd) - lr * (y / c_l) / (1 - b1^t)
+    y = compressed_allreduce(clip(s_l R m_i, +-K c_l))    (error feedback in this space)
+    m = y / (s_l R);   p <- p (1 - lr wd) - lr (f_l / s_l) (y / c_l) / (1 - b1^t)
 
 ``R m`` is Adam's own update direction, times a per-layer coefficient ``c_l = mean_k s_k / s_l``
 (``s_l``: the RMS of layer ``l``'s ``m / (sqrt(v_f) + eps)`` at the first compressed step, the same
-on every rank, kept in ``state[p]["scaling_coeff"]``; :mod:`compressed_opt.scaling`). Every layer
-reaches the compressor at one size, and what 1-bit noise a coordinate gets is at most the size of
-its own layer's Adam steps, never ``scale / eps``. ``exchange="momentum"`` is the paper's exchange.
+on every rank, kept in ``state[p]["scaling_coeff"]``; :mod:`compressed_opt.scaling`). ``f_l`` is
+the layer's variance-tracking factor (:mod:`compressed_opt.variance_tracking`), and ``s_l`` its
+value of the last update, applied before the exchange (docs/design.md 2.3.3; 1 without
+tracking): every layer reaches the compressor at the size of its step, and what 1-bit noise a
+coordinate gets is at most the size of its own layer's steps, never ``scale / eps``. The clip
+``K`` (:data:`~compressed_opt.moments.COMPRESSED_STEP_BOUND`, 1.25) keeps any coordinate from
+stepping further than ``K lr``. ``exchange="momentum"`` is the paper's exchange.
 
 Beyond the paper: a coordinate whose frozen variance is exactly 0 (it never received a gradient
 in warmup, e.g. the weight of an input that is always 0) is not moved by the momentum in the

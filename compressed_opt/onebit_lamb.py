@@ -41,19 +41,24 @@ momentum, read off the vector it hands to the exchange: ``R m_i / c_l``), and on
 float per layer averages the squares in rank order, so every rank gets the same::
 
     ||u|| = sqrt(mean_i ||u_i||^2)
-    coeff = max(clip(||p|| / ||u||, min_coeff, max_coeff), r_f, r_f factor)
-    p <- p - lr coeff (m_hat / (sqrt(v_f) + eps) + wd p)
+    d     = m_hat / (sqrt(v_f) + eps) + wd p                     (the direction the step applies)
+    coeff = min(max(clip(||p|| / ||u||, min_coeff, max_coeff), r_f, r_f factor),
+                K clip(||p|| / ||d||, min_coeff, max_coeff))
+    p <- p - lr coeff d
 
 Each of the three estimates LAMB's ratio from below: a local momentum carries the 1-bit noise of
 ``m_{t-1}`` and its rank's gradient noise, so ``||u||`` overstates the averaged direction's norm;
 ``v_fresh``, rebuilt from the 1-bit momentum (its noise amplified ``1 / (1 - b1)`` times in
 ``g~``), overstates the variance, so the factor understates the step (on GPT-2 it sinks to
-``factor_min`` in every layer); ``r_f`` is LAMB's ratio where it was last measured exactly. The
-largest of them is used. ``||p|| / ||u||`` is measured at the first compression step and every
-``trust_ratio_interval`` (10) steps after, and kept in between (``state[p]["trust_ratio_live"]``):
-a measuring step costs a norm pass over the exchanged vector (and a copy when ``wd != 0``),
-``||p||``, and one all-gather of a float per layer and rank (before the update); the others
-nothing.
+``factor_min`` in every layer); ``r_f`` is LAMB's ratio where it was last measured, which LAMB's
+own ratio can fall below after the freeze. The largest of them is used, capped at ``K`` (1.25,
+:data:`~compressed_opt.moments.COMPRESSED_STEP_BOUND`) times LAMB's ratio of the direction ``d`` the
+step applies: no layer moves further than ``K`` times LAMB's step from where it is
+(docs/design.md 2.4.1). ``||p|| / ||u||`` and the cap are measured at the first compression step
+and every ``trust_ratio_interval`` (10) steps after, and kept in between
+(``state[p]["trust_ratio_live"]``, ``state[p]["trust_ratio_cap"]``): a measuring step costs a norm
+pass over the exchanged vector and one over ``d`` (each with a copy when ``wd != 0``), ``||p||``,
+and one all-gather of a float per layer and rank (before the update); the others nothing.
 
 With ``bias_correction=True`` (the default) ``m_hat = m / (1 - b1^t)`` and
 ``v_fresh_hat = v_fresh / (1 - b2^t)``; ``False`` uses the raw moments everywhere (the paper's
@@ -97,7 +102,7 @@ from .buffers import SAVED, STATE, Buffer
 from .onebit_adam import _FreezingAdam
 from .optimizer import common_args
 from .reductions import norms
-from .moments import bias_corrections, denominator_, momentum_, spike_bound, variance_
+from .moments import COMPRESSED_STEP_BOUND, bias_corrections, denominator_, momentum_, spike_bound, variance_
 from .validation import check_choice, check_nonneg_float, check_step_count
 
 __all__ = ["OnebitLamb"]
@@ -138,9 +143,10 @@ class OnebitLamb(_FreezingAdam):
             from the momentum's RMS (see the module doc).
         trust_ratio: ``"live"`` (default): in the compression stage each layer's coefficient is
             ``max(clip(||p|| / ||u||), r_f, r_f * factor)`` with ``||u||`` from the ranks' local
-            momenta (see the module doc); ``"frozen"``: the paper's ``r_f * factor``.
-        trust_ratio_interval: the live ratio's ``||p|| / ||u||`` is measured at the first
-            compression step and every this many steps after, and kept in between (>= 1).
+            momenta, capped at ``K`` times LAMB's ratio of the applied direction (see the module
+            doc); ``"frozen"``: the paper's ``r_f * factor``.
+        trust_ratio_interval: the live ratio's ``||p|| / ||u||`` and its cap are measured at the
+            first compression step and every this many steps after, and kept in between (>= 1).
     """
 
     buffers = {"exp_avg_sq_fresh": Buffer(STATE)}  # v_fresh
@@ -375,17 +381,19 @@ class OnebitLamb(_FreezingAdam):
     def _live_coeffs(self, bucket, group, frozen, measure, update, bc1) -> list[float]:
         """Each layer's ``min(max(clip(||p|| / ||u||, min_coeff, max_coeff), r_f, r_f factor),
         cap)`` (``frozen``: the layers' ``r_f factor``; the live term is 0 where either norm is 0),
-        ``||u||`` the RMS over the ranks of their local ``||u_i||``; ``cap`` LAMB's own trust ratio
-        of the direction this step applies, ``clip(||p|| / ||d||, min_coeff, max_coeff)`` with ``d
-        = update / bc1 + wd p`` (``update``: ``m_t / (sqrt(v_f) + eps)``, whole), so no layer steps
-        further than LAMB would from where it is. Both are measured when ``measure`` and kept in
-        ``state[p]`` (``trust_ratio_live``, ``trust_ratio_cap``: checkpointed) in between."""
+        ``||u||`` the RMS over the ranks of their local ``||u_i||``; ``cap`` ``K`` times LAMB's own
+        trust ratio of the direction this step applies, ``K clip(||p|| / ||d||, min_coeff,
+        max_coeff)`` with ``d = update / bc1 + wd p`` (``update``: ``m_t / (sqrt(v_f) + eps)``,
+        whole; ``K``: :data:`~compressed_opt.moments.COMPRESSED_STEP_BOUND`), so no layer steps
+        further than ``K`` times LAMB's step from where it is. Both are measured when ``measure``
+        and kept in ``state[p]`` (``trust_ratio_live``, ``trust_ratio_cap``: checkpointed) in
+        between."""
         params = bucket.params
         if measure:
             p_norm = norms(params)
             u_norm = p_norm.new_tensor(self._direction_norms[bucket.index])
             d_norm = self._step_direction_norms(bucket, group, update, bc1)
-            caps = _trust_ratios(p_norm, d_norm, group)
+            caps = [COMPRESSED_STEP_BOUND * r for r in _trust_ratios(p_norm, d_norm, group)]
             for p, live, cap in zip(params, _trust_ratios(p_norm, u_norm, group, where_zero=0.0), caps):
                 self.state[p]["trust_ratio_live"] = live
                 self.state[p]["trust_ratio_cap"] = cap

@@ -28,8 +28,10 @@ calibrated once against the averaged gradient, at the same warmup steps::
 
 ``w_l / ref_l = (w_l / kappa_l) / mean_l v(F)`` is the averaged gradient's second moment now in
 units of ``v(F)``, so ``rho_l`` follows Adam's recursion ``v = b2 v + (1 - b2) g^2`` for the
-layer's mean, and ``factor_l`` is ``sqrt(v_f / v_hat(t))`` for it. The factor scales the step
-after the exchange: the exchanged vector, its bound and its error feedback are untouched.
+layer's mean, and ``factor_l`` is ``sqrt(v_f / v_hat(t))`` for it. The factor scales the step:
+0/1 Adam's after its exchange; OnebitAdam's preconditioned exchange carries the last update's
+factor inside the exchanged vector (docs/design.md 2.3.3), so each layer reaches the 1-bit
+compressor at the size of its step.
 
 ``kappa_l`` is measured where the local and the averaged gradients are both at hand, at the same
 steps and before the training loop touches the average (clipping, a GradScaler's unscaling: both

@@ -152,8 +152,9 @@ class Reference:
                 if (t - T - 1) % self.interval == 0:  # measured, then kept
                     pn, un, dn = p.norm().item(), math.sqrt(u_sq[p] / self.world), u.norm().item()
                     s["live"] = min(max(pn / un, hp["min_coeff"]), hp["max_coeff"]) if pn > 0 and un > 0 else 0.0
-                    # the cap: LAMB's own ratio of the direction u this step applies
-                    s["cap"] = min(max(pn / dn, hp["min_coeff"]), hp["max_coeff"]) if pn > 0 and dn > 0 else 1.0
+                    # the cap: K = 1.25 times LAMB's own ratio of the direction u this step applies
+                    ratio = min(max(pn / dn, hp["min_coeff"]), hp["max_coeff"]) if pn > 0 and dn > 0 else 1.0
+                    s["cap"] = 1.25 * ratio
                 coeff = min(max(s["live"], s["r_f"], coeff), s["cap"])
             p -= hp["lr"] * coeff * u
             coeffs[p] = coeff
