@@ -10,17 +10,23 @@ hits them alike).
     python -P benchmarks/step_overhead.py [--tensors 2000] [--elements 4200000] [--json out.json]
     python -P benchmarks/step_overhead.py --tracking on,off    # the variance tracking's cost
     python -P benchmarks/step_overhead.py --against REV        # this checkout against git revision REV
+    python -P benchmarks/step_overhead.py --against REV --in-process   # the same, steps in turn
 
 ``--against`` installs REV (``git archive``, ``pip install --target``) into a temporary folder and
 times each optimizer with its defaults in alternating processes, REV then this checkout, for
 ``--rounds`` rounds (the machine's drift hits both alike); it reports the median over the rounds
-of each process's median step, and their ratio.
+of each process's median step, and their ratio. ``--in-process`` times both in one process per
+round instead, their steps in turn (REV's package copied as ``compressed_opt_rev``, its imports
+renamed): on a shared machine the processes' medians spread by +-30%, steps in turn far less.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import pathlib
+import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -93,6 +99,40 @@ def child(name: str, tensors: int, elements: int, steps: int) -> dict:
     return out
 
 
+REV_PACKAGE = "compressed_opt_rev"
+
+
+def rename_package(site: str, dest: str) -> None:
+    """``site``'s ``compressed_opt`` copied into ``dest`` as :data:`REV_PACKAGE`, every reference
+    to the package renamed, so that it imports beside this checkout's."""
+    target = pathlib.Path(dest, REV_PACKAGE)
+    shutil.copytree(os.path.join(site, "compressed_opt"), target, ignore=shutil.ignore_patterns("__pycache__"))
+    pattern = re.compile(r"\bcompressed_opt\b(?=\.| import|\n)")
+    left = re.compile(r"^\s*(from|import)\s+compressed_opt\b", re.MULTILINE)
+    for path in target.rglob("*.py"):
+        text = pattern.sub(REV_PACKAGE, path.read_text())
+        if left.search(text):  # it would time this checkout's code as the revision's
+            raise RuntimeError(f"{path}: an import of compressed_opt was not renamed")
+        path.write_text(text)
+
+
+def child_pair(name: str, tensors: int, elements: int, steps: int) -> dict:
+    """One process's medians for ``name`` of :data:`REV_PACKAGE` and of this checkout, their steps
+    in turn, as few and as many tensors: ``{label: {"rev": s, "this": s}}``."""
+    import importlib
+
+    torch.set_num_threads(1)
+    out = {}
+    for label, n in (("few", 2), ("many", tensors)):
+        makers = {}
+        for version, package in (("rev", REV_PACKAGE), ("this", "compressed_opt")):
+            cls = getattr(importlib.import_module(package), name)
+            single = importlib.import_module(package + ".comm").SingleProcessBackend
+            makers[version] = lambda ps, cls=cls, single=single: cls(ps, lr=1e-4, backend=single(), **FREEZE[name])
+        out[label] = time_interleaved(makers, n, elements, steps)
+    return out
+
+
 def against(rev: str, args) -> int:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     names = list(FREEZE)
@@ -103,18 +143,30 @@ def against(rev: str, args) -> int:
         subprocess.run(["tar", "-x", "-C", src], input=archive, check=True)
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
                         "--target", site, src], check=True, capture_output=True)
+        if args.in_process:
+            renamed = os.path.join(tmp, "renamed")
+            rename_package(site, renamed)
+        sizes = ["--tensors", str(args.tensors), "--elements", str(args.elements), "--steps", str(args.steps)]
         runs = {(v, n): [] for v in ("rev", "this") for n in names}
+
+        def run_child(path: str | None, *flags: str) -> dict:
+            env = dict(os.environ, OMP_NUM_THREADS="1")
+            env.pop("PYTHONPATH", None)
+            if path:
+                env["PYTHONPATH"] = path
+            cmd = [sys.executable, "-P", "-W", "ignore", os.path.abspath(__file__), *flags, *sizes]
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True, cwd=tmp)
+            return json.loads(done.stdout.strip().splitlines()[-1])
+
         for r in range(args.rounds):
             for name in names:
+                if args.in_process:
+                    pair = run_child(renamed, "--child-pair", name)
+                    for version in ("rev", "this"):
+                        runs[version, name].append({label: pair[label][version] for label in pair})
+                    continue
                 for version in ("rev", "this"):
-                    env = dict(os.environ, OMP_NUM_THREADS="1")
-                    env.pop("PYTHONPATH", None)
-                    if version == "rev":
-                        env["PYTHONPATH"] = site
-                    cmd = [sys.executable, "-P", "-W", "ignore", os.path.abspath(__file__), "--child", name,
-                           "--tensors", str(args.tensors), "--elements", str(args.elements), "--steps", str(args.steps)]
-                    done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True, cwd=tmp)
-                    runs[version, name].append(json.loads(done.stdout.strip().splitlines()[-1]))
+                    runs[version, name].append(run_child(site if version == "rev" else None, "--child", name))
             print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
     results = []
     print(f"{'optimizer':<12} {'tensors':>7} {rev[:12]:>12} ms {'this':>8} ms {'this/rev':>9}")
@@ -146,10 +198,16 @@ def main(argv=None) -> int:
                         "('on,off': the tracking's cost, same run; OnebitLamb has none)")
     p.add_argument("--against", default=None, metavar="REV", help="time this checkout against git revision REV")
     p.add_argument("--rounds", type=int, default=6, help="--against: alternating rounds")
+    p.add_argument("--in-process", action="store_true",
+                   help="--against: both versions in one process per round, their steps in turn")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--child-pair", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         print(json.dumps(child(args.child, args.tensors, args.elements, args.steps)))
+        return 0
+    if args.child_pair:
+        print(json.dumps(child_pair(args.child_pair, args.tensors, args.elements, args.steps)))
         return 0
     if args.against:
         return against(args.against, args)

@@ -175,3 +175,19 @@ def test_multinode_launches_two_nodes_of_two_ranks(tmp_path, launcher):
             assert 0 < node["compression_bytes_per_step"] < node["warmup_bytes_per_step"] / 8
     flat, node = (max(n["compression_bytes_per_step"] for n in results[h]["per_node"]) for h in ("flat", "node"))
     assert node < 0.8 * flat, (node, flat)
+
+
+@pytest.mark.timeout(300)
+def test_step_overhead_against_a_revision_in_one_process(tmp_path):
+    """``--against REV --in-process``: REV installed and renamed beside this checkout, both timed
+    in one process per round; every optimizer and size has a time of each."""
+    out = tmp_path / "against.json"
+    done = _run_script(tmp_path, "step_overhead.py", "--against", "HEAD", "--in-process", "--rounds", "1",
+                       "--tensors", "20", "--elements", "20000", "--steps", "4", "--json", str(out), timeout=280)
+    assert done.returncode == 0, done.stdout + done.stderr
+    results = json.loads(out.read_text())["results"]
+    assert [(r["optimizer"], r["tensors"]) for r in results] == [
+        (name, n) for name in ("OnebitAdam", "OnebitLamb", "ZeroOneAdam") for n in (2, 20)]
+    for r in results:
+        assert len(r["rev_runs"]) == len(r["this_runs"]) == 1
+        assert r["rev_step_s"] > 0 and r["this_step_s"] > 0 and r["ratio"] > 0
