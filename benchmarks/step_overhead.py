@@ -9,6 +9,7 @@ hits them alike).
 
     python -P benchmarks/step_overhead.py [--tensors 2000] [--elements 4200000] [--json out.json]
     python -P benchmarks/step_overhead.py --tracking on,off    # the variance tracking's cost
+    python -P benchmarks/step_overhead.py --groups one,each    # a bucket's cost: a param group per tensor
     python -P benchmarks/step_overhead.py --against REV        # this checkout against git revision REV
     python -P benchmarks/step_overhead.py --against REV --in-process   # the same, steps in turn
 
@@ -79,6 +80,7 @@ def time_steps(opt, params, steps: int) -> float:
     return statistics.median(times[steps // 2:])
 
 
+GROUPINGS = ("one", "each")
 FREEZE = {"OnebitAdam": {"freeze_step": 2}, "OnebitLamb": {"freeze_step": 2}, "ZeroOneAdam": {"var_freeze_step": 2}}
 
 
@@ -135,7 +137,10 @@ def child_pair(name: str, tensors: int, elements: int, steps: int) -> dict:
 
 def against(rev: str, args) -> int:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    names = list(FREEZE)
+    names = args.optimizers.split(",")
+    unknown = sorted(set(names) - set(FREEZE))
+    if unknown:
+        raise SystemExit(f"--optimizers: unknown {unknown}; choose among {list(FREEZE)}")
     with tempfile.TemporaryDirectory() as tmp:
         src, site = os.path.join(tmp, "src"), os.path.join(tmp, "site")
         os.makedirs(src)
@@ -196,8 +201,13 @@ def main(argv=None) -> int:
     p.add_argument("--tracking", default="on",
                    help="comma-separated variance_tracking settings of OnebitAdam and ZeroOneAdam to time "
                         "('on,off': the tracking's cost, same run; OnebitLamb has none)")
+    p.add_argument("--groups", default="one",
+                   help="comma-separated param groupings to time: 'one' group, or one group per tensor "
+                        "('each': a bucket per tensor, as per-layer learning rates make them); 'one,each': "
+                        "the cost of a bucket, same run")
     p.add_argument("--against", default=None, metavar="REV", help="time this checkout against git revision REV")
     p.add_argument("--rounds", type=int, default=6, help="--against: alternating rounds")
+    p.add_argument("--optimizers", default=",".join(FREEZE), help="--against: which (default: %(default)s)")
     p.add_argument("--in-process", action="store_true",
                    help="--against: both versions in one process per round, their steps in turn")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -216,17 +226,30 @@ def main(argv=None) -> int:
     from compressed_opt import OnebitAdam, OnebitLamb, ZeroOneAdam
     from compressed_opt.comm import SingleProcessBackend
 
+    groupings = args.groups.split(",")
+    if not set(groupings) <= set(GROUPINGS):
+        raise SystemExit(f"--groups: each of {groupings} must be one of {GROUPINGS}")
+
+    def grouped(ps, grouping):
+        return ps if grouping == "one" else [{"params": [p]} for p in ps]
+
     makers = {}
-    for ex in args.exchanges.split(","):
-        suffix = "" if args.exchanges == "preconditioned" else f"[{ex}]"
-        single = dict(backend=SingleProcessBackend(), exchange=ex)
-        tags = [(suffix + ("" if len(trackings) == 1 else f"[tracking {'on' if t else 'off'}]"),
-                 dict(single, variance_tracking=t)) for t in trackings]
-        for tag, kw in tags:
-            makers[f"OnebitAdam{tag}"] = lambda ps, kw=kw: OnebitAdam(ps, lr=1e-4, freeze_step=2, **kw)
-        makers[f"OnebitLamb{suffix}"] = lambda ps, kw=single: OnebitLamb(ps, lr=1e-4, freeze_step=2, **kw)
-        for tag, kw in tags:  # phase B synchronises every step at first (local_step_interval 1)
-            makers[f"ZeroOneAdam{tag}"] = lambda ps, kw=kw: ZeroOneAdam(ps, lr=1e-4, var_freeze_step=2, **kw)
+    for grouping in groupings:
+        for ex in args.exchanges.split(","):
+            suffix = "" if args.exchanges == "preconditioned" else f"[{ex}]"
+            if len(groupings) > 1:
+                suffix += f"[groups: {grouping}]"
+            single = dict(backend=SingleProcessBackend(), exchange=ex)
+            tags = [(suffix + ("" if len(trackings) == 1 else f"[tracking {'on' if t else 'off'}]"),
+                     dict(single, variance_tracking=t)) for t in trackings]
+            for tag, kw in tags:
+                makers[f"OnebitAdam{tag}"] = lambda ps, kw=kw, g=grouping: OnebitAdam(grouped(ps, g), lr=1e-4,
+                                                                                      freeze_step=2, **kw)
+            makers[f"OnebitLamb{suffix}"] = lambda ps, kw=single, g=grouping: OnebitLamb(grouped(ps, g), lr=1e-4,
+                                                                                         freeze_step=2, **kw)
+            for tag, kw in tags:  # phase B synchronises every step at first (local_step_interval 1)
+                makers[f"ZeroOneAdam{tag}"] = lambda ps, kw=kw, g=grouping: ZeroOneAdam(grouped(ps, g), lr=1e-4,
+                                                                                        var_freeze_step=2, **kw)
     rows = {name: {"optimizer": name} for name in makers}
     for label, n in (("few", 2), ("many", args.tensors)):
         for name, step_s in time_interleaved(makers, n, args.elements, args.steps).items():
