@@ -74,10 +74,11 @@ def row_bytes(numel: int, world_size: int, block: int = DEFAULT_BLOCK) -> int:
     return kernels.rows_layout(chunk_numel(numel, world_size), block)[1]
 
 
-def wire_bytes(numel: int, world_size: int, block: int = DEFAULT_BLOCK) -> int:
-    """Bytes one rank sends in one compressed allreduce of ``numel`` elements (see module doc)."""
+def wire_bytes(numel: int, world_size: int, block: int = DEFAULT_BLOCK, agreed: bool = False) -> int:
+    """Bytes one rank sends in one compressed allreduce of ``numel`` elements (see module doc);
+    ``agreed``: without the header exchange (``CompressedAllreduce.__call__(..., agreed=True)``)."""
     n = world_size
-    return (n - 1) * _HEADER_INTS * 4 + 2 * (n - 1) * row_bytes(numel, n, block)
+    return (0 if agreed else (n - 1) * _HEADER_INTS * 4) + 2 * (n - 1) * row_bytes(numel, n, block)
 
 
 class CompressedAllreduce:

@@ -118,8 +118,8 @@ def hierarchical_wire_bytes(numel: int, local_size: int, node_count: int, local_
     # all-gather of the shard's result: fp32 (the exact average, or one node), else its 1-bit rows
     intra += (L - 1) * (4 * s if exact or K == 1 else K * row_bytes(s, K, block))
     valid = shard_valid_numel(numel, L, local_rank)
-    if K > 1 and valid:  # (the compressed allreduce's own 16-byte header is left out: agreed before)
-        inter += round(2 * (K - 1) / K * 4 * valid) if exact else wire_bytes(valid, K, block) - 16 * (K - 1)
+    if K > 1 and valid:  # (the compressed allreduce's own header is left out: agreed before)
+        inter += round(2 * (K - 1) / K * 4 * valid) if exact else wire_bytes(valid, K, block, agreed=True)
     return WireBytes(intra, inter)
 
 
@@ -164,6 +164,11 @@ class HierarchicalCompressedAllreduce:
         self.rows_len = K * row_bytes(self.shard, K, block) if split and K > 1 else 0
         self.rows_out = torch.zeros(self.rows_len, dtype=torch.uint8, device=self.device) if self.rows_len else None
         self.rows_in = torch.empty(L * self.rows_len, dtype=torch.uint8, device=self.device) if self.rows_len else None
+        self.row_spans = []  # per local rank j with elements: (j, its shard's start, its elements, its rows' bytes)
+        for j in range(L if self.rows_len else 0):
+            v = shard_valid_numel(numel, L, j)
+            if v:
+                self.row_spans.append((j, j * self.shard, v, K * row_bytes(v, K, block)))
 
     # --- agreement: every rank goes on, or every rank raises ------------------------------------
     def _write(self, name: str, buf: torch.Tensor, values: tuple) -> None:
@@ -305,17 +310,13 @@ class HierarchicalCompressedAllreduce:
     def _gather_rows(self, x: torch.Tensor) -> None:
         """Every local rank's rows of its shard's result (the inter-node exchange's gathered rows,
         ``K`` of them), all-gathered inside the node, each expanded into its shard of ``x``."""
-        L, K, s = self.local_size, self.node_count, self.shard
         if self.inter_plan is not None:
             mine = self.inter_plan.gathered
             self.rows_out[: mine.numel()].copy_(mine)
         self.backends.intra.all_gather(self.rows_in, self.rows_out)
-        rows = self.rows_in.view(L, self.rows_len)
-        for j in range(L):
-            valid = shard_valid_numel(self.numel, L, j)
-            if valid:
-                length = K * row_bytes(valid, K, self.block)
-                expand_result_rows(rows[j, :length], valid, K, x[j * s: j * s + valid], self.block)
+        rows = self.rows_in.view(self.local_size, self.rows_len)
+        for j, start, valid, length in self.row_spans:
+            expand_result_rows(rows[j, :length], valid, self.node_count, x[start: start + valid], self.block)
 
 
 def _plan(tensor, backends, block: int) -> HierarchicalCompressedAllreduce:

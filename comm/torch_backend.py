@@ -138,11 +138,10 @@ class TorchBackend(Backend):
         if async_op:
             received = torch.empty_like(input)
         else:
-            key = ("reduce_scatter", threading.get_ident(), input.dtype, input.device)
-            held = self.workspace(key, lambda: input.new_empty(0))
-            if held.numel() < input.numel():
-                held = self._workspaces[key] = torch.empty_like(input)
-            received = held[: input.numel()]
+            slot = self.workspace(("reduce_scatter", threading.get_ident(), input.dtype, input.device), list)
+            if not slot or slot[0].numel() < input.numel():
+                slot[:] = [torch.empty_like(input)]
+            received = slot[0][: input.numel()]
         _hold(received, input)
         work = dist.all_to_all_single(received, input, group=self.group, async_op=async_op)
 

@@ -273,28 +273,24 @@ class Sharded(Layout):
         alpha = (1 - beta1) * (opt._gather_inv_scale if opt._gather_inv_scale is not None else 1.0)
         if new is None:
             x.mul_(beta1)
-            alphas = None
         else:  # per layer: b1 new / kept on the rows, (1 - b1) new on the gradient
             kept = kept if kept is not None else [1.0] * len(new)
             torch._foreach_mul_(bucket.views(x), [beta1 * n / k for n, k in zip(new, kept)])
-            alphas = [alpha * n for n in new]
-        views, grads = [], []
-        factors = bucket.views(preconditioner) if preconditioner is not None else None
-        scales, values = [], []
-        for i, (p, view) in enumerate(zip(bucket.params, bucket.views(x))):
-            if p.grad is not None:
-                views.append(view)
-                grads.append(p.grad if p.grad.dtype == torch.float32 else p.grad.float())
-                if factors is not None:
-                    scales.append(factors[i])
-                if alphas is not None:
-                    values.append(alphas[i])
-        if views and factors is None:
+        present = [i for i, p in enumerate(bucket.params) if p.grad is not None]
+        if not present:
+            return
+        x_views = bucket.views(x)
+        views = [x_views[i] for i in present]
+        grads = [g if g.dtype == torch.float32 else g.float() for g in (bucket.params[i].grad for i in present)]
+        if preconditioner is None:
             torch._foreach_add_(views, grads, alpha=alpha)
-        elif views and alphas is None:
+            return
+        r_views = bucket.views(preconditioner)
+        scales = [r_views[i] for i in present]
+        if new is None:
             torch._foreach_addcmul_(views, scales, grads, value=alpha)
-        elif views:
-            torch._foreach_addcmul_(views, scales, grads, values)
+        else:
+            torch._foreach_addcmul_(views, scales, grads, [alpha * new[i] for i in present])
 
     def local_momentum_(self, opt, bucket, x, beta1):
         """``x`` holds ``m_i`` (``R m_i``) already (:meth:`gather_local`); preconditioned, it is
@@ -331,8 +327,8 @@ class Sharded(Layout):
     def step_preconditioned_(self, opt, bucket, y, decay, alpha, step):
         self._direction_from_exchange_(opt, bucket, y)
         factors = opt._update_factors(bucket)  # f_l / s_l
-        if factors is not None and bucket.views(y):
-            torch._foreach_mul_(bucket.views(y), factors)
+        if factors is not None:
+            scaling.scale_(bucket.views(y), factors)
         descend_(bucket.params, bucket.views(y), decay, alpha)
         self.update_masters(opt, bucket, step, decay, y, alpha)
 

@@ -333,7 +333,7 @@ void co_lerp_scale_clamp(float *x, const float *m, float w, const float *r, cons
     }
 }
 
-/* x <- clamp(r * x, -b_s, b_s) over segment s. */
+/* x <- clamp(r * x, -b_s, b_s) over segment s; NaN stays NaN. */
 void co_scale_clamp(float *x, const float *r, const double *bounds, const int64_t *off, int64_t nseg) {
     for (int64_t s = 0; s < nseg; ++s) {
         const float b = (float)bounds[s], nb = -b;
