@@ -338,6 +338,40 @@ def rounding_driven(by: dict, model: str, seed: int) -> set[str] | None:
             if not 1 / ROUNDING_TOLERANCE <= ratio <= ROUNDING_TOLERANCE}
 
 
+def _key_bias_peak(run: dict) -> float | None:
+    """The largest ``|p|`` of the attention key biases over every probe of ``run`` (``None``: none)."""
+    probes = run["max_abs"]
+    keys = [k for k in probes[str(max(map(int, probes)))] if _is_key_bias(k)]
+    return max(probes[s][k] for s in probes for k in keys) if keys else None
+
+
+def _is_key_bias(name: str) -> bool:
+    return name.endswith("key_bias") or name.endswith("attention.self.key.bias")
+
+
+def _key_bias_across_seeds(by: dict) -> dict:
+    """Each compressed optimizer's key-bias peaks (largest ``|p|`` over the run) over the seeds,
+    against its twin's over the same seeds: the report's framing (a range of runs against
+    AdamW's). Per seed, the two runs' key biases are independent walks driven by rounding noise
+    (their gradient is ~1e-11), so a ratio of one seed's pair measures the noise: AdamW's own
+    peak spans 340x over 3 seeds of BERT. ``largest_vs_twin_largest <= 1`` says no run went
+    beyond every run of the twin."""
+    out = {}
+    for model, name in sorted({(m, n) for m, n, _ in by}):
+        twin = TWIN.get(name.partition(":")[0].partition("+")[0].partition("@")[0])
+        seeds = sorted(s for m, n, s in by if (m, n) == (model, name) and (model, twin, s) in by)
+        peaks = {s: _key_bias_peak(by[(model, name, s)]) for s in seeds}
+        twins = {s: _key_bias_peak(by[(model, twin, s)]) for s in seeds}
+        if not seeds or None in peaks.values() or None in twins.values():
+            continue
+        out[(model, name)] = {"twin": twin, "peaks": peaks, "twin_peaks": twins,
+                              "range": [min(peaks.values()), max(peaks.values())],
+                              "twin_range": [min(twins.values()), max(twins.values())],
+                              "largest_vs_twin_largest": max(peaks.values()) / max(twins.values()),
+                              "seed_peak_ratios": {s: peaks[s] / twins[s] for s in seeds}}
+    return out
+
+
 def summarize(results: list[dict]) -> dict:
     by = {(r["model"], r["optimizer"], r["seed"]): r for r in results}
     summary = {}
@@ -361,12 +395,14 @@ def summarize(results: list[dict]) -> dict:
             resolved = [x for x in ratios if x[1] not in noisy] or [(1.0, None, None)]
             row["resolved_magnitude_ratio"], row["resolved_layer"], row["resolved_step"] = max(resolved,
                                                                                                key=lambda x: x[0])
-        keys = [k for k in r["max_abs"][str(max(map(int, r["max_abs"])))] if k.endswith("key_bias")]
+        keys = [k for k in r["max_abs"][str(max(map(int, r["max_abs"])))] if _is_key_bias(k)]
         if keys:
             row["key_bias_ratio"] = max(r["max_abs"][s][k] / t["max_abs"][s][k] for s in r["max_abs"] for k in keys)
             last = str(max(map(int, r["max_abs"])))
             row["key_bias_final"] = max(r["max_abs"][last][k] for k in keys)
             row["key_bias_final_twin"] = max(t["max_abs"][last][k] for k in keys)
+    for (model, name), entry in _key_bias_across_seeds(by).items():
+        summary[model][name]["key_bias"] = entry
     for _model, names in summary.items():
         for _name, entry in names.items():
             rows = list(entry["seeds"].values())
@@ -400,6 +436,18 @@ def format_summary(summary: dict) -> str:
                           if resolved else "-")
             lines.append(f"{model:7s} {name:20s} {e['mean_final_loss']:11.4f} {ratio:>8s} {seeds:>24s} "
                          f"{eval_ratio:>9s} {worst_s:>40s}  {resolved_s:>40s}")
+    lines.append("")
+    lines.append(f"{'model':7s} {'optimizer':20s} {'key bias: peak |p| over seeds':>30s} {'twin':>20s} "
+                 f"{'largest/twin largest':>21s} {'per seed (peak/twin peak)':>27s}")
+    for model, names in summary.items():
+        for name, e in names.items():
+            kb = e.get("key_bias")
+            if kb:
+                lo, hi = kb["range"]
+                tlo, thi = kb["twin_range"]
+                per_seed = " / ".join(f"{v:.2f}" for v in kb["seed_peak_ratios"].values())
+                lines.append(f"{model:7s} {name:20s} {f'{lo:.2e} - {hi:.2e}':>30s} {f'{tlo:.2e} - {thi:.2e}':>20s} "
+                             f"{kb['largest_vs_twin_largest']:21.2f} {per_seed:>27s}")
     return "\n".join(lines)
 
 
@@ -440,7 +488,18 @@ def main(argv=None) -> int:
     p.add_argument("--probe", type=int, default=10, help="record max|p| per tensor every this many steps")
     p.add_argument("--out", default=os.path.join(RESULTS, "convergence.json"))
     p.add_argument("--timeout", type=float, default=3600, help="seconds per model")
+    p.add_argument("--summarize", metavar="RESULT", help="train nothing: recompute the summary of RESULT's runs "
+                                                          "(a result file of this script) and write it back")
     args = p.parse_args(argv)
+    if args.summarize:
+        with open(args.summarize) as f:
+            data = json.load(f)
+        data["summary"] = summarize(data["runs"])
+        print(format_summary(data["summary"]))
+        with open(args.summarize, "w") as f:
+            json.dump(data, f, indent=1)
+        print(f"wrote {args.summarize}")
+        return 0
     names = (args.optimizers.split(",") + (list(VARIANTS) if args.variant else [])
              + (list(FREEZE_STUDY) if args.freeze_study else []))
     seeds = [int(s) for s in args.seeds.split(",")]

@@ -193,3 +193,33 @@ def test_step_overhead_against_a_revision_in_one_process(tmp_path):
     for r in results:
         assert len(r["rev_runs"]) == len(r["this_runs"]) == 1
         assert r["rev_step_s"] > 0 and r["this_step_s"] > 0 and r["ratio"] > 0
+
+
+def _convergence_run(model: str, optimizer: str, seed: int, key_bias: list[float]) -> dict:
+    """A run as ``convergence.py`` records it, its GPT-2 key bias at the probes given."""
+    probes = {str(10 * (i + 1)): {"transformer.h.0.attn.key_bias": kb, "transformer.h.0.attn.c_attn.bias": 1.0}
+              for i, kb in enumerate(key_bias)}
+    return {"model": model, "optimizer": optimizer, "seed": seed, "losses": [2.0, 1.0], "final_loss": 1.0,
+            "eval_loss": 1.0, "max_abs": probes, "compression_step_ms": None, "compression_bytes_per_step": None,
+            "finite": True, "freeze_step": 50}
+
+
+def test_convergence_summarize_reports_key_bias_peaks_over_seeds(tmp_path):
+    """``--summarize`` recomputes a result's summary without training; the key bias is compared as
+    peaks over the seeds (the report's framing) and per seed."""
+    runs = [_convergence_run("gpt2", "adamw", 0, [1e-5, 4e-4, 2e-4]),
+            _convergence_run("gpt2", "adamw", 1, [1e-5, 1e-4, 1e-3]),
+            _convergence_run("gpt2", "onebitadam", 0, [3e-5, 2e-4, 1e-4]),
+            _convergence_run("gpt2", "onebitadam", 1, [2e-5, 5e-4, 1e-4])]
+    path = tmp_path / "convergence.json"
+    path.write_text(json.dumps({"config": {}, "summary": {}, "runs": runs}))
+    done = _run_script(tmp_path, "convergence.py", "--summarize", str(path), timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    kb = json.loads(path.read_text())["summary"]["gpt2"]["onebitadam"]["key_bias"]
+    assert kb["twin"] == "adamw"
+    assert kb["range"] == [2e-4, 5e-4] and kb["twin_range"] == [4e-4, 1e-3]
+    assert kb["largest_vs_twin_largest"] == pytest.approx(0.5)
+    assert kb["seed_peak_ratios"] == {"0": pytest.approx(0.5), "1": pytest.approx(0.5)}
+    row = json.loads(path.read_text())["summary"]["gpt2"]["onebitadam"]["seeds"]["0"]
+    assert row["key_bias_ratio"] == pytest.approx(3.0)  # the per-probe ratio: 3e-5 / 1e-5 at step 10
+    assert "largest/twin largest" in done.stdout
