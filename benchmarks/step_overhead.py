@@ -12,6 +12,7 @@ hits them alike).
     python -P benchmarks/step_overhead.py --groups one,each    # a bucket's cost: a param group per tensor
     python -P benchmarks/step_overhead.py --against REV        # this checkout against git revision REV
     python -P benchmarks/step_overhead.py --against REV --in-process   # the same, steps in turn
+    python -P benchmarks/step_overhead.py --against REV --in-process --groups each --tensors 200   # per bucket
 
 ``--against`` installs REV (``git archive``, ``pip install --target``) into a temporary folder and
 times each optimizer with its defaults in alternating processes, REV then this checkout, for
@@ -84,7 +85,7 @@ GROUPINGS = ("one", "each")
 FREEZE = {"OnebitAdam": {"freeze_step": 2}, "OnebitLamb": {"freeze_step": 2}, "ZeroOneAdam": {"var_freeze_step": 2}}
 
 
-def child(name: str, tensors: int, elements: int, steps: int) -> dict:
+def child(name: str, tensors: int, elements: int, steps: int, grouping: str = "one") -> dict:
     """One process's medians for ``name`` with its defaults, as few and as many tensors."""
     torch.set_num_threads(1)
     import compressed_opt
@@ -94,7 +95,7 @@ def child(name: str, tensors: int, elements: int, steps: int) -> dict:
     out = {}
     for label, n in (("few", 2), ("many", tensors)):
         params = model_of(n, elements)
-        opt = cls(params, lr=1e-4, backend=SingleProcessBackend(), **FREEZE[name])
+        opt = cls(grouped(params, grouping), lr=1e-4, backend=SingleProcessBackend(), **FREEZE[name])
         out[label] = time_steps(opt, params, steps)
         if hasattr(opt, "close"):
             opt.close()
@@ -118,9 +119,15 @@ def rename_package(site: str, dest: str) -> None:
         path.write_text(text)
 
 
-def child_pair(name: str, tensors: int, elements: int, steps: int) -> dict:
+def grouped(params: list, grouping: str) -> list:
+    """``params`` as one param group (``"one"``) or as a group per tensor (``"each"``: a bucket each)."""
+    return params if grouping == "one" else [{"params": [p]} for p in params]
+
+
+def child_pair(name: str, tensors: int, elements: int, steps: int, grouping: str = "one") -> dict:
     """One process's medians for ``name`` of :data:`REV_PACKAGE` and of this checkout, their steps
-    in turn, as few and as many tensors: ``{label: {"rev": s, "this": s}}``."""
+    in turn, as few and as many tensors (``grouping``: as one param group or a group per tensor):
+    ``{label: {"rev": s, "this": s}}``."""
     import importlib
 
     torch.set_num_threads(1)
@@ -130,7 +137,8 @@ def child_pair(name: str, tensors: int, elements: int, steps: int) -> dict:
         for version, package in (("rev", REV_PACKAGE), ("this", "compressed_opt")):
             cls = getattr(importlib.import_module(package), name)
             single = importlib.import_module(package + ".comm").SingleProcessBackend
-            makers[version] = lambda ps, cls=cls, single=single: cls(ps, lr=1e-4, backend=single(), **FREEZE[name])
+            makers[version] = lambda ps, cls=cls, single=single: cls(grouped(ps, grouping), lr=1e-4, backend=single(),
+                                                                     **FREEZE[name])
         out[label] = time_interleaved(makers, n, elements, steps)
     return out
 
@@ -138,6 +146,8 @@ def child_pair(name: str, tensors: int, elements: int, steps: int) -> dict:
 def against(rev: str, args) -> int:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     names = args.optimizers.split(",")
+    if args.groups not in GROUPINGS:
+        raise SystemExit(f"--groups with --against: one of {GROUPINGS}, got {args.groups!r}")
     unknown = sorted(set(names) - set(FREEZE))
     if unknown:
         raise SystemExit(f"--optimizers: unknown {unknown}; choose among {list(FREEZE)}")
@@ -151,7 +161,8 @@ def against(rev: str, args) -> int:
         if args.in_process:
             renamed = os.path.join(tmp, "renamed")
             rename_package(site, renamed)
-        sizes = ["--tensors", str(args.tensors), "--elements", str(args.elements), "--steps", str(args.steps)]
+        sizes = ["--tensors", str(args.tensors), "--elements", str(args.elements), "--steps", str(args.steps),
+                 "--groups", args.groups]
         runs = {(v, n): [] for v in ("rev", "this") for n in names}
 
         def run_child(path: str | None, *flags: str) -> dict:
@@ -214,10 +225,10 @@ def main(argv=None) -> int:
     p.add_argument("--child-pair", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        print(json.dumps(child(args.child, args.tensors, args.elements, args.steps)))
+        print(json.dumps(child(args.child, args.tensors, args.elements, args.steps, args.groups)))
         return 0
     if args.child_pair:
-        print(json.dumps(child_pair(args.child_pair, args.tensors, args.elements, args.steps)))
+        print(json.dumps(child_pair(args.child_pair, args.tensors, args.elements, args.steps, args.groups)))
         return 0
     if args.against:
         return against(args.against, args)
@@ -229,9 +240,6 @@ def main(argv=None) -> int:
     groupings = args.groups.split(",")
     if not set(groupings) <= set(GROUPINGS):
         raise SystemExit(f"--groups: each of {groupings} must be one of {GROUPINGS}")
-
-    def grouped(ps, grouping):
-        return ps if grouping == "one" else [{"params": [p]} for p in ps]
 
     makers = {}
     for grouping in groupings:

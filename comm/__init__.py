@@ -16,6 +16,7 @@ from .compressed import (  # noqa: F401
     CompressedAllreduce,
     chunk_numel,
     compressed_allreduce,
+    compressed_allreduce_plan,
     error_buffer_sizes,
     expand_result_rows,
     result_rows,
@@ -28,6 +29,7 @@ from .hierarchical import (  # noqa: F401
     WireBytes,
     hierarchical_average,
     hierarchical_compressed_allreduce,
+    hierarchical_compressed_allreduce_plan,
     hierarchical_error_buffer_sizes,
     hierarchical_wire_bytes,
 )

@@ -299,9 +299,17 @@ def compressed_allreduce(
     """
     _validate(tensor, worker_error, server_error, backend)
     kernels.check_rows_geometry(chunk_numel(tensor.numel(), backend.world_size), block)
-    key = _plan_key(tensor.numel(), tensor.device, block)
-    plan = backend.workspace(key, lambda: CompressedAllreduce(tensor.numel(), backend, tensor.device, block))
-    return plan(tensor, worker_error, server_error)
+    return compressed_allreduce_plan(tensor.numel(), backend, tensor.device, block)(tensor, worker_error, server_error)
+
+
+def compressed_allreduce_plan(numel: int, backend: Backend, device, block: int = DEFAULT_BLOCK) -> CompressedAllreduce:
+    """The reusable :class:`CompressedAllreduce` of ``numel`` elements on ``backend`` and
+    ``device`` that :func:`compressed_allreduce` calls (made at the first call of its size). A
+    caller that owns its buffers and has checked them, and whose ranks agreed on its sizes, may
+    call it directly with ``agreed=True``: no argument checks and no header exchange, one
+    latency-bound collective fewer per call."""
+    key = _plan_key(numel, device, block)
+    return backend.workspace(key, lambda: CompressedAllreduce(numel, backend, device, block))
 
 
 def _plan_key(numel: int, device, block: int, kind: str = "compressed_allreduce") -> tuple:

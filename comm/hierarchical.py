@@ -255,10 +255,15 @@ class HierarchicalCompressedAllreduce:
         return None
 
     # --- the exchange -----------------------------------------------------------------------------
-    def __call__(self, tensor: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor) -> torch.Tensor:
+    def __call__(self, tensor: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor,
+                 agreed: bool = False) -> torch.Tensor:
+        """The exchange; ``agreed``: the caller checked its buffers and its ranks agreed on the
+        sizes before (an earlier call of the same tensor), so the agreement's two all-gathers are
+        left out."""
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
-        self._agree(self._check(tensor, (worker_error, server_error)), tensor.dtype)
+        if not agreed:
+            self._agree(self._check(tensor, (worker_error, server_error)), tensor.dtype)
         if self.node_count == 1:
             return self._through_shards(tensor, None)
 
@@ -268,12 +273,14 @@ class HierarchicalCompressedAllreduce:
 
         return self._through_shards(tensor, between_nodes, as_rows=self.rows_in is not None)
 
-    def average(self, tensor: torch.Tensor) -> torch.Tensor:
+    def average(self, tensor: torch.Tensor, agreed: bool = False) -> torch.Tensor:
         """The exact fp32 average, the same three steps with an fp32 all-reduce between the nodes
-        in place of the 1-bit one (no error buffers); the agreement first, as for the exchange."""
+        in place of the 1-bit one (no error buffers); the agreement first (unless ``agreed``), as
+        for the exchange."""
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
-        self._agree(self._check(tensor, None), tensor.dtype)
+        if not agreed:
+            self._agree(self._check(tensor, None), tensor.dtype)
         inter = self.backends.inter
         return self._through_shards(tensor, (lambda shard: inter.all_reduce(shard, op="avg"))
                                     if self.node_count > 1 and self.valid > 0 else None)
@@ -330,6 +337,16 @@ def _plan(tensor, backends, block: int) -> HierarchicalCompressedAllreduce:
     plan = backends.intra.workspace(key, lambda: HierarchicalCompressedAllreduce(tensor.numel(), backends,
                                                                                  tensor.device, block))
     return plan
+
+
+def hierarchical_compressed_allreduce_plan(tensor: torch.Tensor, backends: NodeBackends,
+                                           block: int = DEFAULT_BLOCK) -> HierarchicalCompressedAllreduce:
+    """The reusable :class:`HierarchicalCompressedAllreduce` of ``tensor``'s numel and device that
+    :func:`hierarchical_compressed_allreduce` and :func:`hierarchical_average` call. A caller that
+    owns its buffers, after one checked call of each, may call its exchange and its ``average``
+    with ``agreed=True``: no argument checks and no agreement (two all-gathers fewer per call,
+    one of them between the nodes)."""
+    return _plan(tensor, backends, block)
 
 
 def hierarchical_compressed_allreduce(tensor: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor,

@@ -41,10 +41,12 @@ from compressed_opt.comm import (
     CommStats,
     chunk_numel,
     compressed_allreduce,
+    compressed_allreduce_plan,
     discover_layout,
     error_buffer_sizes,
     hierarchical_average,
     hierarchical_compressed_allreduce,
+    hierarchical_compressed_allreduce_plan,
     hierarchical_error_buffer_sizes,
     node_backends,
 )
@@ -138,6 +140,10 @@ class FlatAveraging:
     def __init__(self, backend, block: int = DEFAULT_BLOCK):
         self.backend, self.block = backend, block
         self.key = ("flat", backend.world_size)
+        #: (numel, device) -> the plan, for the sizes one checked exchange has agreed on: the
+        #: optimizer's later exchanges of them skip the checks and the header all-gather (its
+        #: buffers are its own, and its ranks agree on the bucket layout before every step)
+        self._agreed: dict = {}
 
     def error_sizes(self, numel: int) -> tuple[int, int]:
         return error_buffer_sizes(numel, self.backend.world_size)
@@ -149,7 +155,13 @@ class FlatAveraging:
         return (0, bucket.numel), (lo, hi)
 
     def __call__(self, x: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor) -> None:
-        compressed_allreduce(x, worker_error, server_error, self.backend, self.block)
+        key = (x.numel(), x.device)
+        plan = self._agreed.get(key)
+        if plan is not None:
+            plan(x, worker_error, server_error, agreed=True)
+            return
+        compressed_allreduce(x, worker_error, server_error, self.backend, self.block)  # checked and agreed
+        self._agreed[key] = compressed_allreduce_plan(x.numel(), self.backend, x.device, self.block)
 
     def average(self, x: torch.Tensor) -> None:
         """``x`` <- the exact average over all ranks: the backend's all-reduce."""
@@ -165,6 +177,7 @@ class NodeAveraging:
         layout = backends.layout
         self.local_size, self.node_count = layout.local_size, layout.node_count
         self.key = ("node", self.local_size, self.node_count)
+        self._agreed: dict = {}  # as FlatAveraging's: the exchange's plans, and the exact average's
 
     def error_sizes(self, numel: int) -> tuple[int, int]:
         return hierarchical_error_buffer_sizes(numel, self.local_size, self.node_count)
@@ -180,13 +193,25 @@ class NodeAveraging:
         return (start, end), (start + lo, start + min(lo + c, end - start))
 
     def __call__(self, x: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor) -> None:
+        key = ("exchange", x.numel(), x.device)
+        plan = self._agreed.get(key)
+        if plan is not None:
+            plan(x, worker_error, server_error, agreed=True)
+            return
         hierarchical_compressed_allreduce(x, worker_error, server_error, self.backends, self.block)
+        self._agreed[key] = hierarchical_compressed_allreduce_plan(x, self.backends, self.block)
 
     def average(self, x: torch.Tensor) -> None:
         """``x`` <- the exact average over all ranks, fp32 inside each node and between the nodes
         (:func:`~compressed_opt.comm.hierarchical_average`; other dtypes: the flat all-reduce)."""
         if x.dtype == torch.float32 and x.is_contiguous():
+            key = ("average", x.numel(), x.device)
+            plan = self._agreed.get(key)
+            if plan is not None:
+                plan.average(x, agreed=True)
+                return
             hierarchical_average(x, self.backends, self.block)
+            self._agreed[key] = hierarchical_compressed_allreduce_plan(x, self.backends, self.block)
         else:
             self.backend.all_reduce(x, op="avg")
 

@@ -53,9 +53,10 @@ from __future__ import annotations
 
 import torch
 
-from compressed_opt.comm import chunk_numel, compressed_allreduce, expand_result_rows, result_rows
+from compressed_opt.comm import chunk_numel, expand_result_rows, result_rows
 
 from . import scaling
+from .averaging import FlatAveraging
 from .buckets import Bucket
 from .buffers import SAVED, SCRATCH, Buffer
 from .layout import Layout, Replicated
@@ -306,7 +307,10 @@ class Sharded(Layout):
         """The compressed allreduce of the local momentum (always flat: its server chunks are the
         shards); keep the result's 1-bit rows: they are the momentum from now on."""
         worker_error, server_error = opt.error_buffers(bucket)
-        compressed_allreduce(x, worker_error, server_error, opt.backend, opt.scale_block)
+        flat = getattr(self, "_flat", None)
+        if flat is None or flat.backend is not opt.backend:  # (its plans: agreed once per size, as the optimizer's)
+            flat = self._flat = FlatAveraging(opt.backend, opt.scale_block)
+        flat(x, worker_error, server_error)
         rows = result_rows(bucket.numel, opt.backend, x.device, opt.scale_block)
         shard(bucket, "momentum_rows", rows.numel(), torch.uint8).copy_(rows)
         bucket.flats.pop("exp_avg", None)

@@ -52,12 +52,14 @@ def _train(model, opt, rank, steps):
     return losses
 
 
-def _compression_bytes(opt, model, rank, steps):
-    before = dict(opt.backend.stats.bytes_sent)
+def _compression_bytes(opt, model, rank, steps, calls=None):
+    before, calls_before = dict(opt.backend.stats.bytes_sent), dict(opt.backend.stats.calls)
     losses = _train(model, opt, rank, steps)
     after = opt.backend.stats.bytes_sent
     diff = {k: after[k] - before.get(k, 0) for k in after}
     inter = sum(v for k, v in diff.items() if k.startswith("inter_node."))
+    if calls is not None:  # the collectives per step, by name
+        calls.update({k: (v - calls_before.get(k, 0)) / len(steps) for k, v in opt.backend.stats.calls.items()})
     return losses, sum(diff.values()), inter
 
 
@@ -76,13 +78,15 @@ def _run(rank, world, name, hierarchy, per_node_env):
     losses = _train(model, opt, rank, [1])
     warmup, warmup_total, warmup_inter = _compression_bytes(opt, model, rank, range(2, FREEZE + 1))
     losses += warmup + _train(model, opt, rank, [FREEZE + 1])
-    more, total, inter = _compression_bytes(opt, model, rank, range(FREEZE + 2, STEPS + 1))
+    calls = {}
+    more, total, inter = _compression_bytes(opt, model, rank, range(FREEZE + 2, STEPS + 1), calls)
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     if name == "zerooneadam":  # between synchronisations each rank's own: the anchors of the last one
         flat = torch.cat([b.flat("sync_params") for b in opt.buckets])
     return {"key": opt.averaging.key, "losses": losses + more, "params": flat,
             "bytes_per_step": total / (STEPS - FREEZE - 1), "inter_per_step": inter / (STEPS - FREEZE - 1),
-            "warmup_bytes_per_step": warmup_total / (FREEZE - 1), "warmup_inter_per_step": warmup_inter / (FREEZE - 1)}
+            "warmup_bytes_per_step": warmup_total / (FREEZE - 1), "warmup_inter_per_step": warmup_inter / (FREEZE - 1),
+            "calls_per_step": calls, "buckets": len(opt.buckets)}
 
 
 @pytest.mark.multiprocess
@@ -95,6 +99,16 @@ def test_hierarchical_exchange_trains_like_the_flat_one(name):
     assert {r["key"] for r in flat} == {("flat", 4)}
     for runs in (hier, flat):
         assert all(torch.equal(r["params"], runs[0]["params"]) for r in runs), "the ranks' parameters differ"
+    # a compression step's collectives: per bucket the exchange's own (the ranks agreed on the
+    # buckets' sizes at their first exchange, and agree on the layout once per step), no header
+    # or agreement per bucket: flat an all-to-all and an all-gather; hierarchical a reduce-scatter
+    # and an all-gather inside the node, an all-to-all and an all-gather between the nodes
+    h, f = hier[0]["calls_per_step"], flat[0]["calls_per_step"]
+    assert h["inter_node.all_gather"] == h["inter_node.all_to_all"] > 0, h
+    assert h["intra_node.all_gather"] == h["intra_node.reduce_scatter"] == h["inter_node.all_to_all"], h
+    assert f["all_gather"] - f["all_to_all"] == h["all_gather"], (f, h)  # the step's own all-gathers
+    if name != "zerooneadam":  # (which synchronises every other step in phase B)
+        assert f["all_to_all"] == h["inter_node.all_to_all"] == flat[0]["buckets"] == 2, (f, h)
     mean = lambda runs, i: sum(r["losses"][i] for r in runs) / len(runs)  # noqa: E731
     first, last_h, last_f = mean(flat, 0), mean(hier, -1), mean(flat, -1)
     assert last_h < 0.8 * first and last_f < 0.8 * first, (first, last_h, last_f)

@@ -24,7 +24,7 @@ FREEZE = 3
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("train-bench")
     cmd = [sys.executable, "-P", TRAIN, "--model", "tiny", "--launch", "2",
-           "--methods", "ddp_adamw,onebit_adam,ddp_fp16,zero_one_adam", "--steps", str(STEPS),
+           "--methods", "ddp_adamw,onebit_adam,ddp_fp16,zero_one_adam,local_adamw", "--steps", str(STEPS),
            "--freeze-step", str(FREEZE), "--batch", "2", "--seq-len", "16", "--eval-sequences", "8", "--breakdown",
            "--inject-failure", "ddp_fp16:crash:2", "--inject-failure", "zero_one_adam:hang:2",
            "--stall-timeout", "10", "--method-timeout", "90", "--grace", "2", "--out-dir", str(out), "--name", "smoke"]
@@ -41,7 +41,7 @@ def test_json_has_every_field_per_method(report):
     assert cfg["steps"] == STEPS and cfg["freeze_step"] == FREEZE and cfg["launch"] == 2
     assert cfg["params"] > 500_000
     methods = {m["spec"]: m for m in rep["methods"]}
-    assert list(methods) == ["ddp_adamw", "onebit_adam", "ddp_fp16", "zero_one_adam"]
+    assert list(methods) == ["ddp_adamw", "onebit_adam", "ddp_fp16", "zero_one_adam", "local_adamw"]
     for spec in ("ddp_adamw", "onebit_adam"):
         m = methods[spec]
         assert m["status"] == "ok", m
@@ -65,6 +65,9 @@ def test_json_has_every_field_per_method(report):
     assert s["bytes_per_step_compression"] < s["bytes_per_step_warmup"] / 10
     assert s["bytes_per_step_compression"] < methods["ddp_adamw"]["summary"]["bytes_per_step"] / 10
     assert "ddp_adamw" in done.stdout and "onebit_adam" in done.stdout  # the table
+    floor = methods["local_adamw"]  # the compute floor: the same steps, nothing exchanged
+    assert floor["status"] == "ok", floor
+    assert floor["result"]["curve"]["bytes"] == [0] * STEPS and floor["summary"]["step_s"] > 0
 
 
 @pytest.mark.multiprocess

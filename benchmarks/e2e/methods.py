@@ -17,6 +17,7 @@ METHODS = {
     "onebit_adam": "1-bit Adam",
     "onebit_lamb": "1-bit LAMB",
     "zero_one_adam": "0/1 Adam",
+    "local_adamw": "AdamW, no communication (each rank alone: the compute floor, not data parallel)",
 }
 OURS = ("onebit_adam", "onebit_lamb", "zero_one_adam")
 DEFAULT_METHODS = ("ddp_adamw", "ddp_fp16", "ddp_powersgd", "ddp_powersgd+serial", "onebit_adam", "onebit_lamb",
@@ -117,6 +118,8 @@ def build(method: dict, model: nn.Module, cfg: dict, device: torch.device, timin
             stage = lambda: "compression" if state.iter >= state.start_powerSGD_iter else "warmup"  # noqa: E731
         opt = torch.optim.AdamW(model.parameters(), **hp)
         return module, opt, stage, lambda: RECORDER.bytes, {"ddp": True}
+    if name == "local_adamw":  # the floor of any method's step: the same work with nothing exchanged
+        return model, torch.optim.AdamW(model.parameters(), **hp), lambda: "full", lambda: 0, {"ddp": False}
     backend = compressed_opt.get_backend("torch")
     if timing is not None:
         backend = timing.wrap(backend)  # counts bytes in the wrapped backend's stats
