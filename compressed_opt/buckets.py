@@ -33,6 +33,7 @@ class Bucket:
     #: views of the bucket's own buffers, by (address, dtype, device): made once (a model with
     #: thousands of parameters would otherwise spend most of a step slicing)
     _views: dict = field(default_factory=dict, repr=False, compare=False)
+    _own: tuple | None = field(default=None, repr=False, compare=False)  # ((flats, version), their keys)
     #: values an optimizer derives from the bucket's buffers and keeps while they last (keyed by
     #: what they were made from; runtime only, never saved)
     derived: dict = field(default_factory=dict, repr=False, compare=False)
@@ -71,9 +72,12 @@ class Bucket:
         """Per-parameter views of a flat buffer, shaped like the parameters (do not modify the
         list). Views of one of the bucket's ``flats`` (or of a slice starting where it starts)
         are kept until that buffer leaves ``flats``; views of other tensors are made each call."""
-        own = {(t.data_ptr(), t.dtype, t.device) for t in self.flats.values()}
-        for stale in [k for k in self._views if k not in own]:
-            del self._views[stale]  # the buffer was dropped: let it go
+        own, stamp = self._own, (id(self.flats), self.flats.version)
+        if own is None or own[0] != stamp:  # which tensors the names hold changed
+            own = self._own = (stamp, {(t.data_ptr(), t.dtype, t.device) for t in self.flats.values()})
+            for stale in [k for k in self._views if k not in own[1]]:
+                del self._views[stale]  # the buffer was dropped: let it go
+        own = own[1]
         key = (flat.data_ptr(), flat.dtype, flat.device)
         views = self._views.get(key)
         if views is None:

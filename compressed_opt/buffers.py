@@ -68,6 +68,8 @@ class BucketBuffers(dict):
     without one (a bucket made outside an optimizer), any."""
 
     declared: Mapping[str, Buffer] | None = None
+    #: bumped by every change of which tensor a name holds (not by writes into a tensor)
+    version: int = 0
 
     def _spec(self, name: str) -> Buffer | None:
         if self.declared is None:
@@ -85,6 +87,7 @@ class BucketBuffers(dict):
         if spec is not None and not spec.allows(tensor.dtype):
             raise TypeError(f"bucket buffer {name!r} is declared {spec.dtype}, got a {tensor.dtype} tensor")
         super().__setitem__(name, tensor)
+        self.version += 1
 
     def __getitem__(self, name: str) -> torch.Tensor:
         self._spec(name)
@@ -96,6 +99,7 @@ class BucketBuffers(dict):
 
     def pop(self, name: str, *default):
         self._spec(name)
+        self.version += 1
         return super().pop(name, *default)
 
     def __contains__(self, name) -> bool:
@@ -105,3 +109,21 @@ class BucketBuffers(dict):
     def __delitem__(self, name: str) -> None:
         self._spec(name)
         super().__delitem__(name)
+        self.version += 1
+
+    def update(self, *args, **kwargs) -> None:  # (through __setitem__: checked and counted)
+        for name, tensor in dict(*args, **kwargs).items():
+            self[name] = tensor
+
+    def setdefault(self, name: str, default=None):
+        if name not in self:
+            self[name] = default
+        return self[name]
+
+    def clear(self) -> None:
+        super().clear()
+        self.version += 1
+
+    def popitem(self):
+        self.version += 1
+        return super().popitem()

@@ -330,15 +330,48 @@ class LayerVarianceTracking:
                     offset += len(b.params)
             return
         means = self._rank_statistics.mean(dim=0)  # (the same rows, in rank order, on every rank)
-        offset = 0
+        since, now, then = self._tracking_clock(step)
+        # the buckets of one (beta2, bias_correction) at once: the same element-wise math on their
+        # layers' rows stacked (a few small ops per step, not per bucket), written back after
+        for (beta2, bias_correction, _), (buckets, layers, numels) in self._tracking_batches().items():
+            rows = buckets[0].flats["layer_variance"] if len(buckets) == 1 else torch.cat(
+                [b.flats["layer_variance"] for b in buckets])
+            w = means.to(rows) if layers is None else means.to(rows.device)[layers].to(rows)
+            track(rows, w / numels, since, beta2)
+            f = factors(rows, now, then, beta2, bias_correction)
+            if len(buckets) > 1:
+                torch._foreach_copy_([b.flats["layer_variance"] for b in buckets],
+                                     list(rows.split([len(b.params) for b in buckets])))
+            offset = 0
+            for b in buckets:
+                self._layer_factors[b.index] = f[offset: offset + len(b.params)]
+                offset += len(b.params)
+
+    def _tracking_batches(self) -> dict:
+        """``{(beta2, bias_correction, device): (buckets, layers, numels)}``: the buckets whose rows one
+        update serves, the positions of their layers in the step's per-layer statistics (``None``:
+        all of them, in order) and the layers' numels; made again when the buckets or the groups'
+        ``betas`` change."""
+        # (the cache holds the buckets, so their ids cannot be reused while it is kept)
+        key = (tuple(map(id, self._buckets)), tuple((g["betas"][1], g["bias_correction"]) for g in self.param_groups))
+        cached = getattr(self, "_tracking_batches_cache", None)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        batches, offset = {}, 0
         for b in self._buckets:
-            rows, n = b.flats["layer_variance"], len(b.params)
             group = self.param_groups[b.group_index]
-            beta2 = group["betas"][1]
-            since, now, then = self._tracking_clock(step)
-            track(rows, means[offset: offset + n].to(rows) / b.layer_numels, since, beta2)
-            self._layer_factors[b.index] = factors(rows, now, then, beta2, group["bias_correction"])
-            offset += n
+            members = batches.setdefault((group["betas"][1], group["bias_correction"], b.device), ([], []))
+            members[0].append(b)
+            members[1].extend(range(offset, offset + len(b.params)))
+            offset += len(b.params)
+        out = {}
+        for k, (buckets, layers) in batches.items():
+            device = buckets[0].device
+            numels = torch.cat([b.layer_numels for b in buckets]) if len(buckets) > 1 else buckets[0].layer_numels
+            whole = layers == list(range(offset))
+            out[k] = (buckets, None if whole else torch.tensor(layers, dtype=torch.int64, device=device), numels)
+        self._tracking_batches_cache = (key, out)
+        return out
 
     def _last_variance_factors(self, bucket) -> list[float] | None:
         """Compression stage: the per-layer factors of the last update (``None``: not tracked, or

@@ -52,6 +52,37 @@ def test_a_dropped_buffer_is_let_go():
     assert gone() is None
 
 
+@pytest.mark.parametrize("how", ["assign", "pop", "update", "setdefault", "clear"])
+def test_a_replaced_buffer_is_let_go_and_its_successor_viewed(how):
+    """The kept views follow which tensor each name holds, however the name changed hands (the
+    bucket looks again only when its buffers changed)."""
+    _, bucket = _bucket()
+    flat = bucket.flat("exp_avg")
+    bucket.views(flat)
+    gone = weakref.ref(flat)
+    new = torch.full((bucket.numel,), 2.0)
+    if how == "assign":
+        bucket.flats["exp_avg"] = new
+    elif how == "pop":
+        bucket.flats.pop("exp_avg")
+        bucket.flats["exp_avg"] = new
+    elif how == "update":
+        bucket.flats.update(exp_avg=new)
+    elif how == "setdefault":
+        bucket.flats.clear()
+        assert bucket.flats.setdefault("exp_avg", new) is new
+    else:
+        bucket.flats.clear()
+        bucket.flats["exp_avg"] = new
+    del flat
+    views = bucket.views(new)
+    assert bucket.views(new) is views and all(v.eq(2.0).all() for v in views)
+    views[0].fill_(5.0)
+    assert new[: bucket.params[0].numel()].eq(5.0).all()
+    gc.collect()
+    assert gone() is None
+
+
 def test_an_optimizers_buckets_hold_only_declared_buffers():
     """Every bucket buffer is declared once with its role and dtype (compressed_opt.buffers): an
     undeclared name, or a tensor of another dtype, raises; the lists the library reads come from

@@ -173,3 +173,42 @@ def test_the_state_rows_survive_a_resume_bit_for_bit(name):
     assert all(torch.equal(a, b) for a, b in zip(straight, model.parameters()))
     rows = second.state[next(iter(model.parameters()))]["layer_variance"]
     assert rows._base is not None  # a view of the bucket's rows again
+
+
+def _bucket_by_bucket(opt):
+    """What ``_tracking_batches`` stands for: each bucket's rows updated alone, in place."""
+    out, offset = {}, 0
+    for b in opt.buckets:
+        group, n = opt.param_groups[b.group_index], len(b.params)
+        out[(group["betas"][1], group["bias_correction"], b.index)] = ([b], torch.arange(offset, offset + n),
+                                                                        b.layer_numels)
+        offset += n
+    return out
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_the_buckets_of_one_beta2_track_at_once_as_each_alone(name, monkeypatch):
+    """One step's tracking runs on the layers of every bucket of one ``beta2`` at once (their rows
+    stacked, written back after); with two groups of other ``beta2`` interleaved over the model,
+    several buckets each, the parameters and the tracked rows are bit for bit those of each
+    bucket's rows updated alone."""
+    def run(batched):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(24, 24) for _ in range(4)])
+        params = list(model.parameters())
+        first, second = params[0::3] + params[1::3], params[2::3]  # interleaved over the model
+        opt = OPTIMIZERS[name]([{"params": first, "betas": (0.9, 0.99)}, {"params": second, "betas": (0.8, 0.999)}],
+                               freeze=3, tracking=True, lr=1e-2, bucket_cap_mb=0.003)
+        if not batched:
+            monkeypatch.setattr(opt, "_tracking_batches", lambda: _bucket_by_bucket(opt))
+        g = torch.Generator().manual_seed(1)
+        for t in range(12):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g) * (1 + t % 3)
+            opt.step()
+        assert len(opt.buckets) >= 4 and len(opt._tracking_batches()) == (2 if batched else len(opt.buckets))
+        return [p.detach().clone() for p in params], [opt.state[p]["layer_variance"].clone() for p in params]
+
+    (params, rows), (want_params, want_rows) = run(True), run(False)
+    assert all(torch.equal(a, b) for a, b in zip(params, want_params))
+    assert all(torch.equal(a, b) for a, b in zip(rows, want_rows))
