@@ -254,7 +254,8 @@ def plot(entries: list[dict], comparison: dict, path: str, title: str) -> str | 
         ax_break.set(ylabel="ms per step (steady stage)", title="step time")
     ax_break.tick_params(axis="x", labelrotation=30)
     for ax in axes.flat:
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:  # (the step-time bars without a breakdown have no labels)
+            ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
     fig.suptitle(textwrap.fill(title, 130), fontsize=9)
     fig.tight_layout()
