@@ -94,6 +94,9 @@ class CompressedAllreduce:
         self.backend = backend
         self.device = torch.device(device)
         world = backend.world_size
+        if world > kernels.MAX_SERVER_ROWS:
+            raise ValueError(f"at most {kernels.MAX_SERVER_ROWS} ranks are supported by the compression kernels, "
+                             f"got {world}")
         self.chunk = chunk_numel(numel, world)
         kernels.check_rows_geometry(self.chunk, block)
         self.block = block
@@ -169,9 +172,20 @@ class CompressedAllreduce:
 
     def __call__(self, tensor: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor,
                  agreed: bool = False) -> torch.Tensor:
-        """One exchange (the module docstring's steps). ``agreed``: the caller has already made every
-        rank agree on the numel, dtype and block (the hierarchical exchange's agreement), so the
-        header all-gather of exchange 1 is left out."""
+        """One exchange (the module docstring's steps). ``agreed``: the caller checked these
+        arguments (as :func:`compressed_allreduce` does) and made every rank agree on the numel,
+        dtype and block (the hierarchical exchange's agreement, or an earlier exchange of the same
+        buffers), so neither the checks nor the header all-gather of exchange 1 run; the kernels
+        trust the buffers' sizes, so pass ``agreed=True`` only for arguments checked before."""
+        if not agreed:
+            _validate(tensor, worker_error, server_error, self.backend)
+            if tensor.numel() != self.numel or tensor.device != self.device:
+                raise ValueError(f"this plan exchanges {self.numel} elements on {self.device}, got {tensor.numel()} "
+                                 f"on {tensor.device}")
+        return self._run(tensor, worker_error, server_error, agreed)
+
+    def _run(self, tensor: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor,
+             agreed: bool) -> torch.Tensor:
         backend, world = self.backend, self.backend.world_size
         flat = tensor.view(-1) if tensor.is_contiguous() else None
         if flat is not None and tensor.dtype == torch.float32:
@@ -182,10 +196,11 @@ class CompressedAllreduce:
             x = self.fp32_scratch
             x.view(tensor.shape).copy_(tensor)
 
-        # 1. worker: compensate and compress every chunk into its row
+        # 1. worker: compensate and compress every chunk into its row (the kernels unchecked: the
+        # buffers are this plan's, made for its geometry, and the caller's were checked, see agreed)
+        impl = kernels.implementation(self.device)
         with observe.span("kernel", "compress_rows_"):
-            kernels.compress_rows_(x, worker_error, self.worker_rows.view(world, self.row_len), self.chunk,
-                                   self.block)
+            impl.compress_rows_(x, worker_error, self.worker_rows.view(world, self.row_len), self.chunk, self.block)
         code = _DTYPE_CODES[tensor.dtype]
         if code != self._header_dtype:
             self.header_send[3] = self._header_dtype = code
@@ -201,15 +216,15 @@ class CompressedAllreduce:
 
         # 3. server: average this rank's chunk of every worker, compensate, compress
         with observe.span("kernel", "average_compress_rows_"):
-            kernels.average_compress_rows_(self.server_rows_in.view(world, self.row_len),
-                                           server_error[: self.server_numel], self.server_row, self.chunk,
-                                           self.block)
+            impl.average_compress_rows_(self.server_rows_in.view(world, self.row_len),
+                                        server_error[: self.server_numel], self.server_row, self.chunk, self.block)
 
         # 4. exchange 2: every server's row
         self._exchange(backend.all_gather, self.gathered, self.server_row, False, "gather")()
 
         # 5. decompress the concatenation of the server chunks
-        expand_result_rows(self.gathered, self.numel, world, x, self.block)
+        with observe.span("kernel", "decompress_rows_"):
+            impl.decompress_rows_(self.gathered.view(world, -1), x, self.chunk, self.block)
         if x is not flat:
             tensor.copy_(x.view(tensor.shape))
         return tensor
@@ -299,7 +314,8 @@ def compressed_allreduce(
     """
     _validate(tensor, worker_error, server_error, backend)
     kernels.check_rows_geometry(chunk_numel(tensor.numel(), backend.world_size), block)
-    return compressed_allreduce_plan(tensor.numel(), backend, tensor.device, block)(tensor, worker_error, server_error)
+    plan = compressed_allreduce_plan(tensor.numel(), backend, tensor.device, block)
+    return plan._run(tensor, worker_error, server_error, agreed=False)  # (checked above; the header runs)
 
 
 def compressed_allreduce_plan(numel: int, backend: Backend, device, block: int = DEFAULT_BLOCK) -> CompressedAllreduce:

@@ -58,6 +58,7 @@ __all__ = [
     "check_rows_geometry",
     "check_block",
     "kernel_path",
+    "implementation",
     "reference",
     "Segments",
     "segment_sumsq",
@@ -113,6 +114,15 @@ def kernel_path(device: torch.device) -> str:
             )
         return "reference"
     return "cpu"
+
+
+def implementation(device: torch.device):
+    """The module whose ``compress_rows_``, ``average_compress_rows_`` and ``decompress_rows_``
+    serve ``device`` now (:func:`kernel_path`), called without this module's checks: for a caller
+    that made its buffers for one geometry (``check_rows_geometry``, at most
+    :data:`MAX_SERVER_ROWS` rows) and checked its arguments once, as the compressed allreduce's
+    plan does. Anyone else: the checked functions of this module."""
+    return _impl(device)
 
 
 def _impl(device: torch.device):

@@ -28,6 +28,7 @@ they may differ in the last bit (the C pass can contract ``a + w * b`` into one 
 """
 from __future__ import annotations
 
+import ctypes
 import os
 
 import torch
@@ -76,6 +77,18 @@ def _doubles(values, n: int) -> torch.Tensor:
     if out.shape != (n,):
         raise ValueError(f"one value per segment is needed ({n}), got shape {tuple(out.shape)}")
     return out.contiguous()
+
+
+def _c_doubles(values, n: int) -> tuple[object, int]:
+    """``values`` (a tensor or a sequence of ``n`` numbers) as ``n`` C doubles for the C library:
+    ``(what keeps them alive, their address)`` (a list in a ctypes array: a fifth of a tensor's cost)."""
+    if isinstance(values, torch.Tensor):
+        t = _doubles(values, n)
+        return t, t.data_ptr()
+    if len(values) != n:
+        raise ValueError(f"one value per segment is needed ({n}), got shape ({len(values)},)")
+    array = (ctypes.c_double * n)(*values)
+    return array, ctypes.addressof(array)
 
 
 def gather_(sources: list, out: torch.Tensor, segments: Segments, scale: float | None = None,
@@ -134,13 +147,15 @@ def lerp_scale_clamp_(x: torch.Tensor, m: torch.Tensor, weight: float, r: torch.
     """``x`` <- ``clamp(c_s * (r * lerp(m, x, weight)), -bounds[s], bounds[s])`` on each segment
     ``s`` (``c_s = scales[s]``; 1, exactly the unscaled result, without ``scales``)."""
     _check(segments, x, m, r)
-    b = _doubles(bounds, len(segments))
-    c = None if scales is None else _doubles(scales, len(segments))
     lib = _native(x, m, r)
     if lib is not None:
-        lib.co_lerp_scale_clamp(x.data_ptr(), m.data_ptr(), float(weight), r.data_ptr(), b.data_ptr(),
-                                None if c is None else c.data_ptr(), segments.offsets.data_ptr(), len(segments))
+        b, bp = _c_doubles(bounds, len(segments))
+        c, cp = (None, None) if scales is None else _c_doubles(scales, len(segments))
+        lib.co_lerp_scale_clamp(x.data_ptr(), m.data_ptr(), float(weight), r.data_ptr(), bp, cp,
+                                segments.offsets.data_ptr(), len(segments))
         return
+    b = _doubles(bounds, len(segments))
+    c = None if scales is None else _doubles(scales, len(segments))
     n = segments.numel
     torch.lerp(m[:n], x[:n], weight, out=x[:n])
     x[:n].mul_(r[:n])
@@ -154,11 +169,12 @@ def lerp_scale_clamp_(x: torch.Tensor, m: torch.Tensor, weight: float, r: torch.
 def scale_clamp_(x: torch.Tensor, r: torch.Tensor, bounds, segments: Segments) -> None:
     """``x`` <- ``clamp(r * x, -bounds[s], bounds[s])`` on each segment ``s``."""
     _check(segments, x, r)
-    b = _doubles(bounds, len(segments))
     lib = _native(x, r)
     if lib is not None:
-        lib.co_scale_clamp(x.data_ptr(), r.data_ptr(), b.data_ptr(), segments.offsets.data_ptr(), len(segments))
+        b, bp = _c_doubles(bounds, len(segments))
+        lib.co_scale_clamp(x.data_ptr(), r.data_ptr(), bp, segments.offsets.data_ptr(), len(segments))
         return
+    b = _doubles(bounds, len(segments))
     x[: segments.numel].mul_(r[: segments.numel])
     _clamp_segments_(x, b.tolist(), segments)
 
@@ -183,18 +199,18 @@ def divide_where_nonzero_(y: torch.Tensor, r: torch.Tensor, out: torch.Tensor,
         raise ValueError(f"y, r and out must have one shape, got {shapes}")
     if (segments is None) != (divisors is None):
         raise ValueError("segments and divisors go together")
-    d = None
     if segments is not None:
         _check(segments, y)
-        d = _doubles(divisors, len(segments))
     lib = _native(y, r, out)
     if lib is not None:
-        if d is None:
+        if segments is None:
             lib.co_divide_where_nonzero(y.data_ptr(), r.data_ptr(), out.data_ptr(), y.numel())
         else:
-            lib.co_divide_where_nonzero_segments(y.data_ptr(), r.data_ptr(), out.data_ptr(), d.data_ptr(),
+            d, dp = _c_doubles(divisors, len(segments))
+            lib.co_divide_where_nonzero_segments(y.data_ptr(), r.data_ptr(), out.data_ptr(), dp,
                                                  segments.offsets.data_ptr(), len(segments))
         return
+    d = None if segments is None else _doubles(divisors, len(segments))
     if d is not None:  # only the segments' elements
         n = segments.numel
         y, r, out = y[:n], r[:n], out[:n]

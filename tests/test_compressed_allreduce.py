@@ -7,6 +7,7 @@ from compressed_opt.comm import (
     SingleProcessBackend,
     chunk_numel,
     compressed_allreduce,
+    compressed_allreduce_plan,
     error_buffer_sizes,
     get_backend,
     wire_bytes,
@@ -145,6 +146,29 @@ def test_shape_and_non_contiguous_input():
     assert y.shape == (6, 8)
     expected = simulate([base.t().contiguous()], [torch.zeros(we_n)], [torch.zeros(se_n)])
     assert_matches_reference(y, expected)
+
+
+def test_a_plan_called_directly_checks_unless_agreed_and_agreed_skips_the_header():
+    """The plan behind compressed_allreduce, called with agreed=True after one checked exchange,
+    gives the same result bit for bit without the header all-gather; called without it, it checks
+    its arguments as compressed_allreduce does (its kernels trust the buffers' sizes)."""
+    n = 4099
+    we_n, se_n = error_buffer_sizes(n, 1)
+    backend, other = SingleProcessBackend(), SingleProcessBackend()
+    errors = [torch.zeros(we_n), torch.zeros(se_n)], [torch.zeros(we_n), torch.zeros(se_n)]
+    plan = compressed_allreduce_plan(n, backend, torch.device("cpu"))
+    for step in range(3):
+        x = rank_input(0, n, step)
+        want = compressed_allreduce(x.clone(), *errors[0], other)
+        calls = dict(backend.stats.calls)
+        got = plan(x.clone(), *errors[1], agreed=step > 0)
+        assert torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(*errors))
+        sent = {k: v - calls.get(k, 0) for k, v in backend.stats.calls.items()}
+        assert sent == ({"all_gather": 1, "all_to_all": 1} if step > 0 else {"all_gather": 2, "all_to_all": 1})
+    with pytest.raises(ValueError, match="worker_error"):
+        plan(torch.zeros(n), torch.zeros(we_n - 1), torch.zeros(se_n))
+    with pytest.raises(ValueError, match="4099 elements"):
+        plan(torch.zeros(n + 1), *[torch.zeros(k) for k in error_buffer_sizes(n + 1, 1)])
 
 
 def test_error_buffer_sizes():
