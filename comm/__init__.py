@@ -15,6 +15,7 @@ from .compressed import (  # noqa: F401
     DEFAULT_BLOCK,
     CompressedAllreduce,
     chunk_numel,
+    coalesced_compressed_allreduce,
     compressed_allreduce,
     compressed_allreduce_plan,
     error_buffer_sizes,

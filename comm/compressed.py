@@ -230,6 +230,60 @@ class CompressedAllreduce:
         return tensor
 
 
+class _CoalescedRows:
+    """The packed rows of several plans' exchanges on one backend: what each rank sends to each
+    (``world`` rows of ``total`` bytes), what it receives, its server rows and every rank's."""
+
+    def __init__(self, backend: Backend, device: torch.device, total: int):
+        world = backend.world_size
+        self.backend, self._stage = backend, {}
+        u8 = dict(dtype=torch.uint8, device=device)
+        self.send, self.recv = torch.empty(world * total, **u8), torch.empty(world * total, **u8)
+        self.server, self.gathered = torch.empty(total, **u8), torch.empty(world * total, **u8)
+
+    # the same concurrent pieces for large messages as one plan's
+    _column_pieces = CompressedAllreduce._column_pieces
+    _staging = CompressedAllreduce._staging
+    _exchange = CompressedAllreduce._exchange
+
+
+def coalesced_compressed_allreduce(plans: list, tensors: list, worker_errors: list,
+                                   server_errors: list) -> list[torch.Tensor]:
+    """The exchanges of several plans of one backend and device at once, each ``plans[i](tensors[i],
+    worker_errors[i], server_errors[i], agreed=True)`` bit for bit, with their rows in one
+    all-to-all and one all-gather instead of two collectives each: a small buffer's exchange on
+    a real link is its collectives' latency. Every rank must pass plans of the same numels in the
+    same order, agreed before (as for ``agreed=True``); the tensors float32 and contiguous, their
+    arguments checked before (the kernels trust the sizes); the same plan may come more than once.
+    Returns each exchange's result as it travelled (``[world, row]`` bytes, what
+    :func:`result_rows` gives after a call of its own: views of a reused buffer, valid until the
+    next coalesced exchange of the same sizes); the plans' own buffers are not used."""
+    if not plans:
+        return []
+    backend, device, world = plans[0].backend, plans[0].device, plans[0].backend.world_size
+    total = sum(p.row_len for p in plans)
+    key = ("coalesced_compressed_allreduce", tuple(p.numel for p in plans), device, tuple(p.block for p in plans))
+    rows = backend.workspace(key, lambda: _CoalescedRows(backend, device, total))
+    impl = kernels.implementation(device)
+    send, recv, gathered = (t.view(world, total) for t in (rows.send, rows.recv, rows.gathered))
+    spans, a = [], 0
+    for p in plans:
+        spans.append((a, a + p.row_len))
+        a += p.row_len
+    with observe.span("kernel", "compress_rows_"):
+        for p, x, we, (a, b) in zip(plans, tensors, worker_errors, spans):
+            impl.compress_rows_(x.view(-1), we, send[:, a:b], p.chunk, p.block)  # into its columns
+    rows._exchange(backend.all_to_all, rows.recv, rows.send, True, "a2a")()
+    with observe.span("kernel", "average_compress_rows_"):
+        for p, se, (a, b) in zip(plans, server_errors, spans):
+            impl.average_compress_rows_(recv[:, a:b], se[: p.server_numel], rows.server[a:b], p.chunk, p.block)
+    rows._exchange(backend.all_gather, rows.gathered, rows.server, False, "gather")()
+    with observe.span("kernel", "decompress_rows_"):
+        for p, x, (a, b) in zip(plans, tensors, spans):
+            impl.decompress_rows_(gathered[:, a:b], x.view(-1), p.chunk, p.block)
+    return [gathered[:, a:b] for a, b in spans]
+
+
 def error_buffer_problem(name: str, buf, expected: int, device, sizes: str) -> Exception | None:
     """What is wrong with error buffer ``name`` (``None``: nothing): a contiguous fp32 tensor of
     ``expected`` elements on ``device``; ``sizes`` says what the size was computed for."""

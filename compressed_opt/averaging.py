@@ -40,6 +40,7 @@ from compressed_opt.comm import (
     DEFAULT_BLOCK,
     CommStats,
     chunk_numel,
+    coalesced_compressed_allreduce,
     compressed_allreduce,
     compressed_allreduce_plan,
     discover_layout,
@@ -163,6 +164,28 @@ class FlatAveraging:
         compressed_allreduce(x, worker_error, server_error, self.backend, self.block)  # checked and agreed
         self._agreed[key] = compressed_allreduce_plan(x.numel(), self.backend, x.device, self.block)
 
+    def exchange_many(self, items: list) -> list[torch.Tensor | None]:
+        """Each ``(x, worker_error, server_error)`` of ``items`` exchanged as by a call, bit for bit:
+        a size not agreed yet alone (checked and agreed by it), then the rest with their
+        collectives coalesced (one all-to-all and one all-gather for all of them). Returns each
+        one's result rows as they travelled (``[world, row]`` bytes; ``None`` for an empty one)."""
+        rows: list = [None] * len(items)
+        plans, rest, where = [], [], []
+        for i, (x, worker_error, server_error) in enumerate(items):
+            plan = self._agreed.get((x.numel(), x.device))
+            if plan is None or x.dtype != torch.float32 or not x.is_contiguous():
+                self(x, worker_error, server_error)
+                plan = self._agreed[(x.numel(), x.device)]
+                rows[i] = plan.gathered.view(self.backend.world_size, -1).clone()  # (the plan's buffer is reused)
+            elif x.numel():
+                plans.append(plan)
+                rest.append((x, worker_error, server_error))
+                where.append(i)
+        if plans:
+            for i, r in zip(where, coalesced_compressed_allreduce(plans, *(list(c) for c in zip(*rest)))):
+                rows[i] = r
+        return rows
+
     def average(self, x: torch.Tensor) -> None:
         """``x`` <- the exact average over all ranks: the backend's all-reduce."""
         self.backend.all_reduce(x, op="avg")
@@ -200,6 +223,13 @@ class NodeAveraging:
             return
         hierarchical_compressed_allreduce(x, worker_error, server_error, self.backends, self.block)
         self._agreed[key] = hierarchical_compressed_allreduce_plan(x, self.backends, self.block)
+
+    def exchange_many(self, items: list) -> list[None]:
+        """Each ``(x, worker_error, server_error)`` of ``items`` exchanged by a call of its own
+        (the hierarchical exchange does not coalesce); no rows are returned."""
+        for item in items:
+            self(*item)
+        return [None] * len(items)
 
     def average(self, x: torch.Tensor) -> None:
         """``x`` <- the exact average over all ranks, fp32 inside each node and between the nodes

@@ -143,8 +143,11 @@ class Layout:
         ``v_f == 0`` (:mod:`compressed_opt.onebit_adam`)."""
         raise NotImplementedError
 
-    def exchange(self, opt, bucket: Bucket, x: torch.Tensor) -> None:
-        """``x`` <- the 1-bit compressed average of the ranks' ``x`` (collective)."""
+    def exchange(self, opt, bucket: Bucket, x: torch.Tensor):
+        """``x`` <- the 1-bit compressed average of the ranks' ``x`` (collective), as a generator
+        that yields its one request ``(bucket, x, averaging)`` (``averaging``: ``None`` for the
+        optimizer's own) and keeps what it needs of the result after it: the optimizer runs the
+        requests of an exchange group together (``CompressedOptimizer._run_exchanges``)."""
         raise NotImplementedError
 
     def keep_momentum(self, opt, bucket: Bucket, m: torch.Tensor) -> None:
@@ -253,7 +256,7 @@ class Replicated(Layout):
                                       opt._exchange_factors(bucket))
 
     def exchange(self, opt, bucket, x):
-        opt.compressed_average(bucket, x)
+        yield bucket, x, None
 
     def keep_momentum(self, opt, bucket, m):
         bucket.flat("exp_avg").copy_(m)

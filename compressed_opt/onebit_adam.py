@@ -383,7 +383,7 @@ class OnebitAdam(_FreezingAdam):
         ranks, in place (``m`` takes it in :meth:`_bucket_step`). Into the gradient buffer: ``m``
         changes only in :meth:`_bucket_step` (a skipped step leaves it alone)."""
         self.layout.local_momentum_(self, bucket, grad, group["betas"][0])
-        self.layout.exchange(self, bucket, grad)
+        yield from self.layout.exchange(self, bucket, grad)
 
     def _bucket_step(self, bucket, group, grad, step, averaged):
         beta1, beta2 = group["betas"]

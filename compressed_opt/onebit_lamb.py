@@ -281,7 +281,7 @@ class OnebitLamb(_FreezingAdam):
             scaling.scale_(bucket.views(grad), coeffs)
         if self._measures_live_ratio(step):
             self._observe_local_direction(bucket, group, grad, step)
-        self.layout.exchange(self, bucket, grad)
+        yield from self.layout.exchange(self, bucket, grad)
         if preconditioned:
             self._momentum_from_exchange(bucket, grad, out=grad)  # m_t = y / R
         else:

@@ -268,7 +268,7 @@ class CompressedOptimizer(Persistence, Optimizer):
                     if old is not None:
                         row.copy_(old)
                     self.state[p][name] = row
-        self._launcher.attach(self._buckets)
+        self._launcher.attach(self._buckets, exchange_groups(self._buckets, self.bucket_cap_bytes))
         self._ranks_checked = False if rebuilt else self._ranks_checked
         pending, self._pending_bucket_state = self._pending_bucket_state, None
         if pending is not None:
@@ -361,11 +361,47 @@ class CompressedOptimizer(Persistence, Optimizer):
     def compressed_average(self, bucket: Bucket, x: torch.Tensor) -> None:
         """``x`` <- the ranks' 1-bit compressed average of ``x``, with the bucket's error feedback
         (or, where ``path`` says so for the bucket, their exact fp32 average)."""
-        if self.path != "1bit" and (self.path == "fp32" or self.exchange_paths.get(bucket.numel) == "fp32"):
-            self.averaging.average(x)
-            return
-        worker_error, server_error = self.error_buffers(bucket)
-        self.averaging(x, worker_error, server_error)
+        self._exchange_requests([(bucket, x, None)])
+
+    def _exchange_requests(self, requests: list) -> list:
+        """Each ``(bucket, x, averaging)`` of ``requests`` (``averaging``: ``None`` for the
+        optimizer's own, with its path per bucket): the fp32 averages one by one, then each
+        averaging's 1-bit exchanges together (the flat one coalesces their collectives). Returns
+        per request the result's 1-bit rows where the averaging gives them (else ``None``)."""
+        rows: list = [None] * len(requests)
+        together: dict[int, tuple] = {}
+        for i, (bucket, x, way) in enumerate(requests):
+            if way is None:
+                if self.path != "1bit" and (self.path == "fp32" or self.exchange_paths.get(bucket.numel) == "fp32"):
+                    self.averaging.average(x)
+                    continue
+                way = self.averaging
+            entry = together.setdefault(id(way), (way, [], []))
+            entry[1].append((x, *self.error_buffers(bucket)))
+            entry[2].append(i)
+        for way, items, where in together.values():
+            for i, r in zip(where, way.exchange_many(items)):
+                rows[i] = r
+        return rows
+
+    def _run_exchanges(self, exchanges: list) -> None:
+        """Run the buckets' exchanges (generators that yield their one request ``(bucket, x,
+        averaging)`` between the passes before and after it, and receive the result's 1-bit rows
+        or ``None``) together: every pass before, the requests at once, every pass after."""
+        pending = []
+        for exchange in exchanges:
+            if exchange is None:
+                continue
+            request = next(exchange, None)
+            if request is not None:
+                pending.append((exchange, request))
+        results = self._exchange_requests([request for _, request in pending])
+        for (exchange, _), rows in zip(pending, results):
+            try:
+                exchange.send(rows)  # (the result's rows, for a layout that keeps them)
+            except StopIteration:
+                continue
+            raise RuntimeError("an exchange asked for a second compressed average")
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds (bucket buffers that are not workspace, plus
@@ -522,13 +558,19 @@ class CompressedOptimizer(Persistence, Optimizer):
     def exchange(self, bucket: Bucket) -> None:
         """The bucket's communication for this step, on its gathered buffer (any thread): the
         full-precision average, or the algorithm's own exchange (:meth:`_bucket_communicate`)."""
+        self.exchange_group([bucket])
+
+    def exchange_group(self, buckets: list[Bucket]) -> None:
+        """:meth:`exchange` of consecutive buckets (an exchange group, :func:`exchange_groups`):
+        their 1-bit exchanges' collectives coalesced, their full-precision averages one by one."""
         step = self.global_step + 1
-        grad = self._grad_buffer(bucket)
         if self._needs_average(step):
             if self._averager is None:  # (else the averager averaged the gradients)
-                self._average(bucket, grad)
-        else:
-            self._bucket_communicate(bucket, self.param_groups[bucket.group_index], grad, step)
+                for bucket in buckets:
+                    self._average(bucket, self._grad_buffer(bucket))
+            return
+        self._run_exchanges([self._bucket_communicate(b, self.param_groups[b.group_index], self._grad_buffer(b), step)
+                             for b in buckets])
 
     def finish_backward(self, launched: int) -> None:
         """At the end of the backward that completes the step's gradients: in a full-precision
@@ -555,7 +597,8 @@ class CompressedOptimizer(Persistence, Optimizer):
         for b in rest:  # a compression step launched ahead (the loop leaves p.grad alone)
             if not self.gather_ahead(b):
                 launcher.nonfinite = True
-            self.exchange(b)
+        for members in launcher.groups_of(b.index for b in rest):
+            self.exchange_group([self._buckets[i] for i in members])
 
     def _agree_on_layout(self) -> None:
         """Before a step's first collective (once the ranks were checked): one all-gather of a hash
@@ -871,6 +914,24 @@ class CompressedOptimizer(Persistence, Optimizer):
 
 
 CompressedOptimizer._declare(CompressedOptimizer, dict(CompressedOptimizer.buffers))
+
+
+def exchange_groups(buckets: list[Bucket], cap_bytes: int) -> list[list[int]]:
+    """Consecutive buckets whose fp32 bytes together stay within ``cap_bytes``, as runs of their
+    indices: their 1-bit exchanges share collectives. Buckets are cut at the cap, so only buckets
+    a param group's end cut short merge (a per-layer group's, a no-decay group's): each small
+    exchange's time on a link is its collectives' latency. The same on every rank (the layout is)."""
+    groups: list[list[int]] = []
+    size = 0
+    for b in buckets:
+        nbytes = 4 * b.numel
+        if groups and size + nbytes <= cap_bytes:
+            groups[-1].append(b.index)
+            size += nbytes
+        else:
+            groups.append([b.index])
+            size = nbytes
+    return groups
 
 
 def _layout_hash(buckets: list[Bucket]) -> int:

@@ -76,7 +76,7 @@ class BucketLauncher:
 
     The optimizer provides ``owner`` callbacks: ``prepare()`` (at the first hook of a backward:
     buckets and the launch policy for this step), ``gather(bucket)`` (the bucket's gradients
-    into its flat buffer), ``exchange(bucket)`` (the collectives on that buffer, thread-safe),
+    into its flat buffer), ``exchange_group(buckets)`` (the collectives on their buffers, thread-safe),
     ``finish_backward(launched)`` (at the end of a backward that completes the step's
     gradients)."""
 
@@ -121,9 +121,14 @@ class BucketLauncher:
                 self._handles.append(p.register_post_accumulate_grad_hook(lambda param, ref=ref: _hook(ref, param)))
                 self._hooked.add(id(p))
 
-    def attach(self, buckets: list[Bucket]) -> None:
-        """Take ``buckets`` (replacing earlier ones); their parameters get hooks if they have none."""
+    def attach(self, buckets: list[Bucket], groups: list[list[int]] | None = None) -> None:
+        """Take ``buckets`` (replacing earlier ones); their parameters get hooks if they have none.
+        ``groups``: consecutive runs of bucket indices exchanged together (a run goes out when its
+        last bucket is ready); by default each bucket alone."""
         self._buckets = buckets
+        groups = groups if groups is not None else [[b.index] for b in buckets]
+        #: per bucket index, the last index of its exchange group
+        self._group_last = {i: g[-1] for g in groups for i in g}
         self._index = {id(p): b.index for b in buckets for p in b.params}
         self.watch(p for b in buckets for p in b.params)
         self._reset()
@@ -157,20 +162,25 @@ class BucketLauncher:
         if self._fired[index] == need:
             self._ready[index] = True
             if self.launch_ahead:
-                while self._next < len(self._buckets) and self._ready[self._next]:
+                while self._next < len(self._buckets) and all(self._ready[self._next: self._last(self._next) + 1]):
                     self._submit(self._next)
 
+    def _last(self, index: int) -> int:
+        return self._group_last.get(index, index)
+
     def _submit(self, index: int) -> None:
-        bucket = self._buckets[index]
+        """Launch the exchange group that starts at bucket ``index``."""
+        buckets = self._buckets[index: self._last(index) + 1]
         # on the autograd thread: the communication thread never reads p.grad
-        if not self._owner.gather_ahead(bucket):
-            self.nonfinite = True
+        for bucket in buckets:
+            if not self._owner.gather_ahead(bucket):
+                self.nonfinite = True
         executor = self._pool.get("executor")
         if executor is None:
             executor = self._pool["executor"] = ThreadPoolExecutor(max_workers=1,
                                                                     thread_name_prefix="compressed_opt_comm")
-        self._futures[index] = executor.submit(self._owner.exchange, bucket)
-        self._next = index + 1
+        self._futures[index] = executor.submit(self._owner.exchange_group, buckets)
+        self._next = index + len(buckets)
 
     @torch._disable_dynamo
     def _end_of_backward(self) -> None:
@@ -234,12 +244,25 @@ class BucketLauncher:
         return done
 
     def run_inline(self, indices, gather: bool = True) -> None:
-        """Communicate these buckets now, on the calling thread, in bucket order."""
+        """Communicate these buckets now, on the calling thread, in bucket order, each exchange
+        group's together."""
         with observe.span("wait", "run_inline"):
-            for i in sorted(indices):
+            for members in self.groups_of(indices):
+                buckets = [self._buckets[i] for i in members]
                 if gather:
-                    self._owner.gather(self._buckets[i])
-                self._owner.exchange(self._buckets[i])
+                    for b in buckets:
+                        self._owner.gather(b)
+                self._owner.exchange_group(buckets)
+
+    def groups_of(self, indices) -> list[list[int]]:
+        """``indices`` in order, cut where an exchange group ends."""
+        out: list[list[int]] = []
+        for i in sorted(indices):
+            if out and out[-1][-1] == i - 1 and self._last(out[-1][0]) >= i:
+                out[-1].append(i)
+            else:
+                out.append([i])
+        return out
 
     def reset(self) -> None:
         """Forget this step's readiness (after ``step()`` or a skipped step)."""

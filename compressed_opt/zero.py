@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import torch
 
-from compressed_opt.comm import chunk_numel, expand_result_rows, result_rows
+from compressed_opt.comm import chunk_numel, expand_result_rows
 
 from . import scaling
 from .averaging import FlatAveraging
@@ -306,13 +306,11 @@ class Sharded(Layout):
     def exchange(self, opt, bucket, x):
         """The compressed allreduce of the local momentum (always flat: its server chunks are the
         shards); keep the result's 1-bit rows: they are the momentum from now on."""
-        worker_error, server_error = opt.error_buffers(bucket)
         flat = getattr(self, "_flat", None)
         if flat is None or flat.backend is not opt.backend:  # (its plans: agreed once per size, as the optimizer's)
             flat = self._flat = FlatAveraging(opt.backend, opt.scale_block)
-        flat(x, worker_error, server_error)
-        rows = result_rows(bucket.numel, opt.backend, x.device, opt.scale_block)
-        shard(bucket, "momentum_rows", rows.numel(), torch.uint8).copy_(rows)
+        rows = yield bucket, x, flat  # (this exchange's own rows: several may share one plan's buffers)
+        shard(bucket, "momentum_rows", rows.numel(), torch.uint8).copy_(rows.reshape(-1))
         bucket.flats.pop("exp_avg", None)
 
     def keep_momentum(self, opt, bucket, m):

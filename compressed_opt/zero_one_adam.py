@@ -262,16 +262,21 @@ class ZeroOneAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
         (``exchange="preconditioned"``, :meth:`_preconditioner`), or each layer scaled by its
         coefficient (``"momentum"``). ``lr_sum``, ``factors``: phase B's sum of lr over the
         interval and its tracking factors (the bound of ``sum lr m / sqrt(v)``)."""
+        self._run_exchanges([self._exchange_steps(bucket, x, lr_sum, factors)])
+
+    def _exchange_steps(self, bucket, x, lr_sum: float = 1.0, factors: list[float] | None = None):
+        """:meth:`_exchange` as a generator that yields its compressed average's request between
+        the passes before and after it (phase A's exchange groups run theirs together)."""
         if self.exchange_mode == "preconditioned":
             r = self._preconditioner(bucket)
             bounds = self._exchange_bounds(bucket, lr_sum, factors)
             kernels.scale_clamp_(x, r, bounds, bucket.segments)  # one pass
-            self.compressed_average(bucket, x)
+            yield bucket, x, None
             x.div_(r)  # 0 / 0 where v == 0: the callers zero those coordinates (_no_variance_no_move_)
             return
         coeffs, views = self._layer_coeffs(bucket), bucket.views(x)
         scaling.scale_(views, coeffs)
-        self.compressed_average(bucket, x)
+        yield bucket, x, None
         scaling.unscale_(views, coeffs)
 
     # --- the preconditioned exchange -------------------------------------------------------------
@@ -366,7 +371,7 @@ class ZeroOneAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
         """Phase A, a step without variance refresh: ``grad`` becomes the 1-bit compressed average
         of the ranks' gradients (phase B communicates only in ``_local_step``, which needs lr)."""
         if not self.frozen:
-            self._exchange(bucket, grad)
+            yield from self._exchange_steps(bucket, grad)
             if self.exchange_mode == "preconditioned":  # g = y / R is 0 / 0 where v == 0
                 _no_variance_no_move_(grad, bucket, bucket.flat("exp_avg_sq"), False)
 
