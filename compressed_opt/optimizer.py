@@ -14,8 +14,10 @@ class owns everything around it, in the order of a step:
 4. per bucket, *communication*: the rank's gradients copied into a flat fp32 buffer; if the
    algorithm wants the full-precision average this step (:meth:`_needs_average`), one all-reduce
    per bucket, else the algorithm's own exchange (:meth:`_bucket_communicate`, e.g. 1-bit Adam's
-   momentum update and compressed allreduce). With ``overlap=True`` (the default) this runs during
-   backward, launched by hooks as soon as a bucket's gradients are complete
+   momentum update and compressed allreduce: a generator that yields its compressed average's
+   request, so that an exchange group of short buckets, :func:`exchange_groups`, shares its
+   collectives). With ``overlap=True`` (the default) this runs during backward, launched by hooks
+   as soon as a bucket's (an exchange group's) gradients are complete
    (:mod:`compressed_opt.overlap`), and ``step()`` only waits for what is still in flight;
    then, per bucket, the *update* (:meth:`_bucket_step`);
 5. ``_end_step``: stage changes (freezing), decided identically on every rank.
@@ -427,11 +429,14 @@ class CompressedOptimizer(Persistence, Optimizer):
         """Whether step ``step`` (1-based) averages the gradients at full precision first."""
         raise NotImplementedError
 
-    def _bucket_communicate(self, bucket: Bucket, group: dict, grad: torch.Tensor, step: int) -> None:
+    def _bucket_communicate(self, bucket: Bucket, group: dict, grad: torch.Tensor, step: int):
         """The algorithm's exchange for a step that does not average gradients at full precision,
         run as soon as the bucket's gradients are ready (possibly on the communication thread,
-        during backward). It must not read the learning rate (schedulers change it after
-        ``step()``, not before). By default there is none here: ``_bucket_step`` communicates."""
+        during backward): ``None``, or a generator that runs the passes before its compressed
+        average, yields the request ``(bucket, x, averaging)`` (as ``Layout.exchange`` does; at
+        most once), then runs the passes after it (:meth:`_run_exchanges`). It must not read the
+        learning rate (schedulers change it after ``step()``, not before). By default there is
+        none here: ``_bucket_step`` communicates."""
 
     def _place(self, param) -> tuple[int, int]:
         """``(index in state_dict() order, index of its param group)``; made once per set of

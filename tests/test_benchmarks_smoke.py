@@ -223,3 +223,17 @@ def test_convergence_summarize_reports_key_bias_peaks_over_seeds(tmp_path):
     row = json.loads(path.read_text())["summary"]["gpt2"]["onebitadam"]["seeds"]["0"]
     assert row["key_bias_ratio"] == pytest.approx(3.0)  # the per-probe ratio: 3e-5 / 1e-5 at step 10
     assert "largest/twin largest" in done.stdout
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_exchange_groups_reports_every_mode(tmp_path):
+    out = tmp_path / "groups.json"
+    done = _run_script(tmp_path, "exchange_groups.py", "--tensors", "6", "--steps", "6", "--json", str(out),
+                       timeout=100)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = {r["mode"]: r for r in json.loads(out.read_text())["results"]}
+    assert list(rows) == ["one group", "a group each", "a group each, bucket by bucket"]
+    assert rows["one group"]["buckets"] == 1 and rows["a group each"]["buckets"] == 6
+    assert rows["one group"]["per_extra_bucket_s"] is None
+    assert all(r["step_s"] > 0 for r in rows.values()) and "per extra bucket" in done.stdout
