@@ -16,6 +16,7 @@ latency of its collectives.
 
     python -P benchmarks/exchange_groups.py [--ranks 2] [--tensors 48] [--json out.json]
     python -P benchmarks/slowlink.py --rate 1gbit -- python -P benchmarks/exchange_groups.py
+    COMPRESSED_OPT_RANKS_PER_NODE=2 python -P benchmarks/exchange_groups.py --ranks 4 --hierarchy node
 """
 from __future__ import annotations
 
@@ -60,7 +61,8 @@ def _measure(rank, world, args) -> dict:
         params = [p for _ in range(args.tensors // 2) for p in torch.nn.Linear(width, width).parameters()]
         optimizer.exchange_groups = grouped if mode != MODES[2] else (lambda b, cap: [[x.index] for x in b])
         groups = params if mode == MODES[0] else [{"params": [p]} for p in params]
-        opt = compressed_opt.OnebitAdam(groups, lr=1e-4, freeze_step=2, path="1bit", overlap=False)
+        opt = compressed_opt.OnebitAdam(groups, lr=1e-4, freeze_step=2, path="1bit", overlap=False,
+                                        hierarchy=args.hierarchy)
         g = torch.Generator().manual_seed(rank)
         grads = [torch.randn(p.shape, generator=g) * 1e-3 for p in params]
         times = []
@@ -105,6 +107,8 @@ def main(argv=None) -> int:
     p.add_argument("--tensors", type=int, default=48, help="weights and biases of square layers (even)")
     p.add_argument("--width", type=int, default=32)
     p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--hierarchy", default="flat", choices=("flat", "node", "auto"),
+                   help="the exchange ('node': with COMPRESSED_OPT_RANKS_PER_NODE set, emulated nodes)")
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
@@ -123,7 +127,8 @@ def main(argv=None) -> int:
         result, world = _spawned(args), args.ranks
     base, one_buckets = result[MODES[0]]
     rows = []
-    print(f"{world} Gloo ranks, {args.tensors} tensors of width {args.width}: median step of the slowest rank")
+    print(f"{world} Gloo ranks, {args.hierarchy} exchange, {args.tensors} tensors of width {args.width}: median step "
+          "of the slowest rank")
     for mode in MODES:
         step_s, buckets = result[mode]
         per = (step_s - base) / (buckets - one_buckets) if buckets > one_buckets else None

@@ -291,35 +291,43 @@ class HierarchicalCompressedAllreduce:
         if self.numel == 0:
             return tensor
         x = tensor.view(-1)
-        intra = self.backends.intra
-        # 1. reduce-scatter inside the node: this rank's shard of the node's average
-        if self.shard_buf is None:
-            shard = x
-        else:
-            source = x if self.padded_in is None else self.padded_in
-            if self.padded_in is not None:
-                self.padded_in[: self.numel].copy_(x)
-            intra.reduce_scatter(self.shard_buf, source, op="avg")
-            shard = self.shard_buf[: self.valid]
+        shard = self.scatter_(x)
         # 2. among the nodes: the 1-bit compressed allreduce of the shard, or its fp32 average
         if between_nodes is not None:
             between_nodes(shard)
-        # 3. all-gather inside the node: the 1-bit rows, expanded here, or the fp32 shards
+        self.gather_(x, self.inter_plan.gathered if as_rows and self.inter_plan is not None else None, as_rows)
+        return tensor
+
+    def scatter_(self, x: torch.Tensor) -> torch.Tensor:
+        """Step 1 on ``x`` (flat, this plan's numel): this rank's shard of the node's average
+        (reduce-scattered inside the node), a view of a reused buffer, or ``x`` with one rank."""
+        if self.shard_buf is None:
+            return x
+        source = x if self.padded_in is None else self.padded_in
+        if self.padded_in is not None:
+            self.padded_in[: self.numel].copy_(x)
+        self.backends.intra.reduce_scatter(self.shard_buf, source, op="avg")
+        return self.shard_buf[: self.valid]
+
+    def gather_(self, x: torch.Tensor, rows: torch.Tensor | None, as_rows: bool) -> None:
+        """Step 3 into ``x``: with ``as_rows``, every local rank's 1-bit rows of its shard's result
+        (``rows``: this rank's, ``[K, row]`` bytes, ``None`` when it has no shard), else the fp32
+        shards."""
+        intra = self.backends.intra
         if as_rows:
-            self._gather_rows(x)
+            self._gather_rows(x, rows)
         elif self.shard_buf is not None:
             target = x if self.gathered is None else self.gathered
             intra.all_gather(target, self.shard_buf)
             if self.gathered is not None:
                 x.copy_(self.gathered[: self.numel])
-        return tensor
 
-    def _gather_rows(self, x: torch.Tensor) -> None:
+    def _gather_rows(self, x: torch.Tensor, mine: torch.Tensor | None) -> None:
         """Every local rank's rows of its shard's result (the inter-node exchange's gathered rows,
-        ``K`` of them), all-gathered inside the node, each expanded into its shard of ``x``."""
-        if self.inter_plan is not None:
-            mine = self.inter_plan.gathered
-            self.rows_out[: mine.numel()].copy_(mine)
+        ``K`` of them; ``mine``: this rank's), all-gathered inside the node, each expanded into its
+        shard of ``x``."""
+        if mine is not None:
+            self.rows_out[: mine.numel()].view(mine.shape).copy_(mine)
         self.backends.intra.all_gather(self.rows_in, self.rows_out)
         rows = self.rows_in.view(self.local_size, self.rows_len)
         for j, start, valid, length in self.row_spans:

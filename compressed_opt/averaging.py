@@ -201,6 +201,7 @@ class NodeAveraging:
         self.local_size, self.node_count = layout.local_size, layout.node_count
         self.key = ("node", self.local_size, self.node_count)
         self._agreed: dict = {}  # as FlatAveraging's: the exchange's plans, and the exact average's
+        self._shards: torch.Tensor | None = None  # exchange_many's shards between the nodes (grown, reused)
 
     def error_sizes(self, numel: int) -> tuple[int, int]:
         return hierarchical_error_buffer_sizes(numel, self.local_size, self.node_count)
@@ -225,10 +226,40 @@ class NodeAveraging:
         self._agreed[key] = hierarchical_compressed_allreduce_plan(x, self.backends, self.block)
 
     def exchange_many(self, items: list) -> list[None]:
-        """Each ``(x, worker_error, server_error)`` of ``items`` exchanged by a call of its own
-        (the hierarchical exchange does not coalesce); no rows are returned."""
-        for item in items:
-            self(*item)
+        """Each ``(x, worker_error, server_error)`` of ``items`` exchanged as by a call, bit for bit:
+        a size not agreed yet alone (checked and agreed by it), then the rest together: each one's
+        reduce-scatter inside the node, one coalesced 1-bit exchange of all their shards between
+        the nodes (an all-to-all and an all-gather over the slow links), each one's all-gather of
+        rows inside the node. No rows are returned (the result travelled as shards' rows)."""
+        together = []
+        for x, worker_error, server_error in items:
+            plan = self._agreed.get(("exchange", x.numel(), x.device))
+            if plan is None or x.dtype != torch.float32 or not x.is_contiguous():
+                self(x, worker_error, server_error)
+            elif plan.node_count == 1 or plan.numel == 0:
+                plan(x, worker_error, server_error, agreed=True)  # (nothing between the nodes)
+            else:
+                together.append((plan, x.view(-1), worker_error, server_error))
+        if not together:
+            return [None] * len(items)
+        # 1. inside each node, one by one; a shard in a plan's reused buffer (two buckets of one
+        # size share their plan) moves to a buffer of this exchange's shards
+        need = sum(plan.valid for plan, *_ in together if plan.shard_buf is not None)
+        if self._shards is None or self._shards.numel() < need or self._shards.device != together[0][1].device:
+            self._shards = torch.empty(need, dtype=torch.float32, device=together[0][1].device)
+        shards, offset = [], 0
+        for plan, x, _, _ in together:
+            shard = plan.scatter_(x)
+            if plan.shard_buf is not None:
+                shard = self._shards[offset: offset + plan.valid].copy_(shard)
+                offset += plan.valid
+            shards.append(shard)
+        # 2. between the nodes, all at once
+        inter = [(plan.inter_plan, shard, we[: plan.valid], se[: plan.inter_server_numel])
+                 for (plan, _, we, se), shard in zip(together, shards) if plan.inter_plan is not None]
+        rows = iter(coalesced_compressed_allreduce(*(list(c) for c in zip(*inter))) if inter else [])
+        for plan, x, _, _ in together:  # 3. inside each node, one by one, each with its own rows
+            plan.gather_(x, next(rows) if plan.inter_plan is not None else None, plan.rows_in is not None)
         return [None] * len(items)
 
     def average(self, x: torch.Tensor) -> None:

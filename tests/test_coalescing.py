@@ -23,6 +23,7 @@ CASES = {
     "onebitadam": (compressed_opt.OnebitAdam, {"freeze_step": FREEZE}),
     "onebitadam-zero": (compressed_opt.OnebitAdam, {"freeze_step": FREEZE, "zero_stage": 1}),
     "onebitlamb": (compressed_opt.OnebitLamb, {"freeze_step": FREEZE, "lr": 1e-2}),
+    "onebitadam-nodes": (compressed_opt.OnebitAdam, {"freeze_step": FREEZE, "hierarchy": "node"}),  # 2 x 2 ranks
     # phase A to the end: refreshes at steps 1, 2, 4 and 8, the 1-bit exchange at the others
     "zerooneadam": (compressed_opt.ZeroOneAdam, {"var_freeze_step": STEPS, "var_update_scaler": 1}),
 }
@@ -97,15 +98,19 @@ def _steps(rank, model, opt):
 
 
 def _both(rank, world, name, overlap):
+    import os
+
+    os.environ["COMPRESSED_OPT_RANKS_PER_NODE"] = "2"  # (4 ranks: two emulated nodes)
     return {c: _train(rank, world, name, c, overlap) for c in (False, True)}  # (False first: it patches)
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name, overlap", [("onebitadam", True), ("onebitadam", False), ("onebitadam-zero", True),
-                                           ("onebitlamb", True), ("zerooneadam", False)])
+                                           ("onebitlamb", True), ("zerooneadam", False), ("onebitadam-nodes", True)])
 def test_exchange_groups_train_bit_for_bit_as_bucket_by_bucket(name, overlap):
-    results = run_ranks(_both, 2, name, overlap, timeout=240)
+    results = run_ranks(_both, 4 if name.endswith("nodes") else 2, name, overlap, timeout=240)
+    a2a = "inter_node.all_to_all" if name.endswith("nodes") else "all_to_all"  # (between the nodes)
     for r in results:
         alone, together = r[False], r[True]
         assert all(torch.equal(a, b) for a, b in zip(together["params"], alone["params"]))
@@ -114,5 +119,7 @@ def test_exchange_groups_train_bit_for_bit_as_bucket_by_bucket(name, overlap):
         last = -2 if name == "zerooneadam" else -1  # (0/1 Adam's step 8 refreshes its variance: fp32)
         last_alone, last_together = alone["calls"][last], together["calls"][last]
         assert alone["buckets"] == together["buckets"] == 8
-        assert last_alone["all_to_all"] == 8 and last_together["all_to_all"] == 1, (last_alone, last_together)
+        # (between the nodes a rank exchanges only the buckets it holds a shard of: 4 or 8 here)
+        assert last_alone[a2a] in ((4, 8) if a2a.startswith("inter") else (8,)), last_alone
+        assert last_together[a2a] == 1, last_together
     assert all(torch.equal(a, b) for a, b in zip(results[0][True]["params"], results[1][True]["params"]))
