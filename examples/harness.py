@@ -125,6 +125,9 @@ def parse_args(description: str) -> argparse.Namespace:
                    help="the optimizer's path per bucket (default: the library's, 'auto': measured on the link)")
     p.add_argument("--accumulation", type=int, default=1, help="micro-batches per optimizer step (the framework's "
                    "gradient accumulation)")
+    p.add_argument("--param-groups", choices=("one", "decay"), default="one",
+                   help="the optimizer's param groups: one, or weight decay on matrices and none on biases and "
+                        "norms (the transformers Trainer's split)")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast (the framework's mixed precision)")
     p.add_argument("--save-at", type=int, default=0, help="save a checkpoint (the framework's own) after this "
                    "optimizer step, into --checkpoint, and train on")
@@ -148,6 +151,10 @@ def make_optimizer(args, params):
     e.g. ``compressed_opt.OnebitAdam(model.parameters(), lr=2e-3, freeze_step=50)``."""
     import compressed_opt
 
+    if args.param_groups == "decay":  # the transformers Trainer's split: no decay on biases and norms
+        params = list(params)
+        params = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.01},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     extra = {"overlap": False} if args.compat == "no-overlap" and args.optimizer != "adamw" else {}
     if args.path is not None and args.optimizer != "adamw":
         extra["path"] = args.path

@@ -91,9 +91,12 @@ def _check_sends_little(result: dict, adamw_bytes: dict, adamw_wire: dict | None
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(2 * TIMEOUT + 60)
-@pytest.mark.parametrize("script", ["hf_trainer", "lightning_ddp", "accelerate_loop"])
-def test_recipe_onebit_adam_against_adamw(script, tmp_path):
-    checkpoint = ("--save-at", str(SAVE_AT), "--checkpoint", str(tmp_path / "checkpoint"))
+@pytest.mark.parametrize("script, groups", [("hf_trainer", "one"), ("lightning_ddp", "one"), ("accelerate_loop", "one"),
+                                            ("hf_trainer", "decay")])
+def test_recipe_onebit_adam_against_adamw(script, groups, tmp_path):
+    # groups "decay": the Trainer's two param groups (no decay on biases and norms), whose two
+    # buckets exchange together (an exchange group) in the compression stage
+    checkpoint = ("--save-at", str(SAVE_AT), "--checkpoint", str(tmp_path / "checkpoint"), "--param-groups", groups)
     first = run_example(script, "onebitadam", tmp_path, "first", extra=LOOP + checkpoint)
     resumed = run_example(script, "onebitadam", tmp_path, "resumed", extra=LOOP + checkpoint + ("--resume",),
                           steps=STEPS - SAVE_AT)
