@@ -50,19 +50,18 @@ def _measure(rank, world, args) -> dict:
     import torch.distributed as dist
 
     import compressed_opt
-    import compressed_opt.optimizer as optimizer
 
     torch.set_num_threads(1)
-    grouped = optimizer.exchange_groups
     medians = {}
     for mode in MODES:
         torch.manual_seed(0)
         width = args.width
         params = [p for _ in range(args.tensors // 2) for p in torch.nn.Linear(width, width).parameters()]
-        optimizer.exchange_groups = grouped if mode != MODES[2] else (lambda b, cap: [[x.index] for x in b])
         groups = params if mode == MODES[0] else [{"params": [p]} for p in params]
+        # bucket by bucket: a cap below the smallest tensor, so no two buckets fit in one exchange group
+        cap_mb = 25.0 if mode != MODES[2] else 4 * (width - 1) / 2**20
         opt = compressed_opt.OnebitAdam(groups, lr=1e-4, freeze_step=2, path="1bit", overlap=False,
-                                        hierarchy=args.hierarchy)
+                                        hierarchy=args.hierarchy, bucket_cap_mb=cap_mb)
         g = torch.Generator().manual_seed(rank)
         grads = [torch.randn(p.shape, generator=g) * 1e-3 for p in params]
         times = []
@@ -75,7 +74,6 @@ def _measure(rank, world, args) -> dict:
             times.append(time.perf_counter() - t0)
         medians[mode] = (statistics.median(times[args.steps // 2:]), len(opt.buckets))
         opt.close()
-        optimizer.exchange_groups = grouped
     slowest = [None] * world
     dist.all_gather_object(slowest, medians)
     return {mode: (max(m[mode][0] for m in slowest), medians[mode][1]) for mode in MODES}

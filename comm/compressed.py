@@ -81,7 +81,55 @@ def wire_bytes(numel: int, world_size: int, block: int = DEFAULT_BLOCK, agreed: 
     return (0 if agreed else (n - 1) * _HEADER_INTS * 4) + 2 * (n - 1) * row_bytes(numel, n, block)
 
 
-class CompressedAllreduce:
+class _RowExchange:
+    """Launching an all-to-all or all-gather of rows on ``self.backend``, as one call or, when
+    large, as a few concurrent column pieces staged in ``self._stage`` (a plan's and a coalesced
+    exchange's)."""
+
+    backend: Backend
+    _stage: dict
+
+    def _column_pieces(self, row_len: int) -> list[tuple[int, int]]:
+        """Byte ranges of each rank's row that go out as separate, concurrent collectives."""
+        k = max(1, min(_MAX_PIECES, self.backend.world_size * row_len // _PIECE_BYTES))
+        bounds = [row_len * i // k for i in range(k + 1)]
+        return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+
+    def _staging(self, name: str, numel: int) -> torch.Tensor:
+        buf = self._stage.get(name)
+        if buf is None:
+            buf = self._stage[name] = torch.empty(numel, dtype=torch.uint8, device=self.device)
+        return buf
+
+    def _exchange(self, collective, out: torch.Tensor, row: torch.Tensor, send_rows: bool, name: str):
+        """Launch ``collective(recv, send, async_op=True)`` (an all-to-all or all-gather of rows
+        of ``row.numel()`` bytes into ``out``, ``world`` rows) as one call or, when large, as a
+        few concurrent column pieces; a function that waits and lays the pieces out in ``out``.
+        ``send_rows``: what goes out is ``world`` rows (all-to-all), else the one ``row``."""
+        world = self.backend.world_size
+        length = row.numel() // world if send_rows else row.numel()
+        pieces = self._column_pieces(length)
+        if len(pieces) == 1:
+            return collective(out, row, async_op=True).wait
+        works = []
+        for i, (a, b) in enumerate(pieces):
+            recv = self._staging(f"{name}_recv{i}", world * (b - a))
+            if send_rows:
+                send = self._staging(f"{name}_send{i}", world * (b - a))
+                send.view(world, b - a).copy_(row.view(world, length)[:, a:b])
+            else:
+                send = row[a:b]
+            works.append((collective(recv, send, async_op=True), recv, a, b))
+
+        def wait():
+            for work, recv, a, b in works:
+                work.wait()
+                out.view(world, length)[:, a:b].copy_(recv.view(world, b - a))
+
+        return wait
+
+
+class CompressedAllreduce(_RowExchange):
     """The buffers and exchanges of compressed allreduces of one size and block on one backend
     and device.
 
@@ -130,45 +178,6 @@ class CompressedAllreduce:
             raise ValueError(f"compressed_allreduce called with different tensors on different ranks ({per_rank})")
         if len(set(blocks)) != 1:
             raise ValueError(f"compressed_allreduce called with different blocks on different ranks ({blocks})")
-
-    def _column_pieces(self, row_len: int) -> list[tuple[int, int]]:
-        """Byte ranges of each rank's row that go out as separate, concurrent collectives."""
-        k = max(1, min(_MAX_PIECES, self.backend.world_size * row_len // _PIECE_BYTES))
-        bounds = [row_len * i // k for i in range(k + 1)]
-        return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
-
-    def _staging(self, name: str, numel: int) -> torch.Tensor:
-        buf = self._stage.get(name)
-        if buf is None:
-            buf = self._stage[name] = torch.empty(numel, dtype=torch.uint8, device=self.device)
-        return buf
-
-    def _exchange(self, collective, out: torch.Tensor, row: torch.Tensor, send_rows: bool, name: str):
-        """Launch ``collective(recv, send, async_op=True)`` (an all-to-all or all-gather of rows
-        of ``row.numel()`` bytes into ``out``, ``world`` rows) as one call or, when large, as a
-        few concurrent column pieces; a function that waits and lays the pieces out in ``out``.
-        ``send_rows``: what goes out is ``world`` rows (all-to-all), else the one ``row``."""
-        world = self.backend.world_size
-        length = row.numel() // world if send_rows else row.numel()
-        pieces = self._column_pieces(length)
-        if len(pieces) == 1:
-            return collective(out, row, async_op=True).wait
-        works = []
-        for i, (a, b) in enumerate(pieces):
-            recv = self._staging(f"{name}_recv{i}", world * (b - a))
-            if send_rows:
-                send = self._staging(f"{name}_send{i}", world * (b - a))
-                send.view(world, b - a).copy_(row.view(world, length)[:, a:b])
-            else:
-                send = row[a:b]
-            works.append((collective(recv, send, async_op=True), recv, a, b))
-
-        def wait():
-            for work, recv, a, b in works:
-                work.wait()
-                out.view(world, length)[:, a:b].copy_(recv.view(world, b - a))
-
-        return wait
 
     def __call__(self, tensor: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor,
                  agreed: bool = False) -> torch.Tensor:
@@ -230,21 +239,16 @@ class CompressedAllreduce:
         return tensor
 
 
-class _CoalescedRows:
+class _CoalescedRows(_RowExchange):
     """The packed rows of several plans' exchanges on one backend: what each rank sends to each
     (``world`` rows of ``total`` bytes), what it receives, its server rows and every rank's."""
 
     def __init__(self, backend: Backend, device: torch.device, total: int):
         world = backend.world_size
-        self.backend, self._stage = backend, {}
+        self.backend, self.device, self._stage = backend, device, {}
         u8 = dict(dtype=torch.uint8, device=device)
         self.send, self.recv = torch.empty(world * total, **u8), torch.empty(world * total, **u8)
         self.server, self.gathered = torch.empty(total, **u8), torch.empty(world * total, **u8)
-
-    # the same concurrent pieces for large messages as one plan's
-    _column_pieces = CompressedAllreduce._column_pieces
-    _staging = CompressedAllreduce._staging
-    _exchange = CompressedAllreduce._exchange
 
 
 def coalesced_compressed_allreduce(plans: list, tensors: list, worker_errors: list,

@@ -181,7 +181,10 @@ class FlatAveraging:
                 plans.append(plan)
                 rest.append((x, worker_error, server_error))
                 where.append(i)
-        if plans:
+        if len(plans) == 1:  # (alone: the plan's own buffers, no packed copy of them)
+            plans[0](*rest[0], agreed=True)
+            rows[where[0]] = plans[0].gathered.view(self.backend.world_size, -1)
+        elif plans:
             for i, r in zip(where, coalesced_compressed_allreduce(plans, *(list(c) for c in zip(*rest)))):
                 rows[i] = r
         return rows
@@ -240,7 +243,9 @@ class NodeAveraging:
                 plan(x, worker_error, server_error, agreed=True)  # (nothing between the nodes)
             else:
                 together.append((plan, x.view(-1), worker_error, server_error))
-        if not together:
+        if len(together) <= 1:  # (alone: the plan's own call)
+            for plan, x, worker_error, server_error in together:
+                plan(x, worker_error, server_error, agreed=True)
             return [None] * len(items)
         # 1. inside each node, one by one; a shard in a plan's reused buffer (two buckets of one
         # size share their plan) moves to a buffer of this exchange's shards
