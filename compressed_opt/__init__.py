@@ -5,7 +5,15 @@ compressed momentum with error feedback: :class:`OnebitAdam`, :class:`OnebitLamb
 :class:`ZeroOneAdam`. Collectives go through :mod:`compressed_opt.comm` backends; the element-wise
 kernels live in :mod:`compressed_opt.cuda`.
 """
-from compressed_opt import comm, cuda  # noqa: F401
+try:
+    from compressed_opt import comm, cuda  # noqa: F401
+except ImportError as _error:  # the source folder shadowing an install? (tests/test_kernel_loading.py)
+    from ._source_tree import shadowing_error
+
+    _shadowing = shadowing_error(_error, __path__[0])
+    if _shadowing is None:
+        raise
+    raise _shadowing from None
 from compressed_opt.comm import compressed_allreduce, get_backend  # noqa: F401
 
 from .ddp import register_ddp_comm_hook  # noqa: F401

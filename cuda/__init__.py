@@ -27,9 +27,9 @@ update's preconditioning and its inverse).
 
 Bits: bit ``k`` of a row's bits is bit ``k % 8`` of byte ``k // 8``; bits of invalid elements
 are 1. Float buffers are fp32. CUDA tensors run the CuPy kernels of ``onebit.cu`` on the current
-stream (no synchronisation); CPU tensors run ``onebit_cpu.c`` (compiled at first use), or the
-PyTorch reference where no C compiler exists. ``COMPRESSED_OPT_KERNELS=reference`` forces the
-reference.
+stream (no synchronisation); CPU tensors run ``onebit_cpu.c`` (compiled at first use, or loaded
+from the cache: :mod:`~compressed_opt.cuda.cpu`), or the PyTorch reference where it can be neither
+loaded nor built. ``COMPRESSED_OPT_KERNELS=reference`` forces the reference.
 """
 from __future__ import annotations
 
@@ -73,7 +73,6 @@ __all__ = [
 MAX_SERVER_ROWS = 1024
 
 
-_warned_fallback = False
 _warned_cuda_fallback = False
 
 
@@ -102,18 +101,8 @@ def kernel_path(device: torch.device) -> str:
         return "reference"
     from . import cpu
 
-    if cpu.library() is None:
-        global _warned_fallback
-        if not _warned_fallback:
-            _warned_fallback = True
-            warnings.warn(
-                "compressed_opt: no C compiler could build the CPU compression kernels "
-                "(set CC to one); using the slower PyTorch reference implementation.",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-        return "reference"
-    return "cpu"
+    # None: library() has said why, once per process (no compiler, no writable folder)
+    return "cpu" if cpu.library() is not None else "reference"
 
 
 def implementation(device: torch.device):
