@@ -213,9 +213,10 @@ def make_optimizer(name: str, params, lr: float, freeze: int, path: str = PATH):
         name, _, at = name.partition("@")
         freeze = at if at == "auto" else int(at)
 
-    adam = dict(lr=lr, freeze_step=freeze, path=path)
-    zero_one = dict(lr=lr, var_freeze_step=freeze, path=path)
-    lamb = dict(lr=LAMB_LR, freeze_step=freeze, path=path)
+    # no weight decay anywhere (the recorded runs'; the optimizers' default is AdamW's 1e-2)
+    adam = dict(lr=lr, freeze_step=freeze, path=path, weight_decay=0.0)
+    zero_one = dict(lr=lr, var_freeze_step=freeze, path=path, weight_decay=0.0)
+    lamb = dict(lr=LAMB_LR, freeze_step=freeze, path=path, weight_decay=0.0)
     made = {
         "adamw": lambda: torch.optim.AdamW(params, lr=lr, weight_decay=0.0, **extra),
         "onebitadam": lambda: OnebitAdam(params, **adam, **extra),

@@ -73,7 +73,7 @@ class Run:
         self.bytes = {}  # iteration -> bytes this rank's backend sent in it
         Run.current = self
 
-    def train(self, iterations: int, before=None, nan_at=None, clip=False) -> Run:
+    def train(self, iterations: int, before=None, nan_at=None, clip=False, no_backward_at=None) -> Run:
         for _ in range(iterations):
             self.it += 1
             if before is not None:
@@ -84,7 +84,11 @@ class Run:
                 x[0, 0] = float("nan")
             sent = self.opt.backend.stats.total_bytes
             self.opt.zero_grad()
-            nn.functional.cross_entropy(self.net(x), y).backward()
+            loss = nn.functional.cross_entropy(self.net(x), y)
+            if no_backward_at == self.it and RANK == 1:
+                fault(f"rank 1 calls step() without a backward at step {self.it}")
+            else:
+                loss.backward()
             if clip:
                 nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
             self.opt.step()
@@ -207,6 +211,14 @@ def sigkill():
     _at_10_on_rank1("rank 1 killed (SIGKILL)", lambda r: os.kill(os.getpid(), signal.SIGKILL))
 
 
+def no_backward_warmup():
+    Run().train(40, no_backward_at=5)
+
+
+def no_backward_compression():
+    Run().train(40, no_backward_at=25)  # (frozen after step 20; from step 22 the exchange starts in backward)
+
+
 def ddp_after():
     run = Run(ddp_after=True).train(40, clip=True)
     warm, compressed = run.bytes[5], run.bytes[30]
@@ -215,7 +227,8 @@ def ddp_after():
 
 
 SCENARIOS = {f.__name__: f for f in (recreate, nan_compression, nan_warmup, seeds, lr_rank1, ckpt_steps, ckpt_stages,
-                                     ckpt_shape, ckpt_format, requires_grad, mpi_raise, stall, sigkill, ddp_after)}
+                                     ckpt_shape, ckpt_format, requires_grad, mpi_raise, stall, sigkill, ddp_after,
+                                     no_backward_warmup, no_backward_compression)}
 
 
 # --- reporting -------------------------------------------------------------------------------------

@@ -78,6 +78,10 @@ class CommStats:
     def snapshot(self) -> dict:
         return {"bytes_sent": dict(self.bytes_sent), "calls": dict(self.calls), "total_bytes": self.total_bytes}
 
+    def __repr__(self) -> str:
+        ops = ", ".join(f"{op}: {self.calls[op]} calls, {self.bytes_sent[op]:,} B" for op in sorted(self.calls))
+        return f"{type(self).__name__}(total {self.total_bytes:,} B sent; {ops or 'nothing yet'})"
+
 
 def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()

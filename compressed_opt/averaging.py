@@ -9,20 +9,25 @@ once per optimizer (at its first step, on every rank alike) by its ``hierarchy``
 
 ``hierarchy="auto"`` (the default) takes the hierarchical exchange when the job spans at least
 two nodes of at least two ranks each (:func:`compressed_opt.comm.discover_layout`; with
-``path="measure"``, the default's, only where it measured faster than the flat one), else the
+``path="measure"``, only where it measured faster than the flat one), else the
 flat one (one node: compressing is the point of the library there too; one rank per node: both
 are the same); uneven nodes fall back to flat with a log line. ``"node"`` asks for the
 hierarchical exchange (one node: the exact fp32 average, nothing compressed); ``"flat"`` never
 looks. ZeRO's shards are the flat exchange's server chunks, so a sharded optimizer is flat.
 
 Per bucket, ``path`` (:data:`PATHS`, :func:`resolve_path`) may replace the 1-bit exchange by the
-exact fp32 average: ``"fp32"`` always, ``"measure"`` where the link measured it faster
-(:func:`choose_measured`, once, at the first step). ``"auto"``, the default, is ``"measure"`` where
-the state is replicated over two or more ranks, so the compression stage is never slower than
-full precision on a fast link, and ``"1bit"`` under ZeRO (its shards are the 1-bit exchange's
-rows) and on one rank (nothing is sent; the compression is kept so one process computes what
-many would). ``"1bit"`` pins the compressed exchange: a measured choice can differ between two
-runs of the same seed where both paths take about as long.
+exact fp32 average: ``"1bit"`` (the default; ``"auto"`` is the same) never does, ``"fp32"``
+always does, ``"measure"`` does where the link measured it faster (:func:`choose_measured`, once,
+at the first step; also choosing between the flat and the hierarchical exchange).
+
+Why the default is fixed, not measured (docs/design.md 3.3): a choice made by timing can differ
+between two runs of the same seed where both paths take about as long, so the same job would not
+reproduce. The default decides from the arguments and the node layout alone, the same in every
+run; it compresses every bucket, which on a fast link (one node, NVLink) can cost more than the
+fp32 average for small buckets. ``path="measure"`` trades that for speed where asked: its choice
+is kept in checkpoints and in a per-machine cache (:mod:`compressed_opt.path_cache`, keyed by the
+host, the ranks, the exchange and the bucket sizes), so a second run of the same job on the same
+machine reuses the first run's measurement instead of measuring again.
 
 Each holds the sizes of the error buffers it needs and which elements of the bucket they cover
 (:meth:`error_ranges`: a per-element rescaling of the errors, when an exchange's factors change,
@@ -65,13 +70,15 @@ _PATH_REPS = 5
 
 def resolve_path(path: str | None, sharded: bool, world_size: int) -> str:
     """The path an optimizer uses, ``"1bit"``, ``"fp32"`` or ``"measure"``, from its ``path``
-    argument (``None``: the :data:`PATH_ENV` environment variable, else ``"auto"``)."""
+    argument (``None``: the :data:`PATH_ENV` environment variable, else ``"1bit"``; ``"auto"``:
+    ``"1bit"``). Nothing here depends on timing: the same arguments give the same path in every
+    run."""
     name = "path"
     if path is None:
-        path, name = os.environ.get(PATH_ENV) or "auto", PATH_ENV
+        path, name = os.environ.get(PATH_ENV) or "1bit", PATH_ENV
     check_choice(name, path, PATHS)
     if path == "auto":
-        return "1bit" if sharded or world_size == 1 else "measure"
+        return "1bit"
     if path != "1bit" and sharded:
         raise ValueError(f"{name}={path!r} with zero_stage > 0: ZeRO keeps the 1-bit exchange's rows as its momentum")
     return path
@@ -116,9 +123,11 @@ def faster_paths(times: dict[int, tuple[float, float]]) -> dict[int, str]:
 
 
 def choose_measured(candidates, backend, numels, device):
-    """``(averaging, paths)``: of ``candidates`` (flat and hierarchical exchanges), the one whose
-    buckets, each on its faster path, take the least time in all on this link, and its paths
-    per bucket size (collective; every rank decides from the same shared times)."""
+    """``(averaging, paths, times)``: of ``candidates`` (flat and hierarchical exchanges), the one
+    whose buckets, each on its faster path, take the least time in all on this link, its paths per
+    bucket size, and its measured ``(1-bit, fp32)`` seconds per size (collective; every rank
+    decides from the same shared times). :func:`compressed_opt.path_cache.choose` keeps the
+    choice for a rerun."""
     best = None
     for averaging in candidates:
         times = measure_times(averaging, backend, numels, device)
@@ -129,10 +138,8 @@ def choose_measured(candidates, backend, numels, device):
             logger.info("compressed_opt: measured the %s exchange per bucket size (elements: 1-bit ms / fp32 ms -> "
                         "path): %s; %.2f ms per step", averaging.key[0], timings, total * 1e3)
         if best is None or total < best[0]:
-            best = (total, averaging, paths)
-    if backend.rank == 0 and len(candidates) > 1:
-        logger.info("compressed_opt: the %s exchange is faster on these links", best[1].key[0])
-    return best[1], best[2]
+            best = (total, averaging, paths, times)
+    return best[1:]
 
 
 class FlatAveraging:

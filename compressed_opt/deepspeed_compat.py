@@ -6,6 +6,8 @@ DeepSpeed's ``OneBitAdam``, ``OneBitLamb`` and ``ZeroOneAdam`` sections map onto
 mpi4py, with ``cuda_aware``). What differs from DeepSpeed is documented in the README's migration
 section: bias correction is on by default (``bias_correction=False`` in the section, or
 ``deepspeed_numerics=True``, restores DeepSpeed's update) and no step is spent on initialisation.
+A section without ``weight_decay`` gets DeepSpeed's default, 0 (the classes' own default is
+AdamW's, 1e-2).
 """
 from __future__ import annotations
 
@@ -85,6 +87,8 @@ def from_deepspeed_config(params, optimizer_section: dict[str, Any], *, backend=
     if "betas" in args:
         # JSON writes 0.0 as 0; the optimizers take float betas (as AdamW)
         args["betas"] = tuple(float(b) if isinstance(b, int) and not isinstance(b, bool) else b for b in args["betas"])
+    # DeepSpeed's default weight decay was 0; ours is AdamW's 1e-2: a section without one keeps DeepSpeed's
+    args.setdefault("weight_decay", 0.0)
     if deepspeed_numerics:
         args["bias_correction"] = False
     return _optimizer_class(kind)(params, backend=backend, **args, **options)

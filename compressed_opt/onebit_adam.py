@@ -60,6 +60,10 @@ from .validation import check_adam_group, check_choice, check_step_count
 
 logger = logging.getLogger("compressed_opt")
 
+#: ``freeze_step``'s default: long enough to be safe for a long run, so a shorter run never
+#: compresses (rank 0 says so at the first step; docs/guarantees: "Visible")
+DEFAULT_FREEZE_STEP = 100_000
+
 
 class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
     """Adam-family optimizers with one variance freeze: warmup, then compression."""
@@ -335,6 +339,9 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
             "variance_tracking": self.variance_tracking,
         }
 
+    def _warmup_left_at_default(self):
+        return self.freeze_rule is None and self.freeze_step == DEFAULT_FREEZE_STEP
+
     def _extra_signature(self):
         rule = None if self.freeze_rule is None else self.freeze_rule.state_dict()
         return (self.freeze_step, rule and (rule["window"], rule["rtol"], rule["min_step"], rule["max_step"]),
@@ -369,8 +376,9 @@ class OnebitAdam(_FreezingAdam):
             the step's existing all-gather); ``False``: the paper's frozen variance.
     """
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, freeze_step=100000,
-                 *, bias_correction=True, backend=None, bucket_cap_mb=25.0, overlap=True, accumulation_steps=1,
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+                 freeze_step=DEFAULT_FREEZE_STEP, *,
+                 bias_correction=True, backend=None, bucket_cap_mb=25.0, overlap=True, accumulation_steps=1,
                  zero_stage=0, master_resync_interval=100, exchange="preconditioned", variance_tracking=True,
                  hierarchy="auto", path=None, scale_block=DEFAULT_BLOCK):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bool(bias_correction))

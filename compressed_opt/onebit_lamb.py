@@ -99,7 +99,7 @@ from compressed_opt.comm import DEFAULT_BLOCK
 
 from . import scaling
 from .buffers import SAVED, STATE, Buffer
-from .onebit_adam import _FreezingAdam
+from .onebit_adam import DEFAULT_FREEZE_STEP, _FreezingAdam
 from .optimizer import common_args
 from .reductions import norms
 from .moments import COMPRESSED_STEP_BOUND, bias_corrections, denominator_, momentum_, spike_bound, variance_
@@ -158,8 +158,9 @@ class OnebitLamb(_FreezingAdam):
     #: for each step)
     _keeps_denominator = True
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, freeze_step=100000,
-                 *, max_coeff=10.0, min_coeff=0.01, coeff_beta=0.9, factor_max=4.0, factor_min=0.5,
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+                 freeze_step=DEFAULT_FREEZE_STEP, *,
+                 max_coeff=10.0, min_coeff=0.01, coeff_beta=0.9, factor_max=4.0, factor_min=0.5,
                  factor_threshold=0.1, bias_correction=True, backend=None, bucket_cap_mb=25.0, overlap=True,
                  accumulation_steps=1, zero_stage=0, master_resync_interval=100, exchange="preconditioned",
                  hierarchy="auto", path=None, trust_ratio="live", trust_ratio_interval=10, scale_block=DEFAULT_BLOCK):

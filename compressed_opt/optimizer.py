@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import struct
 import sys
 import warnings
@@ -39,7 +40,7 @@ from torch.optim import Optimizer
 
 from compressed_opt.comm import DEFAULT_BLOCK, Backend, get_backend
 
-from . import averaging, ddp, frameworks
+from . import averaging, ddp, frameworks, path_cache, traffic
 from .buckets import Bucket, build_buckets
 from .buffers import SAVED, SCRATCH, STATE, Buffer, names, overlay
 from .layout import Layout, Replicated
@@ -167,6 +168,10 @@ class CompressedOptimizer(Persistence, Optimizer):
         if not isinstance(backend, Backend):
             raise TypeError(f"backend must be a compressed_opt.comm.Backend or None, got {type(backend).__name__}")
         self.backend = backend
+        #: bytes per step by stage, from the backend's counters (:meth:`comm_stats`)
+        self._traffic = traffic.TrafficMeter(backend)
+        self._announced: set[str] = set()  # the rank-0 log lines already written ("start", "compression")
+        self._path_from_env = path is None and bool(os.environ.get(averaging.PATH_ENV))
         self.path = averaging.resolve_path(path, self.layout.sharded, backend.world_size)
         cap = check_nonneg_float("bucket_cap_mb", bucket_cap_mb)
         if cap == 0:
@@ -193,6 +198,7 @@ class CompressedOptimizer(Persistence, Optimizer):
         self._closed = False
         self._broadcast_done = False
         self._layout_agreed = False  # the ranks checked a layout once: agree on it every step after
+        self._entered = False  # this step's first collective (the entry agreement) happened on this rank
         self._layout_hash = 0
         #: steps skipped on every rank because some rank's gradients held inf/NaN (no GradScaler)
         self.nonfinite_steps = 0
@@ -312,6 +318,10 @@ class CompressedOptimizer(Persistence, Optimizer):
         ``path="measure"`` the faster on these links, and a loaded checkpoint's exchange where it
         is one of them), and the path of each bucket size; error buffers loaded from a checkpoint
         of another exchange are dropped (warned)."""
+        with self._traffic.setup():  # (once: not a step's traffic)
+            self._choose_averaging_once()
+
+    def _choose_averaging_once(self) -> None:
         if self._candidates is None:
             self._candidates = averaging.candidates(self.backend, self.hierarchy, self.layout.sharded,
                                                     self.scale_block)
@@ -322,14 +332,18 @@ class CompressedOptimizer(Persistence, Optimizer):
         if keep is not None:  # the measured choice of the run that saved it
             self._averaging = keep
         elif self._averaging is None and measured and len(self._candidates) > 1 and numels:
-            self._averaging, self.exchange_paths = averaging.choose_measured(self._candidates, self.backend, numels,
-                                                                            self.comm_device)
+            self._averaging, self.exchange_paths = self._measured_choice(self._candidates, numels)
         elif self._averaging is None:
             self._averaging = self._candidates[0]
         self._drop_foreign_errors()
         if measured and not self.exchange_paths and numels:
-            _, self.exchange_paths = averaging.choose_measured([self._averaging], self.backend, numels,
-                                                               self.comm_device)
+            _, self.exchange_paths = self._measured_choice([self._averaging], numels)
+
+    def _measured_choice(self, candidates, numels):
+        """``path="measure"``: the exchange and the paths per bucket size, from rank 0's cache of
+        an earlier run of this job, else measured on the link and kept there (collective)."""
+        return path_cache.choose(candidates, self.backend, numels, self.comm_device, self.scale_block,
+                                 averaging.choose_measured)
 
     def _drop_foreign_errors(self) -> None:
         saved, self._saved_averaging = self._saved_averaging, None
@@ -485,6 +499,18 @@ class CompressedOptimizer(Persistence, Optimizer):
         """At the end of a full-precision step's backward, the bucket's average as backward made it
         (the variance tracking's calibration; nothing here)."""
 
+    def enter_backward(self) -> None:
+        """Called by a DDP hook at the first bucket of a backward that communicates (the
+        standalone hooks call :meth:`prepare`): the step's entry agreement (collective), so that
+        a rank calling ``step()`` without a backward raises on every rank instead of waiting in a
+        collective the others never join."""
+        self._ensure_buckets()
+        if self._ranks_checked:
+            self._agree_on_layout(ENTRY_BACKWARD)
+        else:
+            self._entered = True
+            self._check_ranks(ENTRY_BACKWARD)
+
     def averages_next_step(self) -> bool:
         """Whether the next step is a full-precision one (its gradients averaged, not compressed)."""
         return self._needs_average(self.global_step + 1)
@@ -539,7 +565,7 @@ class CompressedOptimizer(Persistence, Optimizer):
         steps: only while the ranks agreed that the loop leaves ``p.grad`` alone, and not under a
         GradScaler, whose skip decision must come first)."""
         self._ensure_buckets()
-        self._agree_on_layout()
+        self._agree_on_layout(ENTRY_BACKWARD)
         full = self._needs_average(self.global_step + 1)
         ahead = full or (self._speculate and not self._scaler_seen)
         self._launcher.launch_ahead = self.overlap and self._ranks_checked and ahead
@@ -582,7 +608,7 @@ class CompressedOptimizer(Persistence, Optimizer):
         step, every bucket averaged (waiting for what is in flight, then the rest in order) and
         the averages written into ``p.grad``, as DDP leaves them."""
         if not self._ranks_checked:
-            self._check_ranks()
+            self._check_ranks(ENTRY_BACKWARD)
         launcher = self._launcher
         full = self._needs_average(self.global_step + 1)
         if not full and not launcher.launch_ahead:
@@ -605,19 +631,27 @@ class CompressedOptimizer(Persistence, Optimizer):
         for members in launcher.groups_of(b.index for b in rest):
             self.exchange_group([self._buckets[i] for i in members])
 
-    def _agree_on_layout(self) -> None:
-        """Before a step's first collective (once the ranks were checked): one all-gather of a hash
-        of the bucket layout, so that a rank whose trainable parameters changed alone (a
-        ``requires_grad`` flip, a param group added on one rank) makes every rank raise instead of
-        pairing collectives of different buckets (a hang or an abort)."""
+    def _agree_on_layout(self, entry: int) -> None:
+        """A step's first collective, at whichever entry point communicates first: the first
+        gradient hook of its backward (``ENTRY_BACKWARD``, or a DDP hook's first bucket) or
+        ``step()`` without a backward since the last step (``ENTRY_STEP``). Once the ranks were
+        checked (:meth:`_check_ranks` compares the same at the first step), one all-gather of a
+        hash of the bucket layout, the entry and the step: so that every rank raises at once,
+        instead of pairing collectives of different kinds or buckets (a hang until the backend's
+        timeout, or an abort), when a rank's trainable parameters changed alone (a
+        ``requires_grad`` flip, a param group added on one rank) or when one rank called
+        ``step()`` while another ran backward."""
+        self._entered = True
         if self.backend.world_size == 1 or not self._layout_agreed:
             return
         device = self._buckets[0].device if self._buckets else torch.device("cpu")
         world = self.backend.world_size
-        rows = torch.empty(world, dtype=torch.int64, device=device)
-        self.backend.all_gather(rows, torch.tensor([self._layout_hash], dtype=torch.int64, device=device))
-        rows = rows.tolist()
-        differ = [r for r, h in enumerate(rows) if h != rows[0]]
+        mine = torch.tensor([self._layout_hash, entry, self.global_step + 1], dtype=torch.int64, device=device)
+        rows = torch.empty(world * mine.numel(), dtype=torch.int64, device=device)
+        self.backend.all_gather(rows, mine)
+        rows = rows.view(world, -1).tolist()
+        _raise_on_entry_mismatch(type(self).__name__, [row[1] for row in rows], self.global_step + 1)
+        differ = [r for r, row in enumerate(rows) if row[0] != rows[0][0]]
         if differ:
             raise ValueError(
                 f"{type(self).__name__}: at step {self.global_step + 1} the trainable parameters of rank(s) "
@@ -625,12 +659,16 @@ class CompressedOptimizer(Persistence, Optimizer):
                 "ranks only): change them on every rank alike, before the same step"
             )
 
-    def _check_ranks(self) -> None:
+    def _check_ranks(self, entry: int) -> None:
+        with self._traffic.setup():  # (once: not a step's traffic)
+            self._check_ranks_once(entry)
+
+    def _check_ranks_once(self, entry: int) -> None:
         for b in self._buckets:
             for p in b.params:
                 if p.grad is not None and p.grad.layout != torch.strided:
                     raise TypeError(f"{type(self).__name__} does not support sparse gradients")
-        self._check_ranks_agree()
+        self._check_ranks_agree(entry)
         self._layout_agreed = True
         if self.global_step == 0 and not self._broadcast_done and self._averager is None:  # (else it did)
             self._broadcast_parameters()  # before the first update, once the shapes are known to agree
@@ -656,17 +694,19 @@ class CompressedOptimizer(Persistence, Optimizer):
             with torch.enable_grad():
                 loss = closure()
         launcher = self._launcher
+        stage = traffic.COMPRESSION if self.compressing else traffic.WARMUP  # (of this step: before it ends)
         self._consolidated = None  # the parts gathered for a checkpoint describe the step before
         if not self._frameworks_checked:
             self._frameworks_checked = True
             frameworks.watch_trainer(self)
+        announce = False
         try:
             launcher.wait()  # nothing of ours may be in flight while this thread communicates
-            if not launcher.finished:
+            if not self._entered:  # no backward of this step reached our hooks on this rank
                 self._ensure_buckets()
-                self._agree_on_layout()
+                self._agree_on_layout(ENTRY_STEP)
             if not self._ranks_checked:
-                self._check_ranks()
+                self._check_ranks(ENTRY_STEP)
             if self._averaging is None or self._saved_averaging is not None:
                 self._choose_averaging()
             step = self.global_step + 1
@@ -732,9 +772,14 @@ class CompressedOptimizer(Persistence, Optimizer):
             self.global_step = step
             self._end_step(step)
             ddp.forget(self)  # a DDP wrapper is found at its first forward, before the first step
+            announce = True
         finally:
             self._gather_inv_scale = None
+            self._entered = False
             launcher.reset()
+            self._traffic.end_step(stage)
+        if announce:
+            self._announce(stage)
         return loss
 
     def _agree_on_step(self, step: int, found_inf, touched: bool, nonfinite: bool) -> tuple[bool, bool, bool]:
@@ -852,8 +897,114 @@ class CompressedOptimizer(Persistence, Optimizer):
         if launcher.launched and not self._needs_average(self.global_step + 1):
             self._speculate = False  # a 1-bit exchange went out for gradients the loop threw away
         launcher.reset()
+        self._entered = False  # the next backward (or step()) starts the step again
         super().zero_grad(set_to_none)
 
+
+    # --- what it sends --------------------------------------------------------------------------
+    def comm_stats(self) -> traffic.CommReport:
+        """This rank's communication so far, by stage: bytes per step in warmup and in the
+        compression stage (counted on the backend), against an fp32 all-reduce of the same
+        parameters, with the freeze step, the exchange and the path of each bucket
+        (:class:`compressed_opt.traffic.CommReport`; ``print()`` it for a summary)."""
+        buckets = self._buckets or []
+        numel = self._trainable_numel()
+        paths: dict[str, int] = {}
+        for b in buckets:
+            path = self._bucket_path(b)
+            paths[path] = paths.get(path, 0) + 1
+        meter = self._traffic
+        warmup, _ = meter.per_step(traffic.WARMUP)
+        compression, inter = meter.per_step(traffic.COMPRESSION)
+        return traffic.CommReport(
+            optimizer=type(self).__name__, world_size=self.backend.world_size,
+            stage=traffic.COMPRESSION if self.compressing else traffic.WARMUP, global_step=self.global_step,
+            freeze_step=self._last_warmup_step(), exchange=self._exchange_name(), paths=paths,
+            warmup_steps=meter.stages[traffic.WARMUP][0], warmup_bytes_per_step=warmup,
+            compression_steps=meter.stages[traffic.COMPRESSION][0], compression_bytes_per_step=compression,
+            compression_inter_node_bytes_per_step=inter if self._exchange_is_hierarchical() else None,
+            fp32_allreduce_bytes_per_step=traffic.fp32_allreduce_bytes(numel, self.backend.world_size),
+            setup_bytes=meter.setup_bytes,
+        )
+
+    def _trainable_numel(self) -> int:
+        if self._buckets:
+            return sum(b.numel for b in self._buckets)
+        return sum(p.numel() for g in self.param_groups for p in g["params"] if p.requires_grad)
+
+    def _bucket_path(self, bucket: Bucket) -> str:
+        """``"fp32"`` where the bucket's compressed exchange is replaced by the fp32 average."""
+        if self.path == "fp32" or (self.path == "measure" and self.exchange_paths.get(bucket.numel) == "fp32"):
+            return "fp32"
+        return "1bit"
+
+    def _exchange_name(self) -> str | None:
+        if self.backend.world_size == 1:
+            return "none (one rank)"
+        if self._averaging is None:
+            return None
+        key = self._averaging.key
+        if key[0] == "node":
+            return f"hierarchical: fp32 inside {key[2]} nodes of {key[1]} ranks, 1-bit between them"
+        return f"flat 1-bit over {key[1]} ranks"
+
+    def _exchange_is_hierarchical(self) -> bool:
+        return self._averaging is not None and self._averaging.key[0] == "node"
+
+    def _last_warmup_step(self) -> int | None:
+        """The last full-precision step (``None``: not decided yet)."""
+        return getattr(self, "freeze_step", None)
+
+    def _schedule(self) -> str:
+        """When the optimizer compresses, in words (for the log line at its first step)."""
+        step = self._last_warmup_step()
+        if step is None:
+            return "full precision until the variance settles (freeze_step='auto'), then the 1-bit exchange"
+        return f"full precision through step {step}, then the 1-bit exchange"
+
+    def _warmup_left_at_default(self) -> bool:
+        """Whether the warmup's length is the constructor's default (a run may never compress)."""
+        return False
+
+    def _announce(self, stage: str) -> None:
+        """Rank 0's WARNING-level lines (shown by default): at the first step of this optimizer, what
+        it will do; at its first compression step, what compression really does, with the bytes
+        counted."""
+        if self.backend.world_size == 1 or self.backend.rank != 0:
+            return
+        report = None
+        if "start" not in self._announced:
+            self._announced.add("start")
+            report = self.comm_stats()
+            paths = ", ".join(f"{n} on the {'1-bit exchange' if p == '1bit' else 'fp32 average'}"
+                              for p, n in sorted(report.paths.items()))
+            where = f" (path from {averaging.PATH_ENV})" if self._path_from_env else ""
+            message = (f"compressed_opt: {report.optimizer} on {report.world_size} ranks, step {report.global_step}: "
+                       f"{self._trainable_numel():,} parameters in {len(self._buckets or [])} bucket(s) "
+                       f"({paths}{where}); exchange: {report.exchange}; {self._schedule()}. "
+                       "optimizer.comm_stats() has the bytes per step.")
+            if self._warmup_left_at_default() and not self.compressing:
+                message += (f" NOTE: the warmup length is left at its default ({self._last_warmup_step()} steps): a "
+                            "shorter run never compresses. Pass freeze_step=N (about 15-25% of the run's steps) or "
+                            "freeze_step='auto'.")
+            logger.warning(message)
+        if stage == traffic.COMPRESSION and "compression" not in self._announced:
+            self._announced.add("compression")
+            report = self.comm_stats()
+            fp32 = report.paths.get("fp32", 0)
+            why = ""
+            if fp32:
+                why = (" (path='fp32')" if self.path == "fp32" else
+                       " (path='measure': the fp32 average measured faster for their size)")
+            before = ("no warmup step in this process" if report.warmup_bytes_per_step is None
+                      else f"{report.warmup_bytes_per_step:,.0f} bytes per warmup step")
+            sent = self._traffic.last_step_bytes
+            ratio = "" if not sent else f", {report.fp32_allreduce_bytes_per_step / sent:.1f}x fewer than"
+            logger.warning(
+                "compressed_opt: %s compresses from step %d: %d bucket(s) on the 1-bit exchange, %d on fp32%s; "
+                "exchange: %s. This rank sent %s bytes in this step (%s%s an fp32 all-reduce's %s).",
+                report.optimizer, self.global_step, report.paths.get("1bit", 0), fp32, why, report.exchange,
+                f"{sent:,}", before, ratio, f"{report.fp32_allreduce_bytes_per_step:,.0f}")
 
     # --- every rank the same -------------------------------------------------------------------
     def rank0_decides(self, wants: bool) -> bool:
@@ -885,15 +1036,16 @@ class CompressedOptimizer(Persistence, Optimizer):
     def _extra_signature(self) -> tuple:
         return ()
 
-    def _check_ranks_agree(self) -> None:
+    def _check_ranks_agree(self, entry: int) -> None:
         world = self.backend.world_size
         if world == 1:
             return
-        mine = torch.tensor(self._signature(), dtype=torch.int64)
+        mine = torch.tensor(self._signature() + [entry], dtype=torch.int64)
         device = self._buckets[0].device if self._buckets else torch.device("cpu")
         everyone = torch.empty(world * mine.numel(), dtype=torch.int64, device=device)
         self.backend.all_gather(everyone, mine.to(device))
         rows = everyone.view(world, -1).cpu().tolist()
+        _raise_on_entry_mismatch(type(self).__name__, [row[7] for row in rows], self.global_step + 1)
         problems = []
         for r, row in enumerate(rows[1:], start=1):
             cap_differs = row[6] != rows[0][6]
@@ -946,6 +1098,25 @@ def _layout_hash(buckets: list[Bucket]) -> int:
     for b in buckets:
         h.update(repr((b.index, b.group_index, [(tuple(p.shape), str(p.dtype)) for p in b.params])).encode())
     return int.from_bytes(h.digest(), "little") >> 1
+
+
+#: where a rank's step first communicated (compared by the entry agreement)
+ENTRY_BACKWARD, ENTRY_STEP = 1, 2
+
+
+def _raise_on_entry_mismatch(name: str, entries: list[int], step: int) -> None:
+    """Raise (on every rank: they all hold ``entries``) if some ranks entered the step from
+    backward and others from ``step()`` without a backward."""
+    if len(set(entries)) == 1:
+        return
+    backward = [r for r, e in enumerate(entries) if e == ENTRY_BACKWARD]
+    alone = [r for r, e in enumerate(entries) if e != ENTRY_BACKWARD]
+    raise RuntimeError(
+        f"{name}: at step {step} rank(s) {alone} called step() without a backward since the last step (no "
+        f"gradient of this optimizer's parameters reached it), while rank(s) {backward} ran backward: every "
+        "rank must run backward before step(). A rank without data for a step still runs a backward (e.g. of "
+        "0 * the loss of any batch); a rank that stops early must stop every rank."
+    )
 
 
 def _flag(found_inf) -> bool:

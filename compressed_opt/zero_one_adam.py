@@ -163,7 +163,7 @@ class ZeroOneAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
     rank_state_names = ("exp_avg", "momentum_accumulator")
     EXCHANGES = ("preconditioned", "momentum")
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *,
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *,
                  var_freeze_step=100000, var_update_scaler=16, local_step_scaler=32678, local_step_clipper=16,
                  bias_correction=True, backend=None, bucket_cap_mb=25.0, overlap=True, accumulation_steps=1,
                  zero_stage=0, exchange="preconditioned", variance_tracking=True, hierarchy="auto", path=None,
@@ -585,6 +585,15 @@ class ZeroOneAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
         self._lr_sums = [float(x) for x in extra["lr_sums"]]
         self._decays = [float(x) for x in extra["decays"]]
         self.last_step_kind = extra.get("last_step_kind")
+
+    def _last_warmup_step(self):
+        return self.var_freeze_step
+
+    def _schedule(self):
+        end = ("until the variance settles (var_freeze_step='auto')" if self.var_freeze_step is None
+               else f"through step {self.var_freeze_step}")
+        return (f"variance refreshes at full precision at doubling intervals with 1-bit steps between them {end}, "
+                "then local steps with 1-bit synchronisations")
 
     def _extra_signature(self):
         rule = None if self.freeze_rule is None else self.freeze_rule.state_dict()

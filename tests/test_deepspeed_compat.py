@@ -30,6 +30,8 @@ def test_whole_config_lamb_and_deepspeed_numerics():
     opt = from_deepspeed_config(params(), config, deepspeed_numerics=True)
     assert isinstance(opt, OnebitLamb)
     assert opt.param_groups[0]["max_coeff"] == 0.3 and opt.param_groups[0]["bias_correction"] is False
+    # no weight_decay in the section: DeepSpeed's default (0), not the classes' own (AdamW's 1e-2)
+    assert opt.param_groups[0]["weight_decay"] == 0.0 and OnebitLamb(params()).defaults["weight_decay"] == 1e-2
 
 
 def test_zero_one_adam_section():

@@ -113,7 +113,7 @@ def _warmup_against_adamw(rank, world):
     out = {}
     model = mlp(hidden=32)
     net = nn.parallel.DistributedDataParallel(model)
-    _train(model, net, torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0), "clip", batches)
+    _train(model, net, torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True), "clip", batches)
     out["ddp_adamw"] = [p.detach().clone() for p in model.parameters()]
     for mode in MODES["adam"]:
         model, net, opt = _make("adam", mode)

@@ -7,7 +7,7 @@ bytes that cross between the nodes are what the hierarchical exchange sends (``i
 warmup; a resume from each rank's own checkpoint is bit-exact; a checkpoint of the flat exchange
 resumed on the hierarchical one resets the error buffers with a warning; one rank whose environment
 says otherwise makes every rank take the flat exchange; ``path="measure"`` takes the flat or the
-hierarchical exchange by their timings, and a resume keeps the choice.
+hierarchical exchange by their timings, and a resume and a rerun (rank 0's cache) keep the choice.
 """
 from __future__ import annotations
 
@@ -182,9 +182,15 @@ def test_resume_is_exact_and_another_exchange_resets_the_errors(tmp_path):
 def _measured_exchange(rank, world, folder):
     """path="measure" on 2 x 2 with timings in which the flat exchange is the faster: it is
     chosen over the hierarchical one; a resume keeps it though the timings now say otherwise."""
+    import shutil
+
+    import torch.distributed as dist
+
     import compressed_opt.averaging as averaging
 
     os.environ["COMPRESSED_OPT_RANKS_PER_NODE"] = "2"
+    cache = os.path.join(folder, "cache")
+    os.environ["COMPRESSED_OPT_CACHE_DIR"] = cache  # (rank 0's: the others' are never read)
 
     def timings(flat_faster):
         def fake(avg, backend, numel, device):  # (1-bit seconds, fp32 seconds), the same on every rank
@@ -196,21 +202,29 @@ def _measured_exchange(rank, world, folder):
     opt, opt2, _, same, caught = _save_and_resume(
         rank, folder, _onebit_adam, {"path": "measure"}, {"path": "measure"},
         between=lambda: setattr(averaging, "_time_paths", timings(flat_faster=False)))
-    model3 = _model()  # a fresh run under the timings that favour the hierarchical exchange
+    model3 = _model()  # a rerun under the timings that favour the hierarchical exchange: the cached choice
     opt3 = _onebit_adam(model3.parameters(), path="measure")
     _train(model3, opt3, rank, range(1, 2))
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(cache)  # ... measured again once the cache is gone
+    dist.barrier()
+    model4 = _model()
+    opt4 = _onebit_adam(model4.parameters(), path="measure")
+    _train(model4, opt4, rank, range(1, 2))
     return {"key": opt.averaging.key, "paths": opt.exchange_paths, "resumed_key": opt2.averaging.key,
-            "fresh_key": opt3.averaging.key, "same": same, "warnings": caught}
+            "rerun_key": opt3.averaging.key, "remeasured_key": opt4.averaging.key, "same": same, "warnings": caught}
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(200)
-def test_measured_path_chooses_between_flat_and_hierarchical_and_a_resume_keeps_it(tmp_path):
+def test_measured_path_chooses_between_flat_and_hierarchical_and_a_resume_and_a_rerun_keep_it(tmp_path):
     results = run_ranks(_measured_exchange, 4, str(tmp_path), timeout=150)
     assert [r["key"] for r in results] == [("flat", 4)] * 4, results  # measured faster than ("node", 2, 2)
     assert all(set(r["paths"].values()) == {"1bit"} for r in results)  # 1-bit faster than fp32 in these timings
     assert [r["resumed_key"] for r in results] == [("flat", 4)] * 4
-    assert [r["fresh_key"] for r in results] == [("node", 2, 2)] * 4
+    assert [r["rerun_key"] for r in results] == [("flat", 4)] * 4  # rank 0's cache: the same choice
+    assert [r["remeasured_key"] for r in results] == [("node", 2, 2)] * 4
     assert all(r["same"] and not r["warnings"] for r in results), results
 
 
@@ -237,8 +251,10 @@ def test_bad_hierarchy_is_refused():
 
 
 # --- the path per bucket: 1-bit, fp32, or measured on the link (compressed_opt.averaging) ----------
-def _paths(rank, world, path, skewed):
+def _paths(rank, world, path, skewed, cache):
     import compressed_opt.averaging as averaging
+
+    os.environ["COMPRESSED_OPT_CACHE_DIR"] = cache
 
     if skewed and rank == 1:  # this rank's timings say the opposite of the others'
         real = averaging._time_paths
@@ -257,17 +273,23 @@ def _paths(rank, world, path, skewed):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(200)
-def test_measured_paths_are_the_same_on_every_rank_and_fp32_sends_no_bits():
-    measured = run_ranks(_paths, 2, "measure", True, timeout=150)
+def test_measured_paths_are_the_same_on_every_rank_and_fp32_sends_no_bits(tmp_path):
+    cache = str(tmp_path / "cache")
+    measured = run_ranks(_paths, 2, "measure", True, cache, timeout=150)
     assert measured[0]["paths"] == measured[1]["paths"], "the ranks chose different paths"
     assert set(measured[0]["paths"]) == set(measured[0]["sizes"]) and set(measured[0]["paths"].values()) <= {
         "1bit", "fp32"}
     assert measured[0]["saved"] == {str(n): p for n, p in measured[0]["paths"].items()}
     assert torch.equal(measured[0]["params"], measured[1]["params"])
-    fp32 = run_ranks(_paths, 2, "fp32", False, timeout=150)
+    again = run_ranks(_paths, 2, "measure", True, cache, timeout=150)  # a rerun: rank 0's cached choice
+    assert again[0]["paths"] == again[1]["paths"] == measured[0]["paths"]
+    assert torch.equal(again[0]["params"], measured[0]["params"]), "a rerun of path='measure' differs"
+    kept = sorted(f for f in os.listdir(cache) if f.startswith("path_choice_"))
+    assert len(kept) == 1, [open(os.path.join(cache, f)).read() for f in kept]
+    fp32 = run_ranks(_paths, 2, "fp32", False, cache, timeout=150)
     assert torch.equal(fp32[0]["params"], fp32[1]["params"])
     assert "all_to_all" not in fp32[0]["sent"] and fp32[0]["sent"].get("all_reduce", 0) > 0, fp32[0]["sent"]
-    onebit = run_ranks(_paths, 2, "1bit", False, timeout=150)
+    onebit = run_ranks(_paths, 2, "1bit", False, cache, timeout=150)
     assert onebit[0]["paths"] == {} and onebit[0]["sent"].get("all_to_all", 0) > 0
 
 
@@ -281,13 +303,16 @@ def test_bad_path_is_refused(monkeypatch):
         compressed_opt.OnebitAdam(_model().parameters())
 
 
-def test_the_default_path_measures_where_the_state_is_replicated_on_several_ranks(monkeypatch):
+def test_the_default_path_is_the_1bit_exchange_whatever_the_timing(monkeypatch):
     from compressed_opt.averaging import resolve_path
 
-    monkeypatch.delenv("COMPRESSED_OPT_PATH")
-    assert resolve_path(None, sharded=False, world_size=2) == "measure"
-    assert resolve_path(None, sharded=True, world_size=2) == "1bit"  # ZeRO: its shards are the exchange's rows
-    assert compressed_opt.OnebitAdam(_model().parameters()).path == "1bit"  # one rank: nothing is sent
+    monkeypatch.delenv("COMPRESSED_OPT_PATH", raising=False)
+    for sharded in (False, True):
+        for world in (1, 2, 8):
+            assert resolve_path(None, sharded=sharded, world_size=world) == "1bit"
+            assert resolve_path("auto", sharded=sharded, world_size=world) == "1bit"
+    assert resolve_path("measure", sharded=False, world_size=2) == "measure"  # only when asked
+    assert compressed_opt.OnebitAdam(_model().parameters()).path == "1bit"
     assert compressed_opt.ZeroOneAdam(_model().parameters(), path="auto").path == "1bit"
     monkeypatch.setenv("COMPRESSED_OPT_PATH", "fp32")  # the variable sets the default ...
     assert resolve_path(None, sharded=False, world_size=2) == "fp32"

@@ -76,7 +76,7 @@ def test_zero_one_adam_in_every_mode():
     losses, kinds = results[0][0], results[0][1]
     assert set(kinds.values()) == {"sync"}  # measured on synchronised parameters
     model = mlp()
-    adamw = torch.optim.AdamW(model.parameters(), lr=ZERO_ONE["lr"], weight_decay=0.0)
+    adamw = torch.optim.AdamW(model.parameters(), lr=ZERO_ONE["lr"], fused=True)
     run_steps(model, adamw, shard_batches(0, 1, 78, batch=128))  # the same global batches, one process
     reference = full_loss(model)
     for mode in ZERO_ONE_MODES:

@@ -445,7 +445,7 @@ def _tiny_variance_run(exchange, steps=40, freeze=10, lr=1e-3):
     for name in ("onebit", "adamw"):
         w, b = torch.zeros(256, requires_grad=True), torch.zeros(64, requires_grad=True)
         opt = (OnebitAdam([w, b], lr=lr, freeze_step=freeze, exchange=exchange, backend=SingleProcessBackend())
-               if name == "onebit" else torch.optim.AdamW([w, b], lr=lr, weight_decay=0.0))
+               if name == "onebit" else torch.optim.AdamW([w, b], lr=lr))
         updates, tiny = [], []
         for gw, gb in grads:
             before = torch.cat([w.detach(), b.detach()]).clone()

@@ -463,7 +463,7 @@ def test_params_without_grad(info, stage):
     frozen = nn.Parameter(torch.randn(3), requires_grad=False)
     idle = nn.Parameter(torch.randn(3))
     before = [t.detach().clone() for t in (frozen, idle, *params)]
-    opt = info.make([*params, frozen, idle], stage, lr=1e-2)
+    opt = info.make([*params, frozen, idle], stage, lr=1e-2, weight_decay=0.0)
     train(opt, params, 0, STEPS)
     assert torch.equal(frozen, before[0]) and torch.equal(idle, before[1])
     assert not opt.state[frozen]
@@ -476,7 +476,7 @@ def test_params_without_grad(info, stage):
 def test_zero_gradients_from_a_fresh_state_do_not_move(info, stage):
     params = make_params()
     before = [p.detach().clone() for p in params]
-    opt = info.make(params, stage, lr=1e-2)
+    opt = info.make(params, stage, lr=1e-2, weight_decay=0.0)  # (decoupled weight decay would move them)
     for _ in range(STEPS):
         for p in params:
             p.grad = torch.zeros_like(p)
@@ -515,7 +515,7 @@ def _add_bias_group_after(info, stage):
     """``[weight]`` trained SPLIT steps, then ``bias`` added as a group of its own and all trained
     to STEPS; the bias before."""
     params = make_params()
-    opt = info.make([params[0]], stage, lr=1e-2)
+    opt = info.make([params[0]], stage, lr=1e-2, weight_decay=0.0)  # (the momentum alone moves them)
     train(opt, params, 0, SPLIT)
     with pytest.raises(ValueError, match="some parameters appear in more than one parameter group"):
         opt.add_param_group({"params": [params[0]]})

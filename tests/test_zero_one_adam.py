@@ -394,7 +394,7 @@ def test_bias_correction_off_is_plain_adam_without_correction():
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
     w0 = model.weight.detach().clone()
-    opt = ZeroOneAdam(model.parameters(), lr=0.1, bias_correction=False, var_freeze_step=5,
+    opt = ZeroOneAdam(model.parameters(), lr=0.1, bias_correction=False, var_freeze_step=5, weight_decay=0.0,
                       backend=SingleProcessBackend())
     model.weight.grad = torch.full_like(model.weight, 2.0)
     model.bias.grad = torch.zeros_like(model.bias)
@@ -435,7 +435,7 @@ def test_converges_like_adamw_on_digits(two_ranks):
     assert results[0][1] == CONV_HP["local_step_clipper"]  # phase B reached the longest interval
     assert results[0][2] == results[1][2] is not None and results[0][2] <= AUTO_RULE["max_step"]
     model = mlp()
-    adamw = torch.optim.AdamW(model.parameters(), lr=CONV_HP["lr"], weight_decay=0.0)
+    adamw = torch.optim.AdamW(model.parameters(), lr=CONV_HP["lr"], fused=True)
     reference = train(model, adamw, 0, 1, CONV_STEPS, batch=64 * WORLD)  # the same global batches
     print(f"final full-data loss: 0/1 Adam {losses[0]:.4f}, AdamW {reference:.4f}, ratio {losses[0] / reference:.3f}")
     assert losses[0] <= 1.05 * reference
@@ -547,7 +547,7 @@ def test_coordinates_without_gradient_stay_put():
     torch.manual_seed(0)
     layer = torch.nn.Linear(4, 3)
     start = layer.weight.detach().clone()
-    opt = ZeroOneAdam(layer.parameters(), lr=1e-2, var_freeze_step=6, var_update_scaler=2,
+    opt = ZeroOneAdam(layer.parameters(), lr=1e-2, weight_decay=0.0, var_freeze_step=6, var_update_scaler=2,
                       local_step_scaler=2, local_step_clipper=4)
     for _ in range(20):
         x = torch.randn(8, 4)

@@ -1,0 +1,95 @@
+"""Ranks that call different things end with an error on every rank, within seconds, not a hang.
+
+One rank calls ``step()`` without a backward since the last step while the other runs backward
+(whose hooks communicate: the warmup's averages, the compression stage's exchanges launched from
+backward, a DDP model's reducer). Every step's first collective is an agreement on where each
+rank entered the step (``ENTRY_BACKWARD``/``ENTRY_STEP`` in compressed_opt.optimizer): both
+ranks raise there. Gloo's own timeout is left at its 30-minute default, as users have it, so a
+hang fails the test by its deadline instead.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from compressed_opt import OnebitAdam, OnebitLamb, ZeroOneAdam
+from distributed import spawn_ranks
+
+FREEZE = 2
+OPTIMIZERS = {"adam": (OnebitAdam, {"freeze_step": FREEZE}), "lamb": (OnebitLamb, {"freeze_step": FREEZE}),
+              "zero_one": (ZeroOneAdam, {"var_freeze_step": FREEZE, "var_update_scaler": 1})}
+
+
+def _skip_backward(rank, world, name, mode, skipped_step):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    net = nn.parallel.DistributedDataParallel(model) if mode == "ddp" else model
+    cls, kwargs = OPTIMIZERS[name]
+    opt = cls(model.parameters(), overlap=mode != "sync", **kwargs)
+    g = torch.Generator().manual_seed(rank)
+    start = None
+    for step in range(1, skipped_step + 1):
+        opt.zero_grad()
+        x = torch.randn(4, 8, generator=g)
+        if step == skipped_step:
+            start = time.monotonic()
+        try:
+            loss = net(x).square().mean()  # (every rank runs forward: DDP's own collectives are there)
+            if not (rank == 1 and step == skipped_step):  # rank 1: step() without a backward
+                loss.backward()
+            opt.step()
+        except Exception as exc:  # (rank 0 raises from backward, where its hooks communicate)
+            return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - start,
+                    "compressing": opt.compressing, "step": step}
+    return {"error": None, "step": skipped_step}
+
+
+# warmup: step 2 (the freeze comes at its end); compression stage: step 5 (launched from backward)
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("mode,skipped_step", [("overlap", 1), ("overlap", 2), ("overlap", 5), ("sync", 2),
+                                               ("sync", 5), ("ddp", 1), ("ddp", 2), ("ddp", 5)])
+def test_step_without_backward_on_one_rank_raises_on_every_rank(mode, skipped_step):
+    outcomes = spawn_ranks(_skip_backward, 2, "adam", mode, skipped_step, timeout=90)
+    results = [value for status, value in outcomes]
+    assert [status for status, _ in outcomes] == ["ok", "ok"], outcomes
+    for rank, r in enumerate(results):
+        assert r["error"] is not None, (rank, r)
+        assert r["step"] == skipped_step, (rank, r)
+        # the library's own message where it decided; a rank whose peer raised first may instead see the peer
+        # leave (Gloo: connection closed) -- but never a hang
+        assert "without a backward" in r["error"] or "Connection" in r["error"] or "closed" in r["error"], r
+        assert r["seconds"] < 30, r
+    assert any("without a backward" in r["error"] for r in results), results
+    assert results[0]["compressing"] == (skipped_step > FREEZE)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("name", ["lamb", "zero_one"])
+def test_every_optimizer_refuses_a_step_without_backward_on_one_rank(name):
+    outcomes = spawn_ranks(_skip_backward, 2, name, "overlap", 5, timeout=60)  # (the compression stage)
+    assert all(status == "ok" and value["error"] and value["seconds"] < 30 for status, value in outcomes), outcomes
+    assert any("without a backward" in value["error"] for _, value in outcomes), outcomes
+
+
+def _no_backward_anywhere(rank, world):
+    """Every rank calls step() with gradients it set itself (no backward): allowed, as in torch."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = OnebitAdam(model.parameters(), freeze_step=1)
+    for _ in range(3):
+        for p in model.parameters():
+            p.grad = torch.full_like(p, 0.1 * (rank + 1))
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_gradients_set_by_hand_on_every_rank_still_step():
+    a, b = (value for _, value in spawn_ranks(_no_backward_anywhere, 2, timeout=60))
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
