@@ -202,7 +202,17 @@ def netns_supported(isolation: str = "auto") -> tuple[bool, str]:
     if how == "userns":
         done = subprocess.run([*USERNS_CMD, "--", sys.executable, "-P", os.path.abspath(__file__), _USERNS_ARG,
                                "probe"], capture_output=True, text=True, timeout=60)
-        return (True, "") if done.returncode == 0 else (False, done.stderr.strip() or f"exit {done.returncode}")
+        if done.returncode == 0:
+            return True, ""
+        why = done.stderr.strip() or f"exit {done.returncode}"
+        try:  # Ubuntu 23.10+: a user namespace is made, but without the capabilities to use it
+            with open("/proc/sys/kernel/apparmor_restrict_unprivileged_userns") as f:
+                if f.read().strip() == "1":
+                    why += ("; AppArmor restricts unprivileged user namespaces here "
+                            "(kernel.apparmor_restrict_unprivileged_userns = 1)")
+        except OSError:
+            pass
+        return False, why
     try:
         link = create_link(rate="1gbit")
     except SlowLinkError as e:
