@@ -85,22 +85,22 @@ def slowlink():
     return module
 
 
-def check_link_possible(flag: str = "--link") -> None:
-    """Exit with a message saying why when 2 ranks cannot run over a slow link here."""
+def check_link_possible(flag: str = "--link", isolation: str = "auto") -> str:
+    """How 2 ranks run over a slow link here (``slowlink.ISOLATIONS``: ``"netns"`` as root,
+    ``"userns"`` in a user namespace of this user's own); exit with a message saying why when
+    they cannot."""
     if not sys.platform.startswith("linux"):
-        raise SystemExit(f"{flag} needs Linux network namespaces (ip netns); run without {flag}")
-    if os.geteuid() != 0:
-        raise SystemExit(f"{flag} creates network namespaces and a rate-limited veth pair, which needs root "
-                         f"(or CAP_NET_ADMIN and CAP_SYS_ADMIN): run as root, e.g. with sudo, or leave out {flag}")
-    ok, why = slowlink().netns_supported()
+        raise SystemExit(f"{flag} needs Linux network namespaces; run without {flag}")
+    ok, why = slowlink().netns_supported(isolation)
     if not ok:
-        raise SystemExit(f"{flag}: network namespaces are not usable here ({why}); leave out {flag}")
+        raise SystemExit(f"{flag}: the link's network namespaces cannot be made here ({why}); leave out {flag}")
+    return slowlink().check_tools(isolation)
 
 
 def run_on_link(cmd: list[str], rate, threads: int | str | None = None, **kwargs) -> dict:
     """``cmd`` as 2 ranks over a veth link limited to ``rate`` (a tc rate such as ``"1gbit"``;
     ``"none"`` or ``None``: no limit), each with ``OMP_NUM_THREADS=threads`` (``None``: as here,
-    else 1); ``kwargs`` and the result are ``slowlink.run_two_ranks``'s. Raises
+    else 1); ``kwargs`` (e.g. ``isolation``) and the result are ``slowlink.run_two_ranks``'s. Raises
     ``slowlink.SlowLinkError`` when the link cannot be made."""
     env = {} if threads is None else {"OMP_NUM_THREADS": str(threads)}
     return slowlink().run_two_ranks(cmd, rate=rate, env=env, **kwargs)

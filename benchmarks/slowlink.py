@@ -30,12 +30,20 @@ Modes:
   Only MPICH's Hydra is supported (Open MPI has no manual launcher).
 
 Both veth ends have the same name (``slink``; they are in different namespaces), so one value of
-``GLOO_SOCKET_IFNAME``/``UCX_NET_DEVICES`` serves both ranks. Needs root (or CAP_NET_ADMIN and
-CAP_SYS_ADMIN), ``ip`` and ``tc`` (Debian/Ubuntu: ``apt-get install -y iproute2``).
+``GLOO_SOCKET_IFNAME``/``UCX_NET_DEVICES`` serves both ranks. Needs ``ip`` and ``tc``
+(Debian/Ubuntu: ``apt-get install -y iproute2``) and either root (or CAP_NET_ADMIN and
+CAP_SYS_ADMIN: named namespaces of this machine, ``--isolation netns``) or, for a user without
+root, user namespaces (``--isolation userns``, the default for such a user): the run happens
+inside ``unshare --user --map-root-user --net --mount``, where the user is root of a namespace of
+its own and makes the same two namespaces and veth pair there, with a tmpfs of that mount
+namespace over ``/run/netns`` for their names. The link is then exactly the one root would make
+(same rates, addresses, counters, environment), and nothing of it is visible outside or outlives
+the run's processes. ``--check`` says whether, and how, the link can be made here.
 
 Command line::
 
     python benchmarks/slowlink.py --rate 1gbit -- python my_script.py --args
+    python benchmarks/slowlink.py --check     # can the link be made here, as root or in a user namespace?
     python benchmarks/slowlink.py --rate none --mode mpi -- python my_script.py --backend mpi
 
 Python::
@@ -48,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import json
 import os
 import random
@@ -93,6 +102,17 @@ def parse_rate(rate) -> float | None:
     return float(m.group(1)) * _RATE_UNITS[m.group(2) or "bit"]
 
 
+def format_rate(rate) -> str:
+    """A tc-style rate for people: ``"100mbit"`` -> ``"100 Mbit/s"``; ``"unlimited"`` for none."""
+    bps = parse_rate(rate)
+    if bps is None:
+        return "unlimited"
+    for unit, div in (("Tbit/s", 1e12), ("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
+        if bps >= div:
+            return f"{bps / div:g} {unit}"
+    return f"{bps:g} bit/s"
+
+
 def _run(cmd: list[str], check: bool = True) -> subprocess.CompletedProcess:
     done = subprocess.run(cmd, capture_output=True, text=True)
     if check and done.returncode != 0:
@@ -100,26 +120,101 @@ def _run(cmd: list[str], check: bool = True) -> subprocess.CompletedProcess:
     return done
 
 
-def check_tools() -> None:
-    """Raise :class:`SlowLinkError` with what to do when the link cannot be made here."""
+#: ``isolation``: how the two namespaces are made. ``netns``: named network namespaces of this
+#: machine (``ip netns``; needs root). ``userns``: for a user without root, inside a user namespace
+#: of its own (``unshare --user --map-root-user``), where it is root, with its own network namespace
+#: (the parent of the link's two) and mount namespace (a tmpfs over ``/run/netns``, where ``ip
+#: netns`` keeps the names): nothing outside changes, and the namespaces go with the last process
+#: of the run (nothing to delete, even after SIGKILL). ``auto``: ``netns`` as root, else ``userns``.
+ISOLATIONS = ("auto", "netns", "userns")
+USERNS_CMD = ("unshare", "--user", "--map-root-user", "--net", "--mount")
+_USERNS_ARG = "--inside-userns"  # the command line of slowlink.py inside the user namespace
+ISOLATION_TEXT = {
+    "netns": "veth pair between 2 network namespaces, made as root",
+    "userns": "veth pair between 2 network namespaces inside an unprivileged user namespace",
+}
+
+
+#: where ip and tc live; a user's PATH often lacks the sbin folders (Debian's login PATH does)
+SBIN = ("/usr/local/sbin", "/usr/sbin", "/sbin")
+
+
+def _check_binaries() -> None:
+    path = os.environ.get("PATH", "").split(os.pathsep)
+    extra = [d for d in SBIN if d not in path and os.path.isdir(d)]
+    if extra and any(shutil.which(t) is None for t in ("ip", "tc")):  # this process's and its children's
+        os.environ["PATH"] = os.pathsep.join(path + extra)
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
     if missing:
         hint = ("install iproute2 (Debian/Ubuntu: apt-get install -y iproute2)" if os.geteuid() == 0
                 else "install iproute2 (as root: apt-get install -y iproute2)")
         raise SlowLinkError(f"slowlink needs {' and '.join(missing)}: {hint}")
-    if os.geteuid() != 0:
-        raise SlowLinkError("slowlink creates network namespaces and needs root (or CAP_NET_ADMIN and "
-                            "CAP_SYS_ADMIN); run it as root, e.g. with sudo")
 
 
-def netns_supported() -> tuple[bool, str]:
-    """``(True, "")`` when namespaces and veth pairs can be made here, else ``(False, why)``."""
+def userns_possible() -> tuple[bool, str]:
+    """``(True, "")`` when this user can enter a user namespace of its own with its own network
+    and mount namespaces (``unshare --user --map-root-user --net --mount``), else ``(False, why)``."""
+    if not sys.platform.startswith("linux"):
+        return False, "user namespaces are Linux-only"
+    for path, what in (("/proc/sys/user/max_user_namespaces", "is 0"),
+                       ("/proc/sys/kernel/unprivileged_userns_clone", "is 0 (Debian's switch)")):
+        try:
+            with open(path) as f:
+                if f.read().strip() == "0":
+                    return False, f"user namespaces are disabled here ({path} {what})"
+        except OSError:
+            pass
+    if shutil.which("unshare") is None:
+        return False, "no unshare command (util-linux)"
     try:
-        check_tools()
+        done = subprocess.run([*USERNS_CMD, "--", "true"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return False, f"{shlex.join(USERNS_CMD)} failed: {e}"
+    if done.returncode != 0:
+        return False, f"{shlex.join(USERNS_CMD)} failed: {done.stderr.strip() or done.returncode}"
+    return True, ""
+
+
+def check_tools(isolation: str = "auto") -> str:
+    """How the link is made here (``"netns"`` or ``"userns"``, see :data:`ISOLATIONS`); raises
+    :class:`SlowLinkError` with what to do when it cannot be made."""
+    if isolation not in ISOLATIONS:
+        raise ValueError(f"isolation must be one of {', '.join(ISOLATIONS)}, got {isolation!r}")
+    _check_binaries()
+    if os.geteuid() == 0 and isolation in ("auto", "netns"):
+        return "netns"
+    if isolation == "netns":
+        raise SlowLinkError("slowlink's isolation 'netns' creates named network namespaces and needs root (or "
+                            "CAP_NET_ADMIN and CAP_SYS_ADMIN); run it as root, or use isolation 'userns'")
+    ok, why = userns_possible()
+    if not ok:
+        raise SlowLinkError(f"slowlink needs root, or user namespaces for a user without root: {why}")
+    return "userns"
+
+
+def netns_supported(isolation: str = "auto") -> tuple[bool, str]:
+    """``(True, "")`` when namespaces and a rate-limited veth pair can be made here (as root, or in
+    a user namespace: ``isolation``), else ``(False, why)``."""
+    try:
+        how = check_tools(isolation)
     except SlowLinkError as e:
         return False, str(e)
+    if how == "userns":
+        done = subprocess.run([*USERNS_CMD, "--", sys.executable, "-P", os.path.abspath(__file__), _USERNS_ARG,
+                               "probe"], capture_output=True, text=True, timeout=60)
+        if done.returncode == 0:
+            return True, ""
+        why = done.stderr.strip() or f"exit {done.returncode}"
+        try:  # Ubuntu 23.10+: a user namespace is made, but without the capabilities to use it
+            with open("/proc/sys/kernel/apparmor_restrict_unprivileged_userns") as f:
+                if f.read().strip() == "1":
+                    why += ("; AppArmor restricts unprivileged user namespaces here "
+                            "(kernel.apparmor_restrict_unprivileged_userns = 1)")
+        except OSError:
+            pass
+        return False, why
     try:
-        link = create_link(rate=None)
+        link = create_link(rate="1gbit")
     except SlowLinkError as e:
         return False, str(e)
     destroy_link(link)
@@ -200,8 +295,9 @@ def create_link(rate="1gbit", burst: int | None = None, latency: str = DEFAULT_L
     as on Ethernet). ``gso=False`` caps segmentation offload at one MTU-sized segment, so the
     byte counters count one set of TCP/IP/Ethernet headers per wire-sized frame, as on a real
     NIC (with GSO a veth passes up to 64 KiB per packet and counts its headers once).
-    Call :func:`destroy_link` when done (``run_two_ranks`` does)."""
-    check_tools()
+    Call :func:`destroy_link` when done (``run_two_ranks`` does). Needs root (as
+    :func:`run_two_ranks` is inside its user namespace: ``isolation="userns"``)."""
+    check_tools("netns")
     rate_bps = parse_rate(rate)
     tag = f"{os.getpid()}-{random.getrandbits(32):08x}"
     names = [f"{prefix}-{tag}-r{r}" for r in range(2)]
@@ -372,7 +468,7 @@ def run_two_ranks(cmd, rate="1gbit", timeout: float = 600.0, mode: str = "torch"
                   burst: int | None = None, latency: str = DEFAULT_LATENCY, mtu: int | None = None,
                   port: int = 29500, cwd: str | None = None, echo: bool = False, grace: float = 15.0,
                   prefix: str = DEFAULT_PREFIX, mpiexec: str | None = None, gso: bool = True,
-                  ranks_per_node: int = 1, rendezvous: str = "c10d") -> dict:
+                  ranks_per_node: int = 1, rendezvous: str = "c10d", isolation: str = "auto") -> dict:
     """Run ``cmd`` (a list, or a shell string) as 2 ranks over a veth link limited to ``rate``.
 
     Returns a dict: ``returncode`` (0 when every rank exited 0; 124 on timeout; else the exit
@@ -396,6 +492,11 @@ def run_two_ranks(cmd, rate="1gbit", timeout: float = 600.0, mode: str = "torch"
     ``"static"`` (``--master-addr``). In ``mpi`` mode each node's proxy starts
     ``ranks_per_node`` ranks (``-ppn``; ``outputs`` per rank). Other arguments: see
     :func:`create_link`. Everything made is deleted before returning or raising.
+
+    ``isolation`` (:data:`ISOLATIONS`): ``"auto"`` makes the namespaces on this machine as root
+    (``"netns"``) and, for a user without root, inside a user namespace of its own (``"userns"``:
+    this function runs again there, in ``slowlink.py``'s process, as root of that namespace; the
+    ranks see the same link, addresses and environment). The result's ``isolation`` says which.
     """
     if isinstance(cmd, str):
         cmd = shlex.split(cmd)
@@ -405,7 +506,11 @@ def run_two_ranks(cmd, rate="1gbit", timeout: float = 600.0, mode: str = "torch"
         raise ValueError(f"rendezvous must be 'c10d' or 'static', got {rendezvous!r}")
     if int(ranks_per_node) < 1:
         raise ValueError(f"ranks_per_node must be >= 1, got {ranks_per_node!r}")
-    check_tools()
+    if check_tools(isolation) == "userns":
+        kwargs = dict(cmd=list(cmd), rate=rate, timeout=timeout, mode=mode, env=env, burst=burst, latency=latency,
+                      mtu=mtu, port=port, cwd=cwd, echo=echo, grace=grace, prefix=prefix, mpiexec=mpiexec, gso=gso,
+                      ranks_per_node=ranks_per_node, rendezvous=rendezvous)
+        return _run_in_userns(kwargs)
     cleanup_stale(prefix)
     link = create_link(rate=rate, burst=burst, latency=latency, prefix=prefix, mtu=mtu, gso=gso)
     procs: list[_Proc] = []
@@ -488,6 +593,7 @@ def run_two_ranks(cmd, rate="1gbit", timeout: float = 600.0, mode: str = "torch"
         "ifname": link.ifname,
         "gso": gso,
         "mode": mode,
+        "isolation": "netns",
     }
 
 
@@ -557,12 +663,107 @@ def _read_hydra_launches(hydra: _Proc, deadline: float) -> list[tuple[int, list[
             hydra.line_event.wait(timeout=0.2)
 
 
+# --- without root: the same run inside a user namespace -------------------------------------------------
+def _stop(popen: subprocess.Popen, grace: float = 20.0) -> None:
+    """SIGTERM (slowlink's main stops its ranks and deletes its link), then SIGKILL after ``grace`` s."""
+    if popen.poll() is None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(popen.pid, signal.SIGTERM)
+        try:
+            popen.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(popen.pid, signal.SIGKILL)
+            popen.wait()
+
+
+def _run_in_userns(kwargs: dict) -> dict:
+    """:func:`run_two_ranks` (``kwargs``) in a user namespace of its own: ``slowlink.py
+    --inside-userns SPEC`` under ``unshare --user --map-root-user --net --mount``, the result
+    passed back as JSON. Its output (``echo``) goes to this process's stdout."""
+    with tempfile.TemporaryDirectory(prefix="slowlink-userns-") as tmp:
+        spec, result = os.path.join(tmp, "spec.json"), os.path.join(tmp, "result.json")
+        with open(spec, "w") as f:
+            json.dump({"kwargs": kwargs, "result": result}, f)
+        cmd = [*USERNS_CMD, "--", sys.executable, "-P", os.path.abspath(__file__), _USERNS_ARG, spec]
+        popen = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True)
+        try:  # the ranks' own timeout is inside; this one covers the setup and the cleanup
+            popen.wait(timeout=kwargs["timeout"] + kwargs["grace"] + 60)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:  # also on KeyboardInterrupt: the run inside stops its ranks and deletes its link
+            _stop(popen)
+        try:
+            with open(result) as f:
+                out = json.load(f)
+        except (OSError, ValueError):
+            raise SlowLinkError(f"the run in the user namespace ended (exit {popen.returncode}) with no result: "
+                                f"{shlex.join(cmd)}") from None
+    if "error" in out:
+        raise SlowLinkError(out["error"])
+    out["isolation"] = "userns"
+    return out
+
+
+def _private_netns_dir() -> None:
+    """Inside the user namespace: a tmpfs over ``/run/netns`` (over ``/run`` where that folder does
+    not exist), private to this mount namespace, where ``ip netns add`` can pin its namespaces."""
+    target = "/run/netns" if os.path.isdir("/run/netns") else "/run"
+    _run(["mount", "-t", "tmpfs", "-o", "mode=0755", "slowlink", target])
+
+
+def _stop_with_parent() -> None:
+    """SIGTERM to this process (a clean stop: the ranks killed, the link deleted) when the process
+    that started it is gone, e.g. killed with SIGKILL: nothing of the run outlives it."""
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def _inside_userns(spec: str) -> int:
+    """``slowlink.py --inside-userns SPEC|probe``, as root of a fresh user namespace: the run of
+    :func:`_run_in_userns` (its result written where SPEC says), or ``probe``: make a link, delete it."""
+    _stop_with_parent()
+    job = None
+    if spec != "probe":
+        with open(spec) as f:
+            job = json.load(f)
+    try:
+        _private_netns_dir()
+        if job is None:
+            destroy_link(create_link(rate="1gbit"))
+            return 0
+        out = run_two_ranks(**job["kwargs"], isolation="netns")
+    except SlowLinkError as e:
+        if job is None:
+            print(f"in a user namespace: {e}", file=sys.stderr)
+            return 2
+        out = {"error": f"in a user namespace: {e}"}
+    with open(job["result"] + ".tmp", "w") as f:
+        json.dump(out, f)
+    os.replace(job["result"] + ".tmp", job["result"])
+    return 0
+
+
 # --- command line ----------------------------------------------------------------------------------
 def _raise_on_signal(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == [_USERNS_ARG]:  # internal: the run inside a user namespace (_run_in_userns)
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, _raise_on_signal)
+        try:
+            return _inside_userns(argv[1])
+        except KeyboardInterrupt:
+            return 130
     p = argparse.ArgumentParser(
         description="Run a command as 2 ranks in network namespaces joined by a rate-limited veth pair.",
         epilog="example: python benchmarks/slowlink.py --rate 1gbit -- python benchmarks/comm_bandwidth.py")
@@ -585,8 +786,21 @@ def main(argv=None) -> int:
     p.add_argument("--prefix", default=DEFAULT_PREFIX, help="namespace name prefix")
     p.add_argument("--json", default=None, metavar="PATH", help="write the result (with outputs) as JSON")
     p.add_argument("--quiet", action="store_true", help="do not echo the ranks' output")
+    p.add_argument("--isolation", choices=ISOLATIONS, default="auto",
+                   help="netns: named network namespaces (root); userns: inside a user namespace of this user's "
+                        "own (no root needed); auto (default): netns as root, else userns")
+    p.add_argument("--check", action="store_true",
+                   help="only say whether (and how) the link can be made here: exit 0 if it can, else 2")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="the rank command (after --)")
     args = p.parse_args(argv)
+    if args.check:
+        ok, why = netns_supported(args.isolation)
+        if not ok:
+            print(f"slowlink: the link cannot be made here: {why}")
+            return 2
+        how = check_tools(args.isolation)
+        print(f"slowlink: the link can be made here: {how} ({ISOLATION_TEXT[how]})")
+        return 0
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
         p.error("give the command to run after --")
@@ -600,7 +814,8 @@ def main(argv=None) -> int:
         result = run_two_ranks(cmd, rate=args.rate, timeout=args.timeout, mode=args.mode, burst=args.burst,
                                latency=args.latency, mtu=args.mtu, port=args.port, echo=not args.quiet,
                                prefix=args.prefix, gso=not args.no_gso, grace=args.grace,
-                               ranks_per_node=args.ranks_per_node, rendezvous=args.rendezvous)
+                               ranks_per_node=args.ranks_per_node, rendezvous=args.rendezvous,
+                               isolation=args.isolation)
     except SlowLinkError as e:
         print(f"slowlink: {e}", file=sys.stderr)
         return 2
@@ -608,7 +823,8 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
     status = "timed out" if result["timed_out"] else f"exit codes {result['returncodes']}"
-    print(f"# slowlink: rate {result['rate'] or 'unlimited'}, {status}, {result['elapsed_s']:.2f} s; "
+    print(f"# slowlink ({result['isolation']}): rate {result['rate'] or 'unlimited'}, {status}, "
+          f"{result['elapsed_s']:.2f} s; "
           f"veth tx_bytes rank0 {result['tx_bytes'][0]} rank1 {result['tx_bytes'][1]} "
           f"(rx {result['rx_bytes'][0]} / {result['rx_bytes'][1]})", file=sys.stderr)
     return result["returncode"]

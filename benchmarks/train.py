@@ -4,7 +4,8 @@ The entry point of the package ``e2e`` beside this file (``e2e/__init__.py`` say
 measured and how; ``make demo`` and ``make bench`` run it). Examples::
 
     python -P benchmarks/train.py --model tiny --methods ddp_adamw,onebit_adam --steps 100
-    python -P benchmarks/train.py --model small --link 1gbit --batch 1 --seq-len 32 --breakdown   # root
+    python -P benchmarks/train.py --model small --link 1gbit --batch 1 --seq-len 32 --breakdown
+    python -P benchmarks/train.py --model tiny --link 100mbit --steps 120   # make demo's link (no root needed)
     torchrun --nproc-per-node 2 benchmarks/train.py --methods ddp_adamw,onebit_adam
 
 This folder goes on ``sys.path`` (for ``e2e`` and ``common``); the repository root must not (its

@@ -104,6 +104,48 @@ def test_slowlink_runs_two_ranks_and_cleans_up(tmp_path):
     assert _namespaces(prefix) == [], "slowlink left its namespaces behind"
 
 
+def _userns_usable() -> tuple[bool, str]:
+    if not sys.platform.startswith("linux"):
+        return False, "user namespaces are Linux-only"
+    sys.path.insert(0, BENCH)
+    try:
+        import slowlink
+    finally:
+        sys.path.remove(BENCH)
+    return slowlink.netns_supported("userns")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_slowlink_in_a_user_namespace_needs_no_root(tmp_path):
+    """--isolation userns (what a user without root gets): the same rate-limited veth between 2
+    network namespaces, made inside unshare --user --map-root-user --net --mount; nothing named
+    outside. Skipped where user namespaces cannot be made (the reason says why)."""
+    ok, why = _userns_usable()
+    if not ok:
+        pytest.skip(f"no user namespace with a veth pair here: {why}")
+    before = _namespaces("cosl")
+    # rank 1 sends 2 MB over TCP to rank 0, which times it: on a 100 Mbit/s link that is >= 0.15 s
+    probe = ("import os, socket, time; r = int(os.environ['RANK']); a = os.environ['MASTER_ADDR']\n"
+             "if r == 0:\n"
+             "    s = socket.create_server((a, 5555)); c, _ = s.accept(); t = time.monotonic(); n = 0\n"
+             "    while (b := c.recv(1 << 16)): n += len(b)\n"
+             "    print('GOT', n, time.monotonic() - t, os.environ['GLOO_SOCKET_IFNAME'])\n"
+             "else:\n"
+             "    time.sleep(0.3); c = socket.create_connection((a, 5555)); c.sendall(b'x' * 2_000_000); c.close()\n")
+    out = tmp_path / "slowlink.json"
+    done = _run_script(tmp_path, "slowlink.py", "--isolation", "userns", "--rate", "100mbit", "--timeout", "30",
+                       "--json", str(out), "--", sys.executable, "-P", "-c", probe, timeout=50)
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(out.read_text())
+    assert result["isolation"] == "userns" and result["rate"] == "100mbit" and result["tbf"][0] == "tbf"
+    got = next(ln for ln in result["outputs"][0].splitlines() if ln.startswith("GOT")).split()
+    assert int(got[1]) == 2_000_000 and got[3] == result["ifname"]
+    assert float(got[2]) > 0.8 * 2_000_000 * 8 / 100e6  # the link's rate, not loopback's
+    assert result["tx_bytes"][1] >= 2_000_000  # counted on rank 1's veth end
+    assert _namespaces("cosl") == before  # nothing named on this machine
+
+
 @pytest.mark.multiprocess
 def test_slowlink_cleans_up_after_a_failing_rank(tmp_path):
     prefix = _slowlink_prefix()

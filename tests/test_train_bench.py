@@ -88,3 +88,88 @@ def test_plot_is_written_when_matplotlib_is_there(report):
     if importlib.util.find_spec("matplotlib") is None:
         pytest.skip("matplotlib is not installed (the bench extra)")
     assert (out / "smoke.png").stat().st_size > 10_000
+
+
+# --- make demo's link: an emulated link without root, or a modelled one ----------------------------------------
+BENCH = os.path.dirname(TRAIN)
+
+
+def _run_link(tmp_path, emulation: str, methods: str) -> tuple[subprocess.CompletedProcess, dict]:
+    """The demo's command on a short run: 2 ranks, ``--link 100mbit --link-emulation EMULATION``."""
+    cmd = [sys.executable, "-P", TRAIN, "--model", "tiny", "--link", "100mbit", "--link-emulation", emulation,
+           "--methods", methods, "--steps", "5", "--freeze-step", "2", "--batch", "2", "--seq-len", "16",
+           "--eval-sequences", "8", "--method-timeout", "40", "--no-plot", "--out-dir", str(tmp_path),
+           "--name", "link"]
+    done = subprocess.run(cmd, cwd=str(tmp_path), env=child_env(), capture_output=True, text=True, timeout=100)
+    path = tmp_path / "link.json"
+    assert done.returncode == 0 and path.exists(), done.stdout + done.stderr
+    return done, json.loads(path.read_text())
+
+
+def _userns_link_possible() -> tuple[bool, str]:
+    if not sys.platform.startswith("linux"):
+        return False, "user namespaces are Linux-only"
+    sys.path.insert(0, BENCH)
+    try:
+        import slowlink
+    finally:
+        sys.path.remove(BENCH)
+    return slowlink.netns_supported("userns")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_link_in_a_user_namespace(tmp_path):
+    """What make demo runs for a user without root: the ranks over a 100 Mbit/s veth inside a user
+    namespace of the user's own (forced here, so that root runs it too)."""
+    ok, why = _userns_link_possible()
+    if not ok:
+        pytest.skip(f"unshare --user --map-root-user --net --mount cannot make the link here: {why}")
+    done, rep = _run_link(tmp_path, "userns", "onebit_adam")  # (one method: a link per method takes time)
+    cfg = rep["config"]
+    assert cfg["mode"] == "link" and cfg["link_emulation"] == "userns" and cfg["link"] == "100mbit"
+    for m in rep["methods"]:
+        assert m["status"] == "ok", m
+        assert m["link"]["isolation"] == "userns" and m["link"]["rate"] == "100mbit"
+        assert min(m["link"]["tx_bytes"]) > 0 and m["summary"]["wire_bytes_per_step"] > 0
+    title = done.stdout.splitlines()[1]
+    assert "emulated 100 Mbit/s link" in title and "user namespace" in title, done.stdout
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_modelled_link_is_labelled_and_adds_the_link_time(tmp_path):
+    """Where no link can be emulated, the demo's link is modelled: each measured loopback step plus
+    its bytes / rate, and the table says MODELLED."""
+    done, rep = _run_link(tmp_path, "model", "ddp_adamw,onebit_adam")
+    cfg = rep["config"]
+    assert cfg["mode"] == "model" and cfg["link_emulation"] == "model"
+    for m in rep["methods"]:
+        assert m["status"] == "ok", m
+        assert m["link"]["isolation"] == "model" and m["link"]["rate_bps"] == 100e6
+        curve = m["result"]["curve"]
+        for t, measured, link, sent in zip(curve["step_s"], curve["measured_step_s"], curve["link_s"],
+                                           curve["bytes"]):
+            assert link == pytest.approx(sent * m["link"]["frame_overhead"] * 8 / 100e6)
+            assert t == pytest.approx(measured + link, rel=1e-5)  # (the JSON keeps 6 digits)
+    title = done.stdout.splitlines()[1]
+    assert title.startswith("# MODELLED 100 Mbit/s link"), done.stdout
+    assert "# MODELLED link, not measured on one" in done.stdout
+
+
+def test_auto_link_falls_back_to_the_model_and_says_why(monkeypatch, capsys):
+    """--link-emulation auto (make demo's): where neither root nor a user namespace can make the
+    link, the modelled link, with the reason in the table; never plain loopback."""
+    sys.path.insert(0, BENCH)
+    try:
+        import slowlink
+        from e2e import cli
+    finally:
+        sys.path.remove(BENCH)
+    monkeypatch.setattr(slowlink, "netns_supported", lambda isolation="auto": (False, "user namespaces are off"))
+    cfg = cli.make_config(cli.parse_args(["--link", "100mbit"]))
+    cli._resolve_link(cfg)
+    assert cfg["mode"] == "model" and cfg["link_emulation"] == "model"
+    assert cfg["link_model_reason"] == "user namespaces are off"
+    assert cli._where(cfg).startswith("MODELLED 100 Mbit/s link")
+    assert "MODELLED instead" in capsys.readouterr().err

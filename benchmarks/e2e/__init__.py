@@ -37,10 +37,15 @@ The learning rate warms up linearly over ``--lr-warmup`` steps, then decays (cos
 Where the ranks run:
 
 * ``--launch N`` (default 2): N local processes, Gloo (NCCL with ``--device cuda``), file store;
-* ``--link 1gbit|10gbit|RATE|none``: 2 ranks in network namespaces joined by a veth pair limited
-  to that rate (``benchmarks/slowlink.py``; needs root); the wire bytes are counted on the veth;
-  with ``--ranks-per-node L`` each namespace is a node of L ranks started by ``torchrun
-  --nnodes 2`` (c10d rendezvous), and the wire bytes are a node's;
+* ``--link 1gbit|100mbit|RATE|none``: 2 ranks in network namespaces joined by a veth pair limited
+  to that rate in each direction (``benchmarks/slowlink.py``); the wire bytes are counted on the
+  veth; with ``--ranks-per-node L`` each namespace is a node of L ranks started by ``torchrun
+  --nnodes 2`` (c10d rendezvous), and the wire bytes are a node's. ``--link-emulation``: as root
+  the namespaces are made on this machine (``netns``); any other user gets the same link inside a
+  user namespace of its own (``userns``: ``unshare --user --map-root-user --net --mount``, no root
+  needed); where neither can be made, ``auto`` (the default) *models* the link instead (``model``:
+  2 local ranks over loopback, each step's measured time plus its bytes / RATE, labelled MODELLED
+  in the table; never plain loopback);
 * under ``torchrun`` (``torchrun --nproc-per-node N benchmarks/train.py``): the methods run one
   after the other in the launched processes (no isolation between methods; peak memory is then
   cumulative).

@@ -16,15 +16,16 @@ import time
 
 import torch
 
-from common import check_link_possible
+from common import check_link_possible, slowlink
 
 from . import __doc__ as PACKAGE_DOC
 from .methods import DEFAULT_METHODS, METHODS, parse_spec
 from .model import PRESETS, ModelConfig, count_params
 from .report import compare, format_table, plot, write_json
-from .runner import Display, run_in_process, run_link, run_local, worker_main
+from .runner import Display, run_in_process, run_link, run_local, run_modelled, worker_main
 
 PROG = "benchmarks/train.py"
+LINK_EMULATIONS = ("auto", "netns", "userns", "model")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -66,7 +67,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--target-loss", type=float, help="loss for time-to-target (default 1.05 x ddp_adamw's final loss)")
     p.add_argument("--launch", type=int, default=None, metavar="N", help="local ranks per method (default 2)")
     p.add_argument("--link", default=None, metavar="RATE",
-                   help="2 ranks over a rate-limited veth pair: 1gbit, 10gbit, any tc rate, or none (needs root)")
+                   help="2 ranks over a rate-limited veth pair: 1gbit, 100mbit, any tc rate, or none (root not needed: "
+                        "see --link-emulation)")
+    p.add_argument("--link-emulation", choices=LINK_EMULATIONS, default="auto",
+                   help="how --link is made: netns (network namespaces, as root), userns (the same inside a user "
+                        "namespace of your own: no root needed), model (2 local ranks over loopback, each step's "
+                        "time + its bytes / RATE: a model, said so in the table); auto (default): netns as root, "
+                        "else userns, else model")
     p.add_argument("--ranks-per-node", type=int, default=1, metavar="L",
                    help="with --link: each side of the link is a node of L ranks, started by torchrun "
                         "(--nnodes 2, c10d rendezvous); ours' +flat / +node pick the exchange (default 1)")
@@ -151,6 +158,7 @@ def make_config(args) -> dict:
         "target_loss": args.target_loss,
         "launch": launch,
         "link": args.link,
+        "link_emulation": args.link_emulation if args.link else None,  # resolved in main()
         "ranks_per_node": args.ranks_per_node,
         "device": args.device,
         "threads": args.threads,
@@ -160,6 +168,45 @@ def make_config(args) -> dict:
         "inject_failure": inject,
         "mode": "link" if args.link else ("torchrun" if under_torchrun else "local"),
     }
+
+
+def _resolve_link(cfg: dict) -> None:
+    """``cfg['link_emulation']``: how ``--link`` is made here (``auto`` resolved); a modelled
+    link runs ``cfg['launch']`` = 2 local ranks (``cfg['mode']`` ``"model"``)."""
+    how = cfg["link_emulation"]
+    if how == "auto":
+        ok, why = slowlink().netns_supported("auto")
+        if ok:
+            how = slowlink().check_tools("auto")
+        else:
+            how = "model"
+            cfg["link_model_reason"] = why
+            print(f"# --link {cfg['link']}: no emulated link can be made here ({why}); the link is MODELLED "
+                  f"instead (--link-emulation model), and the table says so", file=sys.stderr, flush=True)
+    elif how != "model":
+        how = check_link_possible(isolation=how)
+    if how == "model":
+        if slowlink().parse_rate(cfg["link"]) is None:
+            raise SystemExit(f"--link {cfg['link']} with the modelled link: give a rate to model (e.g. 100mbit)")
+        if cfg["ranks_per_node"] > 1:
+            raise SystemExit("--ranks-per-node > 1 needs an emulated link (--link-emulation netns or userns)")
+        cfg["mode"] = "model"
+    cfg["link_emulation"] = how
+
+
+def _where(cfg: dict) -> str:
+    """Where the ranks run, in words (the header and the table's title)."""
+    if cfg["mode"] == "torchrun":
+        return "torchrun ranks"
+    if cfg["mode"] == "local":
+        return f"{cfg['launch']} local ranks over loopback (no network bottleneck)"
+    rate = slowlink().format_rate(cfg["link"])
+    if cfg["mode"] == "model":
+        return (f"MODELLED {rate} link, not an emulated one: 2 local ranks over loopback, each step's time "
+                f"+ its bytes / {rate}")
+    nodes = f"2 nodes of {cfg['ranks_per_node']} ranks" if cfg["ranks_per_node"] > 1 else "2 ranks"
+    return (f"{nodes} over an emulated {rate} link each way (tbf; "
+            f"{slowlink().ISOLATION_TEXT[cfg['link_emulation']]})")
 
 
 def _environment() -> dict:
@@ -198,10 +245,9 @@ def main(argv=None) -> int:
     if cfg["batch"] * cfg["launch"] > 0 and cfg["device"] == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no usable CUDA device")
     if cfg["link"]:
-        check_link_possible()
+        _resolve_link(cfg)
     display = Display(enabled=not args.quiet)
-    where = (f"2 nodes of {cfg['ranks_per_node']} rank(s) over a {cfg['link']} veth link" if cfg["link"] else
-             "torchrun ranks" if cfg["mode"] == "torchrun" else f"{cfg['launch']} local ranks")
+    where = cfg["where"] = _where(cfg)
     model = cfg["model"]
     header = (f"# {PROG}: {cfg['params'] / 1e6:.2f}M-parameter GPT ({model['n_layers']} layers, width "
               f"{model['d_model']}, {model['n_heads']} heads), batch {cfg['batch']} x {cfg['seq_len']} bytes per rank, "
@@ -222,8 +268,10 @@ def main(argv=None) -> int:
         for i, spec in enumerate(specs, 1):
             load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
             with tempfile.TemporaryDirectory(prefix="co-train-") as tmp:
-                if cfg["link"]:
+                if cfg["mode"] == "link":
                     entry = run_link(spec, cfg, tmp, display, i, len(specs))
+                elif cfg["mode"] == "model":
+                    entry = run_modelled(spec, cfg, tmp, display, i, len(specs))
                 else:
                     entry = run_local(spec, cfg, tmp, display, i, len(specs))
             entry["load_average_before"] = load_before

@@ -81,6 +81,11 @@ def summarize(result: dict, cfg: dict) -> dict:
     out["peak_memory_mb"] = max(result["peak_memory_bytes"]) / 2**20
     if "breakdown_per_rank" in result:
         out["breakdown"] = _breakdown(result["breakdown_per_rank"], steady)
+    if c.get("link_s"):  # the modelled link (runner.model_link): its time is communication paid
+        out["measured_step_s"] = _median([c["measured_step_s"][i] for i in steady])
+        out["modelled_link_s"] = _median([c["link_s"][i] for i in steady])
+        if "breakdown" in out:
+            out["breakdown"]["comm_paid_s"] += out["modelled_link_s"]
     return out
 
 
@@ -149,7 +154,8 @@ def format_table(entries: list[dict], comparison: dict, cfg: dict) -> str:
     cols = [("method", 22), ("loss", 6), ("eval", 6), ("warmup ms", 9), ("step ms", 8), ("samples/s", 9),
             ("bytes/step", 10)] + ([("wire/step", 10)] if wire else []) + [
             ("speedup", 7), ("to target", 9), ("peak MB", 7)]
-    lines = ["  ".join(f"{name:>{w}}" if i else f"{name:<{w}}" for i, (name, w) in enumerate(cols))]
+    lines = ([f"# {cfg['where']}"] if cfg.get("where") else []) + [
+        "  ".join(f"{name:>{w}}" if i else f"{name:<{w}}" for i, (name, w) in enumerate(cols))]
     for e in entries:
         if e["status"] != "ok":
             lines.append(f"{e['spec']:<22}  FAILED: {e['error']}")
@@ -186,7 +192,14 @@ def format_table(entries: list[dict], comparison: dict, cfg: dict) -> str:
                      f"{100 * s['loss_vs_baseline']:+.1f}% (held-out {100 * s['eval_loss_vs_baseline']:+.1f}%)")
     if cfg.get("mode") == "local" and any(e.get("spec") in OURS for e in entries):
         notes.append("local ranks talk over loopback, far faster than a network: compression pays where "
-                     "communication dominates the step (--link 1gbit, as root; make bench)")
+                     "communication dominates the step (--link RATE: 2 ranks over a slow emulated link; make demo)")
+    if cfg.get("mode") == "model":
+        notes.append("MODELLED link, not measured on one: step ms = the step measured on local ranks over loopback "
+                     "+ its bytes sent per rank x 1.046 (frame headers) x 8 / rate, with no overlap of that time "
+                     "with compute (DDP overlaps part of its allreduce with backward on a real link: its modelled "
+                     "step is an upper bound, and so are the speedups over it)"
+                     + (f"; no emulated link here: {cfg['link_model_reason']}" if cfg.get("link_model_reason")
+                        else ""))
     table = "\n".join(lines + ["# " + n for n in notes])
     if any("breakdown" in e.get("summary", {}) for e in entries):
         table += "\n\n" + format_breakdown(entries)

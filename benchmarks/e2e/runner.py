@@ -249,7 +249,8 @@ def run_link(spec: str, cfg: dict, tmp: str, display: Display, index: int, total
             try:
                 res = run_on_link(_worker_cmd(spec, config, out, prog), cfg["link"], threads=cfg["threads"],
                                   timeout=cfg["method_timeout"], grace=cfg["grace"], port=29500 + index,
-                                  ranks_per_node=cfg.get("ranks_per_node", 1))
+                                  ranks_per_node=cfg.get("ranks_per_node", 1),
+                                  isolation=cfg.get("link_emulation") or "auto")
                 break
             except slowlink().SlowLinkError as e:
                 error = e
@@ -261,10 +262,40 @@ def run_link(spec: str, cfg: dict, tmp: str, display: Display, index: int, total
     if res is None:
         return {"spec": spec, "status": "failed", "error": f"slow link: {error}",
                 "elapsed_s": time.monotonic() - started}
-    link = {k: res.get(k) for k in ("rate", "tbf", "tx_bytes", "rx_bytes", "tx_packets", "elapsed_s", "gso")}
+    link = {k: res.get(k) for k in ("rate", "tbf", "tx_bytes", "rx_bytes", "tx_packets", "elapsed_s", "gso",
+                                    "isolation")}
     codes = res["returncodes"]
     return _collect(spec, out, prog, codes if not res["timed_out"] else [c if c == 0 else None for c in codes],
                     res["timed_out"], res["outputs"], time.monotonic() - started, cfg, {"link": link})
+
+
+#: wire bytes per payload byte of TCP over Ethernet with a 1500-byte MTU: a 1448-byte segment (with
+#: TCP timestamps) travels in a 1514-byte frame
+FRAME_OVERHEAD = 1514 / 1448
+
+
+def model_link(result: dict, rate) -> dict:
+    """The modelled link (``--link-emulation model``): each step of ``result`` (measured on local
+    ranks over loopback) takes its time plus the time its bytes take on a link of ``rate`` in each
+    direction, ``bytes sent per rank x FRAME_OVERHEAD x 8 / rate``, with no overlap with compute
+    and no propagation delay (none on the emulated veth either). The curve keeps
+    ``measured_step_s`` and gets ``link_s``; ``step_s`` becomes the modelled step. Returns the model."""
+    bps = slowlink().parse_rate(rate)
+    curve = result["curve"]
+    link_s = [b * FRAME_OVERHEAD * 8 / bps for b in curve["bytes"]]
+    curve["measured_step_s"] = curve["step_s"]
+    curve["link_s"] = link_s
+    curve["step_s"] = [t + x for t, x in zip(curve["step_s"], link_s)]
+    return {"isolation": "model", "rate": str(rate), "rate_bps": bps, "frame_overhead": FRAME_OVERHEAD,
+            "step": "measured loopback step + bytes sent per rank x frame_overhead x 8 / rate_bps"}
+
+
+def run_modelled(spec: str, cfg: dict, tmp: str, display: Display, index: int, total: int) -> dict:
+    """Run one method on 2 local ranks (:func:`run_local`), then put its steps on the modelled link."""
+    entry = run_local(spec, cfg, tmp, display, index, total)
+    if entry["status"] == "ok":
+        entry["link"] = model_link(entry["result"], cfg["link"])
+    return entry
 
 
 def run_in_process(specs: list[str], cfg: dict, display: Display) -> list[dict]:
