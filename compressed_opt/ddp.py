@@ -125,7 +125,7 @@ def compressed_comm_hook(state: DDPHookState, bucket: dist.GradBucket) -> torch.
     opt = state.optimizer
     if opt is not None and bucket.index() == 0:  # (DDP runs its buckets in index order)
         opt.enter_backward()  # every rank in backward, or every rank raises
-    if opt is not None and opt.averages_next_step():
+    if opt is not None and opt.averages_in_backward():
         return _average(state, bucket)
     return _done(bucket.buffer())  # compression stage: step() runs the optimizer's own exchange
 

@@ -147,7 +147,7 @@ class Layout:
         """``x`` <- the 1-bit compressed average of the ranks' ``x`` (collective), as a generator
         that yields its one request ``(bucket, x, averaging)`` (``averaging``: ``None`` for the
         optimizer's own) and keeps what it needs of the result after it: the optimizer runs the
-        requests of an exchange group together (``CompressedOptimizer._run_exchanges``)."""
+        requests of an exchange group together (:meth:`compressed_opt.exchanges.Exchanges.run`)."""
         raise NotImplementedError
 
     def keep_momentum(self, opt, bucket: Bucket, m: torch.Tensor) -> None:

@@ -74,14 +74,16 @@ def _hook(ref: weakref.ref, param: torch.Tensor) -> None:
 class BucketLauncher:
     """The life cycle of one optimizer's gradient communication around backward.
 
-    The optimizer provides ``owner`` callbacks: ``prepare()`` (at the first hook of a backward:
-    buckets and the launch policy for this step), ``gather(bucket)`` (the bucket's gradients
-    into its flat buffer), ``exchange_group(buckets)`` (the collectives on their buffers, thread-safe),
+    ``callbacks`` is what the optimizer provides (:class:`compressed_opt.stepping.LauncherCallbacks`,
+    bound weakly to it): ``prepare()`` (at the first hook of a backward: buckets and the launch
+    policy for this step), ``gather(bucket)`` (the bucket's gradients into its flat buffer),
+    ``gather_ahead(bucket)`` (the same for a bucket launched from backward; whether it is finite),
+    ``exchange_group(buckets)`` (the collectives on their buffers, thread-safe),
     ``finish_backward(launched)`` (at the end of a backward that completes the step's
     gradients)."""
 
-    def __init__(self, owner, accumulation_steps: int = 1):
-        self._owner = weakref.proxy(owner)
+    def __init__(self, callbacks, accumulation_steps: int = 1):
+        self._owner = callbacks
         self.accumulation_steps = accumulation_steps
         self.enabled = True  # False while a DDP hook carries the communication, or after close()
         self.launch_ahead = False  # set per step by prepare(): buckets may go out during backward

@@ -21,12 +21,13 @@ from compressed_opt.comm import DEFAULT_BLOCK, Backend, get_backend
 
 from . import checkpoint, consolidate, frameworks
 from .checkpoint import validate_state_dict
-from .overlap import BucketLauncher
 
 
 #: attributes a copy pickled by an older version lacks, with what they start from
 _ADDED_SINCE_PICKLED = {"scale_block": DEFAULT_BLOCK, "_regathering": False, "_summed_step": dict,
-                        "_warmup_local": dict, "_unit_factor_errors": set}
+                        "_warmup_local": dict, "_unit_factor_errors": set, "_announced": set, "_entered": False,
+                        "_path_from_env": False, "_scales_may_differ": False, "_layout_agreed": False,
+                        "_broadcast_done": False, "_gather_inv_scale": None}
 
 
 class Persistence:
@@ -41,8 +42,8 @@ class Persistence:
             "rank": self.backend.rank,
             "world_size": self.backend.world_size,
             "buckets": buckets,
-            "averaging": None if self._averaging is None else list(self._averaging.key),
-            "paths": {str(n): p for n, p in sorted(self.exchange_paths.items())},
+            "averaging": None if self.exchanges.chosen is None else list(self.exchanges.chosen.key),
+            "paths": {str(n): p for n, p in sorted(self.exchanges.paths.items())},
             "scale_block": self.scale_block,
             **self._extra_state(),
         }
@@ -83,15 +84,14 @@ class Persistence:
                 index_to_param[int(idx)].copy_(values)
         self.global_step = int(extra["global_step"])
         # (a checkpoint from before the choice was saved: the flat exchange's buffers)
-        self._saved_averaging = extra.get("averaging") or ["flat", extra["world_size"]]
-        self.exchange_paths = {int(n): p for n, p in extra.get("paths", {}).items()}
+        self.exchanges.saved_key = tuple(extra.get("averaging") or ["flat", extra["world_size"]])
+        self.exchanges.paths = {int(n): p for n, p in extra.get("paths", {}).items()}
         self._load_extra_state(extra)
         self._consolidated = None
         self._buckets = None
         self._param_places = None
         self._layout_key = None
-        self._ranks_checked = False
-        self._speculate = False  # the first compression step after a resume watches the loop again
+        self._watch_again()  # the ranks are checked again; the first compression step watches the loop again
         same_layout = extra["world_size"] == self.backend.world_size and extra["rank"] == self.backend.rank
         if same_layout:
             self._pending_bucket_state = list(extra["buckets"])
@@ -242,7 +242,8 @@ class Persistence:
     #: ``copy.deepcopy`` or pickle, made again by the copy (see ``__getstate__``)
     _runtime_attributes = frozenset({
         "backend", "_launcher", "_buckets", "_layout_key", "_param_places", "_averager", "_rank_statistics",
-        "_consolidated", "_frameworks_checked", "_averaging",
+        "_consolidated", "_frameworks_checked", "_agreement", "_exchanges", "_traffic", "_entered",
+        "_gather_inv_scale", "_regathering",
         "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
         "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
         "_optimizer_load_state_dict_post_hooks",
@@ -275,7 +276,12 @@ class Persistence:
         if self._buckets is not None:
             state["_pending_bucket_state"] = self._bucket_entries()
         state["_ranks_checked"] = False  # the copy checks again that the ranks agree
-        state["_speculate"] = False  # and watches the loop again before exchanging from backward
+        if state.get("_overlap") is not None and state["_overlap"].name == "AHEAD":
+            state["_overlap"] = type(state["_overlap"]).WATCH  # and watches the loop again before exchanging ahead
+        # its paths and choice (an unpickled copy whose backend is still to be made: as it carries them)
+        pending = self.__dict__.get("_pending_runtime")
+        state["_carried_exchange"] = pending if pending is not None else self._exchanges.carried()
+        state.pop("_pending_runtime", None)
         # (an unpickled optimizer whose backend is still to be made carries its spec and place)
         backend = self.__dict__.get("backend")
         state["_copy_of"] = None if backend is None else (backend.rank, backend.world_size)
@@ -338,19 +344,48 @@ class Persistence:
             self._averager = None
             self._consolidated = None
             self._frameworks_checked = False
-            self._averaging = None
-            self._launcher = BucketLauncher(self, self.accumulation_steps)
+            self._entered = False
+            self._gather_inv_scale = None
+            self._regathering = False
             for name, value in _ADDED_SINCE_PICKLED.items():  # a copy pickled by an older version
                 if name not in self.__dict__:
                     self.__dict__[name] = value() if callable(value) else value
+            self._upgrade_pickled()
+            carried = self.__dict__.pop("_carried_exchange", None)
+            if "backend" in self.__dict__:
+                self._start_runtime(carried)
+            else:  # (made with the backend, when it is first needed: __getattr__)
+                self.__dict__["_pending_runtime"] = carried if carried is not None else {}
+            self._launcher = self._new_launcher()
             if not self.__dict__.get("_closed", False):
                 self._start_hooks()
         if not had_differentiable:
             self.defaults.pop("differentiable", None)  # torch's __setstate__ adds it; we have none
 
+    def _upgrade_pickled(self) -> None:
+        """A copy pickled by an older version, in this version's attributes."""
+        d = self.__dict__
+        if "_overlap" not in d:  # (before the Overlap state: two flags)
+            from .stepping import Overlap
+
+            d["_overlap"] = Overlap.IN_STEP if d.pop("_scaler_seen", False) else Overlap.WATCH
+            d.pop("_speculate", None)
+        if "exchange_paths" in d or "_saved_averaging" in d:  # (before compressed_opt.exchanges)
+            saved = d.pop("_saved_averaging", None)
+            d.setdefault("_carried_exchange", {"paths": d.pop("exchange_paths", None) or {},
+                                               "saved_key": None if saved is None else tuple(saved)})
+            d.pop("_candidates", None)
+            d.pop("_averaging", None)
+
+    #: the runtime parts made with the backend (:meth:`_start_runtime`), on first use after unpickling
+    _RUNTIME_PARTS = frozenset({"_agreement", "_exchanges", "_traffic"})
+
     def __getattr__(self, name: str):
         # only reached for attributes that are missing: an unpickled optimizer's backend, made on
-        # first use from the kind it was pickled with
+        # first use from the kind it was pickled with (and the runtime parts made with it)
+        if name in self._RUNTIME_PARTS and "_pending_runtime" in self.__dict__:
+            self.backend  # noqa: B018 - makes the backend, then the runtime parts
+            return self.__dict__[name]
         spec = self.__dict__.get("_backend_spec") if name == "backend" else None
         if spec is None:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
@@ -367,6 +402,7 @@ class Persistence:
         self.__dict__["backend"] = backend
         del self.__dict__["_backend_spec"]
         self.__dict__.pop("_unpickled_place", None)
+        self._start_runtime(self.__dict__.pop("_pending_runtime", None))
         return backend
 
 

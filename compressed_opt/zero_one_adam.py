@@ -262,7 +262,7 @@ class ZeroOneAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
         (``exchange="preconditioned"``, :meth:`_preconditioner`), or each layer scaled by its
         coefficient (``"momentum"``). ``lr_sum``, ``factors``: phase B's sum of lr over the
         interval and its tracking factors (the bound of ``sum lr m / sqrt(v)``)."""
-        self._run_exchanges([self._exchange_steps(bucket, x, lr_sum, factors)])
+        self.exchanges.run([self._exchange_steps(bucket, x, lr_sum, factors)])
 
     def _exchange_steps(self, bucket, x, lr_sum: float = 1.0, factors: list[float] | None = None):
         """:meth:`_exchange` as a generator that yields its compressed average's request between

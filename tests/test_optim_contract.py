@@ -875,24 +875,29 @@ def test_compiled_step_equals_eager_across_the_freeze(info, fresh_dynamo):
     assert compiled.compressing
 
 
-def test_only_a_grad_scaler_hears_that_step_handles_the_scale():
-    """``_step_supports_amp_scaling`` is ``True`` to ``torch.amp.GradScaler.step`` (which then
-    hands ``found_inf`` and the scale to ``step()``: the ranks agree on a skip) and ``False`` to
-    anyone else: Lightning reads it as "unscales in step(), cannot be clipped" and refused
-    ``gradient_clip_val`` under mixed precision."""
+def test_a_grad_scaler_hands_step_found_inf_and_the_scale():
+    """``_step_supports_amp_scaling`` is ``True`` (a class attribute, torch's protocol: no caller
+    is inspected): ``torch.amp.GradScaler.step`` then calls ``step()`` on every rank with
+    ``found_inf`` and the scale (``None`` once the loop unscaled), so the ranks agree on a skip.
+    Lightning reads the flag as "unscales in step()" (it refuses ``gradient_clip_val`` under fp16
+    mixed precision: docs/guarantees.md)."""
     from pytorch_lightning.plugins.precision.amp import _optimizer_handles_unscaling
 
     model = nn.Linear(4, 2)
     opt = OnebitAdam(model.parameters(), lr=1e-3, freeze_step=2, backend=SingleProcessBackend())
-    assert opt._step_supports_amp_scaling is False
-    assert not _optimizer_handles_unscaling(opt)
+    assert type(opt)._step_supports_amp_scaling is True and _optimizer_handles_unscaling(opt)
+    seen = []  # what step() was handed (GradScaler removes the attributes after it)
+    opt.register_step_pre_hook(lambda o, args, kwargs: seen.append((hasattr(o, "found_inf"),
+                                                                   getattr(o, "grad_scale", "absent"))))
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
     scaler.scale(model(torch.ones(3, 4)).sum()).backward()
     scaler.unscale_(opt)
     torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
-    seen = []  # what step() was handed (GradScaler removes the attributes after it)
-    opt.register_step_pre_hook(lambda o, args, kwargs: seen.append((hasattr(o, "found_inf"),
-                                                                   getattr(o, "grad_scale", "absent"))))
     scaler.step(opt)
+    scaler.update()
     assert seen == [(True, None)]  # found_inf handed over; unscaled beforehand, so no scale left
-    assert opt.global_step == 1
+    opt.zero_grad()
+    scaler.scale(model(torch.ones(3, 4)).sum()).backward()
+    scaler.step(opt)  # scaled gradients: step() gets the scale and unscales as it gathers
+    assert len(seen) == 2 and seen[1][0] and float(seen[1][1]) == 2.0**4
+    assert opt.global_step == 2 and not hasattr(opt, "found_inf")

@@ -112,10 +112,10 @@ def test_format_2_errors_are_carried_to_the_exchange_factors(monkeypatch):
     resumed.load_state_dict(old)
     loaded = old["compressed_opt"]["buckets"][0]["worker_error"].clone()
     errors = []
-    real = resumed._exchange_requests  # (every 1-bit exchange's requests pass here)
-    monkeypatch.setattr(resumed, "_exchange_requests",
+    real = resumed.exchanges.requests  # (every 1-bit exchange's requests pass here)
+    monkeypatch.setattr(resumed.exchanges, "requests",
                         lambda requests: ([errors.append(resumed.error_buffers(b)[0].clone()) for b, _, _ in requests],
-                                          real(requests)))
+                                          real(requests))[1])
     run_steps(model, resumed, list(shard_batches(0, 1, 3)))
     factors = resumed._buckets[0].derived["exchange_factors"]
     assert len(calls) == 1 and calls[0][0] == [1.0] * len(factors)  # once, from factors 1

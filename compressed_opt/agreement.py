@@ -1,0 +1,227 @@
+"""Every rank takes the same decisions: the small collectives that compare the ranks before they act.
+
+A data-parallel job hangs or silently diverges when its ranks decide differently (one skips a
+step, one freezes, one is a step ahead) or enter different collectives. :class:`RankAgreement`
+holds the comparisons an optimizer makes, each one collective (every rank calls it at the same
+point) that either returns what every rank then knows alike or raises on every rank at once,
+naming what differs and what to change (docs/design.md 3.2):
+
+* :meth:`RankAgreement.signatures`: before the first step, the parameter shapes, the buckets and
+  the hyperparameters, and where each rank entered the step;
+* :meth:`RankAgreement.entry`: every later step's first collective, at whichever entry point
+  communicates first (backward's first gradient hook, a DDP hook's first bucket, or ``step()``
+  without a backward): the bucket layout's hash, the entry and the step;
+* :meth:`RankAgreement.step`: in ``step()``, before any state changes: the step, the stage, the
+  hyperparameters, whether a GradScaler found inf/NaN, whether the loop touched ``p.grad``,
+  whether a gradient is non-finite, and the algorithm's per-step statistics;
+* :meth:`RankAgreement.rank0_decides` and :meth:`RankAgreement.broadcast_parameters`: rank 0's
+  decision or parameters on every rank.
+
+It keeps no state of the optimizer's: the caller passes what is compared.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import struct
+
+import torch
+
+#: where a rank's step first communicated (compared by :meth:`RankAgreement.entry`)
+ENTRY_BACKWARD, ENTRY_STEP = 1, 2
+
+
+@dataclasses.dataclass(frozen=True)
+class StepVerdict:
+    """What :meth:`RankAgreement.step` found, the same on every rank."""
+
+    #: a GradScaler found inf/NaN on some rank: every rank skips the step
+    scaler_found_inf: bool
+    #: some rank's GradScaler found inf/NaN and another's did not (their scales now differ)
+    scalers_disagree: bool
+    #: some rank's loop changed ``p.grad`` between backward and ``step()``
+    touched: bool
+    #: some rank's gradients hold inf/NaN (no GradScaler)
+    nonfinite: bool
+    #: every rank's statistics, one row per rank (float64)
+    statistics: torch.Tensor
+
+
+class RankAgreement:
+    """The comparisons of one optimizer's ranks over ``backend`` (see the module docstring);
+    ``name`` (the optimizer's class) starts every error message."""
+
+    def __init__(self, backend, name: str):
+        self.backend, self.name = backend, name
+
+    @property
+    def alone(self) -> bool:
+        return self.backend.world_size == 1
+
+    def _gather(self, row: torch.Tensor) -> torch.Tensor:
+        world = self.backend.world_size
+        out = torch.empty(world * row.numel(), dtype=row.dtype, device=row.device)
+        self.backend.all_gather(out, row)
+        return out.view(world, -1)
+
+    # --- before the first step ---------------------------------------------------------------------
+    def signatures(self, signature: list[int], entry: int, step: int, device) -> None:
+        """Raise on every rank unless every rank has the same ``signature`` (:func:`signature`)
+        and entered the step the same way."""
+        if self.alone:
+            return
+        rows = self._gather(torch.tensor(signature + [entry], dtype=torch.int64, device=device)).cpu().tolist()
+        self._check_entries([row[-1] for row in rows], step)
+        problems = []
+        for r, row in enumerate(rows[1:], start=1):
+            cap_differs = row[6] != rows[0][6]
+            if cap_differs:
+                problems.append(
+                    f"rank {r} has bucket_cap_mb={row[6] / 2**20:g} unlike rank 0's {rows[0][6] / 2**20:g} "
+                    "(the ranks would cut different buckets)"
+                )
+            if row[4:6] != rows[0][4:6] or (row[:2] != rows[0][:2] and not cap_differs):
+                problems.append(
+                    f"rank {r} has {row[4]} parameters / {row[5]} elements in buckets unlike rank 0's "
+                    f"{rows[0][4]} / {rows[0][5]} (parameter shapes, dtypes, order or requires_grad differ, "
+                    "or the buckets: bucket_cap_mb)"
+                )
+            if row[2:4] != rows[0][2:4]:
+                problems.append(f"rank {r}'s hyperparameters differ from rank 0's")
+        if problems:
+            raise ValueError(
+                f"{self.name}: the ranks disagree, so their collectives would not match: " + "; ".join(problems)
+                + ". Build the model and optimizer identically on every rank."
+            )
+
+    # --- every step ----------------------------------------------------------------------------------
+    def entry(self, layout_hash: int, entry: int, step: int, device) -> None:
+        """A step's first collective: raise on every rank if some ranks entered it from backward
+        and others from ``step()`` without a backward, or if their trainable parameters differ
+        (``layout_hash``: :func:`layout_hash` of their buckets)."""
+        if self.alone:
+            return
+        rows = self._gather(torch.tensor([layout_hash, entry, step], dtype=torch.int64, device=device)).tolist()
+        self._check_entries([row[1] for row in rows], step)
+        differ = [r for r, row in enumerate(rows) if row[0] != rows[0][0]]
+        if differ:
+            raise ValueError(
+                f"{self.name}: at step {step} the trainable parameters of rank(s) {differ} differ from rank 0's "
+                "(requires_grad changed, or a param group was added, on some ranks only): change them on every "
+                "rank alike, before the same step"
+            )
+
+    def _check_entries(self, entries: list[int], step: int) -> None:
+        if len(set(entries)) == 1:
+            return
+        backward = [r for r, e in enumerate(entries) if e == ENTRY_BACKWARD]
+        alone = [r for r, e in enumerate(entries) if e != ENTRY_BACKWARD]
+        raise RuntimeError(
+            f"{self.name}: at step {step} rank(s) {alone} called step() without a backward since the last step (no "
+            f"gradient of this optimizer's parameters reached it), while rank(s) {backward} ran backward: every "
+            "rank must run backward before step(). A rank without data for a step still runs a backward (e.g. of "
+            "0 * the loss of any batch); a rank that stops early must stop every rank."
+        )
+
+    def step(self, step: int, stage: int, hyperparameters: int, found_inf: bool, touched: bool, nonfinite: bool,
+             statistics: torch.Tensor, device) -> StepVerdict:
+        """One small all-gather per step, before any state changes: raise on every rank if the
+        ranks are at different steps or stages or their hyperparameters (``hyperparameters``:
+        :func:`hyperparameter_hash`) differ; else what every rank decides from the flags."""
+        mine = [step, stage, hyperparameters, int(found_inf), int(touched), int(nonfinite)]
+        statistics = statistics.to(device=device, dtype=torch.float64)
+        if self.alone:
+            return StepVerdict(found_inf, False, touched, nonfinite, statistics.view(1, -1))
+        # the statistics travel as the bits of their float64 values
+        payload = torch.cat([torch.tensor(mine, dtype=torch.int64, device=device), statistics.view(torch.int64)])
+        rows = self._gather(payload)
+        stats = rows[:, len(mine):].contiguous().view(torch.float64)
+        rows = rows[:, :len(mine)].tolist()
+        problems = []
+        for r, row in enumerate(rows[1:], start=1):
+            if row[:2] != rows[0][:2]:
+                problems.append(f"rank {r} is at step {row[0]} (stage {row[1]}), rank 0 at step {rows[0][0]} "
+                                f"(stage {rows[0][1]})")
+            elif row[2] != rows[0][2]:
+                problems.append(f"rank {r}'s learning rate, betas, eps or weight decay differ from rank 0's")
+        if problems:
+            raise ValueError(
+                f"{self.name}: the ranks disagree at step {step}: " + "; ".join(problems)
+                + ". Change hyperparameters on every rank alike (an LR scheduler on every rank) and resume "
+                "every rank from the checkpoint of the same step."
+            )
+        infs = [row[3] for row in rows]
+        return StepVerdict(any(infs), any(infs) and not all(infs), any(row[4] for row in rows),
+                           any(row[5] for row in rows), stats)
+
+    # --- rank 0 decides ------------------------------------------------------------------------------
+    def rank0_decides(self, wants: bool, device) -> bool:
+        """Rank 0's ``wants``, on every rank (a one-element broadcast): for decisions computed
+        from floats that might differ between ranks in the last bit, such as an auto freeze."""
+        if self.alone:
+            return wants
+        flag = torch.tensor([1 if wants else 0], dtype=torch.int32, device=device)
+        self.backend.broadcast(flag, src=0)
+        return bool(flag.item())
+
+    @torch.no_grad()
+    def broadcast_parameters(self, params) -> None:
+        """Every rank starts from rank 0's parameters, as DDP does (ranks that seeded differently
+        would otherwise train different models without a word). One broadcast per dtype and
+        device."""
+        if self.alone:
+            return
+        groups: dict = {}
+        for p in params:
+            groups.setdefault((p.dtype, p.device), []).append(p)
+        for same in groups.values():
+            flat = torch._utils._flatten_dense_tensors([p.detach() for p in same])
+            self.backend.broadcast(flat, src=0)
+            torch._foreach_copy_([p.detach() for p in same],
+                                 torch._utils._unflatten_dense_tensors(flat, [p.detach() for p in same]))
+
+
+def signature(buckets, param_groups, extra: tuple, bucket_cap_bytes: int) -> list[int]:
+    """The integers :meth:`RankAgreement.signatures` compares: hashes of the buckets' parameter
+    shapes and of the hyperparameters (with ``extra``: the optimizer's own options), the number of
+    parameters and elements, and the bucket cap on its own (different caps lay out different
+    buckets, and collectives)."""
+    shapes = hashlib.sha256()
+    hparams = hashlib.sha256()
+    n_params = total = 0
+    for b in buckets:
+        for p in b.params:
+            shapes.update(repr((b.index, b.group_index, tuple(p.shape), str(p.dtype))).encode())
+            n_params += 1
+            total += p.numel()
+    for g in param_groups:
+        hparams.update(repr(sorted((k, v) for k, v in g.items() if k != "params" and _plain(v))).encode())
+    hparams.update(repr(extra).encode())
+    as_ints = lambda h: list(struct.unpack("<qq", h.digest()[:16]))  # noqa: E731
+    return as_ints(shapes) + as_ints(hparams) + [n_params, total, bucket_cap_bytes]
+
+
+def hyperparameter_hash(param_groups) -> int:
+    """A 63-bit hash of the hyperparameters every rank must share at every step (each group's
+    lr, betas, eps and weight decay: what a scheduler changes)."""
+    h = hashlib.blake2b(digest_size=8)
+    for g in param_groups:
+        for key in ("lr", "betas", "eps", "weight_decay"):
+            value = g.get(key)
+            if isinstance(value, torch.Tensor):
+                value = value.item()
+            h.update(repr(value).encode())
+    return int.from_bytes(h.digest(), "little") >> 1
+
+
+def layout_hash(buckets) -> int:
+    """A 63-bit hash of the buckets' parameter shapes and dtypes, in order (the same on every rank
+    whose trainable parameters are the same)."""
+    h = hashlib.blake2b(digest_size=8)
+    for b in buckets:
+        h.update(repr((b.index, b.group_index, [(tuple(p.shape), str(p.dtype)) for p in b.params])).encode())
+    return int.from_bytes(h.digest(), "little") >> 1
+
+
+def _plain(value) -> bool:
+    return isinstance(value, (int, float, str, bool, tuple, type(None)))
