@@ -20,7 +20,7 @@ exact fp32 average: ``"1bit"`` (the default; ``"auto"`` is the same) never does,
 always does, ``"measure"`` does where the link measured it faster (:func:`choose_measured`, once,
 at the first step; also choosing between the flat and the hierarchical exchange).
 
-Why the default is fixed, not measured (docs/design.md 3.3): a choice made by timing can differ
+Why the default is fixed, not measured (docs/design.md 2.2.2): a choice made by timing can differ
 between two runs of the same seed where both paths take about as long, so the same job would not
 reproduce. The default decides from the arguments and the node layout alone, the same in every
 run; it compresses every bucket, which on a fast link (one node, NVLink) can cost more than the

@@ -233,8 +233,8 @@ def _check_like(optimizer, what: str, value, param) -> None:
 
 
 def _check_extra(optimizer, extra: Mapping) -> None:
-    """The algorithm's own keys (those its ``_extra_state()`` writes and a load must read)."""
-    wanted = [k for k in optimizer._extra_state() if k not in _OPTIONAL_EXTRA]
+    """The algorithm's own keys (its ``stage_fields``: what a load must read)."""
+    wanted = [k for k in optimizer.stage_fields if k not in _OPTIONAL_EXTRA]
     missing = [k for k in wanted if k not in extra]
     if missing:
         _fail(optimizer, f"state_dict['compressed_opt'] lacks the key(s) {', '.join(map(repr, missing))}")

@@ -22,7 +22,14 @@ bf16/fp16 parameters    updated in place                     and an fp32 master 
 ======================  ===================================  ==========================================
 
 Every method takes the optimizer (the layout keeps nothing of its own, so copies and pickles of
-the optimizer carry it as it is) and, where it concerns one bucket, the bucket. Where the two
+the optimizer carry it as it is) and, where it concerns one bucket, the bucket. The optimizer is
+reached through public names only (the layout protocol; docs/design.md 3.5): the preconditioned
+exchange's ``exchange_preconditioner``, ``exchange_bounds``, ``exchange_factors``,
+``update_factors``, ``momentum_from_exchange``, ``no_variance_indices``, ``bound_exchanged_``,
+``exchange_scales`` and ``kept_exchange_factors``; ``keeps_denominator`` and
+``keeps_previous_momentum``; the variance tracking's ``gather_observed`` and
+``observe_local_gradient``; ``overlay_buffers``, ``gather_scale``, ``comm_device``,
+``averaging``, ``param_groups`` and ``state``. Where the two
 differ inside one formula, the layout hands the optimizer what differs (this rank's part of a
 buffer, a workspace, the values it updates) and the formula is written once.
 """
@@ -139,7 +146,7 @@ class Layout:
     def local_momentum_(self, opt, bucket: Bucket, x: torch.Tensor, beta1: float) -> None:
         """``x`` (as :meth:`gather_local` left it) <- what the 1-bit exchange averages: the local
         momentum ``m_i = b1 m + (1 - b1) g_i``, or with the preconditioned exchange ``clip(s_l R m_i,
-        +-c_l K)`` (``s_l``: ``opt._exchange_factors``, called once per exchange), 0 where
+        +-c_l K)`` (``s_l``: ``opt.exchange_factors``, called once per exchange), 0 where
         ``v_f == 0`` (:mod:`compressed_opt.onebit_adam`)."""
         raise NotImplementedError
 
@@ -175,7 +182,7 @@ class Layout:
                              step: int) -> None:
         """1-bit Adam's compression-stage update from the exchanged ``y = avg(s_l R m_i)``:
         ``p <- p decay + alpha f_l m / (sqrt(v_f) + eps)`` (``f_l``: the layer's variance factor;
-        ``f_l / s_l`` times ``A y``: ``opt._update_factors``), keeping ``m = y / (s_l R)``."""
+        ``f_l / s_l`` times ``A y``: ``opt.update_factors``), keeping ``m = y / (s_l R)``."""
         raise NotImplementedError
 
     def update_masters(self, opt, bucket: Bucket, step: int, decay, delta: torch.Tensor, alpha: float = 1.0) -> None:
@@ -244,16 +251,16 @@ class Replicated(Layout):
         return bucket.flat("exp_avg_sq")  # v stays where it is; v_f is made from it when first needed
 
     def gather_local(self, opt, bucket, grad):
-        opt._gather_observed(bucket, grad)
+        opt.gather_observed(bucket, grad)
 
     def local_momentum_(self, opt, bucket, x, beta1):
         m = bucket.flat("exp_avg")
-        r = opt._exchange_preconditioner(bucket)
+        r = opt.exchange_preconditioner(bucket)
         if r is None:
             torch.lerp(m, x, 1 - beta1, out=x)
         else:  # one pass: clip(s_l R m_i, +-c_l K)
-            kernels.lerp_scale_clamp_(x, m, 1 - beta1, r, opt._exchange_bounds(bucket), bucket.segments,
-                                      opt._exchange_factors(bucket))
+            kernels.lerp_scale_clamp_(x, m, 1 - beta1, r, opt.exchange_bounds(bucket), bucket.segments,
+                                      opt.exchange_factors(bucket))
 
     def exchange(self, opt, bucket, x):
         yield bucket, x, None
@@ -277,7 +284,7 @@ class Replicated(Layout):
         """Unless the optimizer still divides by ``sqrt(v_f) + eps`` itself, ``A = sqrt(v_f) /
         (sqrt(v_f) + eps) / c_l`` (0 where ``v_f == 0``) takes the denominator's place: the
         direction ``m / (sqrt(v_f) + eps)`` is ``A y``."""
-        if opt._keeps_denominator:
+        if opt.keeps_denominator:
             return
         a = torch.div(root, denom).nan_to_num_(nan=0.0)
         scaling.unscale_(bucket.views(a), coeffs)
@@ -287,8 +294,8 @@ class Replicated(Layout):
     def step_preconditioned_(self, opt, bucket, y, decay, alpha, step):
         """``m = y / (s_l R)`` into ``exp_avg``; ``p <- p decay + alpha (f_l / s_l) A y`` formed
         inside the update (one pass, no direction buffer written)."""
-        opt._momentum_from_exchange(bucket, y, out=bucket.flat("exp_avg"))
-        factors = opt._update_factors(bucket) or [1.0] * len(bucket.params)
+        opt.momentum_from_exchange(bucket, y, out=bucket.flat("exp_avg"))
+        factors = opt.update_factors(bucket) or [1.0] * len(bucket.params)
         if decay != 1.0:
             torch._foreach_mul_(bucket.params, decay)
         a = bucket.flats["direction_factor"]

@@ -78,12 +78,12 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
     }
     #: whether the compression stage needs this rank's chunk of the previous momentum (a sharded
     #: layout keeps it when it forms the local momentum)
-    _keeps_previous_momentum = False
+    keeps_previous_momentum = False
 
     EXCHANGES = ("preconditioned", "momentum")
     #: whether the compression stage still divides by ``sqrt(v_f) + eps`` itself (1-bit LAMB's
     #: factor does), or needs only the exchange's factors ``R`` and ``A``
-    _keeps_denominator = False
+    keeps_denominator = False
 
     def __init__(self, params, defaults, freeze_step, backend, bucket_cap_mb, overlap=True, accumulation_steps=1,
                  zero_stage=0, master_resync_interval=100, exchange="preconditioned", variance_tracking=False,
@@ -177,15 +177,15 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
         if self.frozen:  # g_i, or (sharded) the local momentum formed from p.grad directly
             self.layout.gather_local(self, bucket, grad)
         else:
-            self._gather_observed(bucket, grad)
+            self.gather_observed(bucket, grad)
 
-    def _exchange_scales(self, bucket) -> list[float] | None:
+    def exchange_scales(self, bucket) -> list[float] | None:
         """Per parameter of the bucket, the factor its momentum is multiplied by for the 1-bit
         exchange (``None``: not scaled)."""
         return None
 
     # --- the preconditioned exchange ----------------------------------------------------------
-    def _exchange_preconditioner(self, bucket) -> torch.Tensor | None:
+    def exchange_preconditioner(self, bucket) -> torch.Tensor | None:
         """Per element of the bucket, the fixed factor its momentum is multiplied by for the 1-bit
         exchange (``None``: the momentum itself is exchanged, ``exchange="momentum"``):
         ``R = c_l / sqrt(v_f)`` per element (0 where ``v_f == 0``), made at the first compressed
@@ -213,12 +213,12 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
         (:data:`~compressed_opt.moments.COMPRESSED_STEP_BOUND`)."""
         return COMPRESSED_STEP_BOUND
 
-    def _exchange_bounds(self, bucket) -> list[float]:
+    def exchange_bounds(self, bucket) -> list[float]:
         """Per layer, the bound ``c_l K`` on the exchanged ``|s_l R m_i|`` (:meth:`_bound_constant`;
-        ``s_l`` the layer's exchange factor, :meth:`_exchange_factors`): no coordinate steps further
+        ``s_l`` the layer's exchange factor, :meth:`exchange_factors`): no coordinate steps further
         than ``lr K``. Made once per preconditioner (``c_l`` is set with it) and betas."""
         betas = tuple(self.param_groups[bucket.group_index]["betas"])
-        key = (self._exchange_preconditioner(bucket), betas)
+        key = (self.exchange_preconditioner(bucket), betas)
         cached = bucket.derived.get("exchange_bounds")
         if cached is None or cached[0][0] is not key[0] or cached[0][1] != betas:
             k = self._bound_constant(betas)
@@ -226,15 +226,15 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
             bucket.derived["exchange_bounds"] = cached
         return cached[1]
 
-    def _bound_(self, bucket, x: torch.Tensor) -> None:
-        """Clip the exchanged ``s_l R m_i`` to ``+-c_l K`` (:meth:`_exchange_bounds`)."""
-        views, bounds = bucket.views(x), self._exchange_bounds(bucket)
+    def bound_exchanged_(self, bucket, x: torch.Tensor) -> None:
+        """Clip the exchanged ``s_l R m_i`` to ``+-c_l K`` (:meth:`exchange_bounds`)."""
+        views, bounds = bucket.views(x), self.exchange_bounds(bucket)
         if views:
             torch._foreach_clamp_max_(views, bounds)
             torch._foreach_clamp_min_(views, [-b for b in bounds])
 
     # --- the tracked exchange: each layer reaches the compressor at the size of its step ----------
-    def _exchange_factors(self, bucket) -> list[float] | None:
+    def exchange_factors(self, bucket) -> list[float] | None:
         """Per layer, ``s_l``, what the preconditioned exchange multiplies ``R m_i`` by before the
         1-bit exchange: the layer's variance-tracking factor of the last update (the latest there
         is before this step's all-gather), so that every layer reaches the compressor at the size
@@ -259,12 +259,12 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
             return None
         return bucket.derived.get("exchange_factors")
 
-    def _kept_exchange_factors(self, bucket) -> list[float]:
+    def kept_exchange_factors(self, bucket) -> list[float]:
         """The ``s_l`` of the last exchange, whose result a sharded layout keeps as 1-bit rows (1
         for a checkpoint of format 2, or before any tracked exchange)."""
         return [self.state[p].get("exchange_factor", 1.0) for p in bucket.params]
 
-    def _update_factors(self, bucket) -> list[float] | None:
+    def update_factors(self, bucket) -> list[float] | None:
         """Per layer, what the exchanged ``y`` is multiplied by in the update on top of ``A``:
         ``f_l / s_l`` (this step's tracking factor over the exchange's), ``f_l`` when the exchange
         was not tracked, ``None`` without tracking."""
@@ -296,22 +296,23 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
                 st["scaling_coeff"] = c
         return [st["scaling_coeff"] for st in states]
 
-    def _no_variance(self, bucket) -> torch.Tensor:
+    def no_variance_indices(self, bucket) -> torch.Tensor:
         """Indices of the bucket's elements with ``v_f == 0`` (usually none): ``m = y / R`` is
         0 / 0 there, and is set to 0."""
         idx = bucket.flats.get("no_variance")
         if idx is None:
-            idx = bucket.flats["no_variance"] = torch.nonzero(self._exchange_preconditioner(bucket) == 0).view(-1)
+            idx = bucket.flats["no_variance"] = torch.nonzero(self.exchange_preconditioner(bucket) == 0).view(-1)
         return idx
 
-    def _momentum_from_exchange(self, bucket, y: torch.Tensor, out: torch.Tensor) -> None:
+    def momentum_from_exchange(self, bucket, y: torch.Tensor, out: torch.Tensor) -> None:
         """``m = y / (s_l R)`` into ``out`` (0 where ``v_f == 0``; the cached indices of those
         zeros spare the composed path a mask pass per step; ``s_l`` the exchange's factors,
-        :meth:`_exchange_factors`, divided in the same pass)."""
+        :meth:`exchange_factors`, divided in the same pass)."""
         n = bucket.numel
         s = self._applied_exchange_factors(bucket)
-        kernels.divide_where_nonzero_(y[:n], self._exchange_preconditioner(bucket)[:n], out[:n],
-                                      self._no_variance(bucket), *((bucket.segments, s) if s is not None else ()))
+        segments = (bucket.segments, s) if s is not None else ()
+        kernels.divide_where_nonzero_(y[:n], self.exchange_preconditioner(bucket)[:n], out[:n],
+                                      self.no_variance_indices(bucket), *segments)
 
     def _load_extra_state(self, extra):
         self._load_tracking_of(extra)

@@ -152,11 +152,11 @@ class OnebitLamb(_FreezingAdam):
     buffers = {"exp_avg_sq_fresh": Buffer(STATE)}  # v_fresh
     TRUST_RATIOS = ("live", "frozen")
     sharded_buffers = {"exp_avg_sq_fresh_shard": Buffer(SAVED)}
-    _keeps_previous_momentum = True
+    keeps_previous_momentum = True
 
     #: the factor and the update divide by sqrt(v_f) + eps (a sharded layout makes it again from R
     #: for each step)
-    _keeps_denominator = True
+    keeps_denominator = True
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  freeze_step=DEFAULT_FREEZE_STEP, *,
@@ -265,7 +265,7 @@ class OnebitLamb(_FreezingAdam):
                 st["scaling_coeff"] = c
         return [st["scaling_coeff"] for st in states]
 
-    def _exchange_scales(self, bucket):
+    def exchange_scales(self, bucket):
         if self.exchange_mode == "preconditioned":
             return None  # the per-layer coefficients are inside the preconditioner
         # (sharded: set at the first exchange, while the momentum gathered at the freeze is whole)
@@ -276,7 +276,7 @@ class OnebitLamb(_FreezingAdam):
         ``b1 m + (1 - b1) g_i`` into the gradient buffer (``m`` keeps ``m_{t-1}``, needed to
         reconstruct the gradient), scaled per layer by ``c_l``, compressed-allreduced, unscaled."""
         preconditioned = self.exchange_mode == "preconditioned"
-        coeffs = self._exchange_scales(bucket)  # (None when preconditioned: c_l is inside R)
+        coeffs = self.exchange_scales(bucket)  # (None when preconditioned: c_l is inside R)
         self.layout.local_momentum_(self, bucket, grad, group["betas"][0])
         if not preconditioned:
             scaling.scale_(bucket.views(grad), coeffs)
@@ -284,7 +284,7 @@ class OnebitLamb(_FreezingAdam):
             self._observe_local_direction(bucket, group, grad, step)
         yield from self.layout.exchange(self, bucket, grad)
         if preconditioned:
-            self._momentum_from_exchange(bucket, grad, out=grad)  # m_t = y / R
+            self.momentum_from_exchange(bucket, grad, out=grad)  # m_t = y / R
         else:
             scaling.unscale_(bucket.views(grad), coeffs)
 

@@ -144,6 +144,12 @@ class Persistence:
             entries.append(entry)
         return entries
 
+    @property
+    def stage_fields(self) -> tuple[str, ...]:
+        """The names of the algorithm's own fields in ``state_dict()["compressed_opt"]`` (its stage
+        and counters: what a load must find, :mod:`compressed_opt.checkpoint`)."""
+        return tuple(self._extra_state())
+
     def rank_part(self) -> dict:
         """What of the state is this rank's own (see :mod:`compressed_opt.consolidate`): its bucket
         entries, its ``rank_state_names`` per parameter, and its parameters where

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
+
+logger = logging.getLogger("compressed_opt")
 
 WARMUP, COMPRESSION = "warmup", "compression"
 INTER_NODE = "inter_node."  # the prefix of what crossed between nodes (compressed_opt.averaging)
@@ -140,3 +143,95 @@ def _human(nbytes: float) -> str:
 def fp32_allreduce_bytes(numel: int, world_size: int) -> float:
     """Bytes each rank sends in a ring all-reduce of ``numel`` fp32 values over ``world_size``."""
     return 2 * (world_size - 1) / world_size * 4 * numel if world_size > 1 else 0.0
+
+
+class Reporting:
+    """What a :class:`~compressed_opt.optimizer.CompressedOptimizer` tells its user (a part of
+    the class): :meth:`comm_stats`, and rank 0's WARNING-level lines at the first step and at
+    the first compression step (shown without any logging set up)."""
+
+    def comm_stats(self) -> CommReport:
+        """This rank's communication so far, by stage: bytes per step in warmup and in the
+        compression stage (counted on the backend), against an fp32 all-reduce of the same
+        parameters, with the freeze step, the exchange and the path of each bucket
+        (:class:`CommReport`; ``print()`` it for a summary)."""
+        buckets = self._buckets or []
+        numel = self._trainable_numel()
+        paths: dict[str, int] = {}
+        for b in buckets:
+            path = self.exchanges.path_of(b)
+            paths[path] = paths.get(path, 0) + 1
+        meter = self._traffic
+        warmup, _ = meter.per_step(WARMUP)
+        compression, inter = meter.per_step(COMPRESSION)
+        return CommReport(
+            optimizer=type(self).__name__, world_size=self.backend.world_size,
+            stage=COMPRESSION if self.compressing else WARMUP, global_step=self.global_step,
+            freeze_step=self._last_warmup_step(), exchange=self.exchanges.describe(), paths=paths,
+            warmup_steps=meter.stages[WARMUP][0], warmup_bytes_per_step=warmup,
+            compression_steps=meter.stages[COMPRESSION][0], compression_bytes_per_step=compression,
+            compression_inter_node_bytes_per_step=inter if self.exchanges.hierarchical else None,
+            fp32_allreduce_bytes_per_step=fp32_allreduce_bytes(numel, self.backend.world_size),
+            setup_bytes=meter.setup_bytes,
+        )
+
+    def _trainable_numel(self) -> int:
+        if self._buckets:
+            return sum(b.numel for b in self._buckets)
+        return sum(p.numel() for g in self.param_groups for p in g["params"] if p.requires_grad)
+
+    def _last_warmup_step(self) -> int | None:
+        """The last full-precision step (``None``: not decided yet)."""
+        return getattr(self, "freeze_step", None)
+
+    def _schedule(self) -> str:
+        """When the optimizer compresses, in words (for the log line at its first step)."""
+        step = self._last_warmup_step()
+        if step is None:
+            return "full precision until the variance settles (freeze_step='auto'), then the 1-bit exchange"
+        return f"full precision through step {step}, then the 1-bit exchange"
+
+    def _warmup_left_at_default(self) -> bool:
+        """Whether the warmup's length is the constructor's default (a run may never compress)."""
+        return False
+
+    def _announce(self, stage: str) -> None:
+        """Rank 0's WARNING-level lines (shown by default): at the first step of this optimizer, what
+        it will do; at its first compression step, what compression really does, with the bytes
+        counted."""
+        if self.backend.world_size == 1 or self.backend.rank != 0:
+            return
+        report = None
+        if "start" not in self._announced:
+            self._announced.add("start")
+            report = self.comm_stats()
+            paths = ", ".join(f"{n} on the {'1-bit exchange' if p == '1bit' else 'fp32 average'}"
+                              for p, n in sorted(report.paths.items()))
+            where = " (path from COMPRESSED_OPT_PATH)" if self._path_from_env else ""
+            message = (f"compressed_opt: {report.optimizer} on {report.world_size} ranks, step {report.global_step}: "
+                       f"{self._trainable_numel():,} parameters in {len(self._buckets or [])} bucket(s) "
+                       f"({paths}{where}); exchange: {report.exchange}; {self._schedule()}. "
+                       "optimizer.comm_stats() has the bytes per step.")
+            if self._warmup_left_at_default() and not self.compressing:
+                message += (f" NOTE: the warmup length is left at its default ({self._last_warmup_step()} steps): a "
+                            "shorter run never compresses. Pass freeze_step=N (about 15-25% of the run's steps) or "
+                            "freeze_step='auto'.")
+            logger.warning(message)
+        if stage == COMPRESSION and "compression" not in self._announced:
+            self._announced.add("compression")
+            report = self.comm_stats()
+            fp32 = report.paths.get("fp32", 0)
+            why = ""
+            if fp32:
+                why = (" (path='fp32')" if self.path == "fp32" else
+                       " (path='measure': the fp32 average measured faster for their size)")
+            before = ("no warmup step in this process" if report.warmup_bytes_per_step is None
+                      else f"{report.warmup_bytes_per_step:,.0f} bytes per warmup step")
+            sent = self._traffic.last_step_bytes
+            ratio = "" if not sent else f", {report.fp32_allreduce_bytes_per_step / sent:.1f}x fewer than"
+            logger.warning(
+                "compressed_opt: %s compresses from step %d: %d bucket(s) on the 1-bit exchange, %d on fp32%s; "
+                "exchange: %s. This rank sent %s bytes in this step (%s%s an fp32 all-reduce's %s).",
+                report.optimizer, self.global_step, report.paths.get("1bit", 0), fp32, why, report.exchange,
+                f"{sent:,}", before, ratio, f"{report.fp32_allreduce_bytes_per_step:,.0f}")
+

@@ -160,8 +160,8 @@ class LayerVarianceTracking:
     """The tracking in an optimizer (a mixin of :class:`~compressed_opt.optimizer.CompressedOptimizer`
     with a ``frozen`` flag): it calls :meth:`_observe_averaged_gradient` with each warmup (or
     refresh) step's averaged gradient, :meth:`_start_variance_tracking` at the freeze,
-    :meth:`_gather_observed` to gather a compression step's gradients (ZeRO, which reads
-    ``p.grad`` itself: :meth:`_observe_local_gradient`), applies :meth:`_variance_factors_of`
+    :meth:`gather_observed` to gather a compression step's gradients (ZeRO, which reads
+    ``p.grad`` itself: :meth:`observe_local_gradient`), applies :meth:`_variance_factors_of`
     (or :meth:`_variance_factors_`) to each compression-stage update, and says where the frozen
     variance's updates are counted (:meth:`_tracking_clock`). The per-step all-gather and
     the update of ``rho`` come through the base class's hooks."""
@@ -224,7 +224,7 @@ class LayerVarianceTracking:
             rows = bucket.flats["layer_variance"]
             start(rows, sums(bucket.views(v[: bucket.numel]), bucket.device), bucket.layer_numels)
 
-    def _observe_local_gradient(self, bucket) -> None:
+    def observe_local_gradient(self, bucket) -> None:
         """Compression stage, ZeRO (the local momentum is formed from ``p.grad`` directly): this
         rank's per-layer sums of ``g_i^2`` from ``p.grad`` as the loop left it, unscaled."""
         if self.variance_tracking and self.frozen:
@@ -232,7 +232,7 @@ class LayerVarianceTracking:
                 [p.grad for p in bucket.params], bucket.device, self._gather_inv_scale)
             self._summed_step[bucket.index] = self.global_step + 1
 
-    def _gather_observed(self, bucket, grad: torch.Tensor) -> None:
+    def gather_observed(self, bucket, grad: torch.Tensor) -> None:
         """The bucket's gradients into ``grad`` (unscaled); where they are this rank's own (not
         an average a DDP hook or this step's full-precision average wrote into ``p.grad``), their
         per-layer sums of ``g_i^2`` in the same pass."""

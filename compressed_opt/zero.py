@@ -101,7 +101,7 @@ class Sharded(Layout):
     # --- checks, once ---------------------------------------------------------------------------
     def declare_buffers(self, opt):
         # no per-parameter views of whole buffers; the shards are saved
-        opt._overlay_buffers({**BUFFERS, **opt.sharded_buffers})
+        opt.overlay_buffers({**BUFFERS, **opt.sharded_buffers})
 
     def check_options(self, opt, path, hierarchy):
         # (path: averaging.resolve_path refuses all but "1bit" for a sharded layout)
@@ -233,13 +233,13 @@ class Sharded(Layout):
     # --- compression stage: every rank updates its whole replica ----------------------------------
     def gather_local(self, opt, bucket, grad):
         """The local momentum, formed from ``p.grad`` directly (:meth:`form_local_momentum`)."""
-        opt._observe_local_gradient(bucket)
+        opt.observe_local_gradient(bucket)
         beta1 = opt.param_groups[bucket.group_index]["betas"][0]
-        preconditioner = opt._exchange_preconditioner(bucket)
-        factors = opt._exchange_factors(bucket) if preconditioner is not None else None
-        self.form_local_momentum(opt, bucket, grad, beta1, keep_previous=opt._keeps_previous_momentum,
-                                 row_scales=opt._exchange_scales(bucket), preconditioner=preconditioner,
-                                 factors=None if factors is None else (opt._kept_exchange_factors(bucket), factors))
+        preconditioner = opt.exchange_preconditioner(bucket)
+        factors = opt.exchange_factors(bucket) if preconditioner is not None else None
+        self.form_local_momentum(opt, bucket, grad, beta1, keep_previous=opt.keeps_previous_momentum,
+                                 row_scales=opt.exchange_scales(bucket), preconditioner=preconditioner,
+                                 factors=None if factors is None else (opt.kept_exchange_factors(bucket), factors))
 
     def form_local_momentum(self, opt, bucket: Bucket, x: torch.Tensor, beta1: float, keep_previous: bool = False,
                             row_scales: list[float] | None = None, preconditioner: torch.Tensor | None = None,
@@ -251,7 +251,7 @@ class Sharded(Layout):
         ``R m`` (OnebitAdam's preconditioned exchange): ``x`` <- ``b1 R m + (1 - b1) R g_i``, with
         ``R m`` the kept rows themselves. ``factors``: ``(kept, new)`` per layer, the exchange
         factors the kept rows were made with and this exchange's (the tracked exchange,
-        :meth:`~compressed_opt.onebit_adam._FreezingAdam._exchange_factors`): ``x`` <- ``new (b1 R m +
+        :meth:`~compressed_opt.onebit_adam._FreezingAdam.exchange_factors`): ``x`` <- ``new (b1 R m +
         (1 - b1) R g_i)``, the rows divided by ``kept``. ``keep_previous``: also keep this rank's
         chunk of ``m`` (``momentum_prev_shard``, for 1-bit LAMB's fresh variance)."""
         kept, new = factors if factors is not None else (None, None)
@@ -296,12 +296,12 @@ class Sharded(Layout):
     def local_momentum_(self, opt, bucket, x, beta1):
         """``x`` holds ``m_i`` (``R m_i``) already (:meth:`gather_local`); preconditioned, it is
         bounded and zeroed where ``v_f == 0`` (the kept rows carry the exchange's ``+-t`` there)."""
-        if opt._exchange_preconditioner(bucket) is None:
+        if opt.exchange_preconditioner(bucket) is None:
             return
-        idx = opt._no_variance(bucket)
+        idx = opt.no_variance_indices(bucket)
         if idx.numel():
             x.index_fill_(0, idx, 0.0)
-        opt._bound_(bucket, x)
+        opt.bound_exchanged_(bucket, x)
 
     def exchange(self, opt, bucket, x):
         """The compressed allreduce of the local momentum (always flat: its server chunks are the
@@ -328,7 +328,7 @@ class Sharded(Layout):
 
     def step_preconditioned_(self, opt, bucket, y, decay, alpha, step):
         self._direction_from_exchange_(opt, bucket, y)
-        factors = opt._update_factors(bucket)  # f_l / s_l
+        factors = opt.update_factors(bucket)  # f_l / s_l
         if factors is not None:
             scaling.scale_(bucket.views(y), factors)
         descend_(bucket.params, bucket.views(y), decay, alpha)
@@ -338,13 +338,13 @@ class Sharded(Layout):
         """``y`` (the exchanged ``R m``) <- ``m / (sqrt(v_f) + eps) = A y`` with ``A = 1 / (c_l +
         eps R)`` (0 where ``v_f == 0``), made for this step from ``R = c_l / sqrt(v_f)`` (the
         replicated layout keeps ``A`` instead)."""
-        r = opt._exchange_preconditioner(bucket)
+        r = opt.exchange_preconditioner(bucket)
         views = bucket.views(y)
         if views:
             a_inv = torch._foreach_mul(bucket.views(r), opt.param_groups[bucket.group_index]["eps"])
             torch._foreach_add_(a_inv, [opt.state[p]["scaling_coeff"] for p in bucket.params])
             torch._foreach_div_(views, a_inv)
-        idx = opt._no_variance(bucket)
+        idx = opt.no_variance_indices(bucket)
         if idx.numel():
             y.index_fill_(0, idx, 0.0)
 
@@ -405,8 +405,7 @@ class Sharded(Layout):
 
     def sum_over_ranks(self, opt, values: list[float]) -> list[float]:
         """Each of ``values`` summed over the ranks (fp64, in rank order: the same on every rank)."""
-        device = opt._buckets[0].device if opt._buckets else torch.device("cpu")
-        mine = torch.tensor(values, dtype=torch.float64, device=device)
+        mine = torch.tensor(values, dtype=torch.float64, device=opt.comm_device)
         return self._gather(opt, mine).sum(dim=0).tolist()
 
     def _gather(self, opt, partial: torch.Tensor) -> torch.Tensor:

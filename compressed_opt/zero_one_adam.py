@@ -70,16 +70,15 @@ import math
 
 import torch
 
-from compressed_opt import cuda as kernels
 from compressed_opt.comm import DEFAULT_BLOCK
 
-from . import scaling
 from . import variance_tracking as tracking
 from .buffers import DERIVED, LAYER, SCRATCH, STATE, Buffer
 from .freeze import VarianceStabilityRule, resolve_rule, restore_rule
-from .moments import COMPRESSED_STEP_BOUND, WHITENED_GRADIENT_BOUND, denominator_, momentum_, variance_
+from .moments import denominator_, momentum_, variance_
 from .optimizer import CompressedOptimizer, common_args
 from .validation import check_adam_group, check_choice, check_step_count
+from .zero_one_exchange import ZeroOneExchange, _no_variance_no_move_
 
 logger = logging.getLogger("compressed_opt")
 
@@ -88,27 +87,8 @@ logger = logging.getLogger("compressed_opt")
 STEP_KINDS = ("refresh", "compressed", "local", "sync")
 
 
-# --- the math, on flat buffers -------------------------------------------------------------------
-def _no_variance_no_move_(t: torch.Tensor, bucket, v: torch.Tensor, refreshed: bool) -> None:
-    """``t = 0`` where ``v == 0``: a coordinate that never had a gradient on a refresh step is
-    not moved. 1-bit compression gives it ``+-scale`` like every coordinate, and divided by
-    ``eps`` that would blow it up (see OnebitAdam's frozen denominator). Those coordinates change
-    only when ``v`` does (refresh steps), so they are kept per bucket between them: as indices
-    when they are few (the usual case; ``index_fill_`` then touches only them, where a mask
-    would cost a pass over the bucket), as a mask when they are many."""
-    zeros = bucket.flats.get("no_variance")
-    if zeros is None or refreshed:
-        mask = v == 0
-        few = int(mask.sum()) * 16 <= v.numel()  # indices (8 bytes each) then take at most n/2 bytes
-        zeros = bucket.flats["no_variance"] = mask.nonzero().view(-1) if few else mask
-    if zeros.dtype == torch.bool:
-        t.masked_fill_(zeros, 0.0)
-    elif zeros.numel():
-        t.index_fill_(0, zeros, 0.0)
-
-
 @common_args
-class ZeroOneAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
+class ZeroOneAdam(ZeroOneExchange, tracking.LayerVarianceTracking, CompressedOptimizer):
     """0/1 Adam: sparse variance refreshes with 1-bit gradients, then a frozen variance with
     local steps and 1-bit synchronisations at growing intervals.
 
@@ -236,112 +216,6 @@ class ZeroOneAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
     def _syncs_now(self) -> bool:
         return self.steps_since_sync + 1 >= self.local_step_interval
 
-    # --- per-layer scaling of the 1-bit exchanges ------------------------------------------------
-    def _layer_coeffs(self, bucket) -> list[float]:
-        """The bucket's per-layer coefficients (:mod:`compressed_opt.scaling`), from ``v``."""
-        states = [self.state[p] for p in bucket.params]
-        if any("scaling_coeff" not in st for st in states):
-            self._set_layer_coeffs(bucket)
-        return [st["scaling_coeff"] for st in states]
-
-    def _set_layer_coeffs(self, bucket) -> None:
-        """``c_l = mean_k s_k / s_l`` with ``s_l = sqrt(mean v_l)``: a layer's typical gradient
-        (phase A), and of its momentum (phase B). ``v`` is the same on every rank, so are the
-        coefficients. Called after every refresh and at the freeze; the error buffers are moved
-        to the new coefficients."""
-        rms = scaling.rms_from_variance(bucket.views(bucket.flat("exp_avg_sq")))
-        new = scaling.coefficients(rms, [p.numel() for p in bucket.params])
-        states = [self.state[p] for p in bucket.params]
-        if all("scaling_coeff" in st for st in states):
-            scaling.rescale_errors(self, bucket, [st["scaling_coeff"] for st in states], new)
-        for st, c in zip(states, new):
-            st["scaling_coeff"] = c
-
-    def _exchange(self, bucket, x, lr_sum: float = 1.0, factors: list[float] | None = None) -> None:
-        """``x`` <- the 1-bit compressed average of the ranks' ``x``: whitened and bounded
-        (``exchange="preconditioned"``, :meth:`_preconditioner`), or each layer scaled by its
-        coefficient (``"momentum"``). ``lr_sum``, ``factors``: phase B's sum of lr over the
-        interval and its tracking factors (the bound of ``sum lr m / sqrt(v)``)."""
-        self.exchanges.run([self._exchange_steps(bucket, x, lr_sum, factors)])
-
-    def _exchange_steps(self, bucket, x, lr_sum: float = 1.0, factors: list[float] | None = None):
-        """:meth:`_exchange` as a generator that yields its compressed average's request between
-        the passes before and after it (phase A's exchange groups run theirs together)."""
-        if self.exchange_mode == "preconditioned":
-            r = self._preconditioner(bucket)
-            bounds = self._exchange_bounds(bucket, lr_sum, factors)
-            kernels.scale_clamp_(x, r, bounds, bucket.segments)  # one pass
-            yield bucket, x, None
-            x.div_(r)  # 0 / 0 where v == 0: the callers zero those coordinates (_no_variance_no_move_)
-            return
-        coeffs, views = self._layer_coeffs(bucket), bucket.views(x)
-        scaling.scale_(views, coeffs)
-        yield bucket, x, None
-        scaling.unscale_(views, coeffs)
-
-    # --- the preconditioned exchange -------------------------------------------------------------
-    def _preconditioner(self, bucket) -> torch.Tensor:
-        """``R`` per element, 0 where ``v == 0``. Phase A: ``1 / sqrt(v_hat)`` (the exchanged gradient
-        ``R g_i`` has RMS ~1 in every layer: no coefficients needed), fixed between refreshes.
-        Phase B: ``c_l / sqrt(v_f)`` with ``c_l = mean_k s_k / s_l``, ``s_l`` the RMS of ``m /
-        sqrt(v_f)`` over layer ``l`` at the freeze (as OnebitAdam's exchange, :mod:`compressed_opt.
-        onebit_adam`). Made again from ``v`` and the coefficients after a load."""
-        r = bucket.flats.get("preconditioner")
-        if r is None:
-            r = bucket.flats["preconditioner"] = self._make_preconditioner(bucket, self.var_refreshes)
-        return r
-
-    def _make_preconditioner(self, bucket, refreshes: int) -> torch.Tensor:
-        """``R`` from ``v`` after ``refreshes`` refreshes: ``v`` bias-corrected whatever
-        ``bias_correction`` says (an EMA of few refreshes is ``1 - b2^r`` of the mean square it
-        estimates, and the bound is relative to the mean square)."""
-        v = bucket.flat("exp_avg_sq")
-        group = self.param_groups[bucket.group_index]
-        corrected = self.frozen and group["bias_correction"]  # the freeze bias-corrected v
-        correction = 1.0 if corrected else 1.0 - group["betas"][1] ** max(refreshes, 1)
-        r = torch.sqrt(v).reciprocal_().mul_(math.sqrt(correction)).masked_fill_(v == 0, 0.0)
-        if self.frozen:
-            if any("scaling_coeff" not in self.state[p] for p in bucket.params):  # parameters added in phase B
-                self._set_freeze_coeffs(bucket)
-            scaling.scale_(bucket.views(r), [self.state[p]["scaling_coeff"] for p in bucket.params])
-        return r
-
-    def _exchange_bounds(self, bucket, lr_sum: float, factors: list[float] | None) -> list[float]:
-        """Per layer, the bound on ``|R x_i|``. Phase A (gradients): :data:`~compressed_opt.moments.
-        WHITENED_GRADIENT_BOUND` (3; what ``|g_i| / sqrt(v)`` may be, in units of its RMS). Phase B (``sum lr m``):
-        ``c_l lr_sum K / f_l``, ``K`` the compression stage's bound on ``|m / sqrt(v_f)|``
-        (:data:`~compressed_opt.moments.COMPRESSED_STEP_BOUND`), ``f_l`` the interval's tracking factor
-        (``factors``; ``None``: 1), which multiplies the synchronised step."""
-        if not self.frozen:
-            return [WHITENED_GRADIENT_BOUND] * len(bucket.params)
-        k = COMPRESSED_STEP_BOUND * lr_sum
-        if factors is None:
-            return [k * self.state[p]["scaling_coeff"] for p in bucket.params]
-        return [k * self.state[p]["scaling_coeff"] / f for p, f in zip(bucket.params, factors)]
-
-    def _refresh_preconditioner(self, bucket, old: torch.Tensor) -> None:
-        """After a refresh (``v`` changed; ``old``: the ``R`` before it): the new ``R``, and the
-        error buffers carried over to it (they hold errors of ``R_old x``: each element times
-        ``R_new / R_old``)."""
-        new = bucket.flats["preconditioner"] = self._make_preconditioner(bucket, self.var_refreshes + 1)
-        if "worker_error" not in bucket.flats:
-            return
-        ratio = torch.div(new, old).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-        worker_error, server_error = self.error_buffers(bucket)
-        (wlo, whi), (slo, shi) = self.error_ranges(bucket)
-        worker_error[: whi - wlo].mul_(ratio[wlo:whi])
-        server_error[: shi - slo].mul_(ratio[slo:shi])
-
-    def _set_freeze_coeffs(self, bucket) -> None:
-        """At the freeze (``m``, ``v`` bias-corrected): phase B's per-layer coefficients from the
-        RMS of ``m / sqrt(v_f)``, and its ``R``."""
-        # (a per-layer RMS ratio: v's correction cancels)
-        whitened = torch.sqrt(bucket.flat("exp_avg_sq")).reciprocal_().mul_(bucket.flat("exp_avg"))
-        whitened.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-        for p, c in zip(bucket.params, scaling.coefficients_of(bucket.views(whitened))):
-            self.state[p]["scaling_coeff"] = c
-        bucket.flats.pop("preconditioner", None)
-
     # --- per-layer variance tracking (compressed_opt.variance_tracking) ------------------------
     def _tracking_clock(self, step):
         # v had var_refreshes updates at the freeze; Adam's would have one more each step since
@@ -354,7 +228,7 @@ class ZeroOneAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
         return super()._new_layer_rows(name, bucket)
 
     def _gather(self, bucket, grad, step):
-        self._gather_observed(bucket, grad)
+        self.gather_observed(bucket, grad)
 
     def _interval_factors(self, bucket) -> list[float] | None:
         """Phase B: the per-layer factors of this synchronisation interval (set at its first

@@ -1,0 +1,109 @@
+"""The installed package stays easy to read, checked from its source:
+
+* no module over :data:`MAX_LINES` lines;
+* no module reads the caller's stack frames (``sys._getframe``, ``inspect.stack``,
+  ``inspect.currentframe``, ``f_locals``, ``f_back``): integrations use public API only;
+* no module reaches into an optimizer's private names (``opt._x``, ``optimizer._x``,
+  ``self._opt._x``): the layouts, the DDP hook, checkpoints and consolidation use the optimizer's
+  public protocol; a module may call a private name only where that module defines it (the
+  launcher callbacks of ``stepping.py`` call the step's own private methods).
+
+    python -P tests/test_structure.py      # prints every module's line count
+"""
+from __future__ import annotations
+
+import ast
+import os
+import re
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from test_layering import modules  # noqa: E402
+
+MAX_LINES = 500
+FRAME_READING = re.compile(r"\bsys\._getframe\b|\binspect\.(stack|currentframe|getouterframes)\b|\bf_locals\b|\bf_back\b")
+#: the names an optimizer goes by in the package's modules
+OPTIMIZER_NAMES = {"opt", "optimizer", "owner"}
+
+
+def _lines(path: str) -> int:
+    with open(path) as f:
+        return sum(1 for _ in f)
+
+
+def test_no_module_is_longer_than_500_lines():
+    long = {m: n for m, p in modules().items() if (n := _lines(p)) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+def test_no_module_reads_stack_frames():
+    found = []
+    for module, path in modules().items():
+        with open(path) as f:
+            for number, line in enumerate(f, start=1):
+                code = line.split("#", 1)[0]
+                if FRAME_READING.search(code):
+                    found.append(f"{module}:{number}: {line.strip()}")
+    assert not found, "\n".join(found)
+
+
+def _defined_names(tree: ast.AST) -> set[str]:
+    """Names a module defines: its functions, classes, methods and the attributes it assigns."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+    return names
+
+
+def _is_optimizer(node: ast.AST) -> bool:
+    """``opt``, ``optimizer``, ``owner``, or an attribute of ``self`` by one of those names
+    (``self._opt``), or a call of one (``self._ref()``)."""
+    if isinstance(node, ast.Call):
+        node = node.func
+    if isinstance(node, ast.Name):
+        return node.id in OPTIMIZER_NAMES
+    return isinstance(node, ast.Attribute) and node.attr.strip("_") in OPTIMIZER_NAMES | {"ref"}
+
+
+def reach_ins() -> list[str]:
+    found = []
+    for module, path in modules().items():
+        with open(path) as f:
+            tree = ast.parse(f.read())
+        own = _defined_names(tree)
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                    and _is_optimizer(node.value) and node.attr not in own):
+                found.append(f"{module}:{node.lineno}: .{node.attr}")
+    return found
+
+
+def test_no_module_reaches_into_an_optimizers_private_names():
+    found = reach_ins()
+    assert not found, "private names of an optimizer used from another module:\n" + "\n".join(found)
+
+
+def test_the_checks_see_what_they_look_for(tmp_path):
+    """The reach-in check flags ``opt._x`` from a module that does not define ``_x`` and lets a
+    module's own names pass; the frame check matches each spelling."""
+    code = "def f(opt, self):\n    opt._hidden()\n    self._opt._inner = 1\n    opt.public()\n"
+    tree = ast.parse(code)
+    own = _defined_names(tree)
+    hits = [n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr.startswith("_")
+            and _is_optimizer(n.value) and n.attr not in own]
+    assert hits == ["_hidden"]  # (_inner is assigned here: a name of this module)
+    for spelling in ("sys._getframe(1)", "inspect.stack()", "frame.f_locals", "frame.f_back", "inspect.currentframe()"):
+        assert FRAME_READING.search(spelling), spelling
+
+
+if __name__ == "__main__":
+    for name, path in sorted(modules().items(), key=lambda kv: -_lines(kv[1])):
+        print(f"{_lines(path):5d}  {name}")
+    for line in reach_ins():
+        print("reach-in:", line)
