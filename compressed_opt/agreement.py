@@ -11,9 +11,11 @@ naming what differs and what to change (docs/design.md 3.2):
 * :meth:`RankAgreement.entry`: every later step's first collective, at whichever entry point
   communicates first (backward's first gradient hook, a DDP hook's first bucket, or ``step()``
   without a backward): the bucket layout's hash, the entry and the step;
+* :meth:`RankAgreement.any_rank`: whether some rank's flag is set (a compression step's
+  non-finite gradient, at the end of backward);
 * :meth:`RankAgreement.step`: in ``step()``, before any state changes: the step, the stage, the
-  hyperparameters, whether a GradScaler found inf/NaN, whether the loop touched ``p.grad``,
-  whether a gradient is non-finite, and the algorithm's per-step statistics;
+  hyperparameters, whether the loop touched ``p.grad``, whether a gradient is non-finite, and the
+  algorithm's per-step statistics;
 * :meth:`RankAgreement.rank0_decides` and :meth:`RankAgreement.broadcast_parameters`: rank 0's
   decision or parameters on every rank.
 
@@ -35,10 +37,6 @@ ENTRY_BACKWARD, ENTRY_STEP = 1, 2
 class StepVerdict:
     """What :meth:`RankAgreement.step` found, the same on every rank."""
 
-    #: a GradScaler found inf/NaN on some rank: every rank skips the step
-    scaler_found_inf: bool
-    #: some rank's GradScaler found inf/NaN and another's did not (their scales now differ)
-    scalers_disagree: bool
     #: some rank's loop changed ``p.grad`` between backward and ``step()``
     touched: bool
     #: some rank's gradients hold inf/NaN (no GradScaler)
@@ -123,15 +121,21 @@ class RankAgreement:
             "0 * the loss of any batch); a rank that stops early must stop every rank."
         )
 
-    def step(self, step: int, stage: int, hyperparameters: int, found_inf: bool, touched: bool, nonfinite: bool,
+    def any_rank(self, flag: bool, device) -> bool:
+        """Whether ``flag`` is set on some rank (one all-gather of one integer)."""
+        if self.alone:
+            return flag
+        return bool(self._gather(torch.tensor([int(flag)], dtype=torch.int64, device=device)).any())
+
+    def step(self, step: int, stage: int, hyperparameters: int, touched: bool, nonfinite: bool,
              statistics: torch.Tensor, device) -> StepVerdict:
         """One small all-gather per step, before any state changes: raise on every rank if the
         ranks are at different steps or stages or their hyperparameters (``hyperparameters``:
         :func:`hyperparameter_hash`) differ; else what every rank decides from the flags."""
-        mine = [step, stage, hyperparameters, int(found_inf), int(touched), int(nonfinite)]
+        mine = [step, stage, hyperparameters, int(touched), int(nonfinite)]
         statistics = statistics.to(device=device, dtype=torch.float64)
         if self.alone:
-            return StepVerdict(found_inf, False, touched, nonfinite, statistics.view(1, -1))
+            return StepVerdict(touched, nonfinite, statistics.view(1, -1))
         # the statistics travel as the bits of their float64 values
         payload = torch.cat([torch.tensor(mine, dtype=torch.int64, device=device), statistics.view(torch.int64)])
         rows = self._gather(payload)
@@ -150,9 +154,7 @@ class RankAgreement:
                 + ". Change hyperparameters on every rank alike (an LR scheduler on every rank) and resume "
                 "every rank from the checkpoint of the same step."
             )
-        infs = [row[3] for row in rows]
-        return StepVerdict(any(infs), any(infs) and not all(infs), any(row[4] for row in rows),
-                           any(row[5] for row in rows), stats)
+        return StepVerdict(any(row[3] for row in rows), any(row[4] for row in rows), stats)
 
     # --- rank 0 decides ------------------------------------------------------------------------------
     def rank0_decides(self, wants: bool, device) -> bool:

@@ -45,6 +45,8 @@ class DDPHookState:
         #: key -> (compressed_opt.cuda.Segments of the bucket's parameters, their indices in the
         #: optimizer's state_dict order as an int64 tensor): what the sums of squares need
         self.segments = {}
+        #: this backward's buckets so far held inf/NaN on this rank (compression stage)
+        self.nonfinite = False
 
     @property
     def optimizer(self):
@@ -121,12 +123,28 @@ def _done(value: torch.Tensor):
     return fut
 
 
+def _share_nonfinite(state: DDPHookState, opt, bucket: dist.GradBucket) -> None:
+    """Compression stage, where DDP sends nothing: whether this rank's buckets hold inf/NaN, and
+    at the last bucket whether any rank's do; if so, every rank's last bucket gets a NaN (DDP
+    writes it into ``p.grad``), as an all-reduce would have carried one, so every rank's
+    GradScaler, or ``step()``, skips alike (:mod:`compressed_opt.stepping`)."""
+    buffer = bucket.buffer()
+    if bucket.index() == 0:
+        state.nonfinite = False
+    mine = bool(buffer.numel()) and not bool(torch.linalg.vector_norm(buffer, float("inf")).isfinite())
+    state.nonfinite = state.nonfinite or mine
+    if bucket.is_last() and opt.any_rank_nonfinite(state.nonfinite) and not state.nonfinite and buffer.numel():
+        buffer[0] = float("nan")
+
+
 def compressed_comm_hook(state: DDPHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     opt = state.optimizer
     if opt is not None and bucket.index() == 0:  # (DDP runs its buckets in index order)
         opt.enter_backward()  # every rank in backward, or every rank raises
-    if opt is not None and opt.averages_in_backward():
+    if opt is not None and opt.averages_next_step():
         return _average(state, bucket)
+    if opt is not None:
+        _share_nonfinite(state, opt, bucket)
     return _done(bucket.buffer())  # compression stage: step() runs the optimizer's own exchange
 
 

@@ -28,7 +28,7 @@ exchange's ``exchange_preconditioner``, ``exchange_bounds``, ``exchange_factors`
 ``update_factors``, ``momentum_from_exchange``, ``no_variance_indices``, ``bound_exchanged_``,
 ``exchange_scales`` and ``kept_exchange_factors``; ``keeps_denominator`` and
 ``keeps_previous_momentum``; the variance tracking's ``gather_observed`` and
-``observe_local_gradient``; ``overlay_buffers``, ``gather_scale``, ``comm_device``,
+``observe_local_gradient``; ``overlay_buffers``, ``comm_device``,
 ``averaging``, ``param_groups`` and ``state``. Where the two
 differ inside one formula, the layout hands the optimizer what differs (this rank's part of a
 buffer, a workspace, the values it updates) and the formula is written once.

@@ -84,12 +84,12 @@ def common_args(cls):
 
 
 class CompressedOptimizer(Stepping, Reporting, Persistence, Optimizer):
-    #: torch.amp.GradScaler's protocol: its ``step()`` hands this optimizer ``found_inf`` and the
-    #: scale (as the attributes ``found_inf`` and ``grad_scale``) and calls ``step()`` on every rank,
-    #: instead of skipping it on the overflowing rank alone (which would leave the others waiting in
-    #: a collective): the ranks agree on the skip (docs/guarantees.md). Lightning reads the flag as
-    #: "unscales inside step()" and then refuses ``gradient_clip_val`` with fp16 mixed precision.
-    _step_supports_amp_scaling = True
+    #: ``False``, as torch's own optimizers: ``torch.amp.GradScaler.step`` unscales ``p.grad`` in
+    #: place, then calls ``step()`` only where it found no inf/NaN. A compression step's gradients
+    #: are each rank's own, so at the end of backward the ranks share whether any holds inf/NaN and
+    #: mark every rank's alike (:mod:`compressed_opt.stepping`): every rank's scaler skips and backs
+    #: off together, and clipping after ``scaler.unscale_`` (Lightning's mixed precision) works.
+    _step_supports_amp_scaling = False
 
     #: the per-bucket buffers this class adds (name -> role and dtype, compressed_opt.buffers);
     #: ``declared`` merges the tables along the class hierarchy (a sharded layout overlays its
@@ -442,7 +442,7 @@ class CompressedOptimizer(Stepping, Reporting, Persistence, Optimizer):
 
     def _gather(self, bucket: Bucket, grad: torch.Tensor, step: int) -> None:
         """``grad`` <- this rank's gradients of the bucket (unscaled)."""
-        bucket.gather_grads(grad, self._gather_inv_scale)
+        bucket.gather_grads(grad)
 
     def _before_step(self) -> None:
         """At the start of ``step()``, before any collective."""

@@ -26,8 +26,8 @@ from .checkpoint import validate_state_dict
 #: attributes a copy pickled by an older version lacks, with what they start from
 _ADDED_SINCE_PICKLED = {"scale_block": DEFAULT_BLOCK, "_regathering": False, "_summed_step": dict,
                         "_warmup_local": dict, "_unit_factor_errors": set, "_announced": set, "_entered": False,
-                        "_path_from_env": False, "_scales_may_differ": False, "_layout_agreed": False,
-                        "_broadcast_done": False, "_gather_inv_scale": None}
+                        "_path_from_env": False, "_layout_agreed": False,
+                        "_broadcast_done": False}
 
 
 class Persistence:
@@ -249,7 +249,7 @@ class Persistence:
     _runtime_attributes = frozenset({
         "backend", "_launcher", "_buckets", "_layout_key", "_param_places", "_averager", "_rank_statistics",
         "_consolidated", "_frameworks_checked", "_agreement", "_exchanges", "_traffic", "_entered",
-        "_gather_inv_scale", "_regathering",
+        "_regathering", "_backward_norms",
         "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
         "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
         "_optimizer_load_state_dict_post_hooks",
@@ -351,8 +351,8 @@ class Persistence:
             self._consolidated = None
             self._frameworks_checked = False
             self._entered = False
-            self._gather_inv_scale = None
             self._regathering = False
+            self._backward_norms = None
             for name, value in _ADDED_SINCE_PICKLED.items():  # a copy pickled by an older version
                 if name not in self.__dict__:
                     self.__dict__[name] = value() if callable(value) else value
@@ -374,8 +374,11 @@ class Persistence:
         if "_overlap" not in d:  # (before the Overlap state: two flags)
             from .stepping import Overlap
 
-            d["_overlap"] = Overlap.IN_STEP if d.pop("_scaler_seen", False) else Overlap.WATCH
+            d["_overlap"] = Overlap.WATCH
             d.pop("_speculate", None)
+            d.pop("_scaler_seen", None)
+        for gone in ("_gather_inv_scale", "_scales_may_differ"):  # (a GradScaler's scale is never handed over now)
+            d.pop(gone, None)
         if "exchange_paths" in d or "_saved_averaging" in d:  # (before compressed_opt.exchanges)
             saved = d.pop("_saved_averaging", None)
             d.setdefault("_carried_exchange", {"paths": d.pop("exchange_paths", None) or {},

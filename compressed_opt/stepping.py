@@ -15,8 +15,14 @@ sequence):
 
 Whether a compression step's exchange may start during backward is the :class:`Overlap` state:
 the exchange changes state (momentum, error feedback), so it runs from backward only while every
-rank's loop leaves ``p.grad`` alone between backward and ``step()``, and never under a GradScaler
-(whose skip decision must come first).
+rank's loop leaves ``p.grad`` alone between backward and ``step()`` (a GradScaler's unscaling and
+clipping touch it).
+
+A non-finite gradient on one rank in a compression step (each rank keeps its own gradient there)
+becomes a non-finite gradient on every rank at the end of backward, as an all-reduce would carry
+it in a full-precision step: so whatever decides on ``p.grad`` between backward and ``step()``
+decides alike on every rank (a GradScaler skips ``step()`` and backs off its scale on every rank;
+without one, ``step()`` skips on every rank).
 
 :class:`Stepping` is a part of :class:`compressed_opt.optimizer.CompressedOptimizer` (a mixin):
 it owns the attributes named in :meth:`Stepping._init_stepping` and reaches the algorithm only
@@ -47,8 +53,6 @@ class Overlap(enum.Enum):
     WATCH = "watch"
     #: launched from backward: the ranks agreed at the last compression step that no loop touched ``p.grad``
     AHEAD = "ahead"
-    #: in ``step()`` for good: a GradScaler steps this optimizer (its skip decision comes first)
-    IN_STEP = "in_step"
 
 
 class LauncherCallbacks:
@@ -97,30 +101,23 @@ class Stepping:
         self._ranks_checked = False  # the first step's signature agreement ran (again after a change)
         self._layout_agreed = False  # the ranks checked a layout once: agree on it every step after
         self._broadcast_done = False
-        self._gather_inv_scale: float | None = None  # 1/scale of a GradScaler, applied when gathering
         self._regathering = False  # step() gathers the averages backward wrote into p.grad
-        #: some step's GradScalers disagreed on inf/NaN, so their scales may differ: full-precision
-        #: averages are taken in step(), of the gradients each rank unscaled (never of scaled ones)
-        self._scales_may_differ = False
+        #: a compression step's gradients' largest magnitudes at the end of backward (step() sees
+        #: whether the loop changed them: a GradScaler unscales in place without a version bump)
+        self._backward_norms: torch.Tensor | None = None
 
     def _new_launcher(self) -> BucketLauncher:
         return BucketLauncher(LauncherCallbacks(self), self.accumulation_steps)
 
-    @property
-    def gather_scale(self) -> float | None:
-        """What this step's gathers multiply the gradients by: ``1 / scale`` of the GradScaler that
-        stepped the optimizer with scaled gradients (``None``: nothing)."""
-        return self._gather_inv_scale
-
     # --- from backward ------------------------------------------------------------------------------
     def _backward_started(self) -> None:
         """At the first gradient of a step's backward: the buckets, the entry agreement, and whether
-        buckets may be communicated during backward (full-precision steps: with ``overlap``, unless
-        the ranks' GradScaler scales may differ; compression steps: in the ``AHEAD`` state)."""
+        buckets may be communicated during backward (full-precision steps: with ``overlap``;
+        compression steps: in the ``AHEAD`` state)."""
         self._ensure_buckets()
         self._agree_on_entry(ENTRY_BACKWARD)
         full = self._needs_average(self.global_step + 1)
-        ahead = (full and not self._scales_may_differ) or (not full and self._overlap is Overlap.AHEAD)
+        ahead = full or self._overlap is Overlap.AHEAD
         self._launcher.launch_ahead = self.overlap and self._ranks_checked and ahead
 
     def _gather_bucket(self, bucket: Bucket) -> None:
@@ -145,7 +142,7 @@ class Stepping:
         exchanges (:meth:`_bucket_communicate`) with their collectives coalesced."""
         step = self.global_step + 1
         if self._needs_average(step):
-            if self._averager is None or self._scales_may_differ:  # (else the averager averaged them)
+            if self._averager is None:  # (else the averager averaged them)
                 for bucket in buckets:
                     self.layout.average(self, bucket, self._grad_buffer(bucket))
             return
@@ -161,8 +158,9 @@ class Stepping:
             self._check_ranks(ENTRY_BACKWARD)
         launcher = self._launcher
         full = self._needs_average(self.global_step + 1)
-        if not launcher.launch_ahead and (not full or self._scales_may_differ):
-            return  # p.grad keeps the local gradient; step() averages or exchanges it
+        if not full and not launcher.launch_ahead:
+            self._share_nonfinite([p.grad for b in self._buckets for p in b.params])
+            return  # p.grad keeps the local gradient; step() exchanges it
         if self.exchanges.needs_choice:
             self._choose_exchange()  # (collective) before the first average: it is the exchange's way
         # every rank waits for its thread, then communicates the rest in order on this thread:
@@ -193,11 +191,23 @@ class Stepping:
             self._entered = True
             self._check_ranks(ENTRY_BACKWARD)
 
-    def averages_in_backward(self) -> bool:
-        """Whether a DDP hook averages this backward's gradients at full precision: in a
-        full-precision step, unless the ranks' GradScaler scales may differ (then ``step()``
-        averages the gradients each rank unscaled)."""
-        return self._needs_average(self.global_step + 1) and not self._scales_may_differ
+    def _share_nonfinite(self, grads: list) -> None:
+        """A compression step's gradients at the end of backward (not launched ahead: no bucket
+        was checked yet): if some rank's hold inf/NaN, every rank's do (a NaN in the first
+        element of the first), so every rank's GradScaler, or ``step()``, skips alike. One
+        read-only pass (each tensor's largest magnitude) and one all-gather of a flag."""
+        norms = _largest_magnitudes(grads)
+        mine = norms is not None and not bool(norms.isfinite().all())
+        if self.any_rank_nonfinite(mine) and not mine and norms is not None:
+            first = next(g for g in grads if g is not None and g.numel())
+            first[(0,) * first.dim()] = float("nan")
+            norms = _largest_magnitudes(grads)
+        self._backward_norms = norms
+
+    def any_rank_nonfinite(self, mine: bool) -> bool:
+        """Whether some rank's gradients hold inf/NaN (collective; a DDP hook asks it at the last
+        bucket of a compression step and marks its bucket: :mod:`compressed_opt.ddp`)."""
+        return self._agreement.any_rank(mine, self.comm_device)
 
     # --- the ranks agree ------------------------------------------------------------------------------
     def _agree_on_entry(self, entry: int) -> None:
@@ -255,8 +265,8 @@ class Stepping:
         try:
             took = self._step()
         finally:
-            self._gather_inv_scale = None
             self._entered = False
+            self._backward_norms = None
             self._launcher.reset()
             self._traffic.end_step(stage)
         if took:
@@ -276,26 +286,23 @@ class Stepping:
             self._choose_exchange()
         step = self.global_step + 1
         full = self._needs_average(step)
-        averaged_in_backward = full and launcher.finished and not self._scales_may_differ
+        averaged_in_backward = full and launcher.finished
         # a compression step whose exchanges all ran from backward (see _backward_finished)
         speculated = not full and launcher.finished and launcher.launch_ahead
         touched = launcher.finished and launcher.touched()
-        found_inf = getattr(self, "found_inf", None)  # (torch.amp.GradScaler's protocol)
-        grad_scale = getattr(self, "grad_scale", None) if found_inf is not None else None
-        if found_inf is not None:
-            self._overlap = Overlap.IN_STEP
-        self._gather_inv_scale = None if grad_scale is None else 1.0 / float(grad_scale)
         # this step's gradients into the flat buffers, before anything changes state
         done = len(self._buckets) if speculated else 0
+        if not full and launcher.finished and not speculated and not touched and self._backward_norms is not None:
+            # (a GradScaler's unscale_ changes p.grad in place without bumping its version)
+            now = _largest_magnitudes([p.grad for b in self._buckets for p in b.params])
+            touched = now is None or not torch.equal(now, self._backward_norms)
         if averaged_in_backward:
-            # backward averaged the gradients into p.grad: use them as the loop left them
+            # backward averaged the gradients into p.grad: use them as the loop left them (a
+            # GradScaler unscales them in place, unseen by their version counters: always gathered)
             self._regathering = True
             try:
                 for b in self._buckets:
-                    if touched:
-                        self._gather_bucket(b)
-                    elif self._gather_inv_scale is not None:
-                        self._grad_buffer(b).mul_(self._gather_inv_scale)
+                    self._gather_bucket(b)
             finally:
                 self._regathering = False
             checked = self._buckets
@@ -303,19 +310,11 @@ class Stepping:
             checked = self._buckets[done:]
             for b in checked:
                 self._gather_bucket(b)
-        nonfinite = launcher.nonfinite or (found_inf is None and not self._gathered_finite(checked))
+        nonfinite = launcher.nonfinite or not self._gathered_finite(checked)
         verdict = self._agreement.step(step, self._stage_code(), hyperparameter_hash(self.param_groups),
-                                       _flag(found_inf), touched and not full, nonfinite,
-                                       self._step_statistics(step), self.comm_device)
+                                       touched and not full, nonfinite, self._step_statistics(step), self.comm_device)
         self._rank_statistics = verdict.statistics
-        if verdict.scalers_disagree and not self._scales_may_differ:
-            self._scales_may_differ = True  # (the same on every rank: from the agreement)
-            logger.info("%s: the ranks' GradScalers disagreed on inf/NaN at step %d, so their scales may differ "
-                        "from now on: full-precision averages are taken of the gradients each rank unscaled",
-                        type(self).__name__, step)
-        if verdict.scaler_found_inf:  # a GradScaler found inf/NaN on some rank: every rank skips the step
-            return False
-        if verdict.nonfinite:  # (without a GradScaler) every rank skips, state untouched
+        if verdict.nonfinite:  # every rank skips, state untouched
             self.nonfinite_steps += 1
             warnings.warn(
                 f"{type(self).__name__}: a non-finite gradient (inf or NaN) on some rank at step {step}; every "
@@ -329,11 +328,11 @@ class Stepping:
                 "after the 1-bit exchange had been launched from backward (earlier steps left p.grad "
                 "alone). Touch the gradients in every step or in none, or pass overlap=False."
             )
-        if launcher.finished and not full and not speculated and self._overlap is not Overlap.IN_STEP:
+        if launcher.finished and not full and not speculated:
             self._overlap = Overlap.WATCH if verdict.touched else Overlap.AHEAD  # agreed: the same on every rank
         if not averaged_in_backward:
             launcher.run_inline(range(done, len(self._buckets)), gather=False)
-            if full and (self._averager is None or self._scales_may_differ):
+            if full and self._averager is None:
                 for b in self._buckets:  # averaged here, from the gradients as they were gathered
                     self.observe_mean_square_sums(b, self._grad_buffer(b))
         self._before_update(step, full)
@@ -354,7 +353,7 @@ class Stepping:
     def _gathers_local(self) -> bool:
         """Whether a gather now reads this rank's own gradients: not in a full-precision step
         whose average a DDP hook, or this optimizer's backward, wrote into ``p.grad`` already."""
-        averaged = self._needs_average(self.global_step + 1) and not self._scales_may_differ
+        averaged = self._needs_average(self.global_step + 1)
         return not (averaged and (self._averager is not None or self._regathering))
 
     # --- between steps ----------------------------------------------------------------------------------
@@ -367,6 +366,7 @@ class Stepping:
             self._overlap = Overlap.WATCH  # a 1-bit exchange went out for gradients the loop threw away
         launcher.reset()
         self._entered = False  # the next backward (or step()) starts the step again
+        self._backward_norms = None
         super().zero_grad(set_to_none)
 
     def no_sync(self):
@@ -383,6 +383,10 @@ class Stepping:
         self._ranks_checked = False
 
 
-def _flag(found_inf) -> bool:
-    """A GradScaler's ``found_inf`` tensor as a bool (``None``: no scaler)."""
-    return found_inf is not None and found_inf.numel() > 0 and float(found_inf.detach().reshape(-1)[0]) != 0
+def _largest_magnitudes(grads: list) -> torch.Tensor | None:
+    """Each non-empty tensor's largest magnitude (inf/NaN where it holds one), as one float32
+    tensor; ``None`` for none. One read-only pass."""
+    grads = [g for g in grads if g is not None and g.numel()]
+    if not grads:
+        return None
+    return torch.stack([m.float() for m in torch._foreach_norm(grads, float("inf"))])

@@ -229,7 +229,7 @@ class LayerVarianceTracking:
         rank's per-layer sums of ``g_i^2`` from ``p.grad`` as the loop left it, unscaled."""
         if self.variance_tracking and self.frozen:
             self._local_square_sums[bucket.index] = square_sums(
-                [p.grad for p in bucket.params], bucket.device, self._gather_inv_scale)
+                [p.grad for p in bucket.params], bucket.device)
             self._summed_step[bucket.index] = self.global_step + 1
 
     def gather_observed(self, bucket, grad: torch.Tensor) -> None:
@@ -237,12 +237,12 @@ class LayerVarianceTracking:
         an average a DDP hook or this step's full-precision average wrote into ``p.grad``), their
         per-layer sums of ``g_i^2`` in the same pass."""
         if not (self.variance_tracking and self._gathers_local()):
-            bucket.gather_grads(grad, self._gather_inv_scale)
+            bucket.gather_grads(grad)
             if self.variance_tracking:
                 self._take_hooked_sums(bucket, grad.device)
             return
         out = self._local_sums_buffer(bucket, grad.device)
-        bucket.gather_grads(grad, self._gather_inv_scale, square_sums=out)
+        bucket.gather_grads(grad, square_sums=out)
         self._summed_buffers[bucket.index] = (grad.data_ptr(), grad._version)
         self._summed_step[bucket.index] = self.global_step + 1
 

@@ -271,7 +271,7 @@ class Sharded(Layout):
                 previous.copy_(x[lo:hi])
             else:  # m = (R m) / R; 0 where R == 0 (v_f == 0)
                 torch.div(x[lo:hi], preconditioner[lo:hi], out=previous).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-        alpha = (1 - beta1) * (opt.gather_scale if opt.gather_scale is not None else 1.0)
+        alpha = 1 - beta1
         if new is None:
             x.mul_(beta1)
         else:  # per layer: b1 new / kept on the rows, (1 - b1) new on the gradient

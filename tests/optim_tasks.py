@@ -110,16 +110,17 @@ def resume_run(fresh, batches, cut: int) -> tuple[float, dict]:
 
 
 def steps_with_overflow(model, opt, rank: int, batches, overflow_steps=(2, 5), overflow_rank: int = 1):
-    """Train under a ``GradScaler``; on rank ``overflow_rank`` one gradient is made inf at the
-    steps ``overflow_steps`` (0-based). Per step whether it was taken (1 or 0), and the final
-    parameters."""
+    """Train under a ``GradScaler``; on rank ``overflow_rank`` backward overflows (an inf in the
+    input makes its gradients non-finite) at the steps ``overflow_steps`` (0-based). Per step
+    whether it was taken (1 or 0), and the final parameters."""
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     taken = []
     for step, (x, y) in enumerate(batches):
         opt.zero_grad()
-        scaler.scale(nn.functional.cross_entropy(model(x), y)).backward()
         if step in overflow_steps and rank == overflow_rank:
-            next(model.parameters()).grad.view(-1)[0] = float("inf")
+            x = x.clone()
+            x[0, 0] = float("inf")
+        scaler.scale(nn.functional.cross_entropy(model(x), y)).backward()
         before = opt.global_step
         scaler.step(opt)
         scaler.update()

@@ -875,29 +875,22 @@ def test_compiled_step_equals_eager_across_the_freeze(info, fresh_dynamo):
     assert compiled.compressing
 
 
-def test_a_grad_scaler_hands_step_found_inf_and_the_scale():
-    """``_step_supports_amp_scaling`` is ``True`` (a class attribute, torch's protocol: no caller
-    is inspected): ``torch.amp.GradScaler.step`` then calls ``step()`` on every rank with
-    ``found_inf`` and the scale (``None`` once the loop unscaled), so the ranks agree on a skip.
-    Lightning reads the flag as "unscales in step()" (it refuses ``gradient_clip_val`` under fp16
-    mixed precision: docs/guarantees.md)."""
+def test_a_grad_scaler_unscales_before_step_and_lightning_may_clip():
+    """``_step_supports_amp_scaling`` is ``False`` (as torch's optimizers): ``torch.amp.GradScaler``
+    unscales ``p.grad`` itself before ``step()`` and hands nothing over, and Lightning's mixed
+    precision unscales before its gradient clipping (it refuses to clip for an optimizer that says
+    it unscales inside ``step()``). The ranks' agreement on an overflow: tests/test_grad_scaler.py."""
     from pytorch_lightning.plugins.precision.amp import _optimizer_handles_unscaling
 
     model = nn.Linear(4, 2)
     opt = OnebitAdam(model.parameters(), lr=1e-3, freeze_step=2, backend=SingleProcessBackend())
-    assert type(opt)._step_supports_amp_scaling is True and _optimizer_handles_unscaling(opt)
-    seen = []  # what step() was handed (GradScaler removes the attributes after it)
+    assert opt._step_supports_amp_scaling is False and not _optimizer_handles_unscaling(opt)
+    seen = []  # what step() saw of p.grad and of the scaler
     opt.register_step_pre_hook(lambda o, args, kwargs: seen.append((hasattr(o, "found_inf"),
-                                                                   getattr(o, "grad_scale", "absent"))))
+                                                                   model.bias.grad.clone())))
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
     scaler.scale(model(torch.ones(3, 4)).sum()).backward()
-    scaler.unscale_(opt)
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
     scaler.step(opt)
     scaler.update()
-    assert seen == [(True, None)]  # found_inf handed over; unscaled beforehand, so no scale left
-    opt.zero_grad()
-    scaler.scale(model(torch.ones(3, 4)).sum()).backward()
-    scaler.step(opt)  # scaled gradients: step() gets the scale and unscales as it gathers
-    assert len(seen) == 2 and seen[1][0] and float(seen[1][1]) == 2.0**4
-    assert opt.global_step == 2 and not hasattr(opt, "found_inf")
+    assert seen[0][0] is False and torch.equal(seen[0][1], torch.full((2,), 3.0))  # unscaled: d(sum)/d(bias) = 3
+    assert opt.global_step == 1

@@ -22,7 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_layering import modules  # noqa: E402
 
 MAX_LINES = 500
-FRAME_READING = re.compile(r"\bsys\._getframe\b|\binspect\.(stack|currentframe|getouterframes)\b|\bf_locals\b|\bf_back\b")
+FRAME_READING = re.compile(
+    r"\bsys\._getframe\b|\binspect\.(stack|currentframe|getouterframes)\b|\bf_locals\b|\bf_back\b")
 #: the names an optimizer goes by in the package's modules
 OPTIMIZER_NAMES = {"opt", "optimizer", "owner"}
 
