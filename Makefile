@@ -1,4 +1,5 @@
 # Quick start: `make demo` and `make test`; each creates/reuses the local virtual environment.
+# `make test-compat`: the framework integrations against older framework releases (.venv-compat).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -7,7 +8,7 @@ TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: venv test clean
+.PHONY: venv test test-compat clean
 
 venv: $(STAMP)
 
@@ -28,8 +29,30 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -P -m pytest -q -p no:cacheprovider --durations=15 $(TEST_WORKERS)
 
+# make test-compat: the framework integrations (examples/ under their launchers, the checkpoints'
+# consolidation lines of compressed_opt.integrations) against the previous minor release of each
+# framework, in a venv of their own (make test keeps pyproject's pins). The newest release of each
+# previous minor line; the same CPU torch.
+COMPAT_VENV ?= .venv-compat
+COMPAT_PY := $(COMPAT_VENV)/bin/python
+COMPAT_PINS ?= transformers==5.22.2 accelerate==1.14.0 pytorch-lightning==2.5.6
+COMPAT_TESTS ?= tests/test_integrations.py tests/test_framework_integrations.py
+COMPAT_STAMP := $(COMPAT_VENV)/.installed
+
+$(COMPAT_STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(COMPAT_VENV)
+	$(COMPAT_PY) -m pip install -q --upgrade pip
+	$(COMPAT_PY) -m pip install -q "$(TORCH_PIN)"
+	$(COMPAT_PY) -m pip install -q -e . $(COMPAT_PINS) "pytest>=7" "pytest-timeout>=2.1" "$(TORCH_PIN)"
+	touch $(COMPAT_STAMP)
+
+test-compat: $(COMPAT_STAMP)
+	@$(COMPAT_PY) -m pip list 2>/dev/null | grep -iE '^(torch|transformers|accelerate|pytorch-lightning) '
+	PATH="$(CURDIR)/$(COMPAT_VENV)/bin:$$PATH" $(COMPAT_PY) -P -m pytest -q -p no:cacheprovider --durations=15 \
+		$(COMPAT_TESTS)
+
 # make demo (the main job), make bench, make bench-micro
 include benchmarks/bench.mk
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(COMPAT_VENV) build *.egg-info

@@ -18,6 +18,7 @@ from compressed_opt.comm import compressed_allreduce, get_backend  # noqa: F401
 
 from .ddp import register_ddp_comm_hook  # noqa: F401
 from .deepspeed_compat import from_deepspeed_config  # noqa: F401
+from . import integrations  # noqa: F401  (the frameworks' checkpoints: one line each)
 from .freeze import VarianceStabilityRule  # noqa: F401
 from .onebit_adam import OnebitAdam  # noqa: F401
 from .onebit_lamb import OnebitLamb  # noqa: F401
@@ -31,6 +32,7 @@ __all__ = [
     "VarianceStabilityRule",
     "from_deepspeed_config",
     "register_ddp_comm_hook",
+    "integrations",
     "compressed_allreduce",
     "get_backend",
     "comm",

@@ -19,7 +19,7 @@ import torch
 
 from compressed_opt.comm import DEFAULT_BLOCK, Backend, get_backend
 
-from . import checkpoint, consolidate, frameworks
+from . import checkpoint, consolidate, integrations
 from .checkpoint import validate_state_dict
 
 
@@ -200,8 +200,8 @@ class Persistence:
         counters and this rank's error-feedback buffers (see the module doc). State-dict pre hooks
         run first and post hooks last, on the whole dict (``"compressed_opt"`` included), as
         ``torch.optim.Optimizer.state_dict`` runs them."""
-        if self._consolidated is None and self.backend.world_size > 1 and frameworks.saving_on_every_rank():
-            self.consolidate_state_dict(0)  # accelerate's save_state: every rank is here, rank 0 saves
+        if self._consolidated is None and self.backend.world_size > 1:
+            integrations.check_consolidated(self)  # under a framework that saves from one rank: warns what to add
         post_hooks = self._optimizer_state_dict_post_hooks
         self._optimizer_state_dict_post_hooks = type(post_hooks)()  # run below, on the whole dict
         try:

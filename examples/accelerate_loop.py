@@ -6,9 +6,11 @@ ranks, Gloo.
 
 (``accelerate launch --cpu`` would start a single process: it launches several CPU ranks only
 through MPI.) The recipe is the optimizer passed to ``accelerator.prepare`` with the model and
-the data; ``Accelerator`` must come first: it initialises torch.distributed, which the
-optimizer's backend needs. The loop clips with ``accelerator.clip_grad_norm_(..., 1.0)`` as
-accelerate's examples do; ``--accumulation``, ``--bf16`` and ``--save-at``/``--resume`` use
+the data, then one line that makes ``accelerator.save_state`` write every rank's optimizer state
+(``compressed_opt.integrations.consolidate_before_save_state(accelerator, opt)``: rank 0 writes,
+every rank resumes from that file); ``Accelerator`` must come first: it initialises
+torch.distributed, which the optimizer's backend needs. The loop clips with
+``accelerator.clip_grad_norm_(..., 1.0)`` as accelerate's examples do; ``--accumulation``, ``--bf16`` and ``--save-at``/``--resume`` use
 accelerate's gradient accumulation, mixed precision and ``save_state``/``load_state``. The measurements (``harness.Meter``) are not part of the recipe.
 """  # noqa: E501 - the torchrun command line above is kept whole, for copying
 import itertools
@@ -22,6 +24,7 @@ from accelerate import Accelerator  # noqa: E402
 from accelerate.utils import set_seed  # noqa: E402
 from transformers import GPT2LMHeadModel  # noqa: E402
 
+import compressed_opt  # noqa: E402
 import harness  # noqa: E402
 
 
@@ -37,6 +40,8 @@ def main():
     loader = torch.utils.data.DataLoader(harness.ByteWindows(), batch_size=harness.BATCH, shuffle=True, drop_last=True)
     raw_opt = opt
     model, opt, loader = accelerator.prepare(model, opt, loader)
+    if args.optimizer != "adamw":  # (AdamW, the baseline, has nothing per rank to consolidate)
+        compressed_opt.integrations.consolidate_before_save_state(accelerator, opt)
     start = 0
     if args.resume:  # every rank loads the one saved state (the optimizer: each rank's own part of it)
         accelerator.load_state(args.checkpoint)

@@ -3,8 +3,10 @@ DistributedDataParallel itself): a tiny byte-level GPT-2 on Python's help texts,
 
     torchrun --standalone --nproc-per-node 2 examples/hf_trainer.py --optimizer onebitadam --steps 200 --freeze-step 50
 
-The recipe is the optimizer passed as ``optimizers=(opt, None)``; everything else is the Trainer's
-defaults (its linear LR schedule, ``max_grad_norm=1.0`` clipping); ``--accumulation``, ``--bf16`` and
+The recipe is the optimizer passed as ``optimizers=(opt, None)`` and one callback,
+``compressed_opt.integrations.ConsolidateBeforeSave()``, which makes the Trainer's checkpoints hold
+every rank's optimizer state (rank 0 saves, every rank resumes from that file); everything else is
+the Trainer's defaults (its linear LR schedule, ``max_grad_norm=1.0`` clipping); ``--accumulation``, ``--bf16`` and
 ``--save-at``/``--resume`` set the Trainer's ``gradient_accumulation_steps``, ``bf16``, ``save_steps``
 and ``resume_from_checkpoint``. ``TrainingArguments`` must come
 first: it initialises torch.distributed, which the optimizer's backend needs.
@@ -20,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # harness.py, al
 import torch  # noqa: E402
 from transformers import GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
+import compressed_opt  # noqa: E402
 import harness  # noqa: E402
 
 
@@ -38,9 +41,10 @@ def main():
         model = GPT2LMHeadModel(harness.gpt2_config())
         opt = None if args.optimizer == "adamw" else harness.make_optimizer(args, model.parameters())
         # e.g. opt = compressed_opt.OnebitAdam(model.parameters(), lr=2e-3, freeze_step=50)
-        callback = Measure(args, opt)
+        callback = Measure(args, opt)  # (measurements)
         trainer = Trainer(model=model, args=training_args, train_dataset=harness.ByteWindows(as_dict=True),
-                          optimizers=(opt, None), callbacks=[callback])
+                          optimizers=(opt, None),
+                          callbacks=[callback, compressed_opt.integrations.ConsolidateBeforeSave()])
         callback.trainer = trainer
         resume = os.path.join(args.checkpoint, f"checkpoint-{args.save_at}") if args.resume else None
         trainer.train(resume_from_checkpoint=resume)  # every rank loads the one saved optimizer file

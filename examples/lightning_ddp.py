@@ -7,7 +7,8 @@ Lightning starts the second rank itself (``devices=2``: it runs this script agai
 subprocess); under ``torchrun --standalone --nproc-per-node 2`` it uses torchrun's ranks instead.
 The recipe is ``configure_optimizers`` returning the optimizer, with ``gradient_clip_val=1.0``;
 ``--accumulation``, ``--bf16`` and ``--save-at``/``--resume`` set ``accumulate_grad_batches``,
-``precision="bf16-mixed"``, a ``ModelCheckpoint`` and ``fit(ckpt_path=...)``.
+``precision="bf16-mixed"``, a ``ModelCheckpoint`` and ``fit(ckpt_path=...)``; Lightning consolidates
+the optimizer's per-rank state before it saves by itself (no line to add).
 Lightning makes the optimizer after wrapping the model in DDP and after torch.distributed is up.
 The measurements (``harness.Meter``, a callback) are not part of the recipe.
 """
@@ -84,7 +85,9 @@ def main():
                          logger=False, enable_checkpointing=len(callbacks) > 1, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=callbacks, **epochs)
     ckpt = os.path.join(args.checkpoint, f"step{args.save_at}.ckpt") if args.resume else None
-    trainer.fit(model, loader, ckpt_path=ckpt)  # Lightning consolidates the optimizer before saving
+    # (no line to add for the checkpoints: Lightning calls optimizer.consolidate_state_dict() on every rank
+    # before saving, so its file holds every rank's optimizer state)
+    trainer.fit(model, loader, ckpt_path=ckpt)
     # ---------------------------------------------------------------------------------------------
     measure.meter.finish(model.model)
 

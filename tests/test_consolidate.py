@@ -166,43 +166,6 @@ def test_consolidated_file_on_another_world_size_and_damaged(tmp_path):
         fresh.load_state_dict({**sd, "compressed_opt": {**sd["compressed_opt"], "ranks": parts}})
 
 
-class _Recorder:
-    """Stands for an optimizer: counts the consolidations asked of it."""
-
-    def __init__(self):
-        self.calls = []
-
-    def consolidate_state_dict(self, to=0):
-        self.calls.append(to)
-
-
-def test_the_trainer_callback_consolidates_before_each_save_and_only_then():
-    """The callback the optimizer adds to a transformers Trainer (compressed_opt.frameworks):
-    every rank consolidates at the end of a step after which the Trainer saves, not otherwise;
-    with save_strategy="best" after each evaluation (the save is decided right after it); never
-    when only the model is saved."""
-    from types import SimpleNamespace
-
-    from transformers import TrainerControl
-
-    from compressed_opt.frameworks import _callback_class
-
-    opt = _Recorder()
-    callback = _callback_class()(opt)
-    args = SimpleNamespace(save_only_model=False, save_strategy="steps")
-    callback.on_step_end(args, None, TrainerControl(should_save=False))
-    assert opt.calls == []
-    callback.on_step_end(args, None, TrainerControl(should_save=True))
-    callback.on_epoch_end(args, None, TrainerControl(should_save=True))
-    callback.on_evaluate(args, None, TrainerControl())
-    assert opt.calls == [0, 0]
-    callback.on_evaluate(SimpleNamespace(save_only_model=False, save_strategy="best"), None, TrainerControl())
-    assert opt.calls == [0, 0, 0]
-    callback.on_step_end(SimpleNamespace(save_only_model=True, save_strategy="steps"), None,
-                         TrainerControl(should_save=True))
-    assert opt.calls == [0, 0, 0]
-
-
 def test_consolidating_between_backward_and_step_is_refused():
     model = _model(0)
     opt = compressed_opt.OnebitAdam(model.parameters(), lr=1e-2, freeze_step=1,

@@ -10,8 +10,10 @@ step (the framework's gradient accumulation), gradient clipping, and the framewo
 checkpoint after step 6 (saved from rank 0). Checked: exit code 0; the ranks' final parameters
 identical; a second run that resumes from that checkpoint in fresh processes (every rank loading
 rank 0's files) ends bit-identical to the first, with the same losses (the optimizer's per-rank
-state travels in the file: compressed_opt.consolidate; and the communication thread gave the
-same bits twice); finite losses; warmup bytes per step no more than
+state travels in the file: compressed_opt.consolidate, through each recipe's one line of
+compressed_opt.integrations, none for Lightning; and the communication thread gave the
+same bits twice); the saved optimizer file holds one part per rank, the ranks' error feedback
+differing; finite losses; warmup bytes per step no more than
 AdamW's (nothing sent twice); compression-stage bytes per step at most 1/20 of AdamW's (DDP's
 all-reduce of every gradient, 2(N-1)/N times their bytes: measured with a counting hook by
 ``benchmarks/integrations.py``); no backward through DDP's built-in full-precision all-reduce.
@@ -31,6 +33,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 # the frameworks must be importable: a missing one is a failure (collection error), not a skip
 import accelerate  # noqa: F401
@@ -63,6 +66,8 @@ def run_example(script: str, optimizer: str, tmp_path, tag: str, extra: tuple[st
     if run["timed_out"]:
         pytest.fail(f"{what} hung (killed after {TIMEOUT} s):\n{run['output'][-6000:]}")
     assert run["returncode"] == 0, f"{what} exited {run['returncode']}:\n{run['output'][-6000:]}"
+    assert "UnconsolidatedCheckpointWarning" not in run["output"], (
+        f"{what}: the recipe saved an unconsolidated optimizer state:\n{run['output'][-6000:]}")
     result = run["result"]
     assert result is not None, f"{what} wrote no results:\n{run['output'][-6000:]}"
     assert result["steps"] == steps and len(result["loss"]) == steps, result["loss"]
@@ -89,6 +94,26 @@ def _check_sends_little(result: dict, adamw_bytes: dict, adamw_wire: dict | None
             f"{adamw_wire['compression']:.0f}: {wire['per_step']}")
 
 
+def saved_optimizer_state(script: str, checkpoint: str) -> dict:
+    """The optimizer state dict in the framework's checkpoint of ``--save-at`` (written by rank 0)."""
+    if script == "hf_trainer":
+        return torch.load(os.path.join(checkpoint, f"checkpoint-{SAVE_AT}", "optimizer.pt"), weights_only=True)
+    if script == "accelerate_loop":
+        return torch.load(os.path.join(checkpoint, "optimizer.bin"), weights_only=True)
+    ckpt = torch.load(os.path.join(checkpoint, f"step{SAVE_AT}.ckpt"), weights_only=False)  # (Lightning's own file)
+    return ckpt["optimizer_states"][0]
+
+
+def _check_every_rank_saved(script: str, checkpoint: str) -> None:
+    extra = saved_optimizer_state(script, checkpoint)["compressed_opt"]
+    parts = extra.get("ranks")
+    assert parts is not None and [p["rank"] for p in parts] == [0, 1], (
+        f"{script}: the saved optimizer state holds rank {extra['rank']}'s state only (not consolidated)")
+    own = [torch.cat([v.flatten() for e in p["buckets"] for _, v in sorted(e.items()) if isinstance(v, torch.Tensor)])
+           for p in parts]  # each rank's error feedback
+    assert own[0].numel() > 0 and not torch.equal(own[0], own[1]), f"{script}: the two parts hold the same state"
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(2 * TIMEOUT + 60)
 @pytest.mark.parametrize("script, groups", [("hf_trainer", "one"), ("lightning_ddp", "one"), ("accelerate_loop", "one"),
@@ -101,6 +126,7 @@ def test_recipe_onebit_adam_against_adamw(script, groups, tmp_path):
     resumed = run_example(script, "onebitadam", tmp_path, "resumed", extra=LOOP + checkpoint + ("--resume",),
                           steps=STEPS - SAVE_AT)
     assert first["checkpoint_bytes"]["ours"] > 0, "the ranks' state was not consolidated for the checkpoint"
+    _check_every_rank_saved(script, str(tmp_path / "checkpoint"))
     assert resumed["params_sha256"] == first["params_sha256"], (
         "the run resumed from the framework's checkpoint after step 6 ends elsewhere than the uninterrupted one")
     assert resumed["loss"] == first["loss"][SAVE_AT:]

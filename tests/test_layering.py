@@ -1,6 +1,8 @@
 """The installed package's layers, read from the source: ``compressed_opt -> comm -> cuda``, arrows
 only pointing down, no import cycle (function-level imports included), nothing imported from
-``benchmarks/`` or ``tests/``.
+``benchmarks/`` or ``tests/``; and no reading of stack frames (a caller recognised by its frames
+stops being recognised, silently, when a framework renames an internal: integrate through public
+hooks instead, compressed_opt.integrations).
 
     python -P tests/test_layering.py      # prints the import graph and any cycle
 """
@@ -8,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -111,6 +114,49 @@ def test_no_file_loaded_by_path():
         with open(path) as f:
             source = f.read()
         assert "spec_from_file_location" not in source, module
+
+
+#: what reaches a stack frame: sys._getframe, sys._current_frames, inspect.currentframe / stack /
+#: trace / getouterframes / getinnerframes, a frame's or traceback's attributes (f_back, f_locals,
+#: f_globals, f_code, tb_frame). Matched anywhere in the source, strings and comments included (a
+#: getattr by name is a frame read too), as whole words.
+FRAME_NAMES = ("_getframe", "_current_frames", "currentframe", "getouterframes", "getinnerframes",
+               "f_back", "f_locals", "f_globals", "f_code", "tb_frame")
+_FRAME_WORDS = re.compile(r"\b(" + "|".join(FRAME_NAMES) + r")\b|\binspect\s*\.\s*(stack|trace)\b")
+#: modules that still read frames, to be emptied (issue 27): each must still read them (else: take it off)
+FRAME_READERS_KNOWN = {"compressed_opt.optimizer"}
+
+
+def frame_reads(path: str) -> list[str]:
+    """``"line: text"`` of every line of ``path`` that names a way to a stack frame, and of every
+    ``from inspect import`` of ``stack``/``trace`` (used then without the ``inspect.`` prefix)."""
+    with open(path) as f:
+        source = f.read()
+    found = [f"{n}: {line.strip()}" for n, line in enumerate(source.splitlines(), 1) if _FRAME_WORDS.search(line)]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module == "inspect":
+            found += [f"{node.lineno}: from inspect import {a.name}" for a in node.names
+                      if a.name in ("stack", "trace")]
+    return found
+
+
+def test_no_stack_frame_reading():
+    reads = {m: frame_reads(p) for m, p in modules().items()}
+    assert {m: r for m, r in reads.items() if r and m not in FRAME_READERS_KNOWN} == {}
+    stale = sorted(m for m in FRAME_READERS_KNOWN if not reads.get(m))
+    assert stale == [], f"{stale} read no frames any more: take them off FRAME_READERS_KNOWN"
+
+
+def test_the_frame_check_can_fail(tmp_path):
+    """The check sees the reads that frameworks.py used to make (and none in plain code)."""
+    reads = tmp_path / "reads.py"
+    reads.write_text("import sys\nfrom inspect import stack\nframe = sys._getframe(1)\n"
+                     "owner = frame.f_back.f_locals.get('self')\nname = getattr(frame, 'f_code')\n"
+                     "import inspect\nouter = inspect . stack()\n")
+    assert [line.split(":")[0] for line in frame_reads(str(reads))] == ["3", "4", "5", "7", "2"]
+    plain = tmp_path / "plain.py"
+    plain.write_text("import torch\nx = torch.stack([torch.ones(1)])\nf_backward = 1\nstack = []\n")
+    assert frame_reads(str(plain)) == []
 
 
 if __name__ == "__main__":
