@@ -31,7 +31,7 @@ from torch.optim import Optimizer
 
 from compressed_opt.comm import DEFAULT_BLOCK, Backend, get_backend
 
-from . import agreement, averaging, ddp, frameworks, traffic
+from . import agreement, averaging, ddp, traffic
 from .agreement import RankAgreement
 from .buckets import Bucket, build_buckets
 from .buffers import SAVED, SCRATCH, STATE, Buffer, names, overlay
@@ -170,7 +170,6 @@ class CompressedOptimizer(Stepping, Reporting, Persistence, Optimizer):
         self._layout_hash = 0
         self._pending_bucket_state: list[dict] | None = None
         self._consolidated: tuple[int, list[dict]] | None = None  # (global_step, every rank's part)
-        self._frameworks_checked = False
         self._averager = None  # what averages the warmup gradients in the optimizer's place (attach_averager)
         self._closed = False
         #: steps skipped on every rank because some rank's gradients held inf/NaN (no GradScaler)
@@ -447,9 +446,6 @@ class CompressedOptimizer(Stepping, Reporting, Persistence, Optimizer):
     def _before_step(self) -> None:
         """At the start of ``step()``, before any collective."""
         self._consolidated = None  # the parts gathered for a checkpoint describe the step before
-        if not self._frameworks_checked:
-            self._frameworks_checked = True
-            frameworks.watch_trainer(self)
 
     def rank0_decides(self, wants: bool) -> bool:
         """Rank 0's ``wants``, on every rank (a one-element broadcast): for decisions computed

@@ -179,8 +179,8 @@ class Persistence:
         ``state_dict()`` until the next step carries it, so that one file resumes every rank
         exactly: each rank that loads it takes its own part. Every rank must call it, as torch's
         ``ZeroRedundancyOptimizer.consolidate_state_dict``; Lightning does before it saves, and
-        under accelerate's ``save_state`` and the HF Trainer it runs by itself
-        (:mod:`compressed_opt.frameworks`). Without it, ``state_dict()`` holds this rank's state
+        under the HF Trainer and accelerate's ``save_state`` one line makes it run
+        (:mod:`compressed_opt.integrations`). Without it, ``state_dict()`` holds this rank's state
         only (resume with each rank's own file)."""
         world = self.backend.world_size
         if isinstance(to, bool) or not isinstance(to, int) or not 0 <= to < world:
@@ -248,7 +248,7 @@ class Persistence:
     #: ``copy.deepcopy`` or pickle, made again by the copy (see ``__getstate__``)
     _runtime_attributes = frozenset({
         "backend", "_launcher", "_buckets", "_layout_key", "_param_places", "_averager", "_rank_statistics",
-        "_consolidated", "_frameworks_checked", "_agreement", "_exchanges", "_traffic", "_entered",
+        "_consolidated", "_agreement", "_exchanges", "_traffic", "_entered",
         "_regathering", "_backward_norms",
         "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
         "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
@@ -349,7 +349,6 @@ class Persistence:
             self._param_places = None
             self._averager = None
             self._consolidated = None
-            self._frameworks_checked = False
             self._entered = False
             self._regathering = False
             self._backward_norms = None

@@ -123,8 +123,6 @@ def test_no_file_loaded_by_path():
 FRAME_NAMES = ("_getframe", "_current_frames", "currentframe", "getouterframes", "getinnerframes",
                "f_back", "f_locals", "f_globals", "f_code", "tb_frame")
 _FRAME_WORDS = re.compile(r"\b(" + "|".join(FRAME_NAMES) + r")\b|\binspect\s*\.\s*(stack|trace)\b")
-#: modules that still read frames, to be emptied (issue 27): each must still read them (else: take it off)
-FRAME_READERS_KNOWN = {"compressed_opt.optimizer"}
 
 
 def frame_reads(path: str) -> list[str]:
@@ -141,10 +139,10 @@ def frame_reads(path: str) -> list[str]:
 
 
 def test_no_stack_frame_reading():
+    """No module of the installed package reads the caller's stack frames: integrations use
+    public API only (compressed_opt.integrations; GradScaler: compressed_opt.stepping)."""
     reads = {m: frame_reads(p) for m, p in modules().items()}
-    assert {m: r for m, r in reads.items() if r and m not in FRAME_READERS_KNOWN} == {}
-    stale = sorted(m for m in FRAME_READERS_KNOWN if not reads.get(m))
-    assert stale == [], f"{stale} read no frames any more: take them off FRAME_READERS_KNOWN"
+    assert {m: r for m, r in reads.items() if r} == {}
 
 
 def test_the_frame_check_can_fail(tmp_path):
