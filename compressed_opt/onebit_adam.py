@@ -353,6 +353,26 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
 class OnebitAdam(_FreezingAdam):
     """1-bit Adam: AdamW during warmup, then 1-bit compressed momentum with a frozen variance.
 
+    Warmup, steps ``1..freeze_step`` (gradients averaged at full precision): AdamW exactly::
+
+        m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2
+        p = p (1 - lr wd) - lr (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)
+
+    Compression stage (``v_f = v / (1 - b2^F)`` frozen at step ``F = freeze_step``): each rank's
+    momentum ``m_i = b1 m + (1 - b1) g_i`` goes through the 1-bit exchange with error feedback,
+    ``m = avg_1bit(m_i)``, and ``p = p (1 - lr wd) - lr (m / (1 - b1^t)) / (sqrt(v_f) + eps)``
+    (the exchange preconditioned and each layer's step tracked: the module docstring).
+
+    Example::
+
+        torch.distributed.init_process_group("nccl")      # under torchrun
+        opt = compressed_opt.OnebitAdam(model.parameters(), lr=1e-3, freeze_step=2000)
+        for x, y in loader:
+            opt.zero_grad()
+            loss_fn(model(x), y).backward()
+            opt.step()
+        print(opt.comm_stats())                            # bytes per step, warmup and compression
+
     Args:
         params: parameters or param groups, as for ``torch.optim.AdamW``.
         lr, betas, eps, weight_decay: as ``torch.optim.AdamW`` (decoupled weight decay).

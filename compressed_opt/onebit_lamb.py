@@ -121,6 +121,18 @@ class OnebitLamb(_FreezingAdam):
     per-layer trust ratio follows LAMB's from the ranks' local momenta (``trust_ratio="live"``) or
     is frozen and rescaled by the drift of a fresh variance estimate (the paper's, ``"frozen"``).
 
+    Warmup: LAMB, ``u = m_hat / (sqrt(v_hat) + eps) + wd p``, ``r = clip(||p|| / ||u||,
+    min_coeff, max_coeff)`` per layer, ``p = p - lr r u``. Compression stage: the momenta of all
+    layers through one 1-bit exchange with error feedback; ``u = m / (sqrt(v_f) + eps) + wd p``
+    with ``v_f`` frozen at ``freeze_step``, and each layer's step ``lr r u`` with ``r`` LAMB's
+    ratio (docs/design.md 2.4).
+
+    Example::
+
+        opt = compressed_opt.OnebitLamb(model.parameters(), lr=1e-2, freeze_step=2000)
+        loss_fn(model(x), y).backward()
+        opt.step()
+
     Args:
         params: parameters or param groups, as for ``torch.optim.AdamW``.
         lr, betas, eps, weight_decay: as LAMB (weight decay added to the update before the

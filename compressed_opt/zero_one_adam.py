@@ -92,6 +92,17 @@ class ZeroOneAdam(ZeroOneExchange, tracking.LayerVarianceTracking, CompressedOpt
     """0/1 Adam: sparse variance refreshes with 1-bit gradients, then a frozen variance with
     local steps and 1-bit synchronisations at growing intervals.
 
+    Phase A (to ``var_freeze_step``): ``v`` refreshed from a full-precision gradient average at
+    doubling intervals, the 1-bit average of the gradients between, ``m = b1 m + (1 - b1) g``.
+    Phase B: ``v`` frozen; local steps ``p = p - lr m / (sqrt(v) + eps)``, synchronised through
+    the 1-bit exchange at doubling intervals (docs/design.md 2.5).
+
+    Example::
+
+        opt = compressed_opt.ZeroOneAdam(model.parameters(), lr=1e-3, var_freeze_step=2000)
+        loss_fn(model(x), y).backward()
+        opt.step()
+
     Args:
         params: parameters or param groups, as for ``torch.optim.AdamW``.
         lr, betas, eps, weight_decay: as ``torch.optim.AdamW`` (decoupled weight decay).
