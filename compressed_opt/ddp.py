@@ -166,14 +166,32 @@ def register_ddp_comm_hook(ddp_model, optimizer, process_group=None) -> DDPHookS
             "optimizer needs its own (it decides what DDP sends). Remove the other hook (e.g. a "
             "framework's ddp_comm_hook option)"
         )
-    if dist.get_world_size(process_group) != optimizer.backend.world_size:
-        raise ValueError("the DDP process group and the optimizer's backend have different world sizes")
+    _check_same_group(optimizer, process_group)
     state = DDPHookState(optimizer, process_group)
     optimizer.attach_averager(state)
     ddp_model.register_comm_hook(state, compressed_comm_hook)
     ddp_model._compressed_opt_state = state
     forget(optimizer)
     return state
+
+
+def _check_same_group(optimizer, process_group) -> None:
+    """Raise unless DDP averages over the ranks the optimizer exchanges over: the same world size
+    and, for a ``torch.distributed`` backend, the same ranks (warmup averages over DDP's group and
+    the 1-bit exchange over the backend's: other members would silently mix other replicas)."""
+    ddp_ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
+    backend = optimizer.backend
+    fix = (f"pass backend=compressed_opt.comm.TorchBackend(group=<the DDP model's process_group>) to "
+           f"{type(optimizer).__name__}")
+    if len(ddp_ranks) != backend.world_size:
+        raise ValueError(f"the DDP model averages over {len(ddp_ranks)} ranks and the optimizer's backend over "
+                         f"{backend.world_size}: {fix}")
+    group = getattr(backend, "group", False)
+    if group is not False:  # (a TorchBackend: its process group's members are known)
+        ours = dist.get_process_group_ranks(group or dist.group.WORLD)
+        if sorted(ours) != sorted(ddp_ranks):
+            raise ValueError(f"the DDP model averages over ranks {sorted(ddp_ranks)} and the optimizer's backend "
+                             f"exchanges over ranks {sorted(ours)}: {fix}")
 
 
 # --- finding the DDP module a framework wrapped the model in --------------------------------------

@@ -209,6 +209,12 @@ class CompressedOptimizer(Stepping, Reporting, Persistence, Optimizer):
         group = self.param_groups[-1]
         try:
             for p in group["params"]:
+                if type(p) not in (torch.Tensor, torch.nn.Parameter):
+                    raise TypeError(
+                        f"{type(self).__name__} takes plain parameters, got a {type(p).__name__}: DTensor parameters "
+                        "(FSDP2's fully_shard, tensor parallelism) are not supported. Train the model replicated "
+                        "(standalone or DDP) and shard the optimizer state with zero_stage=1 or 2"
+                    )
                 if p.is_complex():
                     raise TypeError(f"{type(self).__name__} does not support complex parameters (got {p.dtype})")
                 if not p.is_floating_point():

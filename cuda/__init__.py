@@ -59,6 +59,7 @@ __all__ = [
     "check_block",
     "kernel_path",
     "implementation",
+    "plain_memory",
     "reference",
     "Segments",
     "segment_sumsq",
@@ -127,9 +128,19 @@ def _impl(device: torch.device):
     return reference
 
 
+def plain_memory(t) -> bool:
+    """Whether ``t`` is a tensor whose elements a kernel may address: a ``torch.Tensor`` or
+    ``nn.Parameter`` itself (not a subclass such as DTensor, whose ``data_ptr()`` is not its
+    elements'), with storage (``data_ptr() != 0``, or no elements)."""
+    return type(t) in (torch.Tensor, torch.nn.Parameter) and (t.numel() == 0 or t.data_ptr() != 0)
+
+
 def _check_flat(name: str, t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not plain_memory(t):
+        raise TypeError(f"{name} must be a plain torch.Tensor with its own memory, got a {type(t).__name__} "
+                        "(a tensor subclass such as DTensor: the kernels address elements directly)")
     if t.dtype != dtype:
         raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
     if t.device != device:

@@ -60,9 +60,16 @@ def _native(*tensors: torch.Tensor):
     """The C library when every tensor is a contiguous fp32 CPU tensor and it is allowed, else None."""
     if os.environ.get("COMPRESSED_OPT_KERNELS") == "reference":
         return None
-    if not all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors):
+    if not all(_addressable(t) and t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
+               for t in tensors):
         return None
     return cpu.library()
+
+
+def _addressable(t: torch.Tensor) -> bool:
+    """Whether the C pass may read ``t``'s elements at ``data_ptr()``: a plain tensor or parameter
+    with storage (a DTensor's ``data_ptr()`` is 0: its elements are its local shard's)."""
+    return type(t) in (torch.Tensor, torch.nn.Parameter) and (t.numel() == 0 or t.data_ptr() != 0)
 
 
 def _check(segments: Segments, *tensors: torch.Tensor) -> None:
@@ -101,8 +108,8 @@ def gather_(sources: list, out: torch.Tensor, segments: Segments, scale: float |
     if sumsq_out is not None and (sumsq_out.shape != (len(segments),) or sumsq_out.dtype != torch.float64):
         raise ValueError(f"sumsq_out must be float64 of shape ({len(segments)},)")
     lib = _native(out) if sumsq_out is None or (sumsq_out.is_cpu and sumsq_out.is_contiguous()) else None
-    if lib is not None and all(s is None or (s.is_cpu and s.dtype is torch.float32 and s.is_contiguous())
-                               for s in sources):
+    if lib is not None and all(s is None or (_addressable(s) and s.is_cpu and s.dtype is torch.float32
+                                             and s.is_contiguous()) for s in sources):
         for src, n in zip(sources, segments.sizes):
             if src is not None and src.numel() != n:
                 raise ValueError(f"a source of {src.numel()} elements for a segment of {n}")
