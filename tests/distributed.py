@@ -108,3 +108,19 @@ def child_env() -> dict:
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
         env.pop(var, None)
     return env
+
+
+def userns_link_possible() -> tuple[bool, str]:
+    """Whether ``benchmarks/slowlink.py`` can make its link inside a user namespace here (what a
+    user without root gets), and why not."""
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False, "user namespaces are Linux-only"
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+    sys.path.insert(0, bench)
+    try:
+        import slowlink
+    finally:
+        sys.path.remove(bench)
+    return slowlink.netns_supported("userns")

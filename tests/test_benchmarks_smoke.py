@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 
-from distributed import child_env
+from distributed import child_env, userns_link_possible
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "benchmarks")
@@ -104,24 +104,13 @@ def test_slowlink_runs_two_ranks_and_cleans_up(tmp_path):
     assert _namespaces(prefix) == [], "slowlink left its namespaces behind"
 
 
-def _userns_usable() -> tuple[bool, str]:
-    if not sys.platform.startswith("linux"):
-        return False, "user namespaces are Linux-only"
-    sys.path.insert(0, BENCH)
-    try:
-        import slowlink
-    finally:
-        sys.path.remove(BENCH)
-    return slowlink.netns_supported("userns")
-
-
 @pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 def test_slowlink_in_a_user_namespace_needs_no_root(tmp_path):
     """--isolation userns (what a user without root gets): the same rate-limited veth between 2
     network namespaces, made inside unshare --user --map-root-user --net --mount; nothing named
     outside. Skipped where user namespaces cannot be made (the reason says why)."""
-    ok, why = _userns_usable()
+    ok, why = userns_link_possible()
     if not ok:
         pytest.skip(f"no user namespace with a veth pair here: {why}")
     before = _namespaces("cosl")

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from distributed import child_env
+from distributed import child_env, userns_link_possible
 
 TRAIN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "train.py")
 STEPS = 6
@@ -106,23 +106,12 @@ def _run_link(tmp_path, emulation: str, methods: str) -> tuple[subprocess.Comple
     return done, json.loads(path.read_text())
 
 
-def _userns_link_possible() -> tuple[bool, str]:
-    if not sys.platform.startswith("linux"):
-        return False, "user namespaces are Linux-only"
-    sys.path.insert(0, BENCH)
-    try:
-        import slowlink
-    finally:
-        sys.path.remove(BENCH)
-    return slowlink.netns_supported("userns")
-
-
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_link_in_a_user_namespace(tmp_path):
     """What make demo runs for a user without root: the ranks over a 100 Mbit/s veth inside a user
     namespace of the user's own (forced here, so that root runs it too)."""
-    ok, why = _userns_link_possible()
+    ok, why = userns_link_possible()
     if not ok:
         pytest.skip(f"unshare --user --map-root-user --net --mount cannot make the link here: {why}")
     done, rep = _run_link(tmp_path, "userns", "onebit_adam")  # (one method: a link per method takes time)
