@@ -92,6 +92,21 @@ class Scenario:
     child: str = ""  # fault_child.py's scenario, when not ``name``
 
 
+def _no_backward(stage: str, step: int) -> Scenario:
+    """Rank 1 calls ``step()`` without a backward at ``step`` while rank 0 runs backward (whose
+    hooks communicate), with Gloo's default 30-minute timeout: the entry agreement must end it."""
+    where = "warmup; rank 0's backward averages" if stage == "warmup" else \
+        "compression stage, exchanges launched from backward"
+    return Scenario(
+        f"no_backward_{stage}", "torchrun",
+        f"rank 1 calls step() without a backward at step {step} ({where}); Gloo's default 30-minute timeout",
+        f"RuntimeError on every rank at step {step} naming the ranks, within seconds",
+        lambda r: raised(r, "RuntimeError", rf"step {step} rank\(s\) \[1\] called step\(\) without a backward",
+                         global_step=step - 1) and job_ended(r, 30),
+        f"nothing applied at step {step} (global_step {{global_step}}); unsaved progress since the last checkpoint",
+        args=("--pg-timeout", "1800"))
+
+
 SCENARIOS = [
     Scenario("recreate", "torchrun", "optimizer re-created 3 times mid-training (steps 10, 20, 30), old one dropped",
              "trains on; no hang; 1 comm thread",
@@ -134,20 +149,7 @@ SCENARIOS = [
              lambda r: raised(r, "ValueError", r"step 5 the trainable parameters of rank\(s\) \[1\] differ",
                               global_step=4) and not r.sigabrt,
              "nothing applied at step 5 (global_step {global_step}); unsaved progress since the last checkpoint"),
-    Scenario("no_backward_warmup", "torchrun", "rank 1 calls step() without a backward at step 5 (warmup; rank 0's "
-             "backward averages); Gloo's default 30-minute timeout",
-             "RuntimeError on every rank at step 5 naming the ranks, within seconds",
-             lambda r: raised(r, "RuntimeError", r"step 5 rank\(s\) \[1\] called step\(\) without a backward",
-                              global_step=4) and job_ended(r, 30),
-             "nothing applied at step 5 (global_step {global_step}); unsaved progress since the last checkpoint",
-             args=("--pg-timeout", "1800")),
-    Scenario("no_backward_compression", "torchrun", "rank 1 calls step() without a backward at step 25 (compression "
-             "stage, exchanges launched from backward); Gloo's default 30-minute timeout",
-             "RuntimeError on every rank at step 25 naming the ranks, within seconds",
-             lambda r: raised(r, "RuntimeError", r"step 25 rank\(s\) \[1\] called step\(\) without a backward",
-                              global_step=24) and job_ended(r, 30),
-             "nothing applied at step 25 (global_step {global_step}); unsaved progress since the last checkpoint",
-             args=("--pg-timeout", "1800")),
+    *(_no_backward(stage, step) for stage, step in (("warmup", 5), ("compression", 25))),
     Scenario("mpi_raise", "mpiexec", "uncaught exception on rank 1 at step 10 (MPI backend)",
              "job aborts, exit non-zero, within seconds",
              lambda r: job_ended(r, 10) and "aborting the MPI job" in r.output,
