@@ -384,14 +384,20 @@ class Stepping:
 
 
 def _largest_magnitudes(grads: list) -> torch.Tensor | None:
-    """Each non-empty tensor's L2 norm, accumulated in fp32 (inf/NaN where it holds one), as one
-    tensor; ``None`` for none. One read-only pass (a third of a copy's time on a CPU core: the
-    infinity norm there takes 4x a copy). A norm that overflowed from finite elements is made
-    finite again (an exact check of that tensor, on that rare path)."""
+    """Each non-empty tensor's L2 norm as one fp32 tensor (inf/NaN where it holds one); ``None``
+    for none. fp32 and narrower gradients are accumulated in fp32, float64 ones in float64 and
+    then narrowed. One read-only pass (a third of a copy's time on a CPU core: the infinity norm
+    there takes 4x a copy). A norm that overflowed from finite elements is made finite again (an
+    exact check of that tensor, on that rare path)."""
     grads = [g for g in grads if g is not None and g.numel()]
     if not grads:
         return None
-    norms = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))
+    if all(g.dtype != torch.float64 for g in grads):
+        norms = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))
+    else:
+        norms = torch.stack([
+            torch.linalg.vector_norm(g, 2, dtype=None if g.dtype == torch.float64
+                                     else torch.float32).float() for g in grads])
     bad = (~norms.isfinite()).nonzero().view(-1).tolist()
     for i in bad:
         if bool(grads[i].isfinite().all()):
