@@ -9,7 +9,7 @@ ZeRO-sharded) calls these. In place on flat fp32 buffers (or chunks of them)::
     p = p decay + alpha d                      descend_ (AdamW's step: decay = 1 - lr wd, alpha = -lr / bc1)
     the compression stage's |m / sqrt(v_f)|    COMPRESSED_STEP_BOUND (1.25)
     the most one gradient spike gives           spike_bound: max(1, (1 - b1) / sqrt(1 - b2))
-    0/1 Adam's phase-A |g_i / sqrt(v_hat)|      WHITENED_GRADIENT_BOUND (3)
+    0/1 Adam's phase-A |g_i / sqrt(v_hat)|      PRECONDITIONED_GRADIENT_BOUND (3)
 """
 from __future__ import annotations
 
@@ -28,11 +28,11 @@ import torch
 COMPRESSED_STEP_BOUND = 1.25
 
 #: 0/1 Adam's bound on a local gradient's ``|g_i / sqrt(v_hat)|`` in its phase-A 1-bit exchange.
-#: The whitened gradient has an RMS near 1; ``1 / sqrt(1 - b2)`` (31.6) is what one coordinate can
+#: The preconditioned gradient has an RMS near 1; ``1 / sqrt(1 - b2)`` (31.6) is what one coordinate can
 #: reach between sparse refreshes of ``v``, and with one 1-bit scale per block such an outlier sets
 #: the scale of its whole block, sending every neighbour at its size. 3 is measured
 #: (docs/design.md 2.5: GPT-2, 3 seeds, 1.145x AdamW's loss at 31.6, 0.994 at 3).
-WHITENED_GRADIENT_BOUND = 3.0
+PRECONDITIONED_GRADIENT_BOUND = 3.0
 
 
 def spike_bound(beta1: float, beta2: float) -> float:

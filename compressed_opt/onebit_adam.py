@@ -46,17 +46,16 @@ import logging
 
 import torch
 
-from compressed_opt import cuda as kernels
 from compressed_opt.comm import DEFAULT_BLOCK
 
-from . import scaling, zero
+from . import exchange_variant, scaling, zero
 from . import variance_tracking as tracking
 from .buffers import DERIVED, STATE, Buffer
 from .freeze import VarianceStabilityRule, resolve_rule, restore_rule
-from .moments import (COMPRESSED_STEP_BOUND, bias_corrections, denominator_, descend_, frozen_denominator_of,
+from .moments import (COMPRESSED_STEP_BOUND, bias_corrections, denominator_, frozen_denominator_of,
                       momentum_, variance_)
 from .optimizer import CompressedOptimizer, common_args
-from .validation import check_adam_group, check_choice, check_step_count
+from .validation import check_adam_group, check_step_count
 
 logger = logging.getLogger("compressed_opt")
 
@@ -80,7 +79,8 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
     #: layout keeps it when it forms the local momentum)
     keeps_previous_momentum = False
 
-    EXCHANGES = ("preconditioned", "momentum")
+    #: the exchange variants it takes (``exchange=``), :mod:`compressed_opt.exchange_variant`
+    EXCHANGES = exchange_variant.ADAM
     #: whether the compression stage still divides by ``sqrt(v_f) + eps`` itself (1-bit LAMB's
     #: factor does), or needs only the exchange's factors ``R`` and ``A``
     keeps_denominator = False
@@ -88,8 +88,7 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
     def __init__(self, params, defaults, freeze_step, backend, bucket_cap_mb, overlap=True, accumulation_steps=1,
                  zero_stage=0, master_resync_interval=100, exchange="preconditioned", variance_tracking=False,
                  hierarchy="auto", path=None, scale_block=DEFAULT_BLOCK):
-        check_choice("exchange", exchange, self.EXCHANGES)
-        self.exchange_mode = exchange
+        self.exchange_variant = exchange_variant.choose(exchange, self.EXCHANGES)
         self._init_variance_tracking(variance_tracking)
         freeze_step = check_step_count("freeze_step", freeze_step, allow_auto=True, minimum=1) \
             if not isinstance(freeze_step, VarianceStabilityRule) else freeze_step
@@ -181,32 +180,15 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
 
     def exchange_scales(self, bucket) -> list[float] | None:
         """Per parameter of the bucket, the factor its momentum is multiplied by for the 1-bit
-        exchange (``None``: not scaled)."""
-        return None
+        exchange (``None``: not scaled; the exchange variant's)."""
+        return self.exchange_variant.exchange_scales(self, bucket)
 
     # --- the preconditioned exchange ----------------------------------------------------------
     def exchange_preconditioner(self, bucket) -> torch.Tensor | None:
         """Per element of the bucket, the fixed factor its momentum is multiplied by for the 1-bit
-        exchange (``None``: the momentum itself is exchanged, ``exchange="momentum"``):
-        ``R = c_l / sqrt(v_f)`` per element (0 where ``v_f == 0``), made at the first compressed
-        exchange from ``v_f`` and the momentum, both the same on every rank; after a load, from
-        ``v_f`` and the saved ``c_l``. The layout keeps beside it what its compression steps need
-        (:meth:`~compressed_opt.layout.Layout.keep_exchange_factors`)."""
-        if self.exchange_mode != "preconditioned":
-            return None
-        r = bucket.flats.get("preconditioner")
-        if r is None:
-            group = self.param_groups[bucket.group_index]
-            denom = self.frozen_denominator(bucket)  # sqrt(v_f) + eps, inf where v_f == 0
-            # sqrt(v_f), from the denominator every mode holds (inf where v_f == 0); floored where
-            # it sank below eps's rounding (R and A only need to agree with each other)
-            root = torch.sub(denom, group["eps"]).clamp_(min=group["eps"] * 2.0**-20)
-            r = torch.reciprocal(root)  # 0 where v_f == 0
-            coeffs = self._preconditioned_coeffs(bucket, r)
-            scaling.scale_(bucket.views(r), coeffs)
-            bucket.flats["preconditioner"] = r
-            self.layout.keep_exchange_factors(self, bucket, root, denom, coeffs)
-        return r
+        exchange, ``R = c_l / sqrt(v_f)`` (``None``: the momentum itself is exchanged; the exchange
+        variant's, :mod:`compressed_opt.exchange_variant`)."""
+        return self.exchange_variant.preconditioner(self, bucket)
 
     def _bound_constant(self, betas) -> float:
         """``K``, the bound on a coordinate's exchanged ``|m_i / sqrt(v_f)|`` in units of its step
@@ -242,9 +224,7 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
         (docs/design.md 2.3.3). ``None`` (1) with the paper's exchange or without tracking.
         Called once per exchange: the factors are kept with the bucket for the rest of the step
         (:meth:`_applied_exchange_factors`), and after it in ``state[p]["exchange_factor"]``."""
-        if self.exchange_mode != "preconditioned":
-            return None
-        s = self._last_variance_factors(bucket)
+        s = self.exchange_variant.exchange_factors(lambda: self._last_variance_factors(bucket))
         if s is None:
             return None
         bucket.derived["exchange_factors"] = s
@@ -254,8 +234,9 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
         return s
 
     def _applied_exchange_factors(self, bucket) -> list[float] | None:
-        """The ``s_l`` of this step's exchange (``None``: not tracked)."""
-        if self.exchange_mode != "preconditioned" or not (self.variance_tracking and self.frozen):
+        """The ``s_l`` of this step's exchange (``None``: not tracked, or the exchange variant does
+        not scale by them: :meth:`exchange_factors` then keeps none)."""
+        if not (self.variance_tracking and self.frozen):
             return None
         return bucket.derived.get("exchange_factors")
 
@@ -282,20 +263,6 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
             for p, v in zip(bucket.params, s):
                 self.state[p]["exchange_factor"] = v
 
-    def _preconditioned_coeffs(self, bucket, inv_root: torch.Tensor) -> list[float]:
-        """Each layer's ``c_l = mean_k s_k / s_l``, ``s_l`` the RMS of ``m / sqrt(v_f)`` over layer
-        ``l``: set once, from the momentum of the freeze (whole on every rank), and kept in
-        ``state[p]["scaling_coeff"]`` (checkpoints carry it)."""
-        states = [self.state[p] for p in bucket.params]
-        if any("scaling_coeff" not in st for st in states):
-            m = bucket.flats.get("exp_avg")
-            if m is None:
-                raise RuntimeError(f"{type(self).__name__}: the exchange's scaling coefficients are missing from "
-                                   "the state of a checkpoint saved in the compression stage")
-            for st, c in zip(states, scaling.coefficients_of(bucket.views(torch.mul(m, inv_root)))):
-                st["scaling_coeff"] = c
-        return [st["scaling_coeff"] for st in states]
-
     def no_variance_indices(self, bucket) -> torch.Tensor:
         """Indices of the bucket's elements with ``v_f == 0`` (usually none): ``m = y / R`` is
         0 / 0 there, and is set to 0."""
@@ -305,14 +272,9 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
         return idx
 
     def momentum_from_exchange(self, bucket, y: torch.Tensor, out: torch.Tensor) -> None:
-        """``m = y / (s_l R)`` into ``out`` (0 where ``v_f == 0``; the cached indices of those
-        zeros spare the composed path a mask pass per step; ``s_l`` the exchange's factors,
-        :meth:`exchange_factors`, divided in the same pass)."""
-        n = bucket.numel
-        s = self._applied_exchange_factors(bucket)
-        segments = (bucket.segments, s) if s is not None else ()
-        kernels.divide_where_nonzero_(y[:n], self.exchange_preconditioner(bucket)[:n], out[:n],
-                                      self.no_variance_indices(bucket), *segments)
+        """The momentum ``m`` from the exchanged average ``y`` into ``out``: ``y / (s_l R)`` (0 where
+        ``v_f == 0``), or ``y / c_l`` with the paper's exchange (the exchange variant's)."""
+        self.exchange_variant.momentum_from_exchange(self, bucket, y, out, self._applied_exchange_factors(bucket))
 
     def _load_extra_state(self, extra):
         self._load_tracking_of(extra)
@@ -321,10 +283,11 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
         self._unit_factor_errors = set(range(len(extra["buckets"]))) if unit else set()
         # checkpoints from before the preconditioned exchange carry no "exchange": the paper's
         saved = extra.get("exchange", "momentum")
-        if extra["frozen"] and saved != self.exchange_mode:
+        if extra["frozen"] and saved != self.exchange_variant.name:
+            name = self.exchange_variant.name
             raise ValueError(
                 f"this checkpoint was saved in the compression stage of {type(self).__name__}(exchange={saved!r}); "
-                f"its error-feedback buffers hold errors of that exchange, not of exchange={self.exchange_mode!r}. "
+                f"its error-feedback buffers hold errors of that exchange, not of exchange={name!r}. "
                 f"Resume it with {type(self).__name__}(..., exchange={saved!r})"
             )
         self.frozen = bool(extra["frozen"])
@@ -336,7 +299,7 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
             "frozen": self.frozen,
             "freeze_step": self.freeze_step,
             "freeze_rule": None if self.freeze_rule is None else self.freeze_rule.state_dict(),
-            "exchange": self.exchange_mode,
+            "exchange": self.exchange_variant.name,
             "variance_tracking": self.variance_tracking,
         }
 
@@ -346,7 +309,7 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
     def _extra_signature(self):
         rule = None if self.freeze_rule is None else self.freeze_rule.state_dict()
         return (self.freeze_step, rule and (rule["window"], rule["rtol"], rule["min_step"], rule["max_step"]),
-                self.exchange_mode, self.variance_tracking)
+                self.exchange_variant.name, self.variance_tracking)
 
 
 @common_args
@@ -430,13 +393,5 @@ class OnebitAdam(_FreezingAdam):
             layout.step_(self, bucket, layout.own_values(self, bucket), direction, 1 - lr * wd, -lr / bc1)
             return
         # compression stage: grad holds the compressed average (_bucket_communicate)
-        if self.exchange_mode == "preconditioned":  # y = the average of s_l R m_i
-            layout.step_preconditioned_(self, bucket, grad, 1 - lr * wd, -lr / bc1, step)
-            self._record_exchange_factors(bucket)
-            return
-        layout.keep_momentum(self, bucket, grad)
-        direction = grad  # m / (sqrt(v_f) + eps), in place
-        torch.div(grad, self.frozen_denominator(bucket), out=direction)
-        self._variance_factors_(bucket, direction)
-        descend_(bucket.params, bucket.views(direction), 1 - lr * wd, -lr / bc1)
-        layout.update_masters(self, bucket, step, 1 - lr * wd, direction, -lr / bc1)
+        self.exchange_variant.update_(self, bucket, grad, 1 - lr * wd, -lr / bc1, step)
+        self._record_exchange_factors(bucket)

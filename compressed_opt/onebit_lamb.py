@@ -97,7 +97,7 @@ import torch
 from compressed_opt import cuda as kernels
 from compressed_opt.comm import DEFAULT_BLOCK
 
-from . import scaling
+from . import exchange_variant, scaling
 from .buffers import SAVED, STATE, Buffer
 from .onebit_adam import DEFAULT_FREEZE_STEP, _FreezingAdam
 from .optimizer import common_args
@@ -169,6 +169,7 @@ class OnebitLamb(_FreezingAdam):
     #: the factor and the update divide by sqrt(v_f) + eps (a sharded layout makes it again from R
     #: for each step)
     keeps_denominator = True
+    EXCHANGES = exchange_variant.LAMB
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  freeze_step=DEFAULT_FREEZE_STEP, *,
@@ -266,39 +267,19 @@ class OnebitLamb(_FreezingAdam):
             st["lamb_coeff"] = r
 
     # --- compression stage -----------------------------------------------------------------------
-    def _scaling_coeffs(self, bucket, m) -> list[float]:
-        """Each layer's ``c_l = mean_k RMS(m_k) / RMS(m_l)`` (1 for an all-zero or empty layer),
-        set once from ``m`` (the averaged momentum, the same on every rank) and kept in state."""
-        states = [self.state[p] for p in bucket.params]
-        if any("scaling_coeff" not in st for st in states):
-            if m is None:  # cannot happen: the coefficients are set when the momentum is whole
-                raise RuntimeError("1-bit LAMB: scaling coefficients missing after the first exchange")
-            for st, c in zip(states, scaling.coefficients_of(bucket.views(m))):
-                st["scaling_coeff"] = c
-        return [st["scaling_coeff"] for st in states]
-
-    def exchange_scales(self, bucket):
-        if self.exchange_mode == "preconditioned":
-            return None  # the per-layer coefficients are inside the preconditioner
-        # (sharded: set at the first exchange, while the momentum gathered at the freeze is whole)
-        return self._scaling_coeffs(bucket, bucket.flats.get("exp_avg"))
-
     def _bucket_communicate(self, bucket, group, grad, step):
         """Compression stage, as soon as the bucket's gradients are ready: the local momentum
         ``b1 m + (1 - b1) g_i`` into the gradient buffer (``m`` keeps ``m_{t-1}``, needed to
-        reconstruct the gradient), scaled per layer by ``c_l``, compressed-allreduced, unscaled."""
-        preconditioned = self.exchange_mode == "preconditioned"
+        reconstruct the gradient), as the exchange variant carries it (``R m_i``, bounded, or
+        ``c_l m_i``), compressed-allreduced, and ``m_t`` taken back from the average."""
         coeffs = self.exchange_scales(bucket)  # (None when preconditioned: c_l is inside R)
         self.layout.local_momentum_(self, bucket, grad, group["betas"][0])
-        if not preconditioned:
+        if coeffs is not None:
             scaling.scale_(bucket.views(grad), coeffs)
         if self._measures_live_ratio(step):
             self._observe_local_direction(bucket, group, grad, step)
         yield from self.layout.exchange(self, bucket, grad)
-        if preconditioned:
-            self.momentum_from_exchange(bucket, grad, out=grad)  # m_t = y / R
-        else:
-            scaling.unscale_(bucket.views(grad), coeffs)
+        self.momentum_from_exchange(bucket, grad, out=grad)  # m_t = y / R, or y / c_l
 
     def _compressed_step(self, bucket, group, momentum, step):
         """``momentum`` holds ``m_t`` (the compressed average); the layout still holds ``m_{t-1}``
@@ -347,30 +328,13 @@ class OnebitLamb(_FreezingAdam):
 
     def _observe_local_direction(self, bucket, group, x, step):
         """This rank's per-layer ``||u_i||^2``, ``u_i = m_i_hat / sqrt(v_f) + wd p`` its LAMB direction
-        from its local momentum, from the exchanged vector ``x``: ``R m_i`` (bounded) with the
-        preconditioned exchange, so ``m_i / sqrt(v_f) = x / c_l`` (the bound aside, and ``eps``:
-        where ``sqrt(v_f) < eps`` it overstates the step's ``m_i / (sqrt(v_f) + eps)``, which only
-        lowers the ratio towards its floor ``r_f``); ``c_l m_i`` with ``exchange="momentum"``."""
+        from its local momentum, from the exchanged vector ``x`` (``R m_i`` or ``c_l m_i``: the
+        exchange variant's ``local_direction_sq``)."""
         beta1, beta2 = group["betas"]
         bc1, _ = bias_corrections(beta1, beta2, step, group["bias_correction"])
-        wd = group["weight_decay"]
-        params = bucket.params
-        coeffs = [self.state[p]["scaling_coeff"] for p in params]
-        views = bucket.views(x[: bucket.numel])
-        if self.exchange_mode == "preconditioned":
-            scales = [1.0 / (c * bc1) for c in coeffs]
-            if wd == 0:  # no copy: the norms of x, scaled
-                sq = norms(views).square_()
-                sq.mul_(torch.tensor(scales, dtype=sq.dtype, device=sq.device).square_())
-                self._local_direction_sq[bucket.index] = sq
-                return
-            direction = torch._foreach_mul(views, scales)
-        else:  # x = c_l m_i
-            direction = bucket.views(torch.div(x[: bucket.numel], self.frozen_denominator(bucket)[: bucket.numel]))
-            torch._foreach_mul_(direction, [1.0 / (c * bc1) for c in coeffs])
-        if wd != 0:
-            torch._foreach_add_(direction, [p.detach() for p in params], alpha=wd)
-        self._local_direction_sq[bucket.index] = norms(direction).square_()
+        scales = [1.0 / (self.state[p]["scaling_coeff"] * bc1) for p in bucket.params]
+        self._local_direction_sq[bucket.index] = self.exchange_variant.local_direction_sq(
+            self, bucket, x, scales, group["weight_decay"])
 
     def _before_update(self, step, averaged):
         """Compression stage, live trust ratio: every rank's per-layer ``||u_i||^2`` (one all-gather

@@ -72,13 +72,14 @@ import torch
 
 from compressed_opt.comm import DEFAULT_BLOCK
 
+from . import exchange_variant
 from . import variance_tracking as tracking
 from .buffers import DERIVED, LAYER, SCRATCH, STATE, Buffer
 from .freeze import VarianceStabilityRule, resolve_rule, restore_rule
-from .moments import denominator_, momentum_, variance_
+from .moments import denominator_, momentum_
 from .optimizer import CompressedOptimizer, common_args
-from .validation import check_adam_group, check_choice, check_step_count
-from .zero_one_exchange import ZeroOneExchange, _no_variance_no_move_
+from .validation import check_adam_group, check_step_count
+from .zero_one_exchange import VARIANTS, ZeroOneExchange, _no_variance_no_move_
 
 logger = logging.getLogger("compressed_opt")
 
@@ -118,7 +119,7 @@ class ZeroOneAdam(ZeroOneExchange, tracking.LayerVarianceTracking, CompressedOpt
         zero_stage: only 0: 0/1 Adam's state is not sharded (the error for 1 or 2 says why; see
             :mod:`compressed_opt.zero`).
         exchange: ``"preconditioned"`` (default): every 1-bit exchange sends its values divided
-            by ``sqrt(v)`` (whitened, bounded), so a coordinate of tiny variance gets 1-bit noise
+            by ``sqrt(v)`` (preconditioned, bounded), so a coordinate of tiny variance gets 1-bit noise
             of its own size (see the module doc); ``"momentum"``: the paper's exchanges, with
             per-layer coefficients.
         variance_tracking: ``True`` (default): in phase B each layer's steps follow the change of
@@ -146,21 +147,21 @@ class ZeroOneAdam(ZeroOneExchange, tracking.LayerVarianceTracking, CompressedOpt
         "momentum_accumulator": Buffer(STATE),  # acc
         "sync_params": Buffer(STATE),  # p_sync
         "frozen_denominator": Buffer(DERIVED),  # phase B's sqrt(v_hat) + eps
-        "preconditioner": Buffer(DERIVED),  # phase A's whitening factors
+        "preconditioner": Buffer(DERIVED),  # phase A's preconditioning factors
         "no_variance": Buffer(SCRATCH, (torch.int64, torch.bool)),  # where v == 0: indices, or a mask if many
         "interval_factor": Buffer(LAYER, torch.float64),  # the tracking's factor of the interval
     }
     #: phase B: each rank's local momentum and accumulated update (between synchronisations)
     rank_state_names = ("exp_avg", "momentum_accumulator")
-    EXCHANGES = ("preconditioned", "momentum")
+    #: the exchange variants it takes (``exchange=``), :mod:`compressed_opt.zero_one_exchange`
+    EXCHANGES = VARIANTS
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *,
                  var_freeze_step=100000, var_update_scaler=16, local_step_scaler=32678, local_step_clipper=16,
                  bias_correction=True, backend=None, bucket_cap_mb=25.0, overlap=True, accumulation_steps=1,
                  zero_stage=0, exchange="preconditioned", variance_tracking=True, hierarchy="auto", path=None,
                  scale_block=DEFAULT_BLOCK):
-        check_choice("exchange", exchange, self.EXCHANGES)
-        self.exchange_mode = exchange
+        self.exchange_variant = exchange_variant.choose(exchange, self.EXCHANGES)
         self._init_variance_tracking(variance_tracking)
         if variance_tracking:  # the factor of the current synchronisation interval, per layer
             self.layer_state = {**self.layer_state, "interval_factor": 1}
@@ -257,8 +258,7 @@ class ZeroOneAdam(ZeroOneExchange, tracking.LayerVarianceTracking, CompressedOpt
         of the ranks' gradients (phase B communicates only in ``_local_step``, which needs lr)."""
         if not self.frozen:
             yield from self._exchange_steps(bucket, grad)
-            if self.exchange_mode == "preconditioned":  # g = y / R is 0 / 0 where v == 0
-                _no_variance_no_move_(grad, bucket, bucket.flat("exp_avg_sq"), False)
+            self.exchange_variant.after_average_(self, bucket, grad)
 
     def _bucket_step(self, bucket, group, grad, step, averaged):
         if self.frozen:
@@ -274,11 +274,7 @@ class ZeroOneAdam(ZeroOneExchange, tracking.LayerVarianceTracking, CompressedOpt
         momentum_(m, grad, beta1)
         if refresh:
             self._observe_averaged_gradient(bucket, grad)
-            whitened = self.exchange_mode == "preconditioned"
-            old = self._preconditioner(bucket) if whitened else None  # (after a load: made from v)
-            variance_(v, grad, beta2)
-            if whitened:
-                self._refresh_preconditioner(bucket, old)
+            self.exchange_variant.refresh_variance_(self, bucket, v, grad, beta2)
         _no_variance_no_move_(m, bucket, v, refresh)
         bc1 = bc2 = 1.0
         if group["bias_correction"]:
@@ -344,9 +340,8 @@ class ZeroOneAdam(ZeroOneExchange, tracking.LayerVarianceTracking, CompressedOpt
         refreshed = step % self.var_interval == 0
         self.last_step_kind = "refresh" if refreshed else "compressed"
         if refreshed:
-            for b in self._buckets:  # v changed: so do the layers' coefficients
-                if self.exchange_mode == "momentum":  # (preconditioned: in _phase_a_step)
-                    self._set_layer_coeffs(b)
+            for b in self._buckets:  # v changed: so may the exchange's factors
+                self.exchange_variant.after_refresh(self, b)
             self.var_refreshes += 1
             self.var_counter += 1
             if self.var_counter >= self.var_update_scaler:
@@ -411,10 +406,7 @@ class ZeroOneAdam(ZeroOneExchange, tracking.LayerVarianceTracking, CompressedOpt
             torch._foreach_copy_(b.views(b.flat("sync_params")), b.params)
         self.reset_error_buffers()
         for b in self._buckets:  # from the frozen v: the typical size of each layer's momentum
-            if self.exchange_mode == "preconditioned":
-                self._set_freeze_coeffs(b)
-            else:
-                self._set_layer_coeffs(b)
+            self.exchange_variant.at_freeze(self, b)
         self.frozen = True
         self.var_freeze_step = step
         self.steps_since_sync = 0
@@ -447,7 +439,7 @@ class ZeroOneAdam(ZeroOneExchange, tracking.LayerVarianceTracking, CompressedOpt
             "lr_sums": list(lr_sums),
             "decays": list(decays),
             "last_step_kind": self.last_step_kind,
-            "exchange": self.exchange_mode,
+            "exchange": self.exchange_variant.name,
             "variance_tracking": self.variance_tracking,
         }
 
@@ -455,10 +447,10 @@ class ZeroOneAdam(ZeroOneExchange, tracking.LayerVarianceTracking, CompressedOpt
         self._load_tracking_of(extra)
         # checkpoints from before the preconditioned exchange carry no "exchange": the paper's
         saved = extra.get("exchange", "momentum")
-        if saved != self.exchange_mode and int(extra.get("global_step", 0)) > 0:
+        if saved != self.exchange_variant.name and int(extra.get("global_step", 0)) > 0:
             raise ValueError(
                 f"this checkpoint was saved by ZeroOneAdam(exchange={saved!r}); its error-feedback buffers hold "
-                f"errors of that exchange, not of exchange={self.exchange_mode!r}. Resume it with "
+                f"errors of that exchange, not of exchange={self.exchange_variant.name!r}. Resume it with "
                 f"ZeroOneAdam(..., exchange={saved!r})"
             )
         self.frozen = bool(extra["frozen"])
@@ -488,6 +480,6 @@ class ZeroOneAdam(ZeroOneExchange, tracking.LayerVarianceTracking, CompressedOpt
             self.var_update_scaler,
             self.local_step_scaler,
             self.local_step_clipper,
-            self.exchange_mode,
+            self.exchange_variant.name,
             self.variance_tracking,
         )

@@ -1,11 +1,14 @@
 """0/1 Adam's 1-bit exchanges (Lu et al., ICLR 2023; docs/design.md 2.5): what goes through the
 compressed allreduce, and how it comes back.
 
-A part (mixin) of :class:`compressed_opt.ZeroOneAdam`. With ``exchange="preconditioned"`` (the
-default) every exchange sends its values whitened and bounded: phase A's gradients times
+A part (mixin) of :class:`compressed_opt.ZeroOneAdam`, and its two exchange variants
+(:mod:`compressed_opt.exchange_variant`), chosen once by ``exchange=``: with
+:class:`ZeroOnePreconditioned` (``"preconditioned"``, the default) every exchange sends its values
+preconditioned and bounded: phase A's gradients times
 ``R = 1 / sqrt(v_hat)`` (fixed between variance refreshes; the error buffers are carried to the
 new ``R`` at each refresh), phase B's accumulated update times ``R = c_l / sqrt(v_f)``; with
-``"momentum"`` each layer is scaled by its coefficient ``c_l`` (:mod:`compressed_opt.scaling`).
+:class:`ZeroOneMomentum` (``"momentum"``, the paper's) each layer is scaled by its coefficient
+``c_l`` (:mod:`compressed_opt.scaling`).
 A coordinate whose variance is 0 is never moved by what comes back (:func:`_no_variance_no_move_`).
 """
 from __future__ import annotations
@@ -17,7 +20,8 @@ import torch
 from compressed_opt import cuda as kernels
 
 from . import scaling
-from .moments import COMPRESSED_STEP_BOUND, WHITENED_GRADIENT_BOUND
+from .exchange_variant import ExchangeVariant
+from .moments import COMPRESSED_STEP_BOUND, PRECONDITIONED_GRADIENT_BOUND, variance_
 
 
 # --- the math, on flat buffers -------------------------------------------------------------------
@@ -65,26 +69,16 @@ class ZeroOneExchange:
             st["scaling_coeff"] = c
 
     def _exchange(self, bucket, x, lr_sum: float = 1.0, factors: list[float] | None = None) -> None:
-        """``x`` <- the 1-bit compressed average of the ranks' ``x``: whitened and bounded
-        (``exchange="preconditioned"``, :meth:`_preconditioner`), or each layer scaled by its
-        coefficient (``"momentum"``). ``lr_sum``, ``factors``: phase B's sum of lr over the
+        """``x`` <- the 1-bit compressed average of the ranks' ``x``, as the exchange variant
+        carries it: preconditioned and bounded (:meth:`_preconditioner`), or each layer scaled by
+        its coefficient. ``lr_sum``, ``factors``: phase B's sum of lr over the
         interval and its tracking factors (the bound of ``sum lr m / sqrt(v)``)."""
         self.exchanges.run([self._exchange_steps(bucket, x, lr_sum, factors)])
 
     def _exchange_steps(self, bucket, x, lr_sum: float = 1.0, factors: list[float] | None = None):
         """:meth:`_exchange` as a generator that yields its compressed average's request between
         the passes before and after it (phase A's exchange groups run theirs together)."""
-        if self.exchange_mode == "preconditioned":
-            r = self._preconditioner(bucket)
-            bounds = self._exchange_bounds(bucket, lr_sum, factors)
-            kernels.scale_clamp_(x, r, bounds, bucket.segments)  # one pass
-            yield bucket, x, None
-            x.div_(r)  # 0 / 0 where v == 0: the callers zero those coordinates (_no_variance_no_move_)
-            return
-        coeffs, views = self._layer_coeffs(bucket), bucket.views(x)
-        scaling.scale_(views, coeffs)
-        yield bucket, x, None
-        scaling.unscale_(views, coeffs)
+        return self.exchange_variant.exchange_steps(self, bucket, x, lr_sum, factors)
 
     # --- the preconditioned exchange -------------------------------------------------------------
     def _preconditioner(self, bucket) -> torch.Tensor:
@@ -115,12 +109,13 @@ class ZeroOneExchange:
 
     def _exchange_bounds(self, bucket, lr_sum: float, factors: list[float] | None) -> list[float]:
         """Per layer, the bound on ``|R x_i|``. Phase A (gradients): :data:`~compressed_opt.moments.
-        WHITENED_GRADIENT_BOUND` (3; what ``|g_i| / sqrt(v)`` may be, in units of its RMS). Phase B (``sum lr m``):
+        PRECONDITIONED_GRADIENT_BOUND` (3; what ``|g_i| / sqrt(v)`` may be, in units of its RMS).
+        Phase B (``sum lr m``):
         ``c_l lr_sum K / f_l``, ``K`` the compression stage's bound on ``|m / sqrt(v_f)|``
         (:data:`~compressed_opt.moments.COMPRESSED_STEP_BOUND`), ``f_l`` the interval's tracking factor
         (``factors``; ``None``: 1), which multiplies the synchronised step."""
         if not self.frozen:
-            return [WHITENED_GRADIENT_BOUND] * len(bucket.params)
+            return [PRECONDITIONED_GRADIENT_BOUND] * len(bucket.params)
         k = COMPRESSED_STEP_BOUND * lr_sum
         if factors is None:
             return [k * self.state[p]["scaling_coeff"] for p in bucket.params]
@@ -143,8 +138,72 @@ class ZeroOneExchange:
         """At the freeze (``m``, ``v`` bias-corrected): phase B's per-layer coefficients from the
         RMS of ``m / sqrt(v_f)``, and its ``R``."""
         # (a per-layer RMS ratio: v's correction cancels)
-        whitened = torch.sqrt(bucket.flat("exp_avg_sq")).reciprocal_().mul_(bucket.flat("exp_avg"))
-        whitened.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-        for p, c in zip(bucket.params, scaling.coefficients_of(bucket.views(whitened))):
+        preconditioned = torch.sqrt(bucket.flat("exp_avg_sq")).reciprocal_().mul_(bucket.flat("exp_avg"))
+        preconditioned.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        for p, c in zip(bucket.params, scaling.coefficients_of(bucket.views(preconditioned))):
             self.state[p]["scaling_coeff"] = c
         bucket.flats.pop("preconditioner", None)
+
+
+class ZeroOnePreconditioned(ExchangeVariant):
+    """0/1 Adam's default exchange: ``R x_i`` bounded, ``R`` :meth:`ZeroOneExchange._preconditioner`."""
+
+    name = "preconditioned"
+
+    def exchange_steps(self, opt, bucket, x, lr_sum, factors):
+        """``x`` times ``R``, clipped to the bounds, in one pass; the request; ``x / R`` (0 / 0
+        where ``v == 0``: the callers zero those coordinates, :meth:`after_average_`)."""
+        r = opt._preconditioner(bucket)
+        bounds = opt._exchange_bounds(bucket, lr_sum, factors)
+        kernels.scale_clamp_(x, r, bounds, bucket.segments)  # one pass
+        yield bucket, x, None
+        x.div_(r)
+
+    def after_average_(self, opt, bucket, grad) -> None:
+        """Phase A: the averaged gradient is 0 where ``v == 0`` (``y / R`` is 0 / 0 there)."""
+        _no_variance_no_move_(grad, bucket, bucket.flat("exp_avg_sq"), False)
+
+    def refresh_variance_(self, opt, bucket, v, grad, beta2: float) -> None:
+        """A refresh: ``v <- b2 v + (1 - b2) g^2``, a new ``R`` from it, and the error buffers
+        carried to the new ``R``."""
+        old = opt._preconditioner(bucket)  # (after a load: made from v)
+        variance_(v, grad, beta2)
+        opt._refresh_preconditioner(bucket, old)
+
+    def after_refresh(self, opt, bucket) -> None:
+        """Nothing more: the new ``R`` was made in :meth:`refresh_variance_`."""
+
+    def at_freeze(self, opt, bucket) -> None:
+        """Phase B's coefficients from the RMS of ``m / sqrt(v_f)``, and its ``R``."""
+        opt._set_freeze_coeffs(bucket)
+
+
+class ZeroOneMomentum(ExchangeVariant):
+    """The paper's exchanges: each layer scaled by its coefficient ``c_l`` from ``v``."""
+
+    name = "momentum"
+
+    def exchange_steps(self, opt, bucket, x, lr_sum, factors):
+        """``x`` times ``c_l`` per layer; the request; divided by ``c_l``."""
+        coeffs, views = opt._layer_coeffs(bucket), bucket.views(x)
+        scaling.scale_(views, coeffs)
+        yield bucket, x, None
+        scaling.unscale_(views, coeffs)
+
+    def after_average_(self, opt, bucket, grad) -> None:
+        """Nothing: nothing was divided."""
+
+    def refresh_variance_(self, opt, bucket, v, grad, beta2: float) -> None:
+        """A refresh: ``v <- b2 v + (1 - b2) g^2``."""
+        variance_(v, grad, beta2)
+
+    def after_refresh(self, opt, bucket) -> None:
+        """``v`` changed, so do the layers' coefficients (the error buffers move with them)."""
+        opt._set_layer_coeffs(bucket)
+
+    def at_freeze(self, opt, bucket) -> None:
+        """The layers' coefficients from the frozen ``v``."""
+        opt._set_layer_coeffs(bucket)
+
+
+VARIANTS = (ZeroOnePreconditioned, ZeroOneMomentum)

@@ -513,7 +513,7 @@ def test_a_gradient_that_grew_after_the_freeze_steps_no_further_than_the_bound()
                                                             backend=SingleProcessBackend()),
 ], ids=["OnebitAdam", "OnebitLamb", "ZeroOneAdam"])
 def test_a_checkpoint_of_the_other_exchange_is_refused_and_of_the_same_one_loads(make):
-    """Error buffers of the paper's exchange hold errors of m, the whitened exchange's of R m: a
+    """Error buffers of the paper's exchange hold errors of m, the preconditioned exchange's of R m: a
     compression-stage checkpoint moves only between optimizers of the same exchange."""
     model = mlp()
     opt = make(list(model.parameters()), "momentum")

@@ -4,7 +4,9 @@
 * no module reaches into an optimizer's private names (``opt._x``, ``optimizer._x``,
   ``self._opt._x``): the layouts, the DDP hook, checkpoints and consolidation use the optimizer's
   public protocol; a module may call a private name only where that module defines it (the
-  launcher callbacks of ``stepping.py`` call the step's own private methods).
+  launcher callbacks of ``stepping.py`` call the step's own private methods);
+* no module branches on the exchange variant's name: the choice is an object, made once
+  (:mod:`compressed_opt.exchange_variant`), and the algorithms call it where the variants differ.
 
     python -P tests/test_structure.py      # prints every module's line count
 """
@@ -74,6 +76,31 @@ def test_no_module_reaches_into_an_optimizers_private_names():
     assert not found, "private names of an optimizer used from another module:\n" + "\n".join(found)
 
 
+#: the exchange variants' names: compared with ``==`` / ``!=`` / ``in`` nowhere in the package
+VARIANT_NAMES = {"preconditioned", "momentum"}
+
+
+def _variant_branches(tree: ast.AST) -> list[int]:
+    """Lines that compare something with an exchange variant's name."""
+    return [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Compare)
+            and any(isinstance(x, ast.Constant) and x.value in VARIANT_NAMES
+                    for x in [node.left, *node.comparators])]
+
+
+def branches_on_the_exchange() -> list[str]:
+    found = []
+    for module, path in modules().items():
+        with open(path) as f:
+            tree = ast.parse(f.read())
+        found += [f"{module}:{line}" for line in _variant_branches(tree)]
+    return found
+
+
+def test_no_module_branches_on_the_exchange_variants_name():
+    found = branches_on_the_exchange()
+    assert not found, "comparisons with an exchange variant's name (call the variant instead):\n" + "\n".join(found)
+
+
 def test_the_checks_see_what_they_look_for(tmp_path):
     """The reach-in check flags ``opt._x`` from a module that does not define ``_x`` and lets a
     module's own names pass. (No stack-frame reading: tests/test_layering.py.)"""
@@ -83,6 +110,9 @@ def test_the_checks_see_what_they_look_for(tmp_path):
     hits = [n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr.startswith("_")
             and _is_optimizer(n.value) and n.attr not in own]
     assert hits == ["_hidden"]  # (_inner is assigned here: a name of this module)
+    branching = ast.parse("if self.exchange_mode == 'preconditioned':\n    pass\nx = 'momentum' in modes\n"
+                          "name = 'momentum'\n")
+    assert _variant_branches(branching) == [1, 3]  # (an assignment is not a branch)
 
 
 if __name__ == "__main__":

@@ -67,9 +67,9 @@ def reference_run(hp, steps, world, exchange="preconditioned", tracking=True):
     """0/1 Adam written out from docs/design.md 2.5 on flat tensors, simulating the ranks in one process;
     the compressed allreduce is ``allreduce_reference.simulate``, each layer scaled by its
     coefficient (``compressed_opt.scaling``; its formula has a test of its own) from ``v`` after
-    every refresh and at the freeze; or (``exchange="preconditioned"``) whitened: times ``R``
+    every refresh and at the freeze; or (``exchange="preconditioned"``) preconditioned: times ``R``
     (phase A ``1 / sqrt(v)``, phase B ``c_l / sqrt(v_f)`` with ``c_l`` from the RMS of ``m /
-    sqrt(v_f)``), clipped (phase A at 3, ``compressed_opt.moments.WHITENED_GRADIENT_BOUND``, phase B
+    sqrt(v_f)``), clipped (phase A at 3, ``compressed_opt.moments.PRECONDITIONED_GRADIENT_BOUND``, phase B
     ``c_l lr_sum / f_l``), divided by
     ``R`` after, the errors carried over at each refresh. ``tracking``: phase B's per-layer variance
     tracking (``tests/tracking_reference.py``), its factor set at each interval's first step. Per
@@ -104,7 +104,7 @@ def reference_run(hp, steps, world, exchange="preconditioned", tracking=True):
             server_err[r][: min(n, (r + 1) * c) - r * c].mul_(ratio[r * c : (r + 1) * c])
         return new
 
-    def whitening(v, refreshes, coeffs=None):  # 1 / sqrt(v_hat), bias-corrected
+    def preconditioning(v, refreshes, coeffs=None):  # 1 / sqrt(v_hat), bias-corrected
         r = torch.where(v == 0, 0.0, math.sqrt(1 - b2**refreshes) / v.sqrt())
         return r if coeffs is None else r * coeffs
 
@@ -132,7 +132,7 @@ def reference_run(hp, steps, world, exchange="preconditioned", tracking=True):
                 track.warmup(avg.split(sizes), [gi.split(sizes) for gi in g])
                 v = b2 * v + (1 - b2) * avg * avg
                 if pre:
-                    new = whitening(v, refreshes + 1)
+                    new = preconditioning(v, refreshes + 1)
                     carry_errors(torch.nan_to_num(new / coef, nan=0.0, posinf=0.0, neginf=0.0))
                     coef = new
                 else:
@@ -156,10 +156,10 @@ def reference_run(hp, steps, world, exchange="preconditioned", tracking=True):
                 for e in worker_err + server_err:
                     e.zero_()
                 if pre:
-                    whitened = m[0] * whitening(v, 1)  # (v is bias-corrected by now)
-                    rms = [piece.pow(2).mean().sqrt().item() for piece in whitened.split(sizes)]
+                    preconditioned = m[0] * preconditioning(v, 1)  # (v is bias-corrected by now)
+                    rms = [piece.pow(2).mean().sqrt().item() for piece in preconditioned.split(sizes)]
                     layer = torch.cat([torch.full((k,), c) for k, c in zip(sizes, scaling.coefficients(rms, sizes))])
-                    coef = whitening(v, 10**9, layer)
+                    coef = preconditioning(v, 10**9, layer)
                     k_step = 1.25  # the compression stage's bound on |m / sqrt(v_f)|
                 else:
                     coef = new_coefficients(v)

@@ -1,0 +1,205 @@
+"""The exchange variant: what the compression stage's 1-bit exchange carries.
+
+Chosen once, when the optimizer is made (its ``exchange=`` argument), and held as
+``optimizer.exchange_variant``, as the layout is held as ``optimizer.layout``. The algorithms call
+the variant where the two differ; nothing else branches on the choice (docs/design.md 2.3).
+
+``"preconditioned"`` (the default)
+    A rank's momentum ``m_i`` is exchanged as ``s_l R m_i``, clipped to ``+-c_l K``: ``R = c_l /
+    sqrt(v_f)`` per element, fixed from the freeze (0 where ``v_f == 0``), ``c_l`` the layer's
+    coefficient (its values reach the compressor at comparable sizes), ``s_l`` the layer's
+    variance-tracking factor of the last update, ``K`` the step bound. The average ``y`` gives
+    back ``m = y / (s_l R)`` (0 where ``v_f == 0``). No coordinate's 1-bit noise exceeds its own
+    Adam step.
+``"momentum"`` (the papers')
+    ``c_l m_i`` is exchanged (1-bit LAMB's per-layer coefficient; 1-bit Adam: ``m_i`` itself), and
+    ``m = y / c_l``.
+
+0/1 Adam's variants, which also carry its phase-A gradients, are with its exchange
+(:mod:`compressed_opt.zero_one_exchange`). A variant keeps nothing of its own: what it makes
+(``R``, the coefficients) is kept in the bucket and the optimizer's state, where checkpoints and
+the layout find it. Its methods take the optimizer, as the layout's do, and use its public names.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from compressed_opt import cuda as kernels
+
+from . import scaling
+from .moments import descend_
+from .reductions import norms
+from .validation import check_choice
+
+
+class ExchangeVariant:
+    """One way of carrying the momentum through the 1-bit exchange (see the module doc)."""
+
+    #: the ``exchange=`` argument that chooses it, and the name checkpoints record
+    name = ""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(exchange={self.name!r})"
+
+
+def choose(name, variants: tuple[type[ExchangeVariant], ...]) -> ExchangeVariant:
+    """The variant of ``variants`` called ``name`` (the ``exchange=`` argument), made once."""
+    by_name = {v.name: v for v in variants}
+    check_choice("exchange", name, tuple(by_name))
+    return by_name[name]()
+
+
+# --- 1-bit Adam ---------------------------------------------------------------------------------
+class AdamPreconditioned(ExchangeVariant):
+    """1-bit Adam's default: ``s_l R m_i`` exchanged, bounded (the bound: the optimizer's
+    ``bound_exchanged_``, applied by the layout in the pass that forms ``m_i``)."""
+
+    name = "preconditioned"
+
+    def preconditioner(self, opt, bucket) -> torch.Tensor:
+        """``R = c_l / sqrt(v_f)`` per element (0 where ``v_f == 0``), made at the first compressed
+        exchange from ``v_f`` and the momentum, both the same on every rank; after a load, from
+        ``v_f`` and the saved ``c_l``. The layout keeps beside it what its compression steps need
+        (:meth:`~compressed_opt.layout.Layout.keep_exchange_factors`)."""
+        r = bucket.flats.get("preconditioner")
+        if r is None:
+            group = opt.param_groups[bucket.group_index]
+            denom = opt.frozen_denominator(bucket)  # sqrt(v_f) + eps, inf where v_f == 0
+            # sqrt(v_f), from the denominator every mode holds (inf where v_f == 0); floored where
+            # it sank below eps's rounding (R and A only need to agree with each other)
+            root = torch.sub(denom, group["eps"]).clamp_(min=group["eps"] * 2.0**-20)
+            r = torch.reciprocal(root)  # 0 where v_f == 0
+            coeffs = self.coefficients(opt, bucket, r)
+            scaling.scale_(bucket.views(r), coeffs)
+            bucket.flats["preconditioner"] = r
+            opt.layout.keep_exchange_factors(opt, bucket, root, denom, coeffs)
+        return r
+
+    @staticmethod
+    def coefficients(opt, bucket, inv_root: torch.Tensor) -> list[float]:
+        """Each layer's ``c_l = mean_k s_k / s_l``, ``s_l`` the RMS of ``m / sqrt(v_f)`` over layer
+        ``l``: set once, from the momentum of the freeze (whole on every rank), and kept in
+        ``state[p]["scaling_coeff"]`` (checkpoints carry it)."""
+        states = [opt.state[p] for p in bucket.params]
+        if any("scaling_coeff" not in st for st in states):
+            m = bucket.flats.get("exp_avg")
+            if m is None:
+                raise RuntimeError(f"{type(opt).__name__}: the exchange's scaling coefficients are missing from "
+                                   "the state of a checkpoint saved in the compression stage")
+            for st, c in zip(states, scaling.coefficients_of(bucket.views(torch.mul(m, inv_root)))):
+                st["scaling_coeff"] = c
+        return [st["scaling_coeff"] for st in states]
+
+    def exchange_factors(self, tracked: Callable[[], list[float] | None]) -> list[float] | None:
+        """``s_l``: the layers' tracking factors of the last update (``tracked()``; ``None``
+        without tracking), so that every layer reaches the compressor at the size of its step."""
+        return tracked()
+
+    def exchange_scales(self, opt, bucket) -> None:
+        """No separate per-layer scale: ``c_l`` is inside ``R``."""
+        return None
+
+    def momentum_from_exchange(self, opt, bucket, y, out, factors) -> None:
+        """``m = y / (s_l R)`` into ``out`` (0 where ``v_f == 0``; the cached indices of those zeros
+        spare a mask pass per step; ``factors``: the exchange's ``s_l``, divided in the same pass)."""
+        n = bucket.numel
+        segments = (bucket.segments, factors) if factors is not None else ()
+        kernels.divide_where_nonzero_(y[:n], self.preconditioner(opt, bucket)[:n], out[:n],
+                                      opt.no_variance_indices(bucket), *segments)
+
+    def update_(self, opt, bucket, y, decay: float, alpha: float, step: int) -> None:
+        """The compression stage's Adam update from the average ``y`` of ``s_l R m_i``: the
+        layout's fused pass ``p <- decay p + alpha f_l / s_l A y`` keeping ``m = y / (s_l R)``."""
+        opt.layout.step_preconditioned_(opt, bucket, y, decay, alpha, step)
+
+
+class AdamMomentum(ExchangeVariant):
+    """The paper's 1-bit Adam exchange: ``m_i`` itself."""
+
+    name = "momentum"
+
+    def preconditioner(self, opt, bucket) -> None:
+        return None
+
+    def exchange_factors(self, tracked) -> None:
+        """Each layer is exchanged as it is (the tracking factors apply to the update only)."""
+        return None
+
+    def exchange_scales(self, opt, bucket) -> list[float] | None:
+        return None
+
+    def momentum_from_exchange(self, opt, bucket, y, out, factors) -> None:
+        """``m = y / c_l`` into ``out`` (``c_l``: :meth:`exchange_scales`; none: ``m = y``)."""
+        n = bucket.numel
+        if out is not y:
+            out[:n].copy_(y[:n])
+        coeffs = self.exchange_scales(opt, bucket)
+        if coeffs is not None:
+            scaling.unscale_(bucket.views(out), coeffs)
+
+    def update_(self, opt, bucket, y, decay: float, alpha: float, step: int) -> None:
+        """``m <- y``; ``p <- decay p + alpha f_l m / (sqrt(v_f) + eps)`` (``f_l``: the layers'
+        tracking factors, ``opt.update_factors``)."""
+        layout = opt.layout
+        layout.keep_momentum(opt, bucket, y)
+        direction = y  # m / (sqrt(v_f) + eps), in place
+        torch.div(y, opt.frozen_denominator(bucket), out=direction)
+        factors = opt.update_factors(bucket)
+        if factors is not None:
+            scaling.scale_(bucket.views(direction[: bucket.numel]), factors)
+        descend_(bucket.params, bucket.views(direction), decay, alpha)
+        layout.update_masters(opt, bucket, step, decay, direction, alpha)
+
+
+# --- 1-bit LAMB ---------------------------------------------------------------------------------
+def _with_decay_sq(direction: list[torch.Tensor], params, wd: float) -> torch.Tensor:
+    """Per layer ``||d + wd p||^2``."""
+    if wd != 0:
+        torch._foreach_add_(direction, [p.detach() for p in params], alpha=wd)
+    return norms(direction).square_()
+
+
+class LambPreconditioned(AdamPreconditioned):
+    """1-bit LAMB's default: 1-bit Adam's preconditioned momentum (``c_l`` inside ``R``)."""
+
+    def local_direction_sq(self, opt, bucket, x, scales: list[float], wd: float) -> torch.Tensor:
+        """Per layer ``||u_i||^2``, ``u_i = m_i_hat / sqrt(v_f) + wd p`` the rank's LAMB direction,
+        from the exchanged ``x = R m_i`` (bounded): ``m_i_hat / sqrt(v_f) = x scales``, ``scales =
+        1 / (c_l bc1)`` (the bound aside, and ``eps``: where ``sqrt(v_f) < eps`` it overstates the
+        step's ``m_i / (sqrt(v_f) + eps)``, which only lowers the ratio towards its floor)."""
+        views = bucket.views(x[: bucket.numel])
+        if wd == 0:  # no copy: the norms of x, scaled
+            sq = norms(views).square_()
+            return sq.mul_(torch.tensor(scales, dtype=sq.dtype, device=sq.device).square_())
+        return _with_decay_sq(torch._foreach_mul(views, scales), bucket.params, wd)
+
+
+class LambMomentum(AdamMomentum):
+    """The paper's 1-bit LAMB exchange: ``c_l m_i``, one coefficient per layer."""
+
+    def exchange_scales(self, opt, bucket) -> list[float]:
+        """Each layer's ``c_l = mean_k RMS(m_k) / RMS(m_l)`` (1 for an all-zero or empty layer),
+        set once from the momentum (the averaged one, the same on every rank; sharded: at the
+        first exchange, while the momentum gathered at the freeze is whole) and kept in state."""
+        states = [opt.state[p] for p in bucket.params]
+        if any("scaling_coeff" not in st for st in states):
+            m = bucket.flats.get("exp_avg")
+            if m is None:  # cannot happen: the coefficients are set when the momentum is whole
+                raise RuntimeError("1-bit LAMB: scaling coefficients missing after the first exchange")
+            for st, c in zip(states, scaling.coefficients_of(bucket.views(m))):
+                st["scaling_coeff"] = c
+        return [st["scaling_coeff"] for st in states]
+
+    def local_direction_sq(self, opt, bucket, x, scales: list[float], wd: float) -> torch.Tensor:
+        """Per layer ``||u_i||^2`` from the exchanged ``x = c_l m_i``: ``m_i_hat / (sqrt(v_f) + eps)
+        = x / (sqrt(v_f) + eps) scales``, ``scales = 1 / (c_l bc1)``."""
+        n = bucket.numel
+        direction = bucket.views(torch.div(x[:n], opt.frozen_denominator(bucket)[:n]))
+        torch._foreach_mul_(direction, scales)
+        return _with_decay_sq(direction, bucket.params, wd)
+
+
+ADAM = (AdamPreconditioned, AdamMomentum)
+LAMB = (LambPreconditioned, LambMomentum)
