@@ -134,7 +134,9 @@ def _check_locally(optimizer, state_dict) -> None:
     if extra is None:
         _fail(optimizer,
               f"this state dict has no 'compressed_opt' entry: it was not saved by a {name} (to start "
-              "from another optimizer's state, load its parameters and let this optimizer warm up)")
+              "from another optimizer's state, load its parameters and let this optimizer warm up), or it "
+              "went through torch.distributed.checkpoint's get_optimizer_state_dict, which keeps only "
+              "'state' and 'param_groups': save and load it with compressed_opt.dcp.OptimizerState")
     if not isinstance(extra, Mapping):
         _fail(optimizer, f"state_dict['compressed_opt'] must be a dict, got {type(extra).__name__}")
     if "format" not in extra:
@@ -162,6 +164,7 @@ def _check_locally(optimizer, state_dict) -> None:
     _check_extra(optimizer, extra)
     _check_param_groups(optimizer, state_dict)
     _check_param_state(optimizer, state_dict)
+    _check_complete(optimizer, state_dict)
     key = _averaging_key(optimizer, extra.get("averaging"), world)
     paths = extra.get("paths", {})
     if not isinstance(paths, Mapping) or any(not (isinstance(n, str) and n.isdigit()) or p not in ("1bit", "fp32")
@@ -294,6 +297,35 @@ def _check_param_state(optimizer, state_dict: Mapping) -> None:
                                       or value.dim() != 1 or value.shape[0] not in widths):
                 _fail(optimizer, f"state of parameter {i}, {field!r}: expected a floating-point tensor of shape "
                                  f"({width},), got {getattr(value, 'shape', type(value).__name__)}")
+
+
+def field_counts(state: Mapping) -> dict[str, int]:
+    """Per name of a per-parameter state field, how many parameters hold it (a state dict
+    records it as ``param_fields``, so that a state that lost some is found on load)."""
+    counts: dict[str, int] = {}
+    for st in state.values():
+        for field in st:
+            counts[field] = counts.get(field, 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def _check_complete(optimizer, state_dict: Mapping) -> None:
+    """The per-parameter state holds every field it held when it was saved (``param_fields``):
+    a state passed through a template that lacked some (``torch.distributed.checkpoint`` with a
+    fresh optimizer's state dict, or state put back by hand) would resume with defaults in their
+    place (a compression stage's coefficients made again, factors of 1) and drift from the run it
+    continues, so it is refused."""
+    saved = state_dict["compressed_opt"].get("param_fields")
+    if saved is None:  # (a checkpoint from before the counts were recorded)
+        return
+    now = field_counts(state_dict["state"])
+    missing = {f: n - now.get(f, 0) for f, n in saved.items() if now.get(f, 0) < n}
+    if missing:
+        lost = ", ".join(f"{f!r} (of {n} parameter(s))" for f, n in missing.items())
+        _fail(optimizer, f"the per-parameter state is incomplete: {lost} missing, which it held when it was "
+                         "saved. A state that went through torch.distributed.checkpoint with the optimizer's own "
+                         "state dict as its template loses what that template lacked; save and load it with "
+                         "compressed_opt.dcp.OptimizerState (docs/guarantees.md), or load the state dict as saved")
 
 
 def _check_buckets(optimizer, buckets, world: int, key: tuple, block: int | None) -> None:

@@ -45,6 +45,7 @@ class Persistence:
             "averaging": None if self.exchanges.chosen is None else list(self.exchanges.chosen.key),
             "paths": {str(n): p for n, p in sorted(self.exchanges.paths.items())},
             "scale_block": self.scale_block,
+            "param_fields": checkpoint.field_counts(sd["state"]),
             **self._extra_state(),
         }
         if self._consolidated is not None and self._consolidated[0] == self.global_step:
@@ -69,10 +70,12 @@ class Persistence:
         plain = {k: v for k, v in state_dict.items() if k != "compressed_opt"}
         originals = {k: dict(v) for k, v in plain.get("state", {}).items()}
         super().load_state_dict(plain)
-        # torch casts floating state to each parameter's dtype; our buffers stay fp32
-        index_to_param = [p for g in self.param_groups for p in g["params"]]
+        # torch casts floating state to each parameter's dtype; our buffers stay fp32. The state's
+        # keys are what the saved groups list, by position (indices, or names as torch.optim allows)
+        index_to_param = dict(zip((i for g in plain["param_groups"] for i in g["params"]),
+                                  (p for g in self.param_groups for p in g["params"])))
         for idx, saved in originals.items():
-            p = index_to_param[int(idx)]
+            p = index_to_param[idx]
             for name in self.bucket_state_names:
                 if name in saved:
                     self.state[p][name] = saved[name].to(device=p.device, dtype=torch.float32).clone()
@@ -80,8 +83,9 @@ class Persistence:
                 if name in saved:
                     self.state[p][name] = saved[name].to(device=p.device, dtype=torch.float64).clone()
         with torch.no_grad():  # (0/1 Adam between synchronisations: this rank's own parameters)
-            for idx, values in own_params.items():
-                index_to_param[int(idx)].copy_(values)
+            positional = [p for g in self.param_groups for p in g["params"]]
+            for idx, values in own_params.items():  # (a consolidated part's: positions)
+                positional[int(idx)].copy_(values)
         self.global_step = int(extra["global_step"])
         # (a checkpoint from before the choice was saved: the flat exchange's buffers)
         self.exchanges.saved_key = tuple(extra.get("averaging") or ["flat", extra["world_size"]])

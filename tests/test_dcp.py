@@ -1,0 +1,172 @@
+"""torch.distributed.checkpoint (DCP): a resume through ``compressed_opt.dcp.OptimizerState`` is
+bit-identical to the uninterrupted run, in fresh processes, for every optimizer (and ZeRO); a state
+that lost per-parameter fields on the way (DCP with torch's functions and the optimizer's own state
+dict as the template, or put back by hand) is refused, never resumed with defaults; state keyed by
+parameter name is accepted, as torch.optim accepts it."""
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+import compressed_opt
+from compressed_opt.dcp import OptimizerState
+
+from distributed import run_ranks
+
+CONFIGS = {
+    "OnebitAdam": dict(freeze_step=3),
+    "OnebitAdam-zero1": dict(freeze_step=3, zero_stage=1),
+    "OnebitLamb": dict(freeze_step=3),
+    "ZeroOneAdam": dict(var_freeze_step=3, var_update_scaler=2, local_step_scaler=4),
+}
+SAVE_AT, STEPS = 6, 10
+
+
+def _make(name, seed=0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(12, 24), nn.Tanh(), nn.Linear(24, 6))
+    cls = getattr(compressed_opt, name.split("-")[0])
+    return model, cls(model.parameters(), lr=1e-2, **CONFIGS[name])
+
+
+def _train(model, opt, rank, steps):
+    for step in steps:
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        opt.zero_grad()
+        model(torch.randn(8, 12, generator=g)).square().mean().backward()
+        opt.step()
+
+
+def _tensors(model, opt) -> list[torch.Tensor]:
+    out = [p.detach().clone() for p in model.parameters()]
+    sd = opt.state_dict()
+    for i in sorted(sd["state"]):
+        out += [v.clone() for k, v in sorted(sd["state"][i].items()) if torch.is_tensor(v)]
+    return out
+
+
+def _uninterrupted(rank, world, root):
+    """Every config: train to SAVE_AT, save (DCP), train on to STEPS; the final tensors."""
+    warnings.simplefilter("ignore", UserWarning)
+    finals = {}
+    for name in CONFIGS:
+        model, opt = _make(name)
+        _train(model, opt, rank, range(1, SAVE_AT + 1))
+        dcp.save({"model": model.state_dict(), "optim": OptimizerState(opt)},
+                 checkpoint_id=os.path.join(root, name))
+        _train(model, opt, rank, range(SAVE_AT + 1, STEPS + 1))
+        finals[name] = _tensors(model, opt)
+    return finals
+
+
+def _resumed(rank, world, root):
+    """Every config, in fresh processes: another initialisation, loaded from the checkpoint (DCP),
+    trained from SAVE_AT + 1 to STEPS; the final tensors."""
+    warnings.simplefilter("ignore", UserWarning)
+    finals = {}
+    for name in CONFIGS:
+        model, opt = _make(name, seed=1)
+        state = {"model": model.state_dict(), "optim": OptimizerState(opt)}
+        dcp.load(state, checkpoint_id=os.path.join(root, name))
+        model.load_state_dict(state["model"])
+        assert opt.global_step == SAVE_AT and opt.compressing
+        _train(model, opt, rank, range(SAVE_AT + 1, STEPS + 1))
+        finals[name] = _tensors(model, opt)
+    return finals
+
+
+def test_a_resume_through_dcp_is_bit_identical_to_the_uninterrupted_run(tmp_path):
+    root = str(tmp_path)
+    before = run_ranks(_uninterrupted, 2, root, timeout=240)
+    after = run_ranks(_resumed, 2, root, timeout=240)
+    for rank in range(2):
+        for name in CONFIGS:
+            a, b = before[rank][name], after[rank][name]
+            assert len(a) == len(b)
+            for x, y in zip(a, b):
+                assert torch.equal(x, y), f"{name}, rank {rank}: the resumed run differs"
+    # the two ranks' own parts were each saved: 0/1 Adam's local momentum differs between ranks
+    assert not all(torch.equal(x, y) for x, y in zip(before[0]["ZeroOneAdam"], before[1]["ZeroOneAdam"]))
+
+
+def test_a_checkpoint_of_another_world_size_is_refused(tmp_path):
+    """Saved by 2 ranks, loaded by one process: a clear error, nothing loaded."""
+    run_ranks(_save_two_ranks, 2, str(tmp_path), timeout=120)
+    model, opt = _make("OnebitAdam", seed=1)
+    with pytest.raises(ValueError, match="state of 2 ranks, and it is loaded on 1"):
+        dcp.load({"optim": OptimizerState(opt)}, checkpoint_id=str(tmp_path))
+    assert opt.global_step == 0
+
+
+def _save_two_ranks(rank, world, root):
+    model, opt = _make("OnebitAdam")
+    _train(model, opt, rank, range(1, 5))
+    dcp.save({"optim": OptimizerState(opt)}, checkpoint_id=root)
+
+
+def test_optimizer_state_refuses_a_torch_optimizer():
+    with pytest.raises(TypeError, match="compressed_opt optimizer"):
+        OptimizerState(torch.optim.AdamW(nn.Linear(2, 2).parameters()))
+
+
+# --- loading: incomplete state, state keyed by name (one process) ---------------------------------
+def _compressing(name):
+    model, opt = _make(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        _train(model, opt, 0, range(1, SAVE_AT + 1))
+    return model, opt
+
+
+@pytest.mark.parametrize("name", ["OnebitAdam", "OnebitLamb", "ZeroOneAdam"])
+def test_a_compression_stage_state_that_lost_fields_is_refused(name):
+    """The fields DCP's template lacked (the compression stage's ``scaling_coeff``, and OnebitAdam's
+    ``exchange_factor``) dropped from a state dict: loading it raises and names them, where it
+    used to resume with the coefficients made again and factors of 1."""
+    model, opt = _compressing(name)
+    sd = opt.state_dict()
+    lost = {"scaling_coeff", "exchange_factor"}
+    assert lost & set(sd["state"][0]), "the stage should hold the fields this test removes"
+    sd["state"] = {i: {k: v for k, v in st.items() if k not in lost} for i, st in sd["state"].items()}
+    fresh_model, fresh = _make(name, seed=1)
+    with pytest.raises(ValueError, match="per-parameter state is incomplete: 'exchange_factor'|"
+                                         "per-parameter state is incomplete: 'scaling_coeff'"):
+        fresh.load_state_dict(sd)
+    assert fresh.global_step == 0
+
+
+def test_torch_get_optimizer_state_dict_round_trip_is_refused_not_resumed(tmp_path):
+    """torch's own functions drop the ``compressed_opt`` entry: the load raises (and says what to
+    use), nothing is resumed with defaults."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    model, opt = _compressing("OnebitAdam")
+    osd = get_optimizer_state_dict(model, opt)
+    assert "compressed_opt" not in osd
+    fresh_model, fresh = _make("OnebitAdam", seed=1)
+    with pytest.raises(ValueError, match="no 'compressed_opt' entry.*compressed_opt.dcp.OptimizerState"):
+        set_optimizer_state_dict(fresh_model, fresh, osd)
+
+
+@pytest.mark.parametrize("name", ["OnebitAdam", "ZeroOneAdam"])
+def test_state_keyed_by_parameter_name_loads_like_state_keyed_by_index(name):
+    """torch.optim maps a state dict's keys to parameters by the saved groups' order, so names
+    work as keys; the same state keyed by names and by indices resumes identically."""
+    model, opt = _compressing(name)
+    sd = opt.state_dict()
+    names = [n for n, _ in model.named_parameters()]
+    by_name = dict(sd, state={names[i]: st for i, st in sd["state"].items()},
+                   param_groups=[dict(g, params=[names[i] for i in g["params"]]) for g in sd["param_groups"]])
+    results = []
+    for state_dict in (sd, by_name):
+        fresh_model, fresh = _make(name, seed=1)
+        fresh_model.load_state_dict(model.state_dict())
+        fresh.load_state_dict(state_dict)
+        _train(fresh_model, fresh, 0, range(SAVE_AT + 1, STEPS + 1))
+        results.append(_tensors(fresh_model, fresh))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
