@@ -72,3 +72,25 @@ def get_backend(kind: str = "auto", **kwargs) -> Backend:
             "torch.distributed.init_process_group() first"
         )
     return SingleProcessBackend()
+
+
+def resolve_backend(backend) -> Backend:
+    """An optimizer's ``backend=`` argument as a :class:`Backend`: ``None`` picks one
+    (:func:`get_backend`), a backend is itself, and a one-dimensional ``DeviceMesh`` (one
+    dimension of a mesh, e.g. ``mesh["replicate"]`` or ``mesh["dp"]``) is a :class:`TorchBackend`
+    over its process group."""
+    if backend is None:
+        return get_backend("auto")
+    if isinstance(backend, Backend):
+        return backend
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:  # pragma: no cover - every supported torch has it
+        DeviceMesh = ()
+    if isinstance(backend, DeviceMesh):
+        if backend.ndim != 1:
+            raise ValueError(f"backend= takes one dimension of a DeviceMesh (e.g. mesh['replicate']), got a "
+                             f"{backend.ndim}-D mesh {backend.mesh_dim_names}")
+        return get_backend("torch", group=backend.get_group())
+    raise TypeError(f"backend must be a compressed_opt.comm.Backend, a one-dimensional DeviceMesh or None, "
+                    f"got {type(backend).__name__}")

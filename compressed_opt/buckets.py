@@ -120,28 +120,34 @@ class Bucket:
             torch._foreach_copy_(have, views)
 
 
-def build_buckets(param_groups: list[dict], cap_bytes: int) -> list[Bucket]:
+def build_buckets(param_groups: list[dict], cap_bytes: int, numel=torch.Tensor.numel, kind=None) -> list[Bucket]:
+    """Each param group's trainable parameters in buckets of at most ``cap_bytes`` (fp32; a
+    parameter over the cap is a bucket alone), in reverse order (backward's), per device and
+    per ``kind(p)`` (parameters of different kinds never share a bucket: a layer split over a
+    mesh and one every rank of that mesh holds whole). ``numel(p)``: the size a parameter counts
+    for (a split layer's nominal share)."""
     buckets: list[Bucket] = []
     for gi, group in enumerate(param_groups):
-        current: dict[torch.device, list[torch.Tensor]] = {}
-        sizes: dict[torch.device, int] = {}
+        current: dict[tuple, list[torch.Tensor]] = {}
+        sizes: dict[tuple, int] = {}
 
-        def close(device):
-            params = current.pop(device, [])
-            sizes.pop(device, None)
+        def close(key):
+            params = current.pop(key, [])
+            sizes.pop(key, None)
             if params:
                 offsets, total = [], 0
                 for p in params:
                     offsets.append(total)
                     total += p.numel()
-                buckets.append(Bucket(len(buckets), gi, params, offsets, total, device))
+                buckets.append(Bucket(len(buckets), gi, params, offsets, total, key[0]))
 
         for p in reversed([p for p in group["params"] if p.requires_grad]):
-            dev = p.device
-            if current.get(dev) and sizes[dev] + 4 * p.numel() > cap_bytes:
-                close(dev)
-            current.setdefault(dev, []).append(p)
-            sizes[dev] = sizes.get(dev, 0) + 4 * p.numel()
-        for dev in list(current):
-            close(dev)
+            key = (p.device, None if kind is None else kind(p))
+            size = 4 * numel(p)
+            if current.get(key) and sizes[key] + size > cap_bytes:
+                close(key)
+            current.setdefault(key, []).append(p)
+            sizes[key] = sizes.get(key, 0) + size
+        for key in list(current):
+            close(key)
     return buckets

@@ -23,6 +23,7 @@ import struct
 from collections.abc import Mapping
 
 import torch
+import torch.distributed as dist
 
 from compressed_opt.comm import chunk_numel, row_bytes
 
@@ -165,6 +166,7 @@ def _check_locally(optimizer, state_dict) -> None:
     _check_param_groups(optimizer, state_dict)
     _check_param_state(optimizer, state_dict)
     _check_complete(optimizer, state_dict)
+    _check_shards(optimizer, extra)
     key = _averaging_key(optimizer, extra.get("averaging"), world)
     paths = extra.get("paths", {})
     if not isinstance(paths, Mapping) or any(not (isinstance(n, str) and n.isdigit()) or p not in ("1bit", "fp32")
@@ -326,6 +328,18 @@ def _check_complete(optimizer, state_dict: Mapping) -> None:
                          "saved. A state that went through torch.distributed.checkpoint with the optimizer's own "
                          "state dict as its template loses what that template lacked; save and load it with "
                          "compressed_opt.dcp.OptimizerState (docs/guarantees.md), or load the state dict as saved")
+
+
+def _check_shards(optimizer, extra: Mapping) -> None:
+    """A state of DTensor parameters' local shards (HSDP, tensor parallelism) loads only on the
+    rank of the job that saved it: another rank holds other shards, often of the same shapes."""
+    saved = extra.get("shards")
+    if saved is None or not (dist.is_available() and dist.is_initialized()):
+        return
+    here = [dist.get_rank(), dist.get_world_size()]
+    if list(saved) != here:
+        _fail(optimizer, f"this checkpoint holds the parameter shards of rank {saved[0]} of {saved[1]} (DTensor "
+                         f"parameters), and it is loaded on rank {here[0]} of {here[1]}: load each rank's own file")
 
 
 def _check_buckets(optimizer, buckets, world: int, key: tuple, block: int | None) -> None:

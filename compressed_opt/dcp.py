@@ -19,7 +19,8 @@ model's state::
     model.load_state_dict(state["model"])     # the optimizer's state is loaded in place
 
 Each rank's complete ``optimizer.state_dict()`` is one entry of the checkpoint under a key of its
-own (``optim.rank<r>``), written by that rank, so the resume is bit-identical to the uninterrupted
+own (``optim.rank<r>``, ``r`` its rank in the whole job: with HSDP or a pipeline the optimizer's
+backend is one group of it), written by that rank, so the resume is bit-identical to the uninterrupted
 run. The entries are serialized objects, not resharded tensors: the checkpoint is resumed on the
 same world size (another raises DCP's missing-key error, or this module's world-size error), and
 the replicated moments are stored once per rank.
@@ -29,7 +30,17 @@ from __future__ import annotations
 import io
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
+
+
+def _rank_and_world(optimizer) -> tuple[int, int]:
+    """This process's rank and the job's size: the whole job's (DCP writes one checkpoint for
+    every rank, and with HSDP or a pipeline the optimizer's backend is one group of it), or the
+    backend's without a process group."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return optimizer.backend.rank, optimizer.backend.world_size
 
 
 class OptimizerState(Stateful):
@@ -46,7 +57,7 @@ class OptimizerState(Stateful):
         self.optimizer = optimizer
 
     def _key(self) -> str:
-        return f"rank{self.optimizer.backend.rank}"
+        return f"rank{_rank_and_world(self.optimizer)[0]}"
 
     def state_dict(self) -> dict:
         """``{"world_size": W, "rank<r>": bytes}``: this rank's state dict, serialized, as one entry
@@ -54,11 +65,11 @@ class OptimizerState(Stateful):
         asks for the same keys and puts what it read in their place."""
         buf = io.BytesIO()
         torch.save(self.optimizer.state_dict(), buf)
-        return {"world_size": self.optimizer.backend.world_size, self._key(): buf.getvalue()}
+        return {"world_size": _rank_and_world(self.optimizer)[1], self._key(): buf.getvalue()}
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load what DCP read into the optimizer (its ``load_state_dict``, with every check)."""
-        world = self.optimizer.backend.world_size
+        world = _rank_and_world(self.optimizer)[1]
         saved_world = state_dict.get("world_size")
         if saved_world != world:
             raise ValueError(f"this checkpoint holds the optimizer state of {saved_world} ranks, and it is loaded on "

@@ -253,7 +253,9 @@ class OnebitLamb(_FreezingAdam):
         values = layout.own_values(self, bucket)
         if wd != 0:
             layout.add_values_(self, bucket, update, values, wd)
-        p_norm, u_norm = layout.layer_norms(self, bucket, [values, update])
+        # (a layer split over a shard or tensor-parallel mesh: its whole norm, compressed_opt.local_shards)
+        p_norm, u_norm = self._local_shards.whole_layer_norms(bucket.params,
+                                                              layout.layer_norms(self, bucket, [values, update]))
         ratios = _trust_ratios(p_norm, u_norm, group)
         self._record_trust_ratios(bucket, group, ratios)
         layout.step_layers_(self, bucket, values, update, ratios, -lr)
@@ -304,7 +306,8 @@ class OnebitLamb(_FreezingAdam):
         ratio = g  # free now
         torch.sqrt(v_fresh, out=ratio).div_(bc2_sqrt).add_(eps)
         torch.div(layout.own(self, bucket, denom), ratio, out=ratio).nan_to_num_(nan=0.0, posinf=0.0)
-        coeffs = self._compression_coeffs(params, group, layout.layer_maxima(self, bucket, ratio))
+        maxima = self._local_shards.whole_layer_maxima(params, layout.layer_maxima(self, bucket, ratio))
+        coeffs = self._compression_coeffs(params, group, maxima)
 
         # p <- p - lr coeff (m_hat / (sqrt(v_f) + eps) + wd p)
         layout.keep_momentum(self, bucket, momentum)  # m <- m_t
@@ -342,7 +345,8 @@ class OnebitLamb(_FreezingAdam):
         super()._before_update(step, averaged)
         if averaged or not self._measures_live_ratio(step) or not self._buckets:
             return
-        mine = torch.cat([self._local_direction_sq[b.index].to(torch.float64).cpu() for b in self._buckets])
+        whole = self._local_shards.whole_layer_sums  # (layers split over a mesh: their whole norms)
+        mine = torch.cat([whole(b.params, self._local_direction_sq[b.index].double()).cpu() for b in self._buckets])
         world = self.backend.world_size
         if world > 1:
             device = self._buckets[0].device
@@ -367,9 +371,9 @@ class OnebitLamb(_FreezingAdam):
         between."""
         params = bucket.params
         if measure:
-            p_norm = norms(params)
+            p_norm, d_norm = self._local_shards.whole_layer_norms(
+                params, [norms(params), self._step_direction_norms(bucket, group, update, bc1)])
             u_norm = p_norm.new_tensor(self._direction_norms[bucket.index])
-            d_norm = self._step_direction_norms(bucket, group, update, bc1)
             caps = [COMPRESSED_STEP_BOUND * r for r in _trust_ratios(p_norm, d_norm, group)]
             for p, live, cap in zip(params, _trust_ratios(p_norm, u_norm, group, where_zero=0.0), caps):
                 self.state[p]["trust_ratio_live"] = live

@@ -29,7 +29,7 @@ import weakref
 import torch
 from torch.optim import Optimizer
 
-from compressed_opt.comm import DEFAULT_BLOCK, Backend, get_backend
+from compressed_opt.comm import DEFAULT_BLOCK, resolve_backend
 
 from . import agreement, averaging, ddp, traffic
 from .agreement import RankAgreement
@@ -37,6 +37,7 @@ from .buckets import Bucket, build_buckets
 from .buffers import SAVED, SCRATCH, STATE, Buffer, names, overlay
 from .exchanges import Exchanges, exchange_groups
 from .layout import Layout, Replicated
+from .local_shards import LocalShards
 from .persistence import Persistence
 from .stepping import Stepping
 from .traffic import Reporting
@@ -52,8 +53,11 @@ _OWNERS: weakref.WeakValueDictionary[int, CompressedOptimizer] = weakref.WeakVal
 #: the constructor arguments every compressed optimizer takes, documented once: a class decorated
 #: with :func:`common_args` has ``{common_args}`` in its docstring where they go (torch.optim
 #: composes its docstrings from shared pieces the same way)
-COMMON_ARGS_DOC = """backend: a :class:`compressed_opt.comm.Backend`; ``None`` picks one
-            (:func:`compressed_opt.comm.get_backend`).
+COMMON_ARGS_DOC = """backend: a :class:`compressed_opt.comm.Backend`, or one dimension of a
+            ``DeviceMesh`` (the data-parallel one: ``mesh["replicate"]``, ``mesh["dp"]``), over
+            which the optimizer averages and exchanges; ``None`` picks one
+            (:func:`compressed_opt.comm.get_backend`). DTensor parameters (HSDP's shards,
+            tensor parallelism) step on their local shards (:mod:`compressed_opt.local_shards`).
         bucket_cap_mb: size cap of the flat buckets (one collective per bucket).
         overlap: launch each bucket's communication from backward as soon as its gradients are
             ready (``False``: everything in ``step()``).
@@ -137,7 +141,7 @@ class CompressedOptimizer(Stepping, Reporting, Persistence, Optimizer):
         class's overlaid with ``table`` (:func:`compressed_opt.buffers.overlay`)."""
         self._declare(self, overlay(type(self).declared, table))
 
-    def __init__(self, params, defaults: dict, backend: Backend | None = None, bucket_cap_mb: float = 25.0,
+    def __init__(self, params, defaults: dict, backend=None, bucket_cap_mb: float = 25.0,
                  overlap: bool = True, accumulation_steps: int = 1, hierarchy: str = "auto", path: str | None = None,
                  layout: Layout | None = None, scale_block: int = DEFAULT_BLOCK):
         check_choice("hierarchy", hierarchy, averaging.HIERARCHIES)
@@ -149,11 +153,11 @@ class CompressedOptimizer(Stepping, Reporting, Persistence, Optimizer):
         self.layout.declare_buffers(self)
         self.hierarchy = hierarchy
         self._buckets: list[Bucket] | None = None
+        #: DTensor parameters, stepped on their local shards (compressed_opt.local_shards)
+        self._local_shards = LocalShards(type(self).__name__)
         super().__init__(params, defaults)
-        if backend is None:
-            backend = get_backend("auto")
-        if not isinstance(backend, Backend):
-            raise TypeError(f"backend must be a compressed_opt.comm.Backend or None, got {type(backend).__name__}")
+        backend = resolve_backend(backend)  # (None: from the launch; a DeviceMesh dimension: its group)
+        self._local_shards.check_backend(backend, self.layout.sharded)
         self.backend = backend
         self._path_from_env = path is None and bool(os.environ.get(averaging.PATH_ENV))
         self.path = averaging.resolve_path(path, self.layout.sharded, backend.world_size)
@@ -205,15 +209,14 @@ class CompressedOptimizer(Stepping, Reporting, Persistence, Optimizer):
         if self._buckets is not None:
             self._check_rebuild()
         self._param_places = None
-        super().add_param_group(param_group)
+        super().add_param_group(self._local_shards.localize_group(param_group))
         group = self.param_groups[-1]
         try:
             for p in group["params"]:
                 if type(p) not in (torch.Tensor, torch.nn.Parameter):
                     raise TypeError(
-                        f"{type(self).__name__} takes plain parameters, got a {type(p).__name__}: DTensor parameters "
-                        "(FSDP2's fully_shard, tensor parallelism) are not supported. Train the model replicated "
-                        "(standalone or DDP) and shard the optimizer state with zero_stage=1 or 2"
+                        f"{type(self).__name__} takes plain parameters or DTensor parameters, got a "
+                        f"{type(p).__name__} (a tensor subclass the optimizer cannot step)"
                     )
                 if p.is_complex():
                     raise TypeError(f"{type(self).__name__} does not support complex parameters (got {p.dtype})")
@@ -247,7 +250,9 @@ class CompressedOptimizer(Stepping, Reporting, Persistence, Optimizer):
             # what backward launched belongs to the old layout: let it land, then drop it
             self._launcher.wait()
             self._launcher.reset()
-        self._buckets = build_buckets(self.param_groups, self.bucket_cap_bytes)
+        shards = self._local_shards
+        self._buckets = build_buckets(self.param_groups, self.bucket_cap_bytes, shards.numel_for_buckets,
+                                      shards.bucket_kind if shards else None)
         for b in self._buckets:
             b.flats.declared = self.declared
         self._layout_key = key
@@ -452,6 +457,7 @@ class CompressedOptimizer(Stepping, Reporting, Persistence, Optimizer):
     def _before_step(self) -> None:
         """At the start of ``step()``, before any collective."""
         self._consolidated = None  # the parts gathered for a checkpoint describe the step before
+        self._local_shards.bind_grads()  # (DTensor parameters: their gradients' local shards)
 
     def rank0_decides(self, wants: bool) -> bool:
         """Rank 0's ``wants``, on every rank (a one-element broadcast): for decisions computed

@@ -13,6 +13,7 @@ it first (:mod:`compressed_opt.checkpoint`).
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 
 import torch
@@ -21,13 +22,14 @@ from compressed_opt.comm import DEFAULT_BLOCK, Backend, get_backend
 
 from . import checkpoint, consolidate, integrations
 from .checkpoint import validate_state_dict
+from .local_shards import LocalShards
 
 
 #: attributes a copy pickled by an older version lacks, with what they start from
 _ADDED_SINCE_PICKLED = {"scale_block": DEFAULT_BLOCK, "_regathering": False, "_summed_step": dict,
                         "_warmup_local": dict, "_unit_factor_errors": set, "_announced": set, "_entered": False,
                         "_path_from_env": False, "_layout_agreed": False,
-                        "_broadcast_done": False}
+                        "_broadcast_done": False, "_local_shards": functools.partial(LocalShards, "optimizer")}
 
 
 class Persistence:
@@ -46,6 +48,7 @@ class Persistence:
             "paths": {str(n): p for n, p in sorted(self.exchanges.paths.items())},
             "scale_block": self.scale_block,
             "param_fields": checkpoint.field_counts(sd["state"]),
+            "shards": self._local_shards.position(),
             **self._extra_state(),
         }
         if self._consolidated is not None and self._consolidated[0] == self.global_step:
@@ -269,6 +272,10 @@ class Persistence:
                 "supported: the hook belongs to the DDP model. Save state_dict() and load it into a new "
                 "optimizer (whose first forward through the DDP model attaches it again)"
             )
+        if self.__dict__.get("_local_shards"):
+            raise RuntimeError(f"{how} of a {name} holding DTensor parameters (HSDP, tensor parallelism) is not "
+                               "supported: they belong to the sharded model. Save state_dict() (or use "
+                               "compressed_opt.dcp.OptimizerState) and load it into a new optimizer")
         launcher = self.__dict__.get("_launcher")
         if launcher is not None and not launcher.idle():
             raise RuntimeError(

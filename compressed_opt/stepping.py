@@ -368,6 +368,7 @@ class Stepping:
         self._entered = False  # the next backward (or step()) starts the step again
         self._backward_norms = None
         super().zero_grad(set_to_none)
+        self._local_shards.clear_grads(set_to_none)
 
     def no_sync(self):
         """Context manager: backward passes inside accumulate gradients without communicating

@@ -1,0 +1,201 @@
+"""DTensor parameters stepped on their local shards: FSDP2 inside each replica (HSDP), tensor
+parallelism, with the optimizer's exchange over the data-parallel replicas only.
+
+With HSDP the model is sharded over the ranks of one replica (``fully_shard(..., mesh=mesh["shard"])``)
+and replicated across ``mesh["replicate"]``; FSDP's reduce-scatter averages each gradient over the
+shard group and leaves every rank the gradient of its own shard. The cross-replica average, the
+slow inter-node link, is then the optimizer's: its backend is the replicate group
+(``TorchBackend(group=mesh["replicate"].get_group())``), where rank ``r`` of one replica holds the
+same shard as rank ``r`` of every other. The optimizer therefore steps each parameter's *local*
+tensor, as if it were a plain parameter of this rank's model: full-precision averaging over the
+replicas in warmup, the 1-bit exchange of the shard's momentum in the compression stage, and
+optimizer state and error buffers the size of the shard. Tensor-parallel parameters (``Shard`` or
+``Replicate`` on a "tp" mesh) are the same case with the data-parallel group as the backend.
+
+:class:`LocalShards` keeps, for every DTensor parameter, a plain ``nn.Parameter`` that shares its
+local tensor's memory (the optimizer's ``param_groups`` hold these, so ``state`` and checkpoints
+are per shard); before each step it points their ``.grad`` at the DTensor gradients' local
+tensors, and ``zero_grad`` clears the DTensor gradients too (FSDP accumulates into a gradient it
+finds). What it refuses, and why, is in :meth:`LocalShards.check_backend` and
+:meth:`LocalShards.bind_grads`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+try:  # (torch builds without distributed support have no DTensor)
+    from torch.distributed.tensor import DTensor, Partial, Shard
+except ImportError:  # pragma: no cover - every supported torch has it
+    DTensor = Partial = Shard = None
+
+
+def is_dtensor(p) -> bool:
+    return DTensor is not None and isinstance(p, DTensor)
+
+
+class LocalShards:
+    """The DTensor parameters an optimizer holds, each with the plain parameter that is its local
+    tensor (see the module doc)."""
+
+    def __init__(self, owner: str):
+        self._owner = owner
+        self._pairs: list[tuple[torch.Tensor, torch.nn.Parameter]] = []
+        self._mesh_ranks: set[int] = set()
+        #: id of a shard parameter whose layer is split over the mesh -> its nominal size there
+        #: (the layer's size over the mesh's ranks, the same on each: buckets are laid out alike)
+        self._split: dict[int, int] = {}
+        self._group = None  # the process group the split layers are split over
+
+    def __bool__(self) -> bool:
+        return bool(self._pairs)
+
+    def localize_group(self, param_group: dict) -> dict:
+        """A param group (as ``add_param_group`` takes it) with its DTensors localized; anything
+        torch.optim refuses (a set of parameters) is left for it to refuse."""
+        params = param_group.get("params")
+        if not isinstance(params, (torch.Tensor, list, tuple)) and not hasattr(params, "__next__"):
+            return param_group
+        listed = [params] if isinstance(params, torch.Tensor) else list(params)
+        if not any(is_dtensor(p) for p in listed):
+            consumed = not isinstance(params, (torch.Tensor, list, tuple))  # (a generator: its list)
+            return dict(param_group, params=listed) if consumed else param_group
+        return dict(param_group, params=self.localize(listed))
+
+    def localize(self, params: list) -> list:
+        """``params`` with each DTensor replaced by a plain parameter sharing its local tensor."""
+        out = []
+        for p in params:
+            if not is_dtensor(p):
+                out.append(p)
+                continue
+            mesh = p.device_mesh
+            if mesh.ndim != 1:
+                raise ValueError(
+                    f"{self._owner}: a DTensor parameter on a {mesh.ndim}-D device mesh {mesh.mesh_dim_names}: FSDP's "
+                    "own HSDP would also all-reduce the gradients across the replicas in full precision. Shard the "
+                    "model over the shard dimension only (fully_shard(module, mesh=mesh['shard'])) and give the "
+                    "optimizer the replicate dimension (backend=compressed_opt.comm.TorchBackend("
+                    "group=mesh['replicate'].get_group())): the exchange across replicas is then the optimizer's"
+                )
+            with torch.no_grad():
+                local = p.to_local()
+            shard = torch.nn.Parameter(local, requires_grad=p.requires_grad)
+            self._pairs.append((p, shard))
+            self._mesh_ranks.update(int(r) for r in mesh.mesh.flatten().tolist())
+            if any(isinstance(pl, Shard) for pl in p.placements) and mesh.size() > 1:
+                group = mesh.get_group()
+                if self._group is not None and self._group is not group:
+                    raise ValueError(f"{self._owner}: DTensor parameters split over two different meshes; one "
+                                     "optimizer takes the parameters of one shard (or tensor-parallel) mesh")
+                self._group = group
+                self._split[id(shard)] = -(-p.numel() // mesh.size())
+            out.append(shard)
+        return out
+
+    def position(self) -> list[int] | None:
+        """``[rank, world size]`` of the whole job when the optimizer holds shards (its state is
+        this rank's shards'; a checkpoint records it, and another rank's is refused), else ``None``."""
+        return [dist.get_rank(), dist.get_world_size()] if self._pairs else None
+
+    def numel_for_buckets(self, p) -> int:
+        """The size a parameter counts for in the bucket layout: a split layer's nominal share
+        (the same on every rank of its mesh, so their buckets hold the same layers)."""
+        return self._split.get(id(p), p.numel())
+
+    def bucket_kind(self, p) -> bool:
+        """Whether ``p`` is a layer split over a mesh: those never share a bucket with layers each
+        rank of the mesh holds whole, whose exchange must come out the same on all of them."""
+        return id(p) in self._split
+
+    # --- per-layer statistics over whole layers ------------------------------------------------------
+    def _mask(self, params) -> list[bool]:
+        return [id(p) in self._split for p in params]
+
+    def whole_layer_sums(self, params, values: torch.Tensor) -> torch.Tensor:
+        """Per layer, ``values`` (this shard's sums) summed over the mesh for the split layers (one
+        all-reduce of a float per layer); the others as they are."""
+        mask = self._mask(params) if self._split else None
+        if not mask or not any(mask):
+            return values
+        keep = torch.tensor(mask, device=values.device)
+        split = torch.where(keep, values, torch.zeros_like(values))
+        dist.all_reduce(split, group=self._group)
+        return torch.where(keep, split, values)
+
+    def whole_layer_norms(self, params, norms: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each of ``norms`` (per-layer L2 norms of this shard) as the norms of the whole layers."""
+        if not self._split:
+            return norms
+        return [self.whole_layer_sums(params, n.double().square()).sqrt().to(n.dtype) for n in norms]
+
+    def whole_layer_maxima(self, params, values: list[float]) -> list[float]:
+        """Per layer, the maximum over the mesh for the split layers."""
+        mask = self._mask(params) if self._split else None
+        if not mask or not any(mask):
+            return values
+        t = torch.tensor(values, dtype=torch.float64)
+        found = t.clone()
+        dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self._group)
+        return torch.where(torch.tensor(mask), found, t).tolist()
+
+    def check_backend(self, backend, sharded_state: bool) -> None:
+        """The backend's ranks and the DTensors' mesh share only this rank: the exchange must pair
+        the same shard of every replica, never two shards of one replica. ZeRO is refused: the
+        state is the shard's already."""
+        if not self._pairs:
+            return
+        if sharded_state:
+            raise ValueError(f"{self._owner}: zero_stage=1/2 with DTensor parameters: the optimizer state is "
+                             "already the size of each rank's shard; use zero_stage=0")
+        if backend.world_size == 1:
+            return
+        group = getattr(backend, "group", False)
+        if group is False:
+            raise ValueError(f"{self._owner}: DTensor parameters need a torch.distributed backend "
+                             "(compressed_opt.comm.TorchBackend(group=...)) whose ranks the check can see")
+        ours = set(dist.get_process_group_ranks(group or dist.group.WORLD))
+        shared = ours & self._mesh_ranks
+        if shared != {dist.get_rank()}:
+            raise ValueError(
+                f"{self._owner}: the DTensor parameters are sharded over ranks {sorted(self._mesh_ranks)}, and the "
+                f"optimizer's backend exchanges over ranks {sorted(ours)}: the exchange would average different "
+                "shards. With HSDP, shard the model over mesh['shard'] and pass backend=compressed_opt.comm."
+                "TorchBackend(group=mesh['replicate'].get_group()) (tensor parallelism: the data-parallel group)"
+            )
+
+    def bind_grads(self) -> None:
+        """Each shard parameter's ``.grad`` <- its DTensor's gradient's local tensor (its
+        ``requires_grad`` follows the DTensor's). Refuses a parameter whose local memory FSDP
+        replaced after the optimizer was made, and a gradient still pending a reduction
+        (``Partial``): its local tensor is not this shard's gradient."""
+        for p, shard in self._pairs:
+            with torch.no_grad():
+                local = p.to_local()
+            if local.shape != shard.shape or (local.numel() and local.data_ptr() != shard.data_ptr()):
+                raise RuntimeError(
+                    f"{self._owner}: a DTensor parameter's local tensor moved after the optimizer was made (the model "
+                    "was moved or re-sharded, e.g. model.to(...) or load_state_dict(assign=True)): the optimizer "
+                    "would step the old memory. Make the optimizer after the model is in place"
+                )
+            if shard.requires_grad != p.requires_grad:
+                shard.requires_grad_(p.requires_grad)
+            g = p.grad
+            if g is None:
+                shard.grad = None
+                continue
+            if any(isinstance(pl, Partial) for pl in g.placements):
+                raise RuntimeError(f"{self._owner}: a DTensor gradient with placements {g.placements} is still "
+                                   "pending a reduction; the optimizer needs each shard's reduced gradient")
+            with torch.no_grad():
+                shard.grad = g.to_local()
+
+    def clear_grads(self, set_to_none: bool) -> None:
+        """The DTensor gradients, as ``zero_grad`` leaves the shards'."""
+        for p, _ in self._pairs:
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.zero_()
