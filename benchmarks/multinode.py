@@ -18,6 +18,15 @@ traffic). Needs root (namespaces) and ``ip``/``tc``.
 
     python -P benchmarks/multinode.py --nodes 2 --ranks-per-node 2 --link 1gbit
     python -P benchmarks/multinode.py --launcher mpiexec
+
+``--hsdp``: HSDP instead, the model sharded inside each node (FSDP2) and replicated across the
+two: FSDP2's own HSDP (a ("replicate", "shard") mesh: FSDP all-reduces each shard's gradients
+across the nodes in fp32) with ``torch.optim.AdamW(fused=True)``, against FSDP2 on
+``mesh["shard"]`` with ``OnebitAdam(backend=mesh["replicate"])`` (the optimizer's exchange across
+the nodes: fp32 in warmup, 1-bit after the freeze); step time and bytes on the link per step,
+each method's steps after the same warmup (``results/multinode_hsdp.json``)::
+
+    python -P benchmarks/multinode.py --hsdp --ranks-per-node 2 --link 1gbit
 """
 from __future__ import annotations
 
@@ -49,7 +58,10 @@ def worker(args) -> None:
     if args.launcher == "torchrun":
         dist.init_process_group("gloo")
     backend = compressed_opt.get_backend("torch" if args.launcher == "torchrun" else "mpi")
-    results = [_measure(args, backend, h) for h in args.hierarchies.split(",")]
+    if args.hsdp:
+        results = [_measure_hsdp(args, backend, method) for method in ("hsdp_fused_adamw", "hsdp_onebit_adam")]
+    else:
+        results = [_measure(args, backend, h) for h in args.hierarchies.split(",")]
     if backend.rank == 0:
         with open(args.out, "w") as f:
             json.dump(results, f)
@@ -100,6 +112,57 @@ def _measure(args, backend, hierarchy: str) -> dict:
             "median_step_s": {"warmup": nodes[0][2], "compression": nodes[0][3]}}
 
 
+def _measure_hsdp(args, backend, method: str) -> dict:
+    """One method under HSDP (see the module doc): ``args.warmup`` steps, then ``args.steps``
+    measured ones; bytes on this node's side of the link and the median step time."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import compressed_opt
+
+    mesh = init_device_mesh("cpu", (2, args.ranks_per_node), mesh_dim_names=("replicate", "shard"))
+    width = int(round((args.params / 3) ** 0.5))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(3)])
+    native = method == "hsdp_fused_adamw"
+    for layer in model:
+        fully_shard(layer, mesh=mesh if native else mesh["shard"])
+    fully_shard(model, mesh=mesh if native else mesh["shard"])
+    if native:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    else:
+        opt = compressed_opt.OnebitAdam(model.parameters(), lr=1e-3, freeze_step=args.warmup, path="1bit",
+                                        backend=mesh["replicate"])
+    g = torch.Generator().manual_seed(backend.rank)
+
+    def step():
+        model(torch.randn(16, width, generator=g)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    def measured(n):
+        backend.barrier()
+        before, times = _tx_bytes(), []
+        for _ in range(n):
+            s = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - s)
+        backend.barrier()
+        return (_tx_bytes() - before) / n, statistics.median(times)
+
+    for _ in range(args.warmup + 1):  # (OnebitAdam: the warmup and the first compression step)
+        step()
+    sent, median = measured(args.steps)
+    row = torch.tensor([sent, median], dtype=torch.float64)
+    rows = torch.empty(backend.world_size, row.numel(), dtype=row.dtype)
+    backend.all_gather(rows.view(-1), row)
+    nodes = [r.tolist() for i, r in enumerate(rows) if i % args.ranks_per_node == 0]
+    return {"method": method, "params": sum(p.numel() for p in model.parameters()),
+            "optimizer": type(opt).__name__ + ("(fused=True)" if native else ""),
+            "per_node_bytes_per_step": [n[0] for n in nodes], "median_step_s": nodes[0][1]}
+
+
 # --- the launcher -----------------------------------------------------------------------------------
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -109,6 +172,7 @@ def main(argv=None) -> int:
     p.add_argument("--rendezvous", choices=("c10d", "static"), default="c10d", help="torchrun's")
     p.add_argument("--link", default="1gbit", help="tc rate of the link between the nodes (or none)")
     p.add_argument("--hierarchies", default="flat,node", help="the exchanges measured, in turn, in one launch")
+    p.add_argument("--hsdp", action="store_true", help="HSDP: FSDP2 + fused AdamW against FSDP2 + OnebitAdam")
     p.add_argument("--params", type=int, default=3_200_000)
     p.add_argument("--warmup", type=int, default=4, help="freeze_step")
     p.add_argument("--steps", type=int, default=8, help="measured compression steps")
@@ -132,6 +196,7 @@ def main(argv=None) -> int:
         cmd = [os.path.abspath(__file__), "--worker", "--hierarchies", args.hierarchies, "--worker-out", out,
                "--params", str(args.params), "--warmup", str(args.warmup), "--steps", str(args.steps),
                "--launcher", args.launcher, "--ranks-per-node", str(args.ranks_per_node)]
+        cmd += ["--hsdp"] if args.hsdp else []
         cmd = [sys.executable] + cmd
         run = run_two_ranks(cmd, rate=None if args.link == "none" else args.link, timeout=args.timeout,
                             mode="torch" if args.launcher == "torchrun" else "mpi",
@@ -142,6 +207,19 @@ def main(argv=None) -> int:
             return 1
         with open(out) as f:
             results = json.load(f)
+    if args.hsdp:
+        for r in results:
+            print(f"{r['method']:17s} {r['optimizer']}: between nodes per step and node "
+                  f"{', '.join(f'{b / 1e6:.3f} MB' for b in r['per_node_bytes_per_step'])}; median step "
+                  f"{r['median_step_s'] * 1e3:.1f} ms", flush=True)
+        a, b = results
+        print(f"OnebitAdam / fused AdamW under HSDP: {b['median_step_s'] / a['median_step_s']:.3f} of the step time, "
+              f"{max(b['per_node_bytes_per_step']) / max(a['per_node_bytes_per_step']):.4f} of the bytes between nodes")
+        out_path = args.out if args.out != RESULTS else os.path.join(HERE, "results", "multinode_hsdp.json")
+        write_json(out_path, {"nodes": args.nodes, "ranks_per_node": args.ranks_per_node, "link": args.link,
+                              "launcher": args.launcher, "warmup": args.warmup, "steps": args.steps,
+                              "results": results})
+        return 0
     for result in results:
         per_node = [n["compression_bytes_per_step"] for n in result["per_node"]]
         warm = [n["warmup_bytes_per_step"] for n in result["per_node"]]

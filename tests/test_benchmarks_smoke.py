@@ -209,6 +209,24 @@ def test_multinode_launches_two_nodes_of_two_ranks(tmp_path, launcher):
     assert node < 0.8 * flat, (node, flat)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_multinode_hsdp_counts_the_bytes_between_the_nodes(tmp_path):
+    """``--hsdp``: FSDP2's own HSDP + fused AdamW against FSDP2 inside each node + OnebitAdam over
+    the replicas, two nodes of two ranks; the 1-bit exchange sends a fraction of HSDP's fp32
+    all-reduce between the nodes (counted on the veth)."""
+    _slowlink_prefix()  # skips where namespaces cannot be made
+    out = tmp_path / "hsdp.json"
+    done = _run_script(tmp_path, "multinode.py", "--hsdp", "--link", "none", "--params", "100000", "--warmup", "2",
+                       "--steps", "2", "--timeout", "200", "--out", str(out), timeout=280)
+    assert done.returncode == 0, done.stdout + done.stderr
+    native, onebit = json.loads(out.read_text())["results"]
+    assert native["optimizer"] == "AdamW(fused=True)" and onebit["optimizer"] == "OnebitAdam"
+    for node in range(2):
+        fp32, sent = native["per_node_bytes_per_step"][node], onebit["per_node_bytes_per_step"][node]
+        assert 0 < sent < fp32 / 10, (sent, fp32)
+
+
 @pytest.mark.timeout(300)
 def test_step_overhead_against_a_revision_in_one_process(tmp_path):
     """``--against REV --in-process``: REV installed and renamed beside this checkout, both timed
