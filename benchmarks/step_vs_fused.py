@@ -1,0 +1,156 @@
+"""A compression-stage ``step()`` against ``torch.optim.AdamW(fused=True)`` on the same parameters:
+the optimizer's own element-wise work, no communication (one process, ``SingleProcessBackend``:
+the compressed exchange runs its kernels, the collectives are local copies), one thread.
+
+Each row times one optimizer (defaults, one exchange, one ZeRO stage) and fused AdamW, each over
+its own copy of the parameters with fixed gradients, their steps in turn (the machine's drift
+hits both alike), the median of ``--steps`` steps after the freeze and a few unmeasured ones. The
+ratio is the optimizer's median over fused AdamW's. Beside it, the roofline: a plain copy of the
+parameters' bytes (``torch.Tensor.copy_``) gives this machine's memory bandwidth, and each step's
+time is turned into the bandwidth its memory traffic would need, counting AdamW's 7 streams of
+the parameters' bytes (read p, g, m, v; write p, m, v) for both (the compression stage's passes
+move about as much: docs/benchmarks.md, "A step against fused AdamW").
+
+    python -P benchmarks/step_vs_fused.py                                   # the table of the docs
+    python -P benchmarks/step_vs_fused.py --shapes 9000000x100 --optimizers OnebitAdam --steps 5
+    python -P benchmarks/step_vs_fused.py --shapes 4000000x1,4000000x100,4000000x2000   # per tensor
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+OPTIMIZERS = ("OnebitAdam", "OnebitLamb", "ZeroOneAdam")
+#: bytes of the parameters' size each step moves, by AdamW's count (see the module doc)
+STREAMS = 7
+
+
+def _params(numel: int, tensors: int, device: str, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    sizes = [numel // tensors + (1 if i < numel % tensors else 0) for i in range(tensors)]
+    out = []
+    for n in sizes:
+        p = torch.nn.Parameter((torch.randn(n, generator=g) * 0.02).to(device))
+        p.grad = (torch.randn(n, generator=g) * 1e-3).to(device)
+        out.append(p)
+    return out
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _clone(params):
+    out = []
+    for p in params:
+        q = torch.nn.Parameter(p.detach().clone())
+        q.grad = p.grad.clone()
+        out.append(q)
+    return out
+
+
+def _make(name: str, params, exchange: str, zero_stage: int):
+    import compressed_opt
+    from compressed_opt.comm import SingleProcessBackend
+
+    kw = dict(lr=1e-4, backend=SingleProcessBackend(), exchange=exchange, overlap=False)
+    if name == "ZeroOneAdam":
+        if zero_stage:
+            return None
+        return compressed_opt.ZeroOneAdam(params, var_freeze_step=2, **kw)
+    return getattr(compressed_opt, name)(params, freeze_step=2, zero_stage=zero_stage, **kw)
+
+
+def copy_bandwidth(numel: int, device: str, repeats: int = 7) -> float:
+    """Bytes per second of a plain fp32 copy of ``numel`` elements (read + write counted)."""
+    a, b = torch.randn(numel, device=device), torch.empty(numel, device=device)
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        s = time.perf_counter()
+        b.copy_(a)
+        _sync(device)
+        times.append(time.perf_counter() - s)
+    return 2 * 4 * numel / statistics.median(times)
+
+
+def measure(name: str, numel: int, tensors: int, exchange: str, zero_stage: int, steps: int,
+            device: str = "cpu") -> dict | None:
+    base = _params(numel, tensors, device)
+    mine = _clone(base)
+    opt = _make(name, mine, exchange, zero_stage)
+    if opt is None:
+        return None
+    adamw = torch.optim.AdamW(base, lr=1e-4, fused=True)
+    for _ in range(4):  # the freeze (step 2), then the first compression steps: buffers made
+        opt.step()
+        adamw.step()
+    assert opt.compressing
+    ours, theirs = [], []
+    for _ in range(steps):
+        _sync(device)
+        s = time.perf_counter()
+        opt.step()
+        _sync(device)
+        ours.append(time.perf_counter() - s)
+        s = time.perf_counter()
+        adamw.step()
+        _sync(device)
+        theirs.append(time.perf_counter() - s)
+    opt.close()
+    a, b = statistics.median(ours), statistics.median(theirs)
+    return {"device": device, "optimizer": name, "exchange": exchange, "zero_stage": zero_stage, "numel": numel,
+            "tensors": tensors,
+            "step_ms": 1e3 * a, "fused_adamw_ms": 1e3 * b, "ratio": a / b,
+            "needed_bandwidth": STREAMS * 4 * numel / a, "fused_adamw_bandwidth": STREAMS * 4 * numel / b}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="9000000x100,64000000x4,4000000x1,4000000x100,4000000x2000",
+                   help="comma-separated ELEMENTSxTENSORS")
+    p.add_argument("--optimizers", default=",".join(OPTIMIZERS))
+    p.add_argument("--exchanges", default="preconditioned,momentum")
+    p.add_argument("--zero-stages", default="0,1")
+    p.add_argument("--steps", type=int, default=7)
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (the CuPy kernels)")
+    p.add_argument("--out", default=os.path.join(HERE, "results", "step_vs_fused.json"))
+    args = p.parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: torch sees no CUDA device")
+    torch.set_num_threads(1)
+    rows = []
+    for shape in args.shapes.split(","):
+        numel, tensors = (int(float(x)) for x in shape.split("x"))
+        bandwidth = copy_bandwidth(numel, args.device)
+        print(f"{numel:,} elements in {tensors} tensors: a plain copy moves {bandwidth / 1e9:.2f} GB/s", flush=True)
+        for name in args.optimizers.split(","):
+            for exchange in args.exchanges.split(","):
+                for zero in (int(z) for z in args.zero_stages.split(",")):
+                    row = measure(name, numel, tensors, exchange, zero, args.steps, args.device)
+                    if row is None:
+                        continue
+                    row["copy_bandwidth"] = bandwidth
+                    rows.append(row)
+                    print(f"  {name:11s} {exchange:14s} zero {zero}: {row['step_ms']:8.1f} ms, fused AdamW "
+                          f"{row['fused_adamw_ms']:7.1f} ms, {row['ratio']:5.2f}x; at AdamW's 7 streams "
+                          f"{row['needed_bandwidth'] / bandwidth:.2f} of a copy's bandwidth (fused AdamW "
+                          f"{row['fused_adamw_bandwidth'] / bandwidth:.2f})", flush=True)
+    from common import write_json
+
+    write_json(args.out, {"device": args.device, "threads": torch.get_num_threads(), "torch": torch.__version__,
+                          "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
