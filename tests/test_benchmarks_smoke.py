@@ -227,6 +227,22 @@ def test_multinode_hsdp_counts_the_bytes_between_the_nodes(tmp_path):
         assert 0 < sent < fp32 / 10, (sent, fp32)
 
 
+@pytest.mark.timeout(120)
+def test_step_vs_fused_reports_a_ratio_per_row(tmp_path):
+    """``benchmarks/step_vs_fused.py``: each row times the optimizer and fused AdamW in turn."""
+    out = tmp_path / "svf.json"
+    done = _run_script(tmp_path, "step_vs_fused.py", "--shapes", "200000x3", "--optimizers", "OnebitAdam,ZeroOneAdam",
+                       "--exchanges", "preconditioned", "--zero-stages", "0,1", "--steps", "2", "--out", str(out),
+                       timeout=110)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["optimizer"], r["zero_stage"]) for r in rows] == [("OnebitAdam", 0), ("OnebitAdam", 1),
+                                                                  ("ZeroOneAdam", 0)]  # (0/1 Adam: stage 0 only)
+    for r in rows:
+        assert r["step_ms"] > 0 and r["fused_adamw_ms"] > 0 and r["copy_bandwidth"] > 0
+        assert abs(r["ratio"] - r["step_ms"] / r["fused_adamw_ms"]) < 1e-9
+
+
 @pytest.mark.timeout(300)
 def test_step_overhead_against_a_revision_in_one_process(tmp_path):
     """``--against REV --in-process``: REV installed and renamed beside this checkout, both timed
