@@ -300,23 +300,34 @@ def _median(values):
     return s[len(s) // 2] if s else None
 
 
-def _worker(rank: int, store_path: str, model_name: str, runs: list, probe: int, out_dir: str):
+def gloo_runs(rank: int, world: int, store_path: str, runs: list, run, path_of, line_of) -> None:
+    """On Gloo rank ``rank`` of ``world`` (one thread): ``run(item)`` for each of ``runs`` in
+    turn; rank 0 writes each result as JSON to ``path_of(item)`` and prints ``line_of(item, result)``."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    store = dist.FileStore(store_path, WORLD)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=timedelta(seconds=300))
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=300))
     try:
-        steps, freeze = SCHEDULE[model_name]
-        for name, seed in runs:
-            task = TASKS[model_name](seed)
-            result = run_one(task, model_name, name, seed, steps, freeze, probe, rank)
+        for item in runs:
+            result = run(item)
             if rank == 0:
-                with open(os.path.join(out_dir, f"{model_name}-{name}-{seed}.json"), "w") as f:
+                with open(path_of(item), "w") as f:
                     json.dump(result, f)
-                print(f"  {model_name:6s} {name:20s} seed {seed}: final {result['final_loss']:.4f} "
-                      f"held-out {result['eval_loss']:.4f}", flush=True)
+                print(line_of(item, result), flush=True)
     finally:
         dist.destroy_process_group()
+
+
+def _worker(rank: int, store_path: str, model_name: str, runs: list, probe: int, out_dir: str):
+    steps, freeze = SCHEDULE[model_name]
+    def run(item):
+        name, seed = item
+        return run_one(TASKS[model_name](seed), model_name, name, seed, steps, freeze, probe, rank)
+
+    gloo_runs(rank, WORLD, store_path, runs, run,
+              lambda item: os.path.join(out_dir, f"{model_name}-{item[0]}-{item[1]}.json"),
+              lambda item, r: f"  {model_name:6s} {item[0]:20s} seed {item[1]}: final {r['final_loss']:.4f} "
+                              f"held-out {r['eval_loss']:.4f}")
 
 
 # --- the summary ---------------------------------------------------------------------------------------------

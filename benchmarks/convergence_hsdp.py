@@ -24,7 +24,6 @@ import os
 import sys
 import tempfile
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -32,7 +31,7 @@ import torch.multiprocessing as mp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from convergence import SCHEDULE, GPT2Task  # noqa: E402
+from convergence import SCHEDULE, GPT2Task, gloo_runs  # noqa: E402
 
 WORLD = 4
 METHODS = ("hsdp-adamw", "hsdp-onebitadam")
@@ -82,20 +81,10 @@ def run_one(method: str, seed: int, steps: int, freeze: int, rank: int) -> dict:
 
 
 def _worker(rank: int, store_path: str, runs: list, steps: int, freeze: int, out_dir: str):
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-    store = dist.FileStore(store_path, WORLD)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=timedelta(seconds=300))
-    try:
-        for method, seed in runs:
-            result = run_one(method, seed, steps, freeze, rank)
-            if rank == 0:
-                with open(os.path.join(out_dir, f"{method}-{seed}.json"), "w") as f:
-                    json.dump(result, f)
-                print(f"  {method:16s} seed {seed}: final {result['final_loss']:.4f} held-out "
-                      f"{result['eval_loss']:.4f} ({result['train_s']:.0f} s)", flush=True)
-    finally:
-        dist.destroy_process_group()
+    gloo_runs(rank, WORLD, store_path, runs, lambda item: run_one(item[0], item[1], steps, freeze, rank),
+              lambda item: os.path.join(out_dir, f"{item[0]}-{item[1]}.json"),
+              lambda item, r: f"  {item[0]:16s} seed {item[1]}: final {r['final_loss']:.4f} held-out "
+                              f"{r['eval_loss']:.4f} ({r['train_s']:.0f} s)")
 
 
 def summarize(results: list[dict]) -> dict:

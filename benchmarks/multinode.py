@@ -69,6 +69,32 @@ def worker(args) -> None:
         dist.destroy_process_group()
 
 
+def _stepper(model, opt, width: int, rank: int):
+    """One training step of the benchmark's MLP on this rank's random batch."""
+    import torch
+
+    g = torch.Generator().manual_seed(rank)
+
+    def step():
+        model(torch.randn(16, width, generator=g)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    return step
+
+
+def _measured(backend, step, n: int) -> tuple[float, float]:
+    """``n`` steps between two barriers: this node's link bytes per step, the median step time."""
+    backend.barrier()
+    before, times = _tx_bytes(), []
+    for _ in range(n):
+        s = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - s)
+    backend.barrier()
+    return (_tx_bytes() - before) / n, statistics.median(times)
+
+
 def _measure(args, backend, hierarchy: str) -> dict:
     import torch
 
@@ -79,23 +105,10 @@ def _measure(args, backend, hierarchy: str) -> dict:
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(3)])
     opt = compressed_opt.OnebitAdam(model.parameters(), lr=1e-3, freeze_step=args.warmup, hierarchy=hierarchy,
                                     path="1bit", overlap=False, backend=backend)
-    g = torch.Generator().manual_seed(backend.rank)
-
-    def step():
-        x = torch.randn(16, width, generator=g)
-        model(x).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
+    step = _stepper(model, opt, width, backend.rank)
 
     def measured(n):
-        backend.barrier()
-        before, times = _tx_bytes(), []
-        for _ in range(n):
-            s = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - s)
-        backend.barrier()
-        return (_tx_bytes() - before) / n, statistics.median(times)
+        return _measured(backend, step, n)
 
     with opt:
         step()  # step 1: one-off checks and the choice of the exchange
@@ -134,26 +147,10 @@ def _measure_hsdp(args, backend, method: str) -> dict:
     else:
         opt = compressed_opt.OnebitAdam(model.parameters(), lr=1e-3, freeze_step=args.warmup, path="1bit",
                                         backend=mesh["replicate"])
-    g = torch.Generator().manual_seed(backend.rank)
-
-    def step():
-        model(torch.randn(16, width, generator=g)).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
-
-    def measured(n):
-        backend.barrier()
-        before, times = _tx_bytes(), []
-        for _ in range(n):
-            s = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - s)
-        backend.barrier()
-        return (_tx_bytes() - before) / n, statistics.median(times)
-
+    step = _stepper(model, opt, width, backend.rank)
     for _ in range(args.warmup + 1):  # (OnebitAdam: the warmup and the first compression step)
         step()
-    sent, median = measured(args.steps)
+    sent, median = _measured(backend, step, args.steps)
     row = torch.tensor([sent, median], dtype=torch.float64)
     rows = torch.empty(backend.world_size, row.numel(), dtype=row.dtype)
     backend.all_gather(rows.view(-1), row)
