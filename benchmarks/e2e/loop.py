@@ -194,7 +194,8 @@ def train_method(method: dict, cfg: dict, device: torch.device, progress_path: s
     result = {
         "spec": method["spec"],
         "method": method["name"],
-        "label": METHODS[method["name"]],
+        "label": METHODS[method["name"]] + (" [fused AdamW]" if extra.get("adamw_fused") else ""),
+        "adamw_fused": extra.get("adamw_fused"),
         "overlap": method["overlap"] if ours else None,
         "ddp_hook": method["ddp_hook"] if ours else None,
         "params": n_params,

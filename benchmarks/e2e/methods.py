@@ -9,6 +9,8 @@ import torch.nn as nn
 
 from .instrument import RECORDER, OurTiming, install_counting_dist, timed_hook
 
+#: every AdamW baseline is torch's fused AdamW where torch has it for the device (what users and the
+#: frameworks pick: transformers' Trainer defaults to it), else its default; the result says which
 METHODS = {
     "ddp_adamw": "DDP + AdamW (fp32 allreduce hook)",
     "ddp_fp16": "DDP + AdamW + fp16 compression hook",
@@ -25,6 +27,16 @@ DEFAULT_METHODS = ("ddp_adamw", "ddp_fp16", "ddp_powersgd", "ddp_powersgd+serial
 BASELINE = "ddp_adamw"
 # ours: flat / node pick the hierarchy; measure: path="measure" (the library's default; else "1bit")
 MODIFIERS = ("ddp", "overlap", "nooverlap", "serial", "flat", "node", "measure")
+
+
+def adamw(params, hp: dict) -> tuple[torch.optim.Optimizer, bool]:
+    """``torch.optim.AdamW`` with ``fused=True`` where torch supports it for these parameters,
+    else its default implementation; and whether it is the fused one."""
+    params = list(params)
+    try:
+        return torch.optim.AdamW(params, **hp, fused=True), True
+    except (RuntimeError, ValueError, TypeError):  # (no fused kernel for this device or dtype)
+        return torch.optim.AdamW(params, **hp), False
 
 
 def parse_spec(spec: str, overlap: bool, ddp_hook: bool) -> dict:
@@ -116,10 +128,11 @@ def build(method: dict, model: nn.Module, cfg: dict, device: torch.device, timin
                 hook = one_bucket_at_a_time(hook)
             module.register_comm_hook(state, timed_hook(hook))
             stage = lambda: "compression" if state.iter >= state.start_powerSGD_iter else "warmup"  # noqa: E731
-        opt = torch.optim.AdamW(model.parameters(), **hp)
-        return module, opt, stage, lambda: RECORDER.bytes, {"ddp": True}
+        opt, fused = adamw(model.parameters(), hp)
+        return module, opt, stage, lambda: RECORDER.bytes, {"ddp": True, "adamw_fused": fused}
     if name == "local_adamw":  # the floor of any method's step: the same work with nothing exchanged
-        return model, torch.optim.AdamW(model.parameters(), **hp), lambda: "full", lambda: 0, {"ddp": False}
+        opt, fused = adamw(model.parameters(), hp)
+        return model, opt, lambda: "full", lambda: 0, {"ddp": False, "adamw_fused": fused}
     backend = compressed_opt.get_backend("torch")
     if timing is not None:
         backend = timing.wrap(backend)  # counts bytes in the wrapped backend's stats

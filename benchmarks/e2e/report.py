@@ -181,6 +181,12 @@ def format_table(entries: list[dict], comparison: dict, cfg: dict) -> str:
                      f"{comparison['target_loss']:.3f} ({comparison['target_rule']})")
     if wire:
         notes.append("wire/step: bytes counted on the veth (tx_bytes: frames with TCP/IP/Ethernet headers and ACKs)")
+    kinds = {e["result"].get("adamw_fused") for e in entries
+             if e.get("status") == "ok" and e.get("result", {}).get("adamw_fused") is not None}
+    if kinds:
+        notes.append("AdamW in the baselines: " + ("torch's fused AdamW (fused=True)" if kinds == {True} else
+                     "torch's default AdamW (no fused kernel here)" if kinds == {False} else
+                     "fused where torch has it, else its default"))
     base = comparison.get("baseline")
     for e in entries:
         s = e.get("summary")
