@@ -296,10 +296,8 @@ class Replicated(Layout):
         inside the update (one pass, no direction buffer written)."""
         opt.momentum_from_exchange(bucket, y, out=bucket.flat("exp_avg"))
         factors = opt.update_factors(bucket) or [1.0] * len(bucket.params)
-        if decay != 1.0:
-            torch._foreach_mul_(bucket.params, decay)
-        a = bucket.flats["direction_factor"]
-        torch._foreach_addcmul_(bucket.params, bucket.views(y), bucket.views(a), [alpha * f for f in factors])
+        kernels.descend_scaled_(bucket.params, y, bucket.flats["direction_factor"], bucket.segments, decay,
+                                [alpha * f for f in factors])  # (one pass over each parameter)
 
     def update_masters(self, opt, bucket, step, decay, delta, alpha=1.0):
         pass  # the parameters are the truth

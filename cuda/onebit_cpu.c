@@ -388,3 +388,25 @@ void co_divide_where_nonzero_segments(float *y, const float *r, float *q, const 
         }
     }
 }
+
+/*
+ * p_s <- p_s d + (c_s y) a over segment s, written through the segment's own pointer dests[s]
+ * (a parameter's memory, as co_gather reads it): the update of the preconditioned exchange in one
+ * pass, where PyTorch takes two (a multiplication by d, then addcmul). decayed == 0: no
+ * multiplication by d (d == 1). A NULL pointer (a parameter without elements) is skipped.
+ */
+void co_descend_scaled(const int64_t *dests, const float *y, const float *a, const int64_t *off, int64_t nseg,
+                       float d, int decayed, const double *scales) {
+    for (int64_t s = 0; s < nseg; ++s) {
+        float *restrict p = (float *)(intptr_t)dests[s];
+        const int64_t lo = off[s], n = off[s + 1] - off[s];
+        if (!p || n == 0) continue;
+        const float c = (float)scales[s];
+        const float *restrict ys = y + lo, *restrict as = a + lo;
+        if (decayed) {
+            for (int64_t i = 0; i < n; ++i) p[i] = p[i] * d + (c * ys[i]) * as[i];
+        } else {
+            for (int64_t i = 0; i < n; ++i) p[i] = p[i] + (c * ys[i]) * as[i];
+        }
+    }
+}

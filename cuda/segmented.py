@@ -19,6 +19,9 @@ operation and per segment:
 ``divide_where_nonzero_(y, r, out, zero_index=None, segments=None, divisors=None)``
     ``out <- y / r``, 0 where ``r == 0`` (``out`` may be ``y``); with ``segments`` and
     ``divisors``, then divided by ``divisors[s]`` on segment ``s``.
+``descend_scaled_(dests, y, a, segments, decay, scales)``
+    ``dests[s] <- dests[s] * decay + c_s * y * a`` over segment ``s`` (``c_s = scales[s]``): an
+    update written into each parameter's own memory, in one pass where PyTorch takes two.
 
 CPU tensors run ``onebit_cpu.c`` (one pass, no per-segment call); other devices, and CPUs where
 no C compiler exists (or ``COMPRESSED_OPT_KERNELS=reference``), compose the same math from
@@ -234,3 +237,33 @@ def divide_where_nonzero_(y: torch.Tensor, r: torch.Tensor, out: torch.Tensor,
         views = segments.split(out)
         if views:
             torch._foreach_div_(views, [float(v) for v in d.to(torch.float32).tolist()])
+
+
+def descend_scaled_(dests: list, y: torch.Tensor, a: torch.Tensor, segments: Segments, decay: float,
+                    scales) -> None:
+    """``dests[s] <- dests[s] * decay + (scales[s] * y) * a`` over segment ``s`` of the flat ``y``
+    and ``a`` (``dests``: one tensor per segment, of its size, e.g. a bucket's parameters; no
+    multiplication where ``decay`` is 1). The native pass reads and writes each destination once;
+    elsewhere ``torch._foreach_mul_`` then ``torch._foreach_addcmul_`` (the same math, which may
+    differ in the last bit where the C compiler contracts the addition into an FMA)."""
+    if len(dests) != len(segments):
+        raise ValueError(f"one destination per segment is needed ({len(segments)}), got {len(dests)}")
+    _check(segments, y, a)
+    c, cp = _c_doubles(scales, len(segments))
+    lib = _native(y, a)
+    if lib is not None and all(_addressable(p) and p.is_cpu and p.dtype is torch.float32 and p.is_contiguous()
+                               for p in dests):
+        for p, n in zip(dests, segments.sizes):
+            if p.numel() != n:
+                raise ValueError(f"a destination of {p.numel()} elements for a segment of {n}")
+        addresses = torch.tensor([p.data_ptr() if p.numel() else 0 for p in dests], dtype=torch.int64)
+        lib.co_descend_scaled(addresses.data_ptr(), y.data_ptr(), a.data_ptr(), segments.offsets.data_ptr(),
+                              len(segments), float(decay), decay != 1.0, cp)
+        return
+    if not dests:
+        return
+    if decay != 1.0:
+        torch._foreach_mul_(dests, decay)
+    shapes = [p.shape for p in dests]
+    torch._foreach_addcmul_(dests, [v.view(s) for v, s in zip(segments.split(y), shapes)],
+                            [v.view(s) for v, s in zip(segments.split(a), shapes)], list(scales))
