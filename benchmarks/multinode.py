@@ -106,15 +106,11 @@ def _measure(args, backend, hierarchy: str) -> dict:
     opt = compressed_opt.OnebitAdam(model.parameters(), lr=1e-3, freeze_step=args.warmup, hierarchy=hierarchy,
                                     path="1bit", overlap=False, backend=backend)
     step = _stepper(model, opt, width, backend.rank)
-
-    def measured(n):
-        return _measured(backend, step, n)
-
     with opt:
         step()  # step 1: one-off checks and the choice of the exchange
-        warm_bytes, warm_time = measured(args.warmup - 1)
+        warm_bytes, warm_time = _measured(backend, step, args.warmup - 1)
         step()  # the first compression step (the exchange's buffers are made)
-        comp_bytes, comp_time = measured(args.steps)
+        comp_bytes, comp_time = _measured(backend, step, args.steps)
     row = torch.tensor([warm_bytes, comp_bytes, warm_time, comp_time], dtype=torch.float64)
     rows = torch.empty(backend.world_size, row.numel(), dtype=row.dtype)
     backend.all_gather(rows.view(-1), row)

@@ -187,3 +187,43 @@ def test_what_cannot_be_composed_with_fsdp_is_refused():
         assert "2-D device mesh" in out["2-D mesh"] and "mesh['shard']" in out["2-D mesh"], out
         assert "parameter shards of rank" in out["other rank"], out
         assert "holding DTensor parameters" in out["copy"] and "state_dict()" in out["copy"], out
+
+
+def _user_loop(rank, world):
+    """HSDP as a user writes the loop: default arguments (but ``lr``, ``freeze_step``), bf16
+    autocast, two backward passes per step, ``clip_grad_norm_`` on the model's parameters."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import compressed_opt
+
+    warnings.simplefilter("ignore")
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 8))
+    for m in model:
+        if isinstance(m, nn.Linear):
+            fully_shard(m, mesh=mesh["shard"])
+    fully_shard(model, mesh=mesh["shard"])
+    opt = compressed_opt.OnebitAdam(model.parameters(), lr=1e-3, freeze_step=5, backend=mesh["replicate"])
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(15):
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(torch.randn(8, 16, generator=g)).float().square().mean() / 2
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+    return opt.compressing, [p.to_local().detach().clone() for p in model.parameters()]
+
+
+def test_the_same_seeded_hsdp_job_twice_is_bit_identical():
+    """Launched twice, nothing pinned: the same shards bit for bit, and a shard equal on both
+    replicas (ranks 0 and 2, 1 and 3)."""
+    first, second = (run_ranks(_user_loop, 4, timeout=240) for _ in range(2))
+    for rank in range(4):
+        assert first[rank][0] and second[rank][0]
+        assert all(torch.equal(a, b) for a, b in zip(first[rank][1], second[rank][1])), rank
+    for rank in (0, 1):
+        assert all(torch.equal(a, b) for a, b in zip(first[rank][1], first[rank + 2][1])), rank
