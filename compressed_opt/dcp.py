@@ -1,4 +1,5 @@
-"""A compressed optimizer's whole state in a ``torch.distributed.checkpoint`` (DCP) checkpoint.
+"""A compressed optimizer's whole state in a ``torch.distributed.checkpoint`` (DCP) checkpoint,
+resumed bit for bit on the same ranks or resharded onto another world size or mesh.
 
 torch's ``get_optimizer_state_dict`` keeps a state dict's ``state`` and ``param_groups`` only, and
 ``dcp.load`` fills only the entries its template (a state dict of the resuming optimizer) already
@@ -18,20 +19,44 @@ model's state::
     dcp.load(state, checkpoint_id=path)
     model.load_state_dict(state["model"])     # the optimizer's state is loaded in place
 
-Each rank's complete ``optimizer.state_dict()`` is one entry of the checkpoint under a key of its
-own (``optim.rank<r>``, ``r`` its rank in the whole job: with HSDP or a pipeline the optimizer's
-backend is one group of it), written by that rank, so the resume is bit-identical to the uninterrupted
-run. The entries are serialized objects, not resharded tensors: the checkpoint is resumed on the
-same world size (another raises DCP's missing-key error, or this module's world-size error), and
-the replicated moments are stored once per rank.
+A checkpoint holds two parts:
+
+* **the moments, as tensors DCP can reshard** (``state.<i>.<name>``, ``i`` the parameter's
+  position in ``param_groups``): every per-parameter buffer of the algorithm (``exp_avg``,
+  ``exp_avg_sq``, 1-bit LAMB's fresh variance, 0/1 Adam's accumulator and synchronised
+  parameters). A parameter of a sharded model (FSDP2, HSDP, tensor parallelism) has its state
+  saved as a ``DTensor`` with the parameter's mesh and placements, a plain parameter's as a plain
+  tensor (DCP writes each once). A state that differs between the ranks (0/1 Adam's local momentum
+  and accumulator between synchronisations) is saved as the backend's rank 0 holds it (a broadcast
+  when such a checkpoint is taken), so a resharded resume starts every rank from one replica's;
+* **each rank's own part** (``rank<r>``, ``r`` its rank in the whole job: with HSDP or a
+  pipeline the optimizer's backend is one group of it), a serialized ``state_dict()`` without
+  those tensors: the stage and its counters, the per-layer statistics, the error-feedback
+  buffers, ZeRO's shards, 0/1 Adam's local state.
+
+``OptimizerState(opt)`` resumes on the same ranks: each rank reads its own part and the tensors,
+and the run continues bit for bit as if it had not stopped. ``OptimizerState(opt, reshard=True)``
+resumes at another world size or on another mesh: every rank reads rank 0's part and the tensors
+resharded by DCP onto its own parameters (or shards); the error-feedback buffers start again from
+zero (a warning says so), as after any change of the ranks (docs/guarantees.md). ZeRO's state
+(``zero_stage`` 1/2) lives in the buckets' shards, not in per-parameter tensors, and is not
+resharded: it resumes on the same world size. Loading without ``reshard=True`` at another world
+size raises: this module's error on fewer ranks, DCP's ``Missing key ... optim.rank<r>`` on more
+(DCP checks the template's keys before this module sees the checkpoint).
 """
 from __future__ import annotations
 
 import io
+import warnings
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
+
+try:  # (torch builds without distributed support have no DTensor)
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - every supported torch has it
+    DTensor = None
 
 
 def _rank_and_world(optimizer) -> tuple[int, int]:
@@ -43,39 +68,163 @@ def _rank_and_world(optimizer) -> tuple[int, int]:
     return optimizer.backend.rank, optimizer.backend.world_size
 
 
+def _serialize(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
 class OptimizerState(Stateful):
     """``optimizer``'s state for ``dcp.save`` / ``dcp.load`` (see the module doc).
 
     Args:
         optimizer: a :class:`~compressed_opt.optimizer.CompressedOptimizer`.
+        reshard: on a load, read rank 0's part and the moments resharded onto this optimizer's
+            parameters, at any world size or mesh (the error feedback restarts from zero);
+            ``False`` (default): resume each rank's own state exactly, on the same ranks and mesh.
+            A save writes the same checkpoint either way.
     """
 
-    def __init__(self, optimizer):
+    def __init__(self, optimizer, reshard: bool = False):
         if not hasattr(optimizer, "comm_stats"):
             raise TypeError(f"OptimizerState takes a compressed_opt optimizer, got {type(optimizer).__name__}; "
                             "torch.optim optimizers go through torch.distributed.checkpoint.state_dict")
+        if not isinstance(reshard, bool):
+            raise TypeError(f"reshard must be True or False, got {reshard!r}")
+        if reshard and optimizer.layout.sharded:
+            raise ValueError(f"OptimizerState(reshard=True) with {type(optimizer).__name__}(zero_stage="
+                             f"{optimizer.layout.stage}): ZeRO's state lives in the buckets' shards and is not "
+                             "resharded; resume it on the same world size with OptimizerState(optimizer)")
         self.optimizer = optimizer
+        self.reshard = reshard
 
-    def _key(self) -> str:
-        return f"rank{_rank_and_world(self.optimizer)[0]}"
+    # --- the parameters, as the checkpoint's tensors lay them out ------------------------------------
+    def _params(self) -> list[torch.Tensor]:
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
 
+    def _as_saved(self, p, local: torch.Tensor) -> torch.Tensor:
+        """``local`` (state of ``p``'s shape) as the checkpoint holds it: a DTensor laid out as the
+        model's parameter for the shard of a DTensor parameter, else as it is."""
+        model_param = self.optimizer.model_parameter(p)
+        if model_param is p:
+            return local
+        return DTensor.from_local(local, model_param.device_mesh, model_param.placements, run_check=False,
+                                  shape=model_param.shape, stride=model_param.stride())
+
+    def _tensor_names(self) -> tuple[str, ...]:
+        return self.optimizer.bucket_state_names
+
+    # --- Stateful ----------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """``{"world_size": W, "rank<r>": bytes}``: this rank's state dict, serialized, as one entry
-        (DCP stores an entry it does not traverse as it is, under the key given). On a load, DCP
-        asks for the same keys and puts what it read in their place."""
-        buf = io.BytesIO()
-        torch.save(self.optimizer.state_dict(), buf)
-        return {"world_size": _rank_and_world(self.optimizer)[1], self._key(): buf.getvalue()}
+        """The entries DCP saves, or, on a load, the template DCP fills: ``world_size``, this rank's
+        own part (``rank<r>``; rank 0's with ``reshard=True``) and the per-parameter tensors
+        ``state.<i>.<name>``. Collective (0/1 Adam between synchronisations: a broadcast)."""
+        opt = self.optimizer
+        rank, world = _rank_and_world(opt)
+        sd = opt.state_dict()
+        params = self._params()
+        positions = [pid for g in sd["param_groups"] for pid in g["params"]]
+        # a state that differs between the ranks (0/1 Adam between synchronisations): the backend's
+        # rank 0's on every rank, so that the tensors are one replica's whichever rank DCP has write
+        # them (every rank is here, in the same order: dcp.save and dcp.load are collective)
+        own_values = opt.rank_parameters()
+        tensors, present = {}, {}
+        for i, (pid, p) in enumerate(zip(positions, params)):
+            st = sd["state"].get(pid, {})
+            names = [n for n in self._tensor_names() if n in st]
+            if names:
+                present[i] = names
+            for name in self._tensor_names():
+                value = st.get(name)
+                local = value.detach() if value is not None else torch.zeros_like(p, dtype=torch.float32)
+                if own_values and name in opt.rank_state_names and opt.backend.world_size > 1:
+                    local = local.clone()
+                    opt.backend.broadcast(local, src=0)
+                tensors[f"state.{i}.{name}"] = self._as_saved(p, local)
+        own = dict(sd, state={pid: {k: v for k, v in st.items()
+                                    if k not in self._tensor_names() or k in opt.rank_state_names}
+                              for pid, st in sd["state"].items()})
+        part = {"state_dict": own, "present": present,
+                "local_shapes": [tuple(p.shape) for p in params]}
+        return {"world_size": world, f"rank{0 if self.reshard else rank}": _serialize(part), **tensors}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load what DCP read into the optimizer (its ``load_state_dict``, with every check)."""
-        world = _rank_and_world(self.optimizer)[1]
+        """Load what DCP read into the optimizer (its ``load_state_dict``, with every check). A
+        checkpoint this rank cannot load raises on every rank."""
+        problem, sd = None, None
+        try:
+            sd = self._state_dict_from(state_dict)
+        except ValueError as exc:
+            problem = exc
+        _agree(self.optimizer, problem)
+        self.optimizer.load_state_dict(sd)
+
+    def _state_dict_from(self, state_dict: dict) -> dict:
+        """The optimizer's state dict, from DCP's entries (``ValueError`` if they cannot make it)."""
+        opt = self.optimizer
+        rank, world = _rank_and_world(opt)
+        key = f"rank{0 if self.reshard else rank}"
         saved_world = state_dict.get("world_size")
-        if saved_world != world:
+        if not self.reshard and saved_world != world:
             raise ValueError(f"this checkpoint holds the optimizer state of {saved_world} ranks, and it is loaded on "
-                             f"{world}: OptimizerState resumes on the same world size (docs/guarantees.md)")
-        data = state_dict[self._key()]
+                             f"{world}: OptimizerState(optimizer) resumes on the same ranks; load it with "
+                             "OptimizerState(optimizer, reshard=True) to reshard the moments (the error feedback "
+                             "restarts from zero; docs/guarantees.md)")
+        data = state_dict.get(key)
         if not isinstance(data, (bytes, bytearray)):
-            raise ValueError(f"the checkpoint's entry {self._key()!r} is not an optimizer state saved by "
+            raise ValueError(f"the checkpoint's entry {key!r} is not an optimizer state saved by "
                              f"OptimizerState (got {type(data).__name__})")
-        self.optimizer.load_state_dict(torch.load(io.BytesIO(data), map_location="cpu", weights_only=False))
+        part = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+        if not isinstance(part, dict) or "state_dict" not in part:
+            raise ValueError(f"the checkpoint's entry {key!r} was written by an older OptimizerState (one state "
+                             "dict per rank, no resharding): load it with the compressed_opt version that wrote it")
+        params = self._params()
+        if not self.reshard and part["local_shapes"] != [tuple(p.shape) for p in params]:
+            raise ValueError("the parameters here are sharded otherwise than when this checkpoint was saved (another "
+                             "mesh, or another model): OptimizerState(optimizer) resumes on the same ranks and mesh; "
+                             "load it with OptimizerState(optimizer, reshard=True)")
+        sd = part["state_dict"]
+        positions = [pid for g in sd["param_groups"] for pid in g["params"]]
+        if len(positions) != len(params):
+            raise ValueError(f"this checkpoint holds the state of {len(positions)} parameters, this optimizer has "
+                             f"{len(params)}")
+        state = {pid: dict(st) for pid, st in sd["state"].items()}
+        for i, names in part["present"].items():
+            st = state.setdefault(positions[i], {})
+            for name in names:
+                if self.reshard or name not in st:
+                    value = state_dict[f"state.{i}.{name}"]
+                    st[name] = value.to_local() if DTensor is not None and isinstance(value, DTensor) else value
+        sd = dict(sd, state=state)
+        return self._resharded(sd) if self.reshard else sd
+
+    def _resharded(self, sd: dict) -> dict:
+        """Rank 0's state dict, made this rank's: its own parts (error feedback, the saver's place
+        and paths) dropped, with a warning where they held error feedback."""
+        opt = self.optimizer
+        extra = dict(sd["compressed_opt"])
+        if any("worker_error" in e for e in extra["buckets"]):
+            warnings.warn(
+                f"{type(opt).__name__}: resharded from a checkpoint of {extra['world_size']} rank(s): the "
+                "error-feedback buffers (worker and server error) start again from zero; moments, variance and "
+                "stage were kept",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        extra.pop("ranks", None)
+        extra.update(rank=opt.backend.rank, world_size=opt.backend.world_size, averaging=None, paths={},
+                     buckets=[], shards=None if extra.get("shards") is None else list(_rank_and_world(opt)))
+        return dict(sd, compressed_opt=extra)
+
+
+def _agree(optimizer, problem: ValueError | None) -> None:
+    """Raise ``problem`` here, and an error on every other rank of the job, if any rank has one
+    (a rank that raised alone would leave the others waiting in the optimizer's load)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        flag = torch.tensor([0 if problem is None else 1], dtype=torch.int32, device=optimizer.comm_device)
+        dist.all_reduce(flag)
+        if problem is None and int(flag.item()):
+            raise ValueError("OptimizerState: another rank could not load its part of this checkpoint (its error "
+                             "says why); no rank loaded it")
+    if problem is not None:
+        raise problem

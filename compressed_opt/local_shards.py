@@ -98,6 +98,10 @@ class LocalShards:
         this rank's shards'; a checkpoint records it, and another rank's is refused), else ``None``."""
         return [dist.get_rank(), dist.get_world_size()] if self._pairs else None
 
+    def dtensor_of(self, shard) -> torch.Tensor | None:
+        """The DTensor parameter whose local tensor ``shard`` is (``None`` for a plain parameter)."""
+        return next((p for p, s in self._pairs if s is shard), None)
+
     def numel_for_buckets(self, p) -> int:
         """The size a parameter counts for in the bucket layout: a split layer's nominal share
         (the same on every rank of its mesh, so their buckets hold the same layers)."""

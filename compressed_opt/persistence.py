@@ -175,6 +175,12 @@ class Persistence:
         consolidated checkpoint carries them per rank."""
         return False
 
+    def model_parameter(self, p) -> torch.Tensor:
+        """The model's parameter that ``p`` (an entry of ``param_groups``) stands for: the DTensor
+        whose local shard ``p`` is (HSDP, tensor parallelism), else ``p`` itself."""
+        found = self._local_shards.dtensor_of(p)
+        return p if found is None else found
+
     @property
     def comm_device(self) -> torch.device:
         """The device of the optimizer's collectives (its parameters')."""

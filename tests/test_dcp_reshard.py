@@ -1,0 +1,205 @@
+"""torch.distributed.checkpoint (DCP) at another world size or on another mesh:
+``OptimizerState(opt, reshard=True)`` puts the saved moments onto the loading ranks' parameters
+(or shards, resharded by DCP), every rank from one replica, and restarts the error feedback with a
+warning; without ``reshard=True`` such a load raises on every rank, never resumes wrong state; ZeRO
+is refused up front."""
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+import compressed_opt
+from compressed_opt.dcp import OptimizerState
+
+from distributed import run_ranks
+
+CONFIGS = {
+    "OnebitAdam": dict(freeze_step=3),
+    "OnebitLamb": dict(freeze_step=3),
+    "ZeroOneAdam": dict(var_freeze_step=3, var_update_scaler=2, local_step_scaler=4),
+}
+SAVE_AT, MORE = 8, 3  # (0/1 Adam: step 8 is a local step, between synchronisations; 11 a sync)
+
+
+def _model(seed):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(12, 24), nn.Tanh(), nn.Linear(24, 6))
+
+
+def _train(model, opt, who, steps):
+    for step in steps:
+        g = torch.Generator().manual_seed(1000 * step + who)
+        opt.zero_grad()
+        model(torch.randn(8, 12, generator=g)).square().mean().backward()
+        opt.step()
+
+
+def _moments(opt, whole=lambda p, t: t) -> dict:
+    """``{(i, name): tensor}``: the per-parameter buffers, each made whole by ``whole``."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    return {(i, name): whole(p, opt.state[p][name].detach().clone())
+            for i, p in enumerate(params) for name in opt.bucket_state_names if name in opt.state[p]}
+
+
+# --- replicated: 2 ranks -> 1 process and -> 3 ranks ------------------------------------------------
+def _save_replicated(rank, world, root):
+    warnings.simplefilter("ignore", UserWarning)
+    out = {}
+    for name, kw in CONFIGS.items():
+        model = _model(0)
+        opt = getattr(compressed_opt, name)(model.parameters(), lr=1e-2, **kw)
+        _train(model, opt, rank, range(1, SAVE_AT + 1))
+        dcp.save({"model": model.state_dict(), "optim": OptimizerState(opt)}, checkpoint_id=os.path.join(root, name))
+        out[name] = (_moments(opt), opt.global_step, opt.compressing, opt.rank_parameters())
+    return out
+
+
+def _load_replicated(rank, world, root):
+    out = {}
+    for name, kw in CONFIGS.items():
+        model = _model(1)
+        opt = getattr(compressed_opt, name)(model.parameters(), lr=1e-2, **kw)
+        state = {"model": model.state_dict(), "optim": OptimizerState(opt, reshard=True)}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            dcp.load(state, checkpoint_id=os.path.join(root, name))
+        model.load_state_dict(state["model"])
+        reset = [str(w.message) for w in caught if "start again from zero" in str(w.message)]
+        loaded = (_moments(opt), opt.global_step, opt.compressing)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            _train(model, opt, rank, range(SAVE_AT + 1, SAVE_AT + MORE + 1))
+        after = [p.detach().clone() for p in model.parameters()]
+        out[name] = (loaded, reset, after)
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_a_replicated_checkpoint_reshards_onto_one_process_and_onto_three_ranks(tmp_path):
+    root = str(tmp_path)
+    saved = run_ranks(_save_replicated, 2, root, timeout=240)
+    assert saved[0]["ZeroOneAdam"][3], "0/1 Adam should be saved between synchronisations (its ranks' own state)"
+    own = saved[0]["ZeroOneAdam"][0]
+    assert any(not torch.equal(own[k], saved[1]["ZeroOneAdam"][0][k]) for k in own), "ranks' local states differ"
+    single = _load_replicated(0, 1, root)
+    three = run_ranks(_load_replicated, 3, root, timeout=240)
+    for name in CONFIGS:
+        moments, step, compressing, _ = saved[0][name]
+        for result in (single, *three):
+            (loaded, at, stage), reset, after = result[name]
+            assert (at, stage) == (step, compressing) == (SAVE_AT, True), name
+            assert loaded.keys() == moments.keys(), name
+            for key, value in moments.items():  # rank 0's, on every rank (0/1 Adam's own state too)
+                assert torch.equal(loaded[key], value), (name, key)
+            assert len(reset) == 1, (name, reset)
+            assert all(torch.isfinite(p).all() for p in after), name
+        for r in (1, 2):  # the three ranks go on as one replica
+            assert all(torch.equal(a, b) for a, b in zip(three[0][name][2], three[r][name][2])), (name, r)
+
+
+def test_without_reshard_another_world_size_is_refused_and_says_how(tmp_path):
+    run_ranks(_save_replicated, 2, str(tmp_path), timeout=240)
+    model = _model(1)
+    opt = compressed_opt.OnebitAdam(model.parameters(), lr=1e-2, **CONFIGS["OnebitAdam"])
+    with pytest.raises(ValueError, match=r"state of 2 ranks, and it is loaded on 1.*reshard=True"):
+        dcp.load({"optim": OptimizerState(opt)}, checkpoint_id=os.path.join(str(tmp_path), "OnebitAdam"))
+    assert opt.global_step == 0
+
+
+def test_zero_state_is_not_resharded_and_says_so():
+    opt = compressed_opt.OnebitAdam(_model(0).parameters(), zero_stage=1)
+    with pytest.raises(ValueError, match="ZeRO's state .* not resharded"):
+        OptimizerState(opt, reshard=True)
+    with pytest.raises(TypeError, match="reshard must be True or False"):
+        OptimizerState(opt, reshard="yes")
+
+
+# --- HSDP: (2 replicas x 2 shards) -> (1 x 4) ------------------------------------------------------
+def _hsdp(shape, seed):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+    model = _model(seed)
+    for m in model:
+        if isinstance(m, nn.Linear):
+            fully_shard(m, mesh=mesh["shard"])
+    fully_shard(model, mesh=mesh["shard"])
+    return mesh, model
+
+
+def _whole(opt):
+    from torch.distributed.tensor import DTensor
+
+    def whole(p, local):
+        dt = opt.model_parameter(p)
+        return DTensor.from_local(local, dt.device_mesh, dt.placements, run_check=False, shape=dt.shape,
+                                  stride=dt.stride()).full_tensor()
+    return whole
+
+
+def _hsdp_save(rank, world, root):
+    warnings.simplefilter("ignore")
+    mesh, out = None, {}
+    for name, kw in CONFIGS.items():
+        mesh, model = _hsdp((2, 2), 0)
+        r_rep, r_shard = mesh.get_coordinate()
+        opt = getattr(compressed_opt, name)(model.parameters(), lr=1e-2, backend=mesh["replicate"], **kw)
+        _train(model, opt, 10 * r_rep + r_shard, range(1, SAVE_AT + 1))
+        dcp.save({"model": model.state_dict(), "optim": OptimizerState(opt)}, checkpoint_id=os.path.join(root, name))
+        # replica 0's whole moments: what every rank of the resharded run must hold its part of
+        whole = {}
+        for key, value in _moments(opt).items():
+            i, _ = key
+            p = [q for g in opt.param_groups for q in g["params"]][i]
+            mine = value if r_rep == 0 else torch.zeros_like(value)
+            dist.broadcast(mine, src=int(mesh["replicate"].mesh[0]), group=mesh["replicate"].get_group())
+            whole[key] = _whole(opt)(p, mine)
+        out[name] = (whole, opt.global_step)
+    return out
+
+
+def _hsdp_load(rank, world, root):
+    out = {}
+    for name, kw in CONFIGS.items():
+        mesh, model = _hsdp((1, 4), 1)
+        opt = getattr(compressed_opt, name)(model.parameters(), lr=1e-2, backend=mesh["replicate"], **kw)
+        path = os.path.join(root, name)
+        with pytest.raises(ValueError, match="sharded otherwise|another rank could not"):
+            dcp.load({"optim": OptimizerState(opt)}, checkpoint_id=path)  # same world size, another mesh
+        assert opt.global_step == 0
+        state = {"model": model.state_dict(), "optim": OptimizerState(opt, reshard=True)}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.load(state, checkpoint_id=path)
+            model.load_state_dict(state["model"])
+            loaded = _moments(opt, _whole(opt))
+            _train(model, opt, rank, range(SAVE_AT + 1, SAVE_AT + MORE + 1))
+        finite = all(torch.isfinite(p.to_local()).all() for p in model.parameters())
+        out[name] = (loaded, opt.global_step, opt.compressing, finite)
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_an_hsdp_checkpoint_reshards_onto_another_mesh(tmp_path):
+    """Saved on a (2, 2) HSDP mesh, loaded on (1, 4): each parameter's moments, made whole again,
+    are replica 0's (DCP read each rank's new shard out of the old ones); training goes on."""
+    root = str(tmp_path)
+    saved = run_ranks(_hsdp_save, 4, root, timeout=300)
+    loaded = run_ranks(_hsdp_load, 4, root, timeout=300)
+    for name in CONFIGS:
+        whole, step = saved[0][name]
+        for rank in range(4):
+            moments, at, compressing, finite = loaded[rank][name]
+            assert (at, compressing, finite) == (step + MORE, True, True), (name, rank)
+            assert moments.keys() == whole.keys(), (name, rank)
+            for key in whole:
+                assert torch.equal(moments[key], whole[key]), (name, rank, key)
