@@ -93,7 +93,12 @@ class CompressedOptimizer(Stepping, Reporting, Persistence, Optimizer):
     #: are each rank's own, so at the end of backward the ranks share whether any holds inf/NaN and
     #: mark every rank's alike (:mod:`compressed_opt.stepping`): every rank's scaler skips and backs
     #: off together, and clipping after ``scaler.unscale_`` (Lightning's mixed precision) works.
-    _step_supports_amp_scaling = False
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        # DTensor parameters (HSDP, tensor parallelism): their gradients reach the optimizer's
+        # parameters only in ``step()``, so GradScaler's own unscaling would find none and stop at
+        # an assertion; told True, it calls ``step()`` at once, which refuses it (_before_step)
+        return bool(self.__dict__.get("_local_shards"))
 
     #: the per-bucket buffers this class adds (name -> role and dtype, compressed_opt.buffers);
     #: ``declared`` merges the tables along the class hierarchy (a sharded layout overlays its
@@ -457,6 +462,12 @@ class CompressedOptimizer(Stepping, Reporting, Persistence, Optimizer):
     def _before_step(self) -> None:
         """At the start of ``step()``, before any collective."""
         self._consolidated = None  # the parts gathered for a checkpoint describe the step before
+        if self._local_shards and "found_inf" in self.__dict__:  # (set by GradScaler.step: see above)
+            raise RuntimeError(
+                f"{type(self).__name__} with DTensor parameters (HSDP, tensor parallelism) under torch.amp.GradScaler: "
+                "not supported (a rank that finds inf/NaN in its shard would skip step() alone). Train in bf16 "
+                "(torch.autocast(dtype=torch.bfloat16) needs no scaler), or without a GradScaler"
+            )
         self._local_shards.bind_grads()  # (DTensor parameters: their gradients' local shards)
 
     def rank0_decides(self, wants: bool) -> bool:

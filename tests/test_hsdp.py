@@ -173,6 +173,14 @@ def _refusals(rank, world):
         out["copy"] = "copied"
     except RuntimeError as exc:
         out["copy"] = str(exc)
+    scaler = torch.amp.GradScaler("cpu")  # (a rank whose shard overflowed would skip step() alone)
+    opt.zero_grad()
+    scaler.scale(model(torch.randn(4, 16)).sum()).backward()
+    try:
+        scaler.step(opt)
+        out["scaler"] = "stepped"
+    except RuntimeError as exc:
+        out["scaler"] = str(exc)
     return out
 
 
@@ -180,13 +188,16 @@ def test_what_cannot_be_composed_with_fsdp_is_refused():
     """FSDP over the optimizer's own ranks (its exchange would average different shards), ZeRO on
     top of shards, and FSDP's own HSDP (it would also all-reduce across the replicas) raise at
     construction with the fix in the message; a checkpoint of one rank's shards loaded on another
-    rank (the same shapes) raises, and so does a copy (it would hold the model's DTensors)."""
+    rank (the same shapes) raises, and so does a copy (it would hold the model's DTensors); a
+    GradScaler's step raises on every rank, saying why (it stopped at torch's "No inf checks were
+    recorded" assertion before)."""
     for out in run_ranks(_refusals, 2, timeout=120):
         assert "mesh['replicate']" in out["default backend"], out
         assert "zero_stage=0" in out["zero"], out
         assert "2-D device mesh" in out["2-D mesh"] and "mesh['shard']" in out["2-D mesh"], out
         assert "parameter shards of rank" in out["other rank"], out
         assert "holding DTensor parameters" in out["copy"] and "state_dict()" in out["copy"], out
+        assert "GradScaler: not supported" in out["scaler"] and "bf16" in out["scaler"], out
 
 
 def _user_loop(rank, world):
