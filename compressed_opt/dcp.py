@@ -83,20 +83,29 @@ class OptimizerState(Stateful):
             parameters, at any world size or mesh (the error feedback restarts from zero);
             ``False`` (default): resume each rank's own state exactly, on the same ranks and mesh.
             A save writes the same checkpoint either way.
+        legacy: read (or write) the layout of compressed_opt 0.1.0 before resharding (each rank's
+            whole ``state_dict()`` as one entry, no tensors): such a checkpoint loads only with
+            ``legacy=True`` (without it, DCP reports ``Missing key ... optim.state.0.exp_avg``),
+            on the ranks that saved it.
     """
 
-    def __init__(self, optimizer, reshard: bool = False):
+    def __init__(self, optimizer, reshard: bool = False, legacy: bool = False):
         if not hasattr(optimizer, "comm_stats"):
             raise TypeError(f"OptimizerState takes a compressed_opt optimizer, got {type(optimizer).__name__}; "
                             "torch.optim optimizers go through torch.distributed.checkpoint.state_dict")
-        if not isinstance(reshard, bool):
-            raise TypeError(f"reshard must be True or False, got {reshard!r}")
+        for name, value in (("reshard", reshard), ("legacy", legacy)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be True or False, got {value!r}")
+        if reshard and legacy:
+            raise ValueError("OptimizerState(reshard=True, legacy=True): a legacy checkpoint holds no tensors to "
+                             "reshard; resume it on the ranks that saved it")
         if reshard and optimizer.layout.sharded:
             raise ValueError(f"OptimizerState(reshard=True) with {type(optimizer).__name__}(zero_stage="
                              f"{optimizer.layout.stage}): ZeRO's state lives in the buckets' shards and is not "
                              "resharded; resume it on the same world size with OptimizerState(optimizer)")
         self.optimizer = optimizer
         self.reshard = reshard
+        self.legacy = legacy
 
     # --- the parameters, as the checkpoint's tensors lay them out ------------------------------------
     def _params(self) -> list[torch.Tensor]:
@@ -122,6 +131,8 @@ class OptimizerState(Stateful):
         opt = self.optimizer
         rank, world = _rank_and_world(opt)
         sd = opt.state_dict()
+        if self.legacy:
+            return {"world_size": world, f"rank{rank}": _serialize(sd)}
         params = self._params()
         positions = [pid for g in sd["param_groups"] for pid in g["params"]]
         # a state that differs between the ranks (0/1 Adam between synchronisations): the backend's
@@ -175,9 +186,14 @@ class OptimizerState(Stateful):
             raise ValueError(f"the checkpoint's entry {key!r} is not an optimizer state saved by "
                              f"OptimizerState (got {type(data).__name__})")
         part = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+        if self.legacy:
+            if not isinstance(part, dict) or "compressed_opt" not in part:
+                raise ValueError(f"the checkpoint's entry {key!r} is not a legacy OptimizerState entry (one state "
+                                 "dict per rank): load it without legacy=True")
+            return part
         if not isinstance(part, dict) or "state_dict" not in part:
-            raise ValueError(f"the checkpoint's entry {key!r} was written by an older OptimizerState (one state "
-                             "dict per rank, no resharding): load it with the compressed_opt version that wrote it")
+            raise ValueError(f"the checkpoint's entry {key!r} is a legacy OptimizerState entry (one state dict per "
+                             "rank): load it with OptimizerState(optimizer, legacy=True)")
         params = self._params()
         if not self.reshard and part["local_shapes"] != [tuple(p.shape) for p in params]:
             raise ValueError("the parameters here are sharded otherwise than when this checkpoint was saved (another "

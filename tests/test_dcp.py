@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 import compressed_opt
 from compressed_opt.dcp import OptimizerState
@@ -213,3 +214,29 @@ def test_an_hsdp_resume_through_dcp_is_bit_identical(tmp_path):
     for rank in range(4):
         for name in before[rank]:
             assert all(torch.equal(x, y) for x, y in zip(before[rank][name], after[rank][name])), (name, rank)
+
+
+def test_a_legacy_checkpoint_resumes_with_legacy_true_and_is_refused_without(tmp_path):
+    """The layout before resharding (each rank's whole state dict, one entry, no tensors), as
+    compressed_opt 0.1.0 wrote it: OptimizerState(legacy=True) resumes it bit for bit; the default
+    template asks DCP for the tensors it lacks, which DCP refuses, naming the key."""
+    model, opt = _compressing("OnebitAdam")
+    path = str(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"optim": OptimizerState(opt, legacy=True)}, checkpoint_id=path)
+        fresh_model, fresh = _make("OnebitAdam", seed=1)
+        with pytest.raises(CheckpointException) as caught:  # (each rank's error in .failures)
+            dcp.load({"optim": OptimizerState(fresh)}, checkpoint_id=path)
+        said = str(caught.value) + "".join(map(str, getattr(caught.value, "failures", {}).values()))
+        assert "Missing key in checkpoint state_dict: optim.state.0.exp_avg" in said, said
+        assert fresh.global_step == 0
+        dcp.load({"optim": OptimizerState(fresh, legacy=True)}, checkpoint_id=path)
+        fresh_model.load_state_dict(model.state_dict())
+        results = []
+        for m, o in ((model, opt), (fresh_model, fresh)):
+            _train(m, o, 0, range(SAVE_AT + 1, STEPS + 1))
+            results.append(_tensors(m, o))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    with pytest.raises(ValueError, match="legacy checkpoint holds no tensors"):
+        OptimizerState(opt, reshard=True, legacy=True)
