@@ -1,6 +1,6 @@
 """HSDP: FSDP2 inside each replica (``fully_shard(..., mesh=mesh["shard"])``) and the optimizer's
 exchange across the replicas (``backend=TorchBackend(group=mesh["replicate"].get_group())``), on a
-("replicate", "shard") = (2, 2) mesh of 4 Gloo ranks, for every optimizer, across the freeze:
+("replicate", "shard") = (2, 2) mesh of 4 Gloo ranks, for every optimizer, 30 steps across the freeze:
 
 * the DTensor parameters step on their local shards exactly as the same optimizer steps plain
   tensors holding those shards and gradients (bit for bit, every step: the shard layer adds
@@ -29,7 +29,10 @@ from distributed import run_ranks
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 
 NAMES = ("OnebitAdam", "OnebitLamb", "ZeroOneAdam")
-FREEZE, STEPS = 4, 12
+FREEZE, STEPS = 4, 30
+#: the steps after the freeze over which the gap to the unsharded model's run is bounded (another
+#: partition's 1-bit noise: two valid runs that drift apart as any two would, 0/1 Adam's fastest)
+NEAR = 8
 
 
 def _model(width):
@@ -92,7 +95,7 @@ def _hsdp(rank, world, width):
                                                                                          whole.parameters()))
             if full_precision:
                 warmup_gap = max(warmup_gap, gap)
-            else:
+            elif step <= FREEZE + NEAR:
                 compression_gap = max(compression_gap, gap)
             if getattr(opt, "steps_since_sync", 0) == 0:  # (0/1 Adam's local steps differ until a sync)
                 compared += 1
