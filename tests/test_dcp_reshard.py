@@ -203,3 +203,45 @@ def test_an_hsdp_checkpoint_reshards_onto_another_mesh(tmp_path):
             assert moments.keys() == whole.keys(), (name, rank)
             for key in whole:
                 assert torch.equal(moments[key], whole[key]), (name, rank, key)
+
+
+# --- tensor parallel: (dp 2 x tp 2) -> (dp 4 x tp 1) ----------------------------------------------
+def _tp(shape, seed):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
+    model = _model(seed)
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    return mesh, model
+
+
+def _tp_run(rank, world, root, shape, resume):
+    warnings.simplefilter("ignore")
+    mesh, model = _tp(shape, 1 if resume else 0)
+    opt = compressed_opt.OnebitAdam(model.parameters(), lr=1e-2, backend=mesh["dp"], **CONFIGS["OnebitAdam"])
+    if resume:
+        state = {"model": model.state_dict(), "optim": OptimizerState(opt, reshard=True)}
+        dcp.load(state, checkpoint_id=root)
+        model.load_state_dict(state["model"])
+    else:
+        _train(model, opt, mesh.get_coordinate()[0], range(1, SAVE_AT + 1))
+        dcp.save({"model": model.state_dict(), "optim": OptimizerState(opt)}, checkpoint_id=root)
+    whole = _moments(opt, _whole(opt))  # (every dp replica holds the same)
+    _train(model, opt, mesh.get_coordinate()[0], range(SAVE_AT + 1, SAVE_AT + MORE + 1))
+    return whole, opt.global_step, all(torch.isfinite(p.full_tensor()).all() for p in model.parameters())
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_a_tensor_parallel_checkpoint_reshards_onto_another_tp_degree(tmp_path):
+    """Saved on (dp 2, tp 2), loaded on (dp 4, tp 1): each parameter's moments, made whole, are
+    the saved ones; the run goes on."""
+    saved = run_ranks(_tp_run, 4, str(tmp_path), (2, 2), False, timeout=300)
+    loaded = run_ranks(_tp_run, 4, str(tmp_path), (4, 1), True, timeout=300)
+    for rank in range(4):
+        whole, step, finite = loaded[rank]
+        assert (step, finite) == (SAVE_AT + MORE, True), rank
+        assert whole.keys() == saved[0][0].keys()
+        for key, value in saved[0][0].items():
+            assert torch.equal(whole[key], value), (rank, key)
