@@ -168,11 +168,21 @@ class LocalShards:
                 "TorchBackend(group=mesh['replicate'].get_group()) (tensor parallelism: the data-parallel group)"
             )
 
-    def bind_grads(self) -> None:
+    def bind_grads(self, scaled: bool = False) -> None:
         """Each shard parameter's ``.grad`` <- its DTensor's gradient's local tensor (its
         ``requires_grad`` follows the DTensor's). Refuses a parameter whose local memory FSDP
         replaced after the optimizer was made, and a gradient still pending a reduction
-        (``Partial``): its local tensor is not this shard's gradient."""
+        (``Partial``): its local tensor is not this shard's gradient. ``scaled``: the step was
+        called by ``torch.amp.GradScaler.step``, refused: the gradients reach the shards only
+        here, so its unscaling found none (the optimizer tells it that it handles scaling itself,
+        else it stops at torch's assertion), and a rank that found inf in its own shard would
+        skip ``step()`` alone."""
+        if scaled and self._pairs:
+            raise RuntimeError(
+                f"{self._owner} with DTensor parameters (HSDP, tensor parallelism) under torch.amp.GradScaler: not "
+                "supported (a rank that finds inf/NaN in its shard would skip step() alone). Train in bf16 "
+                "(torch.autocast(dtype=torch.bfloat16) needs no scaler), or without a GradScaler"
+            )
         for p, shard in self._pairs:
             with torch.no_grad():
                 local = p.to_local()

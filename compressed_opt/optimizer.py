@@ -94,10 +94,7 @@ class CompressedOptimizer(Stepping, Reporting, Persistence, Optimizer):
     #: mark every rank's alike (:mod:`compressed_opt.stepping`): every rank's scaler skips and backs
     #: off together, and clipping after ``scaler.unscale_`` (Lightning's mixed precision) works.
     @property
-    def _step_supports_amp_scaling(self) -> bool:
-        # DTensor parameters (HSDP, tensor parallelism): their gradients reach the optimizer's
-        # parameters only in ``step()``, so GradScaler's own unscaling would find none and stop at
-        # an assertion; told True, it calls ``step()`` at once, which refuses it (_before_step)
+    def _step_supports_amp_scaling(self) -> bool:  # (DTensor parameters: compressed_opt.local_shards)
         return bool(self.__dict__.get("_local_shards"))
 
     #: the per-bucket buffers this class adds (name -> role and dtype, compressed_opt.buffers);
@@ -462,13 +459,7 @@ class CompressedOptimizer(Stepping, Reporting, Persistence, Optimizer):
     def _before_step(self) -> None:
         """At the start of ``step()``, before any collective."""
         self._consolidated = None  # the parts gathered for a checkpoint describe the step before
-        if self._local_shards and "found_inf" in self.__dict__:  # (set by GradScaler.step: see above)
-            raise RuntimeError(
-                f"{type(self).__name__} with DTensor parameters (HSDP, tensor parallelism) under torch.amp.GradScaler: "
-                "not supported (a rank that finds inf/NaN in its shard would skip step() alone). Train in bf16 "
-                "(torch.autocast(dtype=torch.bfloat16) needs no scaler), or without a GradScaler"
-            )
-        self._local_shards.bind_grads()  # (DTensor parameters: their gradients' local shards)
+        self._local_shards.bind_grads(scaled="found_inf" in self.__dict__)  # (GradScaler.step sets found_inf)
 
     def rank0_decides(self, wants: bool) -> bool:
         """Rank 0's ``wants``, on every rank (a one-element broadcast): for decisions computed
