@@ -245,3 +245,33 @@ def test_a_tensor_parallel_checkpoint_reshards_onto_another_tp_degree(tmp_path):
         assert whole.keys() == saved[0][0].keys()
         for key, value in saved[0][0].items():
             assert torch.equal(whole[key], value), (rank, key)
+
+
+# --- as a user runs it: examples/hsdp_dcp.py under torchrun ----------------------------------------
+def _torchrun(ranks, *args):
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-P", "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+           os.path.join(root, "examples", "hsdp_dcp.py"), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=root)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_the_hsdp_example_saves_on_four_ranks_and_resumes_resharded_on_two(tmp_path):
+    """``examples/hsdp_dcp.py``: HSDP (2, 2) trains across the freeze and saves; on 2 ranks
+    without ``--reshard`` the load is refused naming ``reshard=True``; with it the run resumes
+    in the compression stage and goes on."""
+    ckpt = str(tmp_path / "ckpt")
+    saved = _torchrun(4, "--replicas", "2", "--steps", "12", "--save", ckpt)
+    assert saved.returncode == 0, saved.stdout + saved.stderr
+    assert "compression: 7 steps" in saved.stdout and f"saved {ckpt}" in saved.stdout, saved.stdout
+    refused = _torchrun(2, "--replicas", "1", "--steps", "2", "--load", ckpt)
+    assert refused.returncode != 0 and "reshard=True" in refused.stderr, refused.stderr[-2000:]
+    resumed = _torchrun(2, "--replicas", "1", "--steps", "4", "--load", ckpt, "--reshard")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "resumed at step 12 (compressing)" in resumed.stdout and "step 16: loss" in resumed.stdout, resumed.stdout
+    assert "start again from zero" in resumed.stderr
