@@ -275,3 +275,24 @@ def test_the_hsdp_example_saves_on_four_ranks_and_resumes_resharded_on_two(tmp_p
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "resumed at step 12 (compressing)" in resumed.stdout and "step 16: loss" in resumed.stdout, resumed.stdout
     assert "start again from zero" in resumed.stderr
+
+
+def test_resharding_a_checkpoint_of_another_model_or_optimizer_raises_and_loads_nothing(tmp_path):
+    """The wrong checkpoint, resharded: another layer width (DCP's size check), another layer
+    count, another optimizer (its buffers and algorithm): each raises, and nothing is loaded."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    run_ranks(_save_replicated, 2, str(tmp_path), timeout=240)
+    path = os.path.join(str(tmp_path), "OnebitAdam")
+    wider = nn.Sequential(nn.Linear(12, 32), nn.Tanh(), nn.Linear(32, 6))
+    shorter = nn.Sequential(nn.Linear(12, 24))
+    cases = [(compressed_opt.OnebitAdam, wider, "Size mismatch"),
+             (compressed_opt.OnebitAdam, shorter, "state of 4 parameters, this optimizer has 2"),
+             (compressed_opt.OnebitLamb, _model(1), "state.0.exp_avg_sq_fresh")]
+    for cls, model, said in cases:
+        opt = cls(model.parameters(), lr=1e-2, freeze_step=3)
+        with pytest.raises((CheckpointException, ValueError)) as caught:
+            dcp.load({"optim": OptimizerState(opt, reshard=True)}, checkpoint_id=path)
+        text = str(caught.value) + "".join(map(str, getattr(caught.value, "failures", {}).values()))
+        assert said in text, (cls.__name__, text[-500:])
+        assert opt.global_step == 0 and not opt.state, cls.__name__
