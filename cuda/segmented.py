@@ -14,6 +14,10 @@ operation and per segment:
 ``lerp_scale_clamp_(x, m, weight, r, bounds, segments, scales=None)``
     ``x <- clamp(c_s * r * lerp(m, x, weight), -b_s, b_s)`` element-wise, ``b_s = bounds[s]``,
     ``c_s = scales[s]`` (1 without ``scales``).
+``LerpScaleClamp(x, m, weight, r, bounds, segments, scales=None)``
+    the same pass on ``x``, not run yet: its ``compress_rows_(x, error, rows, chunk, block)`` runs
+    it fused with the compression of ``x`` (the kernels' worker side) where it can, one pass over
+    memory that never writes ``x``, bit for bit as the two in turn; ``apply_()`` runs it alone.
 ``scale_clamp_(x, r, bounds, segments)``
     ``x <- clamp(r * x, -b_s, b_s)``.
 ``divide_where_nonzero_(y, r, out, zero_index=None, segments=None, divisors=None)``
@@ -174,6 +178,48 @@ def lerp_scale_clamp_(x: torch.Tensor, m: torch.Tensor, weight: float, r: torch.
         if views:
             torch._foreach_mul_(views, [float(v) for v in c.to(torch.float32).tolist()])
     _clamp_segments_(x, b.tolist(), segments)
+
+
+class LerpScaleClamp:
+    """``lerp_scale_clamp_(x, m, weight, r, bounds, segments, scales)``, not run yet: a pass whose
+    result only a compression reads (the local momentum of the preconditioned exchange) runs inside
+    that compression (:meth:`compress_rows_`) and never travels to memory; anywhere else, the caller
+    runs it alone first (:meth:`apply_`). The arguments are kept, not copied: they must not change
+    before the pass runs."""
+
+    def __init__(self, x: torch.Tensor, m: torch.Tensor, weight: float, r: torch.Tensor, bounds,
+                 segments: Segments, scales=None):
+        _check(segments, x, m, r)
+        self.x, self.m, self.weight, self.r = x, m, float(weight), r
+        self.bounds, self.segments, self.scales = bounds, segments, scales
+
+    def apply_(self) -> None:
+        """Run the pass on its ``x``, alone."""
+        lerp_scale_clamp_(self.x, self.m, self.weight, self.r, self.bounds, self.segments, self.scales)
+
+    def compress_rows_(self, x: torch.Tensor, error: torch.Tensor, rows: torch.Tensor, chunk: int,
+                       block: int) -> bool:
+        """The pass, then the worker side of the compression, ``compress_rows_(x, error, rows, chunk,
+        block)`` (:mod:`compressed_opt.cuda`), in one native pass over memory, bit for bit as
+        :meth:`apply_` then the compression: ``x`` (this pass's buffer, as a flat view) is read, not
+        written (its values afterwards: unspecified; the compressed allreduce writes its result
+        there). ``False``, with nothing done, where no fused pass runs here (not contiguous fp32 CPU
+        tensors, no C library, another buffer): then :meth:`apply_` and compress. The caller has
+        checked the compression's arguments (as for the kernels' unchecked implementations)."""
+        n = error.numel()
+        if (x.dim() != 1 or x.data_ptr() != self.x.data_ptr() or x.numel() != self.x.numel() or n > x.numel()
+                or rows.dtype != torch.uint8 or rows.dim() != 2 or rows.stride(1) != 1 or not rows.is_cpu):
+            return False
+        lib = _native(x, self.m, self.r, error)
+        if lib is None:
+            return False
+        nseg = len(self.segments)
+        b, bp = _c_doubles(self.bounds, nseg)
+        c, cp = (None, None) if self.scales is None else _c_doubles(self.scales, nseg)
+        lib.co_lerp_scale_clamp_compress_rows(
+            x.data_ptr(), self.m.data_ptr(), self.weight, self.r.data_ptr(), bp, cp, self.segments.offsets.data_ptr(),
+            nseg, error.data_ptr(), rows.data_ptr(), rows.stride(0), rows.shape[0], chunk, block, n)
+        return True
 
 
 def scale_clamp_(x: torch.Tensor, r: torch.Tensor, bounds, segments: Segments) -> None:

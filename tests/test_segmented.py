@@ -216,3 +216,86 @@ def test_descend_scaled_matches_the_foreach_composition(decay, monkeypatch):
         assert n.shape == p.shape
     with pytest.raises(ValueError, match="one destination per segment"):
         segmented.descend_scaled_(native[:2], y, a, segments, decay, scales)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32) if t.dtype == torch.float32 else t
+
+
+FUSED_CASES = [  # (segment sizes, elements past the segments, world, block, weight, scaled)
+    ([5, 0, 17, 1, 64, 3], 4, 1, 256, 0.1, True),           # tiny, an empty tensor, tails of blocks
+    ([3000, 1, 2047, 0, 999], 0, 2, 256, 0.1, False),        # tensors across blocks and chunks
+    ([1025, 1023, 4096, 7], 37, 3, 1024, 0.9, True),         # weight >= 1/2: lerp's other formula
+    ([20_000, 333, 1, 12_345], 61, 4, 512, 0.5, True),       # weight exactly 1/2
+    ([1] * 300, 5, 2, 256, 0.1, False),                      # many one-element tensors
+    ([777], 0, 1, 1024, -0.25, True),                        # one tensor, less than a block
+]
+
+
+@pytest.mark.parametrize("sizes,past,world,block,weight,scaled", FUSED_CASES)
+@pytest.mark.parametrize("seed", range(3))
+def test_lerp_scale_clamp_fused_into_compression_is_bit_identical(sizes, past, world, block, weight, scaled, seed):
+    """The local momentum's pass run inside the worker's compression (one pass over memory) gives
+    the error and the rows of ``lerp_scale_clamp_`` then ``compress_rows_`` on the native path bit
+    for bit (zeros, -0.0, negatives, values beyond the bounds, r == 0, odd sizes, blocks and chunks
+    cut inside tensors, elements past the segments, a gap between the rows), and leaves ``x`` as it was."""
+    from compressed_opt import cuda as kernels
+
+    if cpu.library() is None:
+        pytest.skip("no C compiler here")
+    g = torch.Generator().manual_seed(seed)
+    segs = Segments(sizes)
+    n = segs.numel + past
+    chunk = -(-max(-(-n // world), 1) // 32) * 32
+    x = torch.randn(n, generator=g) * 10.0 ** torch.randint(-4, 2, (n,), generator=g)
+    x[::7], x[3::11] = 0.0, -0.0
+    m = torch.randn(n, generator=g) * 0.5
+    r = torch.rand(n, generator=g) * 4
+    r[::5] = 0.0
+    error = torch.randn(n, generator=g) * 0.1
+    error[::13] = 0.0
+    bounds = (torch.rand(len(segs), generator=g) * 2 + 0.05).tolist()
+    scales = (torch.rand(len(segs), generator=g) + 0.5).tolist() if scaled else None
+    nb, row_len = kernels.rows_layout(chunk, block)
+    stride = row_len + 3
+
+    x1, e1 = x.clone(), error.clone()
+    rows1 = torch.zeros(world, stride, dtype=torch.uint8)
+    segmented.lerp_scale_clamp_(x1, m, weight, r, bounds, segs, scales)
+    cpu.compress_rows_(x1, e1, rows1[:, :row_len], chunk, block)
+
+    x2, e2 = x.clone(), error.clone()
+    rows2 = torch.zeros(world, stride, dtype=torch.uint8)
+    fused = segmented.LerpScaleClamp(x2, m, weight, r, bounds, segs, scales)
+    assert fused.compress_rows_(x2, e2, rows2[:, :row_len], chunk, block)
+    assert torch.equal(_bits(e2), _bits(e1))
+    assert torch.equal(rows2, rows1)
+    assert torch.equal(_bits(x2), _bits(x))  # read, never written
+
+    fused.apply_()  # alone: the pass itself
+    assert torch.equal(_bits(x2), _bits(x1))
+
+
+def test_lerp_scale_clamp_pass_falls_back_where_it_cannot_fuse(monkeypatch):
+    """Another buffer, or the reference kernels: nothing done, ``False`` (the caller applies the
+    pass, then compresses); through ``comm.compressed.compress_pending_`` the result is the same."""
+    from compressed_opt import cuda as kernels
+    from compressed_opt.comm.compressed import compress_pending_
+
+    segs, x, m, r, _ = _case(1)
+    error = torch.randn(x.numel())
+    nb, row_len = kernels.rows_layout(64, 256)
+    rows = torch.zeros(2, row_len, dtype=torch.uint8)
+    pending = segmented.LerpScaleClamp(x, m, 0.1, r, [1.0] * len(segs), segs)
+    before = (x.clone(), error.clone(), rows.clone())
+    assert not pending.compress_rows_(x.clone(), error, rows, 64, 256)
+    monkeypatch.setenv("COMPRESSED_OPT_KERNELS", "reference")
+    assert not pending.compress_rows_(x, error, rows, 64, 256)
+    for a, b in zip((x, error, rows), before):
+        assert torch.equal(a, b)
+    expected = x.clone(), error.clone(), rows.clone()
+    segmented.lerp_scale_clamp_(expected[0], m, 0.1, r, [1.0] * len(segs), segs)
+    kernels.reference.compress_rows_(expected[0], expected[1], expected[2], 64, 256)
+    compress_pending_(kernels.reference, x, error, rows, 64, 256, pending)
+    for a, b in zip((x, error, rows), expected):
+        assert torch.equal(a, b)
