@@ -32,15 +32,18 @@ no C compiler exists (or ``COMPRESSED_OPT_KERNELS=reference``), compose the same
 PyTorch's fused multi-tensor ops (``torch._foreach_*``), which on CUDA launch a few kernels per
 pass whatever the number of segments. Both compute in fp32 like PyTorch (the sums in float64);
 they may differ in the last bit (the C pass can contract ``a + w * b`` into one FMA).
+:class:`LerpScaleClamp`'s compression runs ``onebit_cpu.c`` on CPU tensors and ``onebit.cu`` (CuPy)
+on CUDA tensors, each bit for bit its device's pass then the compression.
 """
 from __future__ import annotations
 
 import ctypes
 import os
+import warnings
 
 import torch
 
-from . import cpu
+from . import cpu, reference
 
 
 class Segments:
@@ -55,6 +58,16 @@ class Segments:
             offsets.append(offsets[-1] + n)
         self.offsets = torch.tensor(offsets, dtype=torch.int64)
         self.numel = offsets[-1]
+        self._on_device: dict = {}  # device -> a copy of offsets there (made once)
+
+    def offsets_on(self, device: torch.device) -> torch.Tensor:
+        """``offsets`` on ``device`` (copied there once)."""
+        device = torch.device(device)
+        if device.type == "cpu":
+            return self.offsets
+        if device not in self._on_device:
+            self._on_device[device] = self.offsets.to(device)
+        return self._on_device[device]
 
     def __len__(self) -> int:
         return len(self.sizes)
@@ -204,12 +217,14 @@ class LerpScaleClamp:
         :meth:`apply_` then the compression: ``x`` (this pass's buffer, as a flat view) is read, not
         written (its values afterwards: unspecified; the compressed allreduce writes its result
         there). ``False``, with nothing done, where no fused pass runs here (not contiguous fp32 CPU
-        tensors, no C library, another buffer): then :meth:`apply_` and compress. The caller has
-        checked the compression's arguments (as for the kernels' unchecked implementations)."""
+        tensors, no C library or CUDA kernels, another buffer): then :meth:`apply_` and compress. The
+        caller has checked the compression's arguments (as for the kernels' unchecked implementations)."""
         n = error.numel()
         if (x.dim() != 1 or x.data_ptr() != self.x.data_ptr() or x.numel() != self.x.numel() or n > x.numel()
-                or rows.dtype != torch.uint8 or rows.dim() != 2 or rows.stride(1) != 1 or not rows.is_cpu):
+                or rows.dtype != torch.uint8 or rows.dim() != 2 or rows.stride(1) != 1 or rows.device != x.device):
             return False
+        if x.device.type == "cuda":
+            return self._compress_rows_cuda(x, error, rows, chunk, block)
         lib = _native(x, self.m, self.r, error)
         if lib is None:
             return False
@@ -220,6 +235,76 @@ class LerpScaleClamp:
             x.data_ptr(), self.m.data_ptr(), self.weight, self.r.data_ptr(), bp, cp, self.segments.offsets.data_ptr(),
             nseg, error.data_ptr(), rows.data_ptr(), rows.stride(0), rows.shape[0], chunk, block, n)
         return True
+
+    def _compress_rows_cuda(self, x, error, rows, chunk, block) -> bool:
+        from . import gpu
+
+        tensors = (x, self.m, self.r, error)
+        if (os.environ.get("COMPRESSED_OPT_KERNELS") == "reference"
+                or not all(_addressable(t) and t.device == x.device and t.dtype == torch.float32 and t.is_contiguous()
+                           for t in tensors)
+                or not gpu.is_available(x.device) or not _cuda_fusion_agrees(x.device)):
+            return False
+        self._launch_cuda(x, error, rows, chunk, block)
+        return True
+
+    def _launch_cuda(self, x, error, rows, chunk, block) -> None:
+        from . import gpu
+
+        nseg = len(self.segments)
+        # the bounds and the scales as fp32, as PyTorch's ops on CUDA round their scalars (scale 1: exact)
+        scales = torch.ones(nseg, dtype=torch.float64) if self.scales is None else _doubles(self.scales, nseg)
+        scalars = torch.cat([_doubles(self.bounds, nseg), scales]).to(torch.float32)
+        if x.device.type == "cuda":  # (pinned: the copy waits for nothing, the host goes on)
+            scalars = scalars.pin_memory()
+        scalars = scalars.to(x.device, non_blocking=True)
+        gpu.lerp_scale_clamp_compress_rows_(x, self.m, self.weight, self.r, scalars, self.segments.offsets_on(x.device),
+                                            error, rows, chunk, block)
+
+
+_fusion_checked: dict = {}  # device -> whether the fused kernel gave the two passes' bits there
+
+
+def _cuda_fusion_agrees(device: torch.device) -> bool:
+    """Whether, on ``device``, the CUDA kernel of :class:`LerpScaleClamp`'s compression gives bit
+    for bit what the pass (PyTorch's ops there) then the CUDA compression give, on a small case
+    (segments across blocks and chunks, an empty one, both of torch.lerp's formulas, scales):
+    checked once per device, at first use (one synchronisation). Where it does not (a PyTorch
+    whose lerp rounds otherwise), the two passes run, and a warning says so, once."""
+    from . import gpu
+
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device in _fusion_checked:
+        return _fusion_checked[device]
+    g = torch.Generator().manual_seed(29)
+    segments = Segments([300, 0, 1100, 5])
+    n, chunk, block = segments.numel + 7, 736, 256
+    x, m, e = (torch.randn(n, generator=g) for _ in range(3))
+    r = torch.rand(n, generator=g) * 3
+    x[::9], r[::7] = 0.0, 0.0
+    bounds, scales = [0.5, 1.0, 2.0, 0.25], [1.5, 0.5, 0.75, 1.25]
+    agree = True
+    for weight in (0.1, 0.9):
+        got = []
+        for fused in (True, False):
+            x_, m_, r_, e_ = (t.to(device, copy=True) for t in (x, m, r, e))
+            rows = torch.zeros(2, reference.rows_layout(chunk, block)[1], dtype=torch.uint8, device=device)
+            pending = LerpScaleClamp(x_, m_, weight, r_, bounds, segments, scales)
+            if fused:
+                pending._launch_cuda(x_, e_, rows, chunk, block)
+            else:
+                pending.apply_()
+                gpu.compress_rows_(x_, e_, rows, chunk, block)
+            got.append((e_.cpu().view(torch.int32), rows.cpu()))
+        agree = agree and all(torch.equal(a, b) for a, b in zip(*got))
+    if not agree:
+        warnings.warn("compressed_opt: the fused CUDA kernel of the local momentum's compression does not give "
+                      "PyTorch's rounding on this device; running the two passes instead", RuntimeWarning,
+                      stacklevel=4)
+    _fusion_checked[device] = agree
+    return agree
 
 
 def scale_clamp_(x: torch.Tensor, r: torch.Tensor, bounds, segments: Segments) -> None:

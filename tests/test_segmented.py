@@ -299,3 +299,57 @@ def test_lerp_scale_clamp_pass_falls_back_where_it_cannot_fuse(monkeypatch):
     compress_pending_(kernels.reference, x, error, rows, 64, 256, pending)
     for a, b in zip((x, error, rows), expected):
         assert torch.equal(a, b)
+
+
+def _emulated_cuda_kernel(x, m, weight, r, scalars, offsets, error, rows, chunk, block):
+    """``gpu.lerp_scale_clamp_compress_rows_``'s contract on the CPU: the pass with the bounds and
+    scales it is given (fp32, ``nseg`` of each) over a copy of ``x``, then the compression."""
+    nseg = offsets.numel() - 1
+    segs = Segments(offsets.diff().tolist())
+    assert torch.equal(offsets, segs.offsets) and scalars.dtype == torch.float32 and scalars.numel() == 2 * nseg
+    v = x.clone()
+    segmented.lerp_scale_clamp_(v, m, weight, r, scalars[:nseg].double(), segs, scalars[nseg:].double())
+    cpu.compress_rows_(v, error, rows, chunk, block)
+
+
+def test_the_cuda_dispatch_hands_the_kernel_its_scalars_and_checks_it_once(monkeypatch):
+    """Without a GPU, the CUDA path's Python with the kernel emulated on the CPU: the bounds then
+    the scales (1 without scales) as fp32, the offsets, the compression's arguments; the first use
+    on a device compares the kernel with the two passes once, and a kernel that rounds otherwise
+    is refused (the two passes run) with one warning."""
+    from compressed_opt import cuda as kernels
+    from compressed_opt.cuda import gpu
+
+    if cpu.library() is None:
+        pytest.skip("no C compiler here")
+    monkeypatch.setattr(gpu, "is_available", lambda device=None: True)
+    monkeypatch.setattr(gpu, "lerp_scale_clamp_compress_rows_", _emulated_cuda_kernel)
+    monkeypatch.setattr(gpu, "compress_rows_", cpu.compress_rows_)
+    monkeypatch.setattr(segmented, "_fusion_checked", {})
+    segs, x, m, r, g = _case(5, sizes=(700, 0, 333, 1, 64))
+    error = torch.randn(x.numel(), generator=g)
+    chunk, block = 576, 256
+    _, row_len = kernels.rows_layout(chunk, block)
+    for scales in ([0.5, 2.0, 1.5, 0.75, 1.25], None):
+        bounds = [1.0, 0.5, 2.0, 0.25, 0.1]
+        want_e, want_rows = error.clone(), torch.zeros(2, row_len, dtype=torch.uint8)
+        want_x = x.clone()
+        segmented.lerp_scale_clamp_(want_x, m, 0.1, r, bounds, segs, scales)
+        cpu.compress_rows_(want_x, want_e, want_rows, chunk, block)
+        e, rows = error.clone(), torch.zeros(2, row_len, dtype=torch.uint8)
+        pending = segmented.LerpScaleClamp(x, m, 0.1, r, bounds, segs, scales)
+        assert pending._compress_rows_cuda(x, e, rows, chunk, block)
+        assert torch.equal(e, want_e) and torch.equal(rows, want_rows)
+    assert segmented._fusion_checked == {torch.device("cpu"): True}
+
+    def off_by_one_ulp(x, m, weight, r, scalars, offsets, error, rows, chunk, block):
+        _emulated_cuda_kernel(x, m, weight, r, scalars, offsets, error, rows, chunk, block)
+        error[0] = torch.nextafter(error[0], torch.tensor(float("inf")))
+
+    monkeypatch.setattr(gpu, "lerp_scale_clamp_compress_rows_", off_by_one_ulp)
+    monkeypatch.setattr(segmented, "_fusion_checked", {})
+    with pytest.warns(RuntimeWarning, match="two passes instead"):
+        assert not segmented.LerpScaleClamp(x, m, 0.1, r, [1.0] * 5, segs)._compress_rows_cuda(
+            x, error.clone(), torch.zeros(2, row_len, dtype=torch.uint8), chunk, block)
+    assert not segmented.LerpScaleClamp(x, m, 0.1, r, [1.0] * 5, segs)._compress_rows_cuda(
+        x, error.clone(), torch.zeros(2, row_len, dtype=torch.uint8), chunk, block)  # (checked once)
