@@ -48,8 +48,8 @@ import warnings
 import torch
 
 from . import reference
-from .segmented import (LerpScaleClamp, Segments, descend_scaled_, divide_where_nonzero_, gather_, lerp_scale_clamp_,
-                        scale_clamp_, segment_sumsq)
+from .segmented import (LerpScaleClamp, ScaleClamp, Segments, descend_scaled_, divide_where_nonzero_, gather_,
+                        lerp_scale_clamp_, scale_clamp_, segment_sumsq)
 
 __all__ = [
     "compress_rows_",
@@ -67,6 +67,7 @@ __all__ = [
     "gather_",
     "lerp_scale_clamp_",
     "LerpScaleClamp",
+    "ScaleClamp",
     "scale_clamp_",
     "divide_where_nonzero_",
     "descend_scaled_",

@@ -41,7 +41,7 @@ SIGNATURES = {
     "co_compress_rows": "pppqqqqq",
     "co_average_compress_rows": "pqiqqppq",
     "co_decompress_rows": "pqqqqpq",
-    "co_lerp_scale_clamp_compress_rows": "ppfpppqppqqqqq",
+    "co_lerp_scale_clamp_compress_rows": "ppfpppqippqqqqq",
 }
 _CTYPES = {"p": ctypes.c_uint64, "q": ctypes.c_int64, "i": ctypes.c_int32, "f": ctypes.c_float}
 
@@ -83,8 +83,8 @@ def compress_plan(x, error, rows, row_stride, world, chunk, block, n, resident):
     return [(name, (grid, 1), (x, error, rows, row_stride, world, chunk, block, n))]
 
 
-def lerp_scale_clamp_compress_plan(x, m, weight, r, scalars, offsets, nseg, error, rows, row_stride, world, chunk,
-                                   block, n, resident):
+def lerp_scale_clamp_compress_plan(x, m, weight, r, scalars, offsets, nseg, lerp, error, rows, row_stride, world,
+                                   chunk, block, n, resident):
     """Launches of ``lerp_scale_clamp_compress_rows_``: as :func:`compress_plan`, one warp per
     (row, block) unit."""
     units = world * _blocks(chunk, block)
@@ -92,8 +92,8 @@ def lerp_scale_clamp_compress_plan(x, m, weight, r, scalars, offsets, nseg, erro
         return []
     name = "co_lerp_scale_clamp_compress_rows"
     grid = _grid(_cdiv(units, WARPS), resident[name])
-    return [(name, (grid, 1), (x, m, float(weight), r, scalars, offsets, nseg, error, rows, row_stride, world, chunk,
-                               block, n))]
+    return [(name, (grid, 1), (x, m, float(weight), r, scalars, offsets, nseg, int(lerp), error, rows, row_stride,
+                               world, chunk, block, n))]
 
 
 def average_compress_plan(rows, row_stride, world, chunk, block, error, out_row, m, resident):
@@ -177,13 +177,15 @@ def compress_rows_(x, error, rows, chunk, block):
 
 
 def lerp_scale_clamp_compress_rows_(x, m, weight, r, scalars, offsets, error, rows, chunk, block):
-    """``compress_rows_`` of the segmented pass ``lerp_scale_clamp_`` over ``x`` (not written):
-    ``offsets`` the segments' ``nseg + 1`` int64 offsets and ``scalars`` their ``nseg`` fp32 bounds
-    then ``nseg`` fp32 scales, on the device (:class:`compressed_opt.cuda.segmented.LerpScaleClamp`)."""
+    """``compress_rows_`` of the segmented pass ``lerp_scale_clamp_`` over ``x`` (``m is None``:
+    ``scale_clamp_``), ``x`` not written: ``offsets`` the segments' ``nseg + 1`` int64 offsets and
+    ``scalars`` their ``nseg`` fp32 bounds then ``nseg`` fp32 scales, on the device
+    (:class:`compressed_opt.cuda.segmented.LerpScaleClamp`)."""
     kernels, stream = _context(error.device)
-    plan = lerp_scale_clamp_compress_plan(x.data_ptr(), m.data_ptr(), weight, r.data_ptr(), scalars.data_ptr(),
-                                          offsets.data_ptr(), offsets.numel() - 1, error.data_ptr(), rows.data_ptr(),
-                                          rows.stride(0), rows.shape[0], chunk, block, error.numel(), kernels.resident)
+    plan = lerp_scale_clamp_compress_plan(x.data_ptr(), _ptr(m), weight, r.data_ptr(), scalars.data_ptr(),
+                                          offsets.data_ptr(), offsets.numel() - 1, m is not None, error.data_ptr(),
+                                          rows.data_ptr(), rows.stride(0), rows.shape[0], chunk, block, error.numel(),
+                                          kernels.resident)
     kernels.run(plan, stream)
 
 

@@ -141,10 +141,14 @@ static inline float lsc_large(float x, float m, float wc, float r, float c, floa
     return clamp_to(c * (r * (x - d * wc)), b, nb);
 }
 
+/* clamp(r x, -b, b): co_scale_clamp's element, and the fused pass's without lerp. */
+static inline float sc_value(float x, float r, float b, float nb) { return clamp_to(r * x, b, nb); }
+
 /*
- * A segmented lerp_scale_clamp pass over a flat buffer, run block by block inside a compression
- * instead of over the whole buffer before it: segment s is [off[s], off[s + 1]); elements past
- * off[nseg] are x itself. seg: the segment of the last element formed (blocks come in order).
+ * A segmented lerp_scale_clamp pass (m != NULL) or scale_clamp pass (m == NULL: w and scales
+ * unused) over a flat buffer, run block by block inside a compression instead of over the whole
+ * buffer before it: segment s is [off[s], off[s + 1]); elements past off[nseg] are x itself.
+ * seg: the segment of the last element formed (blocks come in order).
  */
 struct co_lsc {
     const float *x, *m, *r;
@@ -174,7 +178,13 @@ static void lsc_compensate(struct co_lsc *p, int64_t lo, int64_t len, float *res
         }
         const int64_t stop = p->off[s + 1] < end ? p->off[s + 1] : end, n = stop - k;
         const float b = (float)p->bounds[s], nb = -b, c = p->scales ? (float)p->scales[s] : 1.0f;
-        const float *restrict ms = p->m + k, *restrict rs = p->r + k;
+        const float *restrict rs = p->r + k;
+        if (!p->m) {
+            for (int64_t i = 0; i < n; ++i) e[i] = sc_value(xs[i], rs[i], b, nb) + e[i];
+            k = stop;
+            continue;
+        }
+        const float *restrict ms = p->m + k;
         if (small) {
             for (int64_t i = 0; i < n; ++i) e[i] = lsc_small(xs[i], ms[i], w, rs[i], c, b, nb) + e[i];
         } else {
@@ -247,6 +257,15 @@ void co_lerp_scale_clamp_compress_rows(const float *x, const float *m, float w, 
         const int64_t at = valid ? lo : 0;
         compress_chunk(NULL, error + at, row, row + 4 * nb, chunk, block, valid, &pass, at);
     }
+}
+
+/* co_scale_clamp(x, r, bounds, off, nseg) then co_compress_rows(x, error, ...), bit for bit, in one
+ * pass over memory as co_lerp_scale_clamp_compress_rows (x only read). */
+void co_scale_clamp_compress_rows(const float *x, const float *r, const double *bounds, const int64_t *off,
+                                  int64_t nseg, float *error, uint8_t *rows, int64_t row_stride, int64_t world,
+                                  int64_t chunk, int64_t block, int64_t n) {
+    co_lerp_scale_clamp_compress_rows(x, NULL, 0.0f, r, bounds, NULL, off, nseg, error, rows, row_stride, world, chunk,
+                                      block, n);
 }
 
 /*
@@ -421,10 +440,7 @@ void co_scale_clamp(float *x, const float *r, const double *bounds, const int64_
         const int64_t lo = off[s], n = off[s + 1] - off[s];
         float *restrict xs = x + lo;
         const float *restrict rs = r + lo;
-        for (int64_t i = 0; i < n; ++i) {
-            float v = rs[i] * xs[i];
-            xs[i] = v > b ? b : (v < nb ? nb : v);
-        }
+        for (int64_t i = 0; i < n; ++i) xs[i] = sc_value(xs[i], rs[i], b, nb);
     }
 }
 

@@ -18,6 +18,7 @@ operation and per segment:
     the same pass on ``x``, not run yet: its ``compress_rows_(x, error, rows, chunk, block)`` runs
     it fused with the compression of ``x`` (the kernels' worker side) where it can, one pass over
     memory that never writes ``x``, bit for bit as the two in turn; ``apply_()`` runs it alone.
+    ``ScaleClamp(x, r, bounds, segments)``: the same for ``scale_clamp_``.
 ``scale_clamp_(x, r, bounds, segments)``
     ``x <- clamp(r * x, -b_s, b_s)``.
 ``divide_where_nonzero_(y, r, out, zero_index=None, segments=None, divisors=None)``
@@ -225,11 +226,16 @@ class LerpScaleClamp:
             return False
         if x.device.type == "cuda":
             return self._compress_rows_cuda(x, error, rows, chunk, block)
-        lib = _native(x, self.m, self.r, error)
+        lib = _native(*(t for t in (x, self.m, self.r, error) if t is not None))
         if lib is None:
             return False
         nseg = len(self.segments)
         b, bp = _c_doubles(self.bounds, nseg)
+        if self.m is None:
+            lib.co_scale_clamp_compress_rows(x.data_ptr(), self.r.data_ptr(), bp, self.segments.offsets.data_ptr(),
+                                             nseg, error.data_ptr(), rows.data_ptr(), rows.stride(0), rows.shape[0],
+                                             chunk, block, n)
+            return True
         c, cp = (None, None) if self.scales is None else _c_doubles(self.scales, nseg)
         lib.co_lerp_scale_clamp_compress_rows(
             x.data_ptr(), self.m.data_ptr(), self.weight, self.r.data_ptr(), bp, cp, self.segments.offsets.data_ptr(),
@@ -239,7 +245,7 @@ class LerpScaleClamp:
     def _compress_rows_cuda(self, x, error, rows, chunk, block) -> bool:
         from . import gpu
 
-        tensors = (x, self.m, self.r, error)
+        tensors = [t for t in (x, self.m, self.r, error) if t is not None]
         if (os.environ.get("COMPRESSED_OPT_KERNELS") == "reference"
                 or not all(_addressable(t) and t.device == x.device and t.dtype == torch.float32 and t.is_contiguous()
                            for t in tensors)
@@ -265,6 +271,20 @@ class LerpScaleClamp:
 _fusion_checked: dict = {}  # device -> whether the fused kernel gave the two passes' bits there
 
 
+class ScaleClamp(LerpScaleClamp):
+    """``scale_clamp_(x, r, bounds, segments)``, not run yet (0/1 Adam's exchanged ``R x``, bounded),
+    for a compression to run (:meth:`compress_rows_`), or the caller first (:meth:`apply_`), as
+    :class:`LerpScaleClamp`."""
+
+    def __init__(self, x: torch.Tensor, r: torch.Tensor, bounds, segments: Segments):
+        _check(segments, x, r)
+        self.x, self.m, self.weight, self.r = x, None, 0.0, r
+        self.bounds, self.segments, self.scales = bounds, segments, None
+
+    def apply_(self) -> None:
+        scale_clamp_(self.x, self.r, self.bounds, self.segments)
+
+
 def _cuda_fusion_agrees(device: torch.device) -> bool:
     """Whether, on ``device``, the CUDA kernel of :class:`LerpScaleClamp`'s compression gives bit
     for bit what the pass (PyTorch's ops there) then the CUDA compression give, on a small case
@@ -286,12 +306,13 @@ def _cuda_fusion_agrees(device: torch.device) -> bool:
     x[::9], r[::7] = 0.0, 0.0
     bounds, scales = [0.5, 1.0, 2.0, 0.25], [1.5, 0.5, 0.75, 1.25]
     agree = True
-    for weight in (0.1, 0.9):
+    for weight in (0.1, 0.9, None):  # (None: scale_clamp_)
         got = []
         for fused in (True, False):
             x_, m_, r_, e_ = (t.to(device, copy=True) for t in (x, m, r, e))
             rows = torch.zeros(2, reference.rows_layout(chunk, block)[1], dtype=torch.uint8, device=device)
-            pending = LerpScaleClamp(x_, m_, weight, r_, bounds, segments, scales)
+            pending = (ScaleClamp(x_, r_, bounds, segments) if weight is None
+                       else LerpScaleClamp(x_, m_, weight, r_, bounds, segments, scales))
             if fused:
                 pending._launch_cuda(x_, e_, rows, chunk, block)
             else:

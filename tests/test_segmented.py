@@ -302,13 +302,17 @@ def test_lerp_scale_clamp_pass_falls_back_where_it_cannot_fuse(monkeypatch):
 
 
 def _emulated_cuda_kernel(x, m, weight, r, scalars, offsets, error, rows, chunk, block):
-    """``gpu.lerp_scale_clamp_compress_rows_``'s contract on the CPU: the pass with the bounds and
-    scales it is given (fp32, ``nseg`` of each) over a copy of ``x``, then the compression."""
+    """``gpu.lerp_scale_clamp_compress_rows_``'s contract on the CPU: the pass (``m is None``:
+    ``scale_clamp_``) with the bounds and scales it is given (fp32, ``nseg`` of each) over a copy of
+    ``x``, then the compression."""
     nseg = offsets.numel() - 1
     segs = Segments(offsets.diff().tolist())
     assert torch.equal(offsets, segs.offsets) and scalars.dtype == torch.float32 and scalars.numel() == 2 * nseg
     v = x.clone()
-    segmented.lerp_scale_clamp_(v, m, weight, r, scalars[:nseg].double(), segs, scalars[nseg:].double())
+    if m is None:  # scale_clamp_
+        segmented.scale_clamp_(v, r, scalars[:nseg].double(), segs)
+    else:
+        segmented.lerp_scale_clamp_(v, m, weight, r, scalars[:nseg].double(), segs, scalars[nseg:].double())
     cpu.compress_rows_(v, error, rows, chunk, block)
 
 
@@ -340,6 +344,12 @@ def test_the_cuda_dispatch_hands_the_kernel_its_scalars_and_checks_it_once(monke
         pending = segmented.LerpScaleClamp(x, m, 0.1, r, bounds, segs, scales)
         assert pending._compress_rows_cuda(x, e, rows, chunk, block)
         assert torch.equal(e, want_e) and torch.equal(rows, want_rows)
+    e, rows = error.clone(), torch.zeros(2, row_len, dtype=torch.uint8)
+    assert segmented.ScaleClamp(x, r, [1.0, 0.5, 2.0, 0.25, 0.1], segs)._compress_rows_cuda(x, e, rows, chunk, block)
+    want_x, want_e, want_rows = x.clone(), error.clone(), torch.zeros(2, row_len, dtype=torch.uint8)
+    segmented.scale_clamp_(want_x, r, [1.0, 0.5, 2.0, 0.25, 0.1], segs)
+    cpu.compress_rows_(want_x, want_e, want_rows, chunk, block)
+    assert torch.equal(e, want_e) and torch.equal(rows, want_rows)
     assert segmented._fusion_checked == {torch.device("cpu"): True}
 
     def off_by_one_ulp(x, m, weight, r, scalars, offsets, error, rows, chunk, block):
@@ -353,3 +363,32 @@ def test_the_cuda_dispatch_hands_the_kernel_its_scalars_and_checks_it_once(monke
             x, error.clone(), torch.zeros(2, row_len, dtype=torch.uint8), chunk, block)
     assert not segmented.LerpScaleClamp(x, m, 0.1, r, [1.0] * 5, segs)._compress_rows_cuda(
         x, error.clone(), torch.zeros(2, row_len, dtype=torch.uint8), chunk, block)  # (checked once)
+
+
+@pytest.mark.parametrize("sizes,past,world,block,weight,scaled", FUSED_CASES)
+def test_scale_clamp_fused_into_compression_is_bit_identical(sizes, past, world, block, weight, scaled):
+    """0/1 Adam's ``clamp(R x)`` run inside the compression: ``scale_clamp_`` then
+    ``compress_rows_`` on the native path bit for bit, ``x`` not written."""
+    from compressed_opt import cuda as kernels
+
+    if cpu.library() is None:
+        pytest.skip("no C compiler here")
+    g = torch.Generator().manual_seed(11)
+    segs = Segments(sizes)
+    n = segs.numel + past
+    chunk = -(-max(-(-n // world), 1) // 32) * 32
+    x = torch.randn(n, generator=g) * 10.0 ** torch.randint(-4, 2, (n,), generator=g)
+    x[::7], x[3::11] = 0.0, -0.0
+    r = torch.rand(n, generator=g) * 4
+    r[::5] = 0.0
+    error = torch.randn(n, generator=g) * 0.1
+    bounds = (torch.rand(len(segs), generator=g) * 2 + 0.05).tolist()
+    _, row_len = kernels.rows_layout(chunk, block)
+    x1, e1, rows1 = x.clone(), error.clone(), torch.zeros(world, row_len, dtype=torch.uint8)
+    segmented.scale_clamp_(x1, r, bounds, segs)
+    cpu.compress_rows_(x1, e1, rows1, chunk, block)
+    x2, e2, rows2 = x.clone(), error.clone(), torch.zeros(world, row_len, dtype=torch.uint8)
+    assert kernels.ScaleClamp(x2, r, bounds, segs).compress_rows_(x2, e2, rows2, chunk, block)
+    assert torch.equal(_bits(e2), _bits(e1)) and torch.equal(rows2, rows1) and torch.equal(_bits(x2), _bits(x))
+    kernels.ScaleClamp(x2, r, bounds, segs).apply_()
+    assert torch.equal(_bits(x2), _bits(x1))
