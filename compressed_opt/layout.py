@@ -274,14 +274,15 @@ class Replicated(Layout):
                                       opt.exchange_factors(bucket))
 
     def local_momentum_pass(self, opt, bucket, x, beta1):
-        """The preconditioned exchange's pass ``clip(s_l R m_i, +-c_l K)`` not run yet (its
-        scalars taken now: ``exchange_factors`` is called once per exchange); the momentum's own
-        exchange forms ``m_i`` at once."""
+        """The pass :meth:`local_momentum_` runs, not run yet: the preconditioned exchange's
+        ``clip(s_l R m_i, +-c_l K)`` (its scalars taken now: ``exchange_factors`` is called once per
+        exchange), or the momentum exchange's ``torch.lerp``."""
+        m = bucket.flat("exp_avg")
         r = opt.exchange_preconditioner(bucket)
         if r is None:
-            return super().local_momentum_pass(opt, bucket, x, beta1)
-        return kernels.LerpScaleClamp(x, bucket.flat("exp_avg"), 1 - beta1, r, opt.exchange_bounds(bucket),
-                                      bucket.segments, opt.exchange_factors(bucket))
+            return kernels.Lerp(x, m, 1 - beta1)
+        return kernels.LerpScaleClamp(x, m, 1 - beta1, r, opt.exchange_bounds(bucket), bucket.segments,
+                                      opt.exchange_factors(bucket))
 
     def exchange(self, opt, bucket, x, pending=None):
         yield bucket, x, None, pending

@@ -48,7 +48,7 @@ import warnings
 import torch
 
 from . import reference
-from .segmented import (LerpScaleClamp, ScaleClamp, Segments, descend_scaled_, divide_where_nonzero_, gather_,
+from .segmented import (Lerp, LerpScaleClamp, ScaleClamp, Segments, descend_scaled_, divide_where_nonzero_, gather_,
                         lerp_scale_clamp_, scale_clamp_, segment_sumsq)
 
 __all__ = [
@@ -67,6 +67,7 @@ __all__ = [
     "gather_",
     "lerp_scale_clamp_",
     "LerpScaleClamp",
+    "Lerp",
     "ScaleClamp",
     "scale_clamp_",
     "divide_where_nonzero_",

@@ -83,7 +83,7 @@ def compress_plan(x, error, rows, row_stride, world, chunk, block, n, resident):
     return [(name, (grid, 1), (x, error, rows, row_stride, world, chunk, block, n))]
 
 
-def lerp_scale_clamp_compress_plan(x, m, weight, r, scalars, offsets, nseg, lerp, error, rows, row_stride, world,
+def lerp_scale_clamp_compress_plan(x, m, weight, r, scalars, offsets, nseg, mode, error, rows, row_stride, world,
                                    chunk, block, n, resident):
     """Launches of ``lerp_scale_clamp_compress_rows_``: as :func:`compress_plan`, one warp per
     (row, block) unit."""
@@ -92,7 +92,7 @@ def lerp_scale_clamp_compress_plan(x, m, weight, r, scalars, offsets, nseg, lerp
         return []
     name = "co_lerp_scale_clamp_compress_rows"
     grid = _grid(_cdiv(units, WARPS), resident[name])
-    return [(name, (grid, 1), (x, m, float(weight), r, scalars, offsets, nseg, int(lerp), error, rows, row_stride,
+    return [(name, (grid, 1), (x, m, float(weight), r, scalars, offsets, nseg, int(mode), error, rows, row_stride,
                                world, chunk, block, n))]
 
 
@@ -178,12 +178,13 @@ def compress_rows_(x, error, rows, chunk, block):
 
 def lerp_scale_clamp_compress_rows_(x, m, weight, r, scalars, offsets, error, rows, chunk, block):
     """``compress_rows_`` of the segmented pass ``lerp_scale_clamp_`` over ``x`` (``m is None``:
-    ``scale_clamp_``), ``x`` not written: ``offsets`` the segments' ``nseg + 1`` int64 offsets and
-    ``scalars`` their ``nseg`` fp32 bounds then ``nseg`` fp32 scales, on the device
-    (:class:`compressed_opt.cuda.segmented.LerpScaleClamp`)."""
+    ``scale_clamp_``; ``r is None``: ``torch.lerp`` alone), ``x`` not written: ``offsets`` the
+    segments' ``nseg + 1`` int64 offsets and ``scalars`` their ``nseg`` fp32 bounds then ``nseg``
+    fp32 scales, on the device (:class:`compressed_opt.cuda.segmented.LerpScaleClamp`)."""
     kernels, stream = _context(error.device)
-    plan = lerp_scale_clamp_compress_plan(x.data_ptr(), _ptr(m), weight, r.data_ptr(), scalars.data_ptr(),
-                                          offsets.data_ptr(), offsets.numel() - 1, m is not None, error.data_ptr(),
+    mode = 0 if m is None else (2 if r is None else 1)
+    plan = lerp_scale_clamp_compress_plan(x.data_ptr(), _ptr(m), weight, _ptr(r), _ptr(scalars),
+                                          offsets.data_ptr(), offsets.numel() - 1, mode, error.data_ptr(),
                                           rows.data_ptr(), rows.stride(0), rows.shape[0], chunk, block, error.numel(),
                                           kernels.resident)
     kernels.run(plan, stream)

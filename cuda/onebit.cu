@@ -27,8 +27,9 @@
  *     one block, so it has one scale.
  *   co_lerp_scale_clamp_compress_rows: co_compress_rows whose x is formed in its pass 1, element by
  *     element in registers, as the local momentum of the preconditioned exchange
- *     (compressed_opt.cuda.segmented.lerp_scale_clamp_, PyTorch's ops on CUDA) forms it, or as
- *     scale_clamp_ forms 0/1 Adam's exchanged value (lerp == 0); that value is never written.
+ *     (compressed_opt.cuda.segmented.lerp_scale_clamp_, PyTorch's ops on CUDA) forms it (mode 1), or
+ *     as scale_clamp_ forms 0/1 Adam's exchanged value (mode 0), or as torch.lerp forms the
+ *     momentum exchange's (mode 2); that value is never written.
  *
  * Work is cut into warp tiles of CO_TILE = 256 elements, i.e. 32 bytes of bits: lane l owns
  * elements 32 j + l (j < 8) of its tile, so every load and store of floats is coalesced; the
@@ -217,15 +218,15 @@ __device__ __forceinline__ float co_local_momentum(float x, float m, float r, fl
 /*
  * co_compress_rows(x', error, rows, ...) of x' = the segmented pass over x: on segment s (elements
  * [off[s], off[s + 1]) of the buffer) x'_k = co_local_momentum(x_k, m_k, r_k, w, |w| < 1/2, c_s,
- * b_s), b_s = scalars[s], c_s = scalars[nseg + s] (lerp != 0), or x'_k = clamp(x_k r_k, -b_s, b_s)
- * (lerp == 0: m, w and the c_s unused, as PyTorch's mul_ then clamps round it); past off[nseg],
- * x'_k = x_k. x' is formed in registers in pass 1 and never written (x, m, r are only read): bit for
+ * b_s), b_s = scalars[s], c_s = scalars[nseg + s] (mode 1), or x'_k = clamp(x_k r_k, -b_s, b_s)
+ * (mode 0: m, w and the c_s unused, as PyTorch's mul_ then clamps round it), or x'_k = lerp(m_k,
+ * x_k, w) (mode 2: r and scalars unused, torch.lerp's formulas); past off[nseg], x'_k = x_k. x' is formed in registers in pass 1 and never written (x, m, r are only read): bit for
  * bit the pass, then co_compress_rows. Units as co_compress_rows.
  */
 extern "C" __global__ void co_lerp_scale_clamp_compress_rows(const float *__restrict__ x, const float *__restrict__ m,
                                                              float w, const float *__restrict__ r,
                                                              const float *__restrict__ scalars,
-                                                             const i64 *__restrict__ off, i64 nseg, int lerp,
+                                                             const i64 *__restrict__ off, i64 nseg, int mode,
                                                              float *__restrict__ error, u8 *__restrict__ rows,
                                                              i64 row_stride, i64 world, i64 chunk, i64 block, i64 n) {
     const i64 nb = (chunk + block - 1) / block;
@@ -253,8 +254,11 @@ extern "C" __global__ void co_lerp_scale_clamp_compress_rows(const float *__rest
                 if (c < count) {
                     const i64 g = base + c;
                     const i64 s = co_segment_of(off, nseg, g);
-                    if (s < nseg && lerp) {
+                    if (s < nseg && mode == 1) {
                         v[k] = co_local_momentum(v[k], m[g], r[g], w, small, scalars[nseg + s], scalars[s]);
+                    } else if (s < nseg && mode == 2) {
+                        const float d = __fsub_rn(v[k], m[g]);
+                        v[k] = small ? __fmaf_rn(w, d, m[g]) : __fmaf_rn(-d, __fsub_rn(1.0f, w), v[k]);
                     } else if (s < nseg) {
                         const float y = __fmul_rn(v[k], r[g]), b = scalars[s];
                         v[k] = y > b ? b : (y < -b ? -b : y);

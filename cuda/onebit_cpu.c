@@ -141,12 +141,21 @@ static inline float lsc_large(float x, float m, float wc, float r, float c, floa
     return clamp_to(c * (r * (x - d * wc)), b, nb);
 }
 
+/* lerp(m, x, w) alone, torch.lerp's formulas (the fused pass without r, clamp and scale; what
+ * torch.lerp computes only where it contracts as this does: the caller checks, see segmented.Lerp). */
+static inline float lerp_small(float x, float m, float w) { return m + w * (x - m); }
+
+static inline float lerp_large(float x, float m, float wc) {
+    float d = x - m;
+    return x - d * wc;
+}
+
 /* clamp(r x, -b, b): co_scale_clamp's element, and the fused pass's without lerp. */
 static inline float sc_value(float x, float r, float b, float nb) { return clamp_to(r * x, b, nb); }
 
 /*
  * A segmented lerp_scale_clamp pass (m != NULL) or scale_clamp pass (m == NULL: w and scales
- * unused) over a flat buffer, run block by block inside a compression instead of over the whole
+ * unused), or a lerp alone (r == NULL: bounds and scales unused) over a flat buffer, run block by block inside a compression instead of over the whole
  * buffer before it: segment s is [off[s], off[s + 1]); elements past off[nseg] are x itself.
  * seg: the segment of the last element formed (blocks come in order).
  */
@@ -177,6 +186,16 @@ static void lsc_compensate(struct co_lsc *p, int64_t lo, int64_t len, float *res
             break;
         }
         const int64_t stop = p->off[s + 1] < end ? p->off[s + 1] : end, n = stop - k;
+        if (!p->r) {
+            const float *restrict ms = p->m + k;
+            if (small) {
+                for (int64_t i = 0; i < n; ++i) e[i] = lerp_small(xs[i], ms[i], w) + e[i];
+            } else {
+                for (int64_t i = 0; i < n; ++i) e[i] = lerp_large(xs[i], ms[i], wc) + e[i];
+            }
+            k = stop;
+            continue;
+        }
         const float b = (float)p->bounds[s], nb = -b, c = p->scales ? (float)p->scales[s] : 1.0f;
         const float *restrict rs = p->r + k;
         if (!p->m) {
@@ -257,6 +276,16 @@ void co_lerp_scale_clamp_compress_rows(const float *x, const float *m, float w, 
         const int64_t at = valid ? lo : 0;
         compress_chunk(NULL, error + at, row, row + 4 * nb, chunk, block, valid, &pass, at);
     }
+}
+
+/* x[0, m_n) <- lerp(m, x, w) (torch.lerp's formulas, as this compiler contracts them), then
+ * co_compress_rows(x, error, ...), in one pass over memory as co_lerp_scale_clamp_compress_rows (x
+ * only read). */
+void co_lerp_compress_rows(const float *x, const float *m, float w, int64_t m_n, float *error, uint8_t *rows,
+                           int64_t row_stride, int64_t world, int64_t chunk, int64_t block, int64_t n) {
+    const int64_t off[2] = {0, m_n};
+    co_lerp_scale_clamp_compress_rows(x, m, w, NULL, NULL, NULL, off, 1, error, rows, row_stride, world, chunk, block,
+                                      n);
 }
 
 /* co_scale_clamp(x, r, bounds, off, nseg) then co_compress_rows(x, error, ...), bit for bit, in one

@@ -18,7 +18,8 @@ operation and per segment:
     the same pass on ``x``, not run yet: its ``compress_rows_(x, error, rows, chunk, block)`` runs
     it fused with the compression of ``x`` (the kernels' worker side) where it can, one pass over
     memory that never writes ``x``, bit for bit as the two in turn; ``apply_()`` runs it alone.
-    ``ScaleClamp(x, r, bounds, segments)``: the same for ``scale_clamp_``.
+    ``ScaleClamp(x, r, bounds, segments)``: the same for ``scale_clamp_``; ``Lerp(x, m, weight)``
+    for ``torch.lerp(m, x, weight, out=x)`` (where the C pass is checked to round as it does).
 ``scale_clamp_(x, r, bounds, segments)``
     ``x <- clamp(r * x, -b_s, b_s)``.
 ``divide_where_nonzero_(y, r, out, zero_index=None, segments=None, divisors=None)``
@@ -229,6 +230,12 @@ class LerpScaleClamp:
         lib = _native(*(t for t in (x, self.m, self.r, error) if t is not None))
         if lib is None:
             return False
+        if self.r is None:  # torch.lerp alone: only where the C pass rounds as it does here
+            if not _native_lerp_agrees(lib):
+                return False
+            lib.co_lerp_compress_rows(x.data_ptr(), self.m.data_ptr(), self.weight, self.m.numel(), error.data_ptr(),
+                                      rows.data_ptr(), rows.stride(0), rows.shape[0], chunk, block, n)
+            return True
         nseg = len(self.segments)
         b, bp = _c_doubles(self.bounds, nseg)
         if self.m is None:
@@ -257,13 +264,14 @@ class LerpScaleClamp:
     def _launch_cuda(self, x, error, rows, chunk, block) -> None:
         from . import gpu
 
-        nseg = len(self.segments)
-        # the bounds and the scales as fp32, as PyTorch's ops on CUDA round their scalars (scale 1: exact)
-        scales = torch.ones(nseg, dtype=torch.float64) if self.scales is None else _doubles(self.scales, nseg)
-        scalars = torch.cat([_doubles(self.bounds, nseg), scales]).to(torch.float32)
-        if x.device.type == "cuda":  # (pinned: the copy waits for nothing, the host goes on)
-            scalars = scalars.pin_memory()
-        scalars = scalars.to(x.device, non_blocking=True)
+        nseg, scalars = len(self.segments), None
+        if self.bounds is not None:
+            # the bounds and the scales as fp32, as PyTorch's ops on CUDA round their scalars (scale 1: exact)
+            scales = torch.ones(nseg, dtype=torch.float64) if self.scales is None else _doubles(self.scales, nseg)
+            scalars = torch.cat([_doubles(self.bounds, nseg), scales]).to(torch.float32)
+            if x.device.type == "cuda":  # (pinned: the copy waits for nothing, the host goes on)
+                scalars = scalars.pin_memory()
+            scalars = scalars.to(x.device, non_blocking=True)
         gpu.lerp_scale_clamp_compress_rows_(x, self.m, self.weight, self.r, scalars, self.segments.offsets_on(x.device),
                                             error, rows, chunk, block)
 
@@ -283,6 +291,48 @@ class ScaleClamp(LerpScaleClamp):
 
     def apply_(self) -> None:
         scale_clamp_(self.x, self.r, self.bounds, self.segments)
+
+
+class Lerp(LerpScaleClamp):
+    """``torch.lerp(m, x, weight, out=x)`` not run yet (the momentum exchange's local momentum), for
+    a compression to run (:meth:`compress_rows_`), or the caller first (:meth:`apply_`), as
+    :class:`LerpScaleClamp`; ``x`` and ``m`` flat, of one size. torch.lerp's rounding is
+    PyTorch's (its vector kernels contract each formula into one FMA on CPUs that have it): the
+    fused pass runs only where a check at first use found it the same bit for bit."""
+
+    def __init__(self, x: torch.Tensor, m: torch.Tensor, weight: float):
+        if x.dim() != 1 or x.shape != m.shape:
+            raise ValueError(f"x and m must be flat buffers of one size, got {tuple(x.shape)} and {tuple(m.shape)}")
+        self.x, self.m, self.weight, self.r = x, m, float(weight), None
+        self.bounds, self.segments, self.scales = None, Segments([x.numel()]), None
+
+    def apply_(self) -> None:
+        torch.lerp(self.m, self.x, self.weight, out=self.x)
+
+
+_native_lerp: list = []  # [whether co_lerp_compress_rows gave torch.lerp then the compression, bit for bit]
+
+
+def _native_lerp_agrees(lib) -> bool:
+    """Whether the C library's lerp pass fused into the compression gives what ``torch.lerp`` then
+    the compression give here, bit for bit (sizes with and without a vector loop's tail, both of
+    lerp's formulas): checked once per process, at first use."""
+    if not _native_lerp:
+        g = torch.Generator().manual_seed(29)
+        agree = True
+        for n, weight in ((7, 0.1), (1411, 0.1), (1411, 0.9), (4099, 0.75), (4099, 0.25)):
+            x, m, e = (torch.randn(n, generator=g) for _ in range(3))
+            x[::9] = 0.0
+            chunk, block = -(-n // 32) * 32, 256
+            rows = [torch.zeros(1, reference.rows_layout(chunk, block)[1], dtype=torch.uint8) for _ in range(2)]
+            e1, e2, x1 = e.clone(), e.clone(), x.clone()
+            torch.lerp(m, x1, weight, out=x1)
+            cpu.compress_rows_(x1, e1, rows[0], chunk, block)
+            lib.co_lerp_compress_rows(x.data_ptr(), m.data_ptr(), weight, n, e2.data_ptr(), rows[1].data_ptr(),
+                                      rows[1].stride(0), 1, chunk, block, n)
+            agree = agree and torch.equal(e1.view(torch.int32), e2.view(torch.int32)) and torch.equal(*rows)
+        _native_lerp.append(agree)
+    return _native_lerp[0]
 
 
 def _cuda_fusion_agrees(device: torch.device) -> bool:
@@ -306,12 +356,12 @@ def _cuda_fusion_agrees(device: torch.device) -> bool:
     x[::9], r[::7] = 0.0, 0.0
     bounds, scales = [0.5, 1.0, 2.0, 0.25], [1.5, 0.5, 0.75, 1.25]
     agree = True
-    for weight in (0.1, 0.9, None):  # (None: scale_clamp_)
+    for kind, weight in (("lsc", 0.1), ("lsc", 0.9), ("sc", None), ("lerp", 0.1), ("lerp", 0.9)):
         got = []
         for fused in (True, False):
             x_, m_, r_, e_ = (t.to(device, copy=True) for t in (x, m, r, e))
             rows = torch.zeros(2, reference.rows_layout(chunk, block)[1], dtype=torch.uint8, device=device)
-            pending = (ScaleClamp(x_, r_, bounds, segments) if weight is None
+            pending = (ScaleClamp(x_, r_, bounds, segments) if kind == "sc" else Lerp(x_, m_, weight) if kind == "lerp"
                        else LerpScaleClamp(x_, m_, weight, r_, bounds, segments, scales))
             if fused:
                 pending._launch_cuda(x_, e_, rows, chunk, block)

@@ -112,13 +112,13 @@ def test_fused_local_momentum_compress_plans_are_the_compress_plans(world, chunk
     (row, block) unit), with the pass's inputs before the compression's arguments."""
     nb, row_len = compressed_opt.cuda.rows_layout(chunk, block)
     plain = gpu.compress_plan(0x1001, 0x2001, 0x3001, row_len + 3, world, chunk, block, n, RESIDENT)
-    plan = gpu.lerp_scale_clamp_compress_plan(0x1001, 0x4001, 0.1, 0x5001, 0x6001, 0x7001, 7, True, 0x2001, 0x3001,
+    plan = gpu.lerp_scale_clamp_compress_plan(0x1001, 0x4001, 0.1, 0x5001, 0x6001, 0x7001, 7, 1, 0x2001, 0x3001,
                                               row_len + 3, world, chunk, block, n, RESIDENT)
     grid, _ = _check_launch(plan, "co_lerp_scale_clamp_compress_rows")
     assert grid == plain[0][1][0]
     assert plan[0][2] == (0x1001, 0x4001, 0.1, 0x5001, 0x6001, 0x7001, 7, 1, 0x2001, 0x3001, row_len + 3, world, chunk,
                           block, n)
-    assert gpu.lerp_scale_clamp_compress_plan(0, 0, 0.1, 0, 0, 0, 0, False, 0, 0, 0, 0, 32, 256, 0, RESIDENT) == []
+    assert gpu.lerp_scale_clamp_compress_plan(0, 0, 0.1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 32, 256, 0, RESIDENT) == []
 
 
 @pytest.mark.parametrize("world,chunk,block,n", GEOMETRIES)

@@ -544,7 +544,8 @@ def _fused_and_unfused_runs(rank, world):
         return done
 
     out = []
-    for kwargs in (dict(), dict(overlap=False, bucket_cap_mb=0.004, scale_block=256), dict(zero_stage=1)):
+    for kwargs in (dict(), dict(overlap=False, bucket_cap_mb=0.004, scale_block=256), dict(zero_stage=1),
+                   dict(exchange="momentum", bucket_cap_mb=0.004)):
         finals = []
         for fuse in (True, False):
             segmented.LerpScaleClamp.compress_rows_ = counted if fuse else (lambda self, *args: False)
@@ -567,10 +568,10 @@ def _fused_and_unfused_runs(rank, world):
 @pytest.mark.multiprocess
 def test_the_fused_local_momentum_pass_changes_no_bit():
     """The preconditioned exchange's local momentum formed inside the compression (one native pass)
-    and formed before it (two): the same parameters bit for bit, with exchange groups and overlap;
-    ZeRO forms it while gathering and never fuses."""
+    and formed before it (two): the same parameters bit for bit, with exchange groups and overlap,
+    and the momentum exchange's (torch.lerp's rounding); ZeRO forms it while gathering and never fuses."""
     for per_rank in run_ranks(_fused_and_unfused_runs, 2):
-        (default, ran_default), (groups, ran_groups), (zero, ran_zero) = per_rank
-        for finals in (default, groups, zero):
+        (default, ran_default), (groups, ran_groups), (zero, ran_zero), (momentum, ran_momentum) = per_rank
+        for finals in (default, groups, zero, momentum):
             assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(*finals))
-        assert ran_default > 0 and ran_groups > 0 and ran_zero == 0
+        assert ran_default > 0 and ran_groups > 0 and ran_zero == 0 and ran_momentum > 0

@@ -303,12 +303,17 @@ def test_lerp_scale_clamp_pass_falls_back_where_it_cannot_fuse(monkeypatch):
 
 def _emulated_cuda_kernel(x, m, weight, r, scalars, offsets, error, rows, chunk, block):
     """``gpu.lerp_scale_clamp_compress_rows_``'s contract on the CPU: the pass (``m is None``:
-    ``scale_clamp_``) with the bounds and scales it is given (fp32, ``nseg`` of each) over a copy of
-    ``x``, then the compression."""
+    ``scale_clamp_``; ``r is None``: ``torch.lerp``) with the bounds and scales it is given (fp32,
+    ``nseg`` of each) over a copy of ``x``, then the compression."""
     nseg = offsets.numel() - 1
     segs = Segments(offsets.diff().tolist())
-    assert torch.equal(offsets, segs.offsets) and scalars.dtype == torch.float32 and scalars.numel() == 2 * nseg
     v = x.clone()
+    if r is None:  # torch.lerp alone, over the one segment that is the whole buffer
+        assert scalars is None and offsets.tolist() == [0, x.numel()]
+        torch.lerp(m, v, weight, out=v)
+        cpu.compress_rows_(v, error, rows, chunk, block)
+        return
+    assert torch.equal(offsets, segs.offsets) and scalars.dtype == torch.float32 and scalars.numel() == 2 * nseg
     if m is None:  # scale_clamp_
         segmented.scale_clamp_(v, r, scalars[:nseg].double(), segs)
     else:
@@ -348,6 +353,12 @@ def test_the_cuda_dispatch_hands_the_kernel_its_scalars_and_checks_it_once(monke
     assert segmented.ScaleClamp(x, r, [1.0, 0.5, 2.0, 0.25, 0.1], segs)._compress_rows_cuda(x, e, rows, chunk, block)
     want_x, want_e, want_rows = x.clone(), error.clone(), torch.zeros(2, row_len, dtype=torch.uint8)
     segmented.scale_clamp_(want_x, r, [1.0, 0.5, 2.0, 0.25, 0.1], segs)
+    cpu.compress_rows_(want_x, want_e, want_rows, chunk, block)
+    assert torch.equal(e, want_e) and torch.equal(rows, want_rows)
+    e, rows = error.clone(), torch.zeros(2, row_len, dtype=torch.uint8)
+    assert segmented.Lerp(x, m, 0.9)._compress_rows_cuda(x, e, rows, chunk, block)
+    want_x, want_e, want_rows = x.clone(), error.clone(), torch.zeros(2, row_len, dtype=torch.uint8)
+    torch.lerp(m, want_x, 0.9, out=want_x)
     cpu.compress_rows_(want_x, want_e, want_rows, chunk, block)
     assert torch.equal(e, want_e) and torch.equal(rows, want_rows)
     assert segmented._fusion_checked == {torch.device("cpu"): True}
@@ -392,3 +403,29 @@ def test_scale_clamp_fused_into_compression_is_bit_identical(sizes, past, world,
     assert torch.equal(_bits(e2), _bits(e1)) and torch.equal(rows2, rows1) and torch.equal(_bits(x2), _bits(x))
     kernels.ScaleClamp(x2, r, bounds, segs).apply_()
     assert torch.equal(_bits(x2), _bits(x1))
+
+
+@pytest.mark.parametrize("n,world,block,weight", [(7, 1, 256, 0.1), (5000, 3, 256, 0.9), (20_011, 2, 1024, 0.1),
+                                                  (4097, 4, 512, 0.5), (1, 1, 256, 0.25)])
+def test_lerp_fused_into_compression_is_torch_lerp_then_compression(n, world, block, weight, monkeypatch):
+    """The momentum exchange's ``torch.lerp(m, x, w, out=x)`` inside the compression: where the
+    first-use check finds the C pass rounds as torch.lerp does (here it must: the library contracts
+    as PyTorch's vector kernels do), the error and rows of torch.lerp then ``compress_rows_`` bit for
+    bit, ``x`` not written; where the check fails, refused."""
+    from compressed_opt import cuda as kernels
+
+    if cpu.library() is None:
+        pytest.skip("no C compiler here")
+    g = torch.Generator().manual_seed(n)
+    x, m, error = torch.randn(n, generator=g), torch.randn(n, generator=g) * 0.3, torch.randn(n, generator=g) * 0.1
+    x[::7], m[::5], x[2::11] = 0.0, 0.0, -0.0
+    chunk = -(-max(-(-n // world), 1) // 32) * 32
+    _, row_len = kernels.rows_layout(chunk, block)
+    x1, e1, rows1 = x.clone(), error.clone(), torch.zeros(world, row_len, dtype=torch.uint8)
+    torch.lerp(m, x1, weight, out=x1)
+    cpu.compress_rows_(x1, e1, rows1, chunk, block)
+    x2, e2, rows2 = x.clone(), error.clone(), torch.zeros(world, row_len, dtype=torch.uint8)
+    assert kernels.Lerp(x2, m, weight).compress_rows_(x2, e2, rows2, chunk, block)
+    assert torch.equal(_bits(e2), _bits(e1)) and torch.equal(rows2, rows1) and torch.equal(_bits(x2), _bits(x))
+    monkeypatch.setattr(segmented, "_native_lerp", [False])
+    assert not kernels.Lerp(x2, m, weight).compress_rows_(x2, error.clone(), rows2, chunk, block)
