@@ -180,21 +180,27 @@ class CompressedAllreduce(_RowExchange):
             raise ValueError(f"compressed_allreduce called with different blocks on different ranks ({blocks})")
 
     def __call__(self, tensor: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor,
-                 agreed: bool = False) -> torch.Tensor:
+                 agreed: bool = False, pending=None) -> torch.Tensor:
         """One exchange (the module docstring's steps). ``agreed``: the caller checked these
         arguments (as :func:`compressed_allreduce` does) and made every rank agree on the numel,
         dtype and block (the hierarchical exchange's agreement, or an earlier exchange of the same
         buffers), so neither the checks nor the header all-gather of exchange 1 run; the kernels
-        trust the buffers' sizes, so pass ``agreed=True`` only for arguments checked before."""
+        trust the buffers' sizes, so pass ``agreed=True`` only for arguments checked before.
+        ``pending``: an element-wise pass on ``tensor`` not run yet (a kernels pass such as
+        :class:`compressed_opt.cuda.LerpScaleClamp`), which the compression runs first, fused with
+        it where the kernels can (:func:`compress_pending_`)."""
         if not agreed:
+            if pending is not None:
+                pending.apply_()
+                pending = None
             _validate(tensor, worker_error, server_error, self.backend)
             if tensor.numel() != self.numel or tensor.device != self.device:
                 raise ValueError(f"this plan exchanges {self.numel} elements on {self.device}, got {tensor.numel()} "
                                  f"on {tensor.device}")
-        return self._run(tensor, worker_error, server_error, agreed)
+        return self._run(tensor, worker_error, server_error, agreed, pending)
 
     def _run(self, tensor: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor,
-             agreed: bool) -> torch.Tensor:
+             agreed: bool, pending=None) -> torch.Tensor:
         backend, world = self.backend, self.backend.world_size
         flat = tensor.view(-1) if tensor.is_contiguous() else None
         if flat is not None and tensor.dtype == torch.float32:
@@ -203,13 +209,17 @@ class CompressedAllreduce(_RowExchange):
             if self.fp32_scratch is None:
                 self.fp32_scratch = torch.empty(self.numel, dtype=torch.float32, device=self.device)
             x = self.fp32_scratch
+            if pending is not None:  # (on the tensor, before the copy)
+                pending.apply_()
+                pending = None
             x.view(tensor.shape).copy_(tensor)
 
         # 1. worker: compensate and compress every chunk into its row (the kernels unchecked: the
         # buffers are this plan's, made for its geometry, and the caller's were checked, see agreed)
         impl = kernels.implementation(self.device)
         with observe.span("kernel", "compress_rows_"):
-            impl.compress_rows_(x, worker_error, self.worker_rows.view(world, self.row_len), self.chunk, self.block)
+            compress_pending_(impl, x, worker_error, self.worker_rows.view(world, self.row_len), self.chunk,
+                              self.block, pending)
         code = _DTYPE_CODES[tensor.dtype]
         if code != self._header_dtype:
             self.header_send[3] = self._header_dtype = code
@@ -251,8 +261,21 @@ class _CoalescedRows(_RowExchange):
         self.server, self.gathered = torch.empty(total, **u8), torch.empty(world * total, **u8)
 
 
+def compress_pending_(impl, x: torch.Tensor, error: torch.Tensor, rows: torch.Tensor, chunk: int, block: int,
+                      pending=None) -> None:
+    """``impl.compress_rows_(x, error, rows, chunk, block)`` (the kernels' worker side), after the
+    element-wise pass ``pending`` on ``x`` has run (``None``: none is pending): fused with the
+    compression where the kernels can (``pending.compress_rows_``, bit for bit the same; ``x`` is
+    then not written, and the exchange's result overwrites it), else first, alone."""
+    if pending is not None:
+        if pending.compress_rows_(x, error, rows, chunk, block):
+            return
+        pending.apply_()
+    impl.compress_rows_(x, error, rows, chunk, block)
+
+
 def coalesced_compressed_allreduce(plans: list, tensors: list, worker_errors: list,
-                                   server_errors: list) -> list[torch.Tensor]:
+                                   server_errors: list, pendings: list | None = None) -> list[torch.Tensor]:
     """The exchanges of several plans of one backend and device at once, each ``plans[i](tensors[i],
     worker_errors[i], server_errors[i], agreed=True)`` bit for bit, with their rows in one
     all-to-all and one all-gather instead of two collectives each: a small buffer's exchange on
@@ -261,7 +284,8 @@ def coalesced_compressed_allreduce(plans: list, tensors: list, worker_errors: li
     arguments checked before (the kernels trust the sizes); the same plan may come more than once.
     Returns each exchange's result as it travelled (``[world, row]`` bytes, what
     :func:`result_rows` gives after a call of its own: views of a reused buffer, valid until the
-    next coalesced exchange of the same sizes); the plans' own buffers are not used."""
+    next coalesced exchange of the same sizes); the plans' own buffers are not used. ``pendings``:
+    per tensor, the element-wise pass on it not run yet, or ``None`` (as a plan's ``pending``)."""
     if not plans:
         return []
     backend, device, world = plans[0].backend, plans[0].device, plans[0].backend.world_size
@@ -274,9 +298,11 @@ def coalesced_compressed_allreduce(plans: list, tensors: list, worker_errors: li
     for p in plans:
         spans.append((a, a + p.row_len))
         a += p.row_len
+    if pendings is None:
+        pendings = [None] * len(plans)
     with observe.span("kernel", "compress_rows_"):
-        for p, x, we, (a, b) in zip(plans, tensors, worker_errors, spans):
-            impl.compress_rows_(x.view(-1), we, send[:, a:b], p.chunk, p.block)  # into its columns
+        for p, x, we, (a, b), pending in zip(plans, tensors, worker_errors, spans, pendings):
+            compress_pending_(impl, x.view(-1), we, send[:, a:b], p.chunk, p.block, pending)  # into its columns
     rows._exchange(backend.all_to_all, rows.recv, rows.send, True, "a2a")()
     with observe.span("kernel", "average_compress_rows_"):
         for p, se, (a, b) in zip(plans, server_errors, spans):

@@ -151,20 +151,25 @@ class Exchanges:
         self.averaging.average(x)
 
     def requests(self, requests: list) -> list:
-        """Each ``(bucket, x, averaging)`` of ``requests`` (``averaging``: ``None`` for the chosen
-        one, with its path per bucket): the fp32 averages one by one, then each averaging's 1-bit
-        exchanges together (the flat one coalesces their collectives). Returns per request the
-        result's 1-bit rows where the averaging gives them (else ``None``)."""
+        """Each ``(bucket, x, averaging)`` or ``(bucket, x, averaging, pending)`` of ``requests``
+        (``averaging``: ``None`` for the chosen one, with its path per bucket; ``pending``: an
+        element-wise pass on ``x`` not run yet, which the 1-bit exchange runs fused with its
+        compression where it can, and anything else first): the fp32 averages one by one, then
+        each averaging's 1-bit exchanges together (the flat one coalesces their collectives).
+        Returns per request the result's 1-bit rows where the averaging gives them (else ``None``)."""
         rows: list = [None] * len(requests)
         together: dict[int, tuple] = {}
-        for i, (bucket, x, way) in enumerate(requests):
+        for i, (bucket, x, way, *pending) in enumerate(requests):
+            pending = pending[0] if pending else None
             if way is None:
                 if self.path != "1bit" and self.path_of(bucket) == "fp32":
+                    if pending is not None:
+                        pending.apply_()
                     self.averaging.average(x)
                     continue
                 way = self.averaging
             entry = together.setdefault(id(way), (way, [], []))
-            entry[1].append((x, *self.error_buffers(bucket)))
+            entry[1].append((x, *self.error_buffers(bucket), pending))
             entry[2].append(i)
         for way, items, where in together.values():
             for i, r in zip(where, way.exchange_many(items)):

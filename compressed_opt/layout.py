@@ -150,11 +150,22 @@ class Layout:
         ``v_f == 0`` (:mod:`compressed_opt.onebit_adam`)."""
         raise NotImplementedError
 
-    def exchange(self, opt, bucket: Bucket, x: torch.Tensor):
+    def local_momentum_pass(self, opt, bucket: Bucket, x: torch.Tensor, beta1: float):
+        """:meth:`local_momentum_`, or the pass that forms it not run yet (a kernels pass, e.g.
+        :class:`compressed_opt.cuda.LerpScaleClamp`), for :meth:`exchange` to hand on: the 1-bit
+        exchange runs it fused with its compression where it can (the local momentum then never
+        travels to memory). ``None``: ``x`` holds it already. Only for an algorithm that reads
+        ``x`` no more before the exchange."""
+        self.local_momentum_(opt, bucket, x, beta1)
+        return None
+
+    def exchange(self, opt, bucket: Bucket, x: torch.Tensor, pending=None):
         """``x`` <- the 1-bit compressed average of the ranks' ``x`` (collective), as a generator
-        that yields its one request ``(bucket, x, averaging)`` (``averaging``: ``None`` for the
-        optimizer's own) and keeps what it needs of the result after it: the optimizer runs the
-        requests of an exchange group together (:meth:`compressed_opt.exchanges.Exchanges.run`)."""
+        that yields its one request ``(bucket, x, averaging, pending)`` (``averaging``: ``None`` for
+        the optimizer's own; ``pending``: :meth:`local_momentum_pass`'s pass, ``None`` when ``x``
+        holds the value to average) and keeps what it needs of the result after it: the
+        optimizer runs the requests of an exchange group together
+        (:meth:`compressed_opt.exchanges.Exchanges.run`)."""
         raise NotImplementedError
 
     def keep_momentum(self, opt, bucket: Bucket, m: torch.Tensor) -> None:
@@ -262,8 +273,19 @@ class Replicated(Layout):
             kernels.lerp_scale_clamp_(x, m, 1 - beta1, r, opt.exchange_bounds(bucket), bucket.segments,
                                       opt.exchange_factors(bucket))
 
-    def exchange(self, opt, bucket, x):
-        yield bucket, x, None
+    def local_momentum_pass(self, opt, bucket, x, beta1):
+        """The pass :meth:`local_momentum_` runs, not run yet: the preconditioned exchange's
+        ``clip(s_l R m_i, +-c_l K)`` (its scalars taken now: ``exchange_factors`` is called once per
+        exchange), or the momentum exchange's ``torch.lerp``."""
+        m = bucket.flat("exp_avg")
+        r = opt.exchange_preconditioner(bucket)
+        if r is None:
+            return kernels.Lerp(x, m, 1 - beta1)
+        return kernels.LerpScaleClamp(x, m, 1 - beta1, r, opt.exchange_bounds(bucket), bucket.segments,
+                                      opt.exchange_factors(bucket))
+
+    def exchange(self, opt, bucket, x, pending=None):
+        yield bucket, x, None, pending
 
     def keep_momentum(self, opt, bucket, m):
         bucket.flat("exp_avg").copy_(m)

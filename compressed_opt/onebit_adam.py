@@ -373,9 +373,11 @@ class OnebitAdam(_FreezingAdam):
         """Compression stage: local momentum ``m_i = b1 m + (1 - b1) g_i`` into ``grad`` (as
         ``R m_i``, bounded, for the preconditioned exchange), then its compressed average over the
         ranks, in place (``m`` takes it in :meth:`_bucket_step`). Into the gradient buffer: ``m``
-        changes only in :meth:`_bucket_step` (a skipped step leaves it alone)."""
-        self.layout.local_momentum_(self, bucket, grad, group["betas"][0])
-        yield from self.layout.exchange(self, bucket, grad)
+        changes only in :meth:`_bucket_step` (a skipped step leaves it alone). The pass that forms
+        the local momentum runs inside the exchange's compression where the layout and the kernels
+        can (:meth:`~compressed_opt.layout.Layout.local_momentum_pass`): nothing reads it before."""
+        pending = self.layout.local_momentum_pass(self, bucket, grad, group["betas"][0])
+        yield from self.layout.exchange(self, bucket, grad, pending)
 
     def _bucket_step(self, bucket, group, grad, step, averaged):
         beta1, beta2 = group["betas"]

@@ -273,14 +273,21 @@ class OnebitLamb(_FreezingAdam):
         """Compression stage, as soon as the bucket's gradients are ready: the local momentum
         ``b1 m + (1 - b1) g_i`` into the gradient buffer (``m`` keeps ``m_{t-1}``, needed to
         reconstruct the gradient), as the exchange variant carries it (``R m_i``, bounded, or
-        ``c_l m_i``), compressed-allreduced, and ``m_t`` taken back from the average."""
+        ``c_l m_i``), compressed-allreduced, and ``m_t`` taken back from the average. Where nothing
+        reads the local momentum before the exchange (preconditioned, a step that does not measure
+        the live ratio), its pass runs inside the exchange's compression where it can
+        (:meth:`~compressed_opt.layout.Layout.local_momentum_pass`)."""
         coeffs = self.exchange_scales(bucket)  # (None when preconditioned: c_l is inside R)
-        self.layout.local_momentum_(self, bucket, grad, group["betas"][0])
-        if coeffs is not None:
-            scaling.scale_(bucket.views(grad), coeffs)
-        if self._measures_live_ratio(step):
-            self._observe_local_direction(bucket, group, grad, step)
-        yield from self.layout.exchange(self, bucket, grad)
+        pending = None
+        if coeffs is None and not self._measures_live_ratio(step):
+            pending = self.layout.local_momentum_pass(self, bucket, grad, group["betas"][0])
+        else:
+            self.layout.local_momentum_(self, bucket, grad, group["betas"][0])
+            if coeffs is not None:
+                scaling.scale_(bucket.views(grad), coeffs)
+            if self._measures_live_ratio(step):
+                self._observe_local_direction(bucket, group, grad, step)
+        yield from self.layout.exchange(self, bucket, grad, pending)
         self.momentum_from_exchange(bucket, grad, out=grad)  # m_t = y / R, or y / c_l
 
     def _compressed_step(self, bucket, group, momentum, step):

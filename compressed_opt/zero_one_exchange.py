@@ -151,12 +151,12 @@ class ZeroOnePreconditioned(ExchangeVariant):
     name = "preconditioned"
 
     def exchange_steps(self, opt, bucket, x, lr_sum, factors):
-        """``x`` times ``R``, clipped to the bounds, in one pass; the request; ``x / R`` (0 / 0
-        where ``v == 0``: the callers zero those coordinates, :meth:`after_average_`)."""
+        """``x`` times ``R``, clipped to the bounds, in one pass (not run yet: the request carries it,
+        and the compression runs it fused where it can); the request; ``x / R`` (0 / 0 where ``v ==
+        0``: the callers zero those coordinates, :meth:`after_average_`)."""
         r = opt._preconditioner(bucket)
         bounds = opt._exchange_bounds(bucket, lr_sum, factors)
-        kernels.scale_clamp_(x, r, bounds, bucket.segments)  # one pass
-        yield bucket, x, None
+        yield bucket, x, None, kernels.ScaleClamp(x, r, bounds, bucket.segments)
         x.div_(r)
 
     def after_average_(self, opt, bucket, grad) -> None:

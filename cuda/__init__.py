@@ -48,8 +48,8 @@ import warnings
 import torch
 
 from . import reference
-from .segmented import (Segments, descend_scaled_, divide_where_nonzero_, gather_, lerp_scale_clamp_, scale_clamp_,
-                        segment_sumsq)
+from .segmented import (Lerp, LerpScaleClamp, ScaleClamp, Segments, descend_scaled_, divide_where_nonzero_, gather_,
+                        lerp_scale_clamp_, scale_clamp_, segment_sumsq)
 
 __all__ = [
     "compress_rows_",
@@ -66,6 +66,9 @@ __all__ = [
     "segment_sumsq",
     "gather_",
     "lerp_scale_clamp_",
+    "LerpScaleClamp",
+    "Lerp",
+    "ScaleClamp",
     "scale_clamp_",
     "divide_where_nonzero_",
     "descend_scaled_",

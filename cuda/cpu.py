@@ -237,6 +237,12 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.co_segment_sumsq.restype = None
     lib.co_lerp_scale_clamp.argtypes = [p, p, f32, p, p, p, p, i64]
     lib.co_lerp_scale_clamp.restype = None
+    lib.co_lerp_scale_clamp_compress_rows.argtypes = [p, p, f32, p, p, p, p, i64, p, p, i64, i64, i64, i64, i64]
+    lib.co_lerp_scale_clamp_compress_rows.restype = None
+    lib.co_scale_clamp_compress_rows.argtypes = [p, p, p, p, i64, p, p, i64, i64, i64, i64, i64]
+    lib.co_scale_clamp_compress_rows.restype = None
+    lib.co_lerp_compress_rows.argtypes = [p, p, f32, i64, p, p, i64, i64, i64, i64, i64]
+    lib.co_lerp_compress_rows.restype = None
     lib.co_scale_clamp.argtypes = [p, p, p, p, i64]
     lib.co_scale_clamp.restype = None
     lib.co_gather.argtypes = [p, p, p, i64, f32, ctypes.c_int, p]

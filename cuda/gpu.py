@@ -36,13 +36,14 @@ TILE = 256  # CO_TILE: elements per warp tile (32 bytes of bits)
 MAX_GRID_X = (1 << 31) - 1
 MAX_GRID_Y = 65535
 
-# Kernel signatures: p pointer, q int64, i int32 (see onebit.cu).
+# Kernel signatures: p pointer, q int64, i int32, f float32 (see onebit.cu).
 SIGNATURES = {
     "co_compress_rows": "pppqqqqq",
     "co_average_compress_rows": "pqiqqppq",
     "co_decompress_rows": "pqqqqpq",
+    "co_lerp_scale_clamp_compress_rows": "ppfpppqippqqqqq",
 }
-_CTYPES = {"p": ctypes.c_uint64, "q": ctypes.c_int64, "i": ctypes.c_int32}
+_CTYPES = {"p": ctypes.c_uint64, "q": ctypes.c_int64, "i": ctypes.c_int32, "f": ctypes.c_float}
 
 
 def _cupy():
@@ -80,6 +81,19 @@ def compress_plan(x, error, rows, row_stride, world, chunk, block, n, resident):
     name = "co_compress_rows"
     grid = _grid(_cdiv(units, WARPS), resident[name])
     return [(name, (grid, 1), (x, error, rows, row_stride, world, chunk, block, n))]
+
+
+def lerp_scale_clamp_compress_plan(x, m, weight, r, scalars, offsets, nseg, mode, error, rows, row_stride, world,
+                                   chunk, block, n, resident):
+    """Launches of ``lerp_scale_clamp_compress_rows_``: as :func:`compress_plan`, one warp per
+    (row, block) unit."""
+    units = world * _blocks(chunk, block)
+    if units == 0:
+        return []
+    name = "co_lerp_scale_clamp_compress_rows"
+    grid = _grid(_cdiv(units, WARPS), resident[name])
+    return [(name, (grid, 1), (x, m, float(weight), r, scalars, offsets, nseg, int(mode), error, rows, row_stride,
+                               world, chunk, block, n))]
 
 
 def average_compress_plan(rows, row_stride, world, chunk, block, error, out_row, m, resident):
@@ -159,6 +173,20 @@ def compress_rows_(x, error, rows, chunk, block):
     kernels, stream = _context(error.device)
     plan = compress_plan(_ptr(x), error.data_ptr(), rows.data_ptr(), rows.stride(0), rows.shape[0], chunk, block,
                          error.numel(), kernels.resident)
+    kernels.run(plan, stream)
+
+
+def lerp_scale_clamp_compress_rows_(x, m, weight, r, scalars, offsets, error, rows, chunk, block):
+    """``compress_rows_`` of the segmented pass ``lerp_scale_clamp_`` over ``x`` (``m is None``:
+    ``scale_clamp_``; ``r is None``: ``torch.lerp`` alone), ``x`` not written: ``offsets`` the
+    segments' ``nseg + 1`` int64 offsets and ``scalars`` their ``nseg`` fp32 bounds then ``nseg``
+    fp32 scales, on the device (:class:`compressed_opt.cuda.segmented.LerpScaleClamp`)."""
+    kernels, stream = _context(error.device)
+    mode = 0 if m is None else (2 if r is None else 1)
+    plan = lerp_scale_clamp_compress_plan(x.data_ptr(), _ptr(m), weight, _ptr(r), _ptr(scalars),
+                                          offsets.data_ptr(), offsets.numel() - 1, mode, error.data_ptr(),
+                                          rows.data_ptr(), rows.stride(0), rows.shape[0], chunk, block, error.numel(),
+                                          kernels.resident)
     kernels.run(plan, stream)
 
 

@@ -25,6 +25,11 @@
  *     like onebit_cpu.c (any world: lane l loads w for rank i0 + l, a shuffle hands it round).
  *   co_decompress_rows: blocks along y walk the rows, warps along x a row's tiles; a tile lies in
  *     one block, so it has one scale.
+ *   co_lerp_scale_clamp_compress_rows: co_compress_rows whose x is formed in its pass 1, element by
+ *     element in registers, as the local momentum of the preconditioned exchange
+ *     (compressed_opt.cuda.segmented.lerp_scale_clamp_, PyTorch's ops on CUDA) forms it (mode 1), or
+ *     as scale_clamp_ forms 0/1 Adam's exchanged value (mode 0), or as torch.lerp forms the
+ *     momentum exchange's (mode 2); that value is never written.
  *
  * Work is cut into warp tiles of CO_TILE = 256 elements, i.e. 32 bytes of bits: lane l owns
  * elements 32 j + l (j < 8) of its tile, so every load and store of floats is coalesced; the
@@ -174,6 +179,94 @@ extern "C" __global__ void co_compress_rows(const float *__restrict__ x, float *
                 for (int k = 0; k < CO_STEPS; ++k) u[k] = v[k] + u[k];
                 co_store_tile(u, t, count, e);
             } /* else error already holds u */
+            acc += co_sumsq_tile(u);
+            co_pack_tile(u, t, count, len / 8, bits);
+        }
+        co_finish_unit(acc, count, e, row + 4 * b);
+    }
+}
+
+/*
+ * The segment of buffer element k: the s with off[s] <= k < off[s + 1] (the last such s, which
+ * skips empty segments), or nseg for k >= off[nseg]. off: nseg + 1 offsets, off[0] = 0.
+ */
+__device__ __forceinline__ i64 co_segment_of(const i64 *__restrict__ off, i64 nseg, i64 k) {
+    if (k >= off[nseg]) return nseg;
+    i64 lo = 0, hi = nseg - 1;
+    while (lo < hi) {
+        const i64 mid = (lo + hi + 1) >> 1;
+        if (off[mid] <= k) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
+/*
+ * clamp(c (r lerp(m, x, w)), -b, b), rounded as PyTorch's ops on CUDA round it: torch.lerp(m, x, w)
+ * is m + w (x - m) for |w| < 1/2, else x - (x - m)(1 - w), each contracted into one FMA (nvcc's
+ * default), then x * r, then * c (foreach_mul_), then clamp_max / clamp_min (NaN stays NaN);
+ * written with intrinsics so that no other contraction can happen. onebit_cpu.c forms the same.
+ */
+__device__ __forceinline__ float co_local_momentum(float x, float m, float r, float w, bool small, float c,
+                                                   float b) {
+    const float d = __fsub_rn(x, m);
+    const float l = small ? __fmaf_rn(w, d, m) : __fmaf_rn(-d, __fsub_rn(1.0f, w), x);
+    const float v = __fmul_rn(c, __fmul_rn(l, r));
+    return v > b ? b : (v < -b ? -b : v);
+}
+
+/*
+ * co_compress_rows(x', error, rows, ...) of x' = the segmented pass over x: on segment s (elements
+ * [off[s], off[s + 1]) of the buffer) x'_k = co_local_momentum(x_k, m_k, r_k, w, |w| < 1/2, c_s,
+ * b_s), b_s = scalars[s], c_s = scalars[nseg + s] (mode 1), or x'_k = clamp(x_k r_k, -b_s, b_s)
+ * (mode 0: m, w and the c_s unused, as PyTorch's mul_ then clamps round it), or x'_k = lerp(m_k,
+ * x_k, w) (mode 2: r and scalars unused, torch.lerp's formulas); past off[nseg], x'_k = x_k. x' is formed in registers in pass 1 and never written (x, m, r are only read): bit for
+ * bit the pass, then co_compress_rows. Units as co_compress_rows.
+ */
+extern "C" __global__ void co_lerp_scale_clamp_compress_rows(const float *__restrict__ x, const float *__restrict__ m,
+                                                             float w, const float *__restrict__ r,
+                                                             const float *__restrict__ scalars,
+                                                             const i64 *__restrict__ off, i64 nseg, int mode,
+                                                             float *__restrict__ error, u8 *__restrict__ rows,
+                                                             i64 row_stride, i64 world, i64 chunk, i64 block, i64 n) {
+    const i64 nb = (chunk + block - 1) / block;
+    const i64 units = world * nb;
+    const bool small = w < 0.5f && w > -0.5f;
+    for (i64 q = co_first_warp(); q < units; q += co_warp_stride()) {
+        const i64 j = q / nb, b = q - j * nb;
+        const i64 lo = b * block;
+        const i64 len = chunk - lo < block ? chunk - lo : block;
+        const i64 base = j * chunk + lo;
+        const i64 count = co_clamp(n - base, len);
+        u8 *row = rows + j * row_stride;
+        u8 *bits = row + 4 * nb + lo / 8;
+        float *e = error + base;
+        const float *xs = x + (count > 0 ? base : 0);
+        const i64 tiles = (len + CO_TILE - 1) / CO_TILE;
+        double acc = 0.0;
+        for (i64 t = 0; t < tiles; ++t) {
+            float u[CO_STEPS], v[CO_STEPS];
+            co_load_tile(e, t, count, u);
+            co_load_tile(xs, t, count, v);
+#pragma unroll
+            for (int k = 0; k < CO_STEPS; ++k) {
+                const i64 c = t * CO_TILE + 32 * k + co_lane();
+                if (c < count) {
+                    const i64 g = base + c;
+                    const i64 s = co_segment_of(off, nseg, g);
+                    if (s < nseg && mode == 1) {
+                        v[k] = co_local_momentum(v[k], m[g], r[g], w, small, scalars[nseg + s], scalars[s]);
+                    } else if (s < nseg && mode == 2) {
+                        const float d = __fsub_rn(v[k], m[g]);
+                        v[k] = small ? __fmaf_rn(w, d, m[g]) : __fmaf_rn(-d, __fsub_rn(1.0f, w), v[k]);
+                    } else if (s < nseg) {
+                        const float y = __fmul_rn(v[k], r[g]), b = scalars[s];
+                        v[k] = y > b ? b : (y < -b ? -b : y);
+                    }
+                }
+                u[k] = __fadd_rn(v[k], u[k]);
+            }
+            co_store_tile(u, t, count, e);
             acc += co_sumsq_tile(u);
             co_pack_tile(u, t, count, len / 8, bits);
         }

@@ -125,18 +125,113 @@ static float load_scale(const uint8_t *p) {
 }
 
 /*
+ * The local momentum of the preconditioned exchange, clamp(c_s (r lerp(m, x, w)), -b_s, b_s), with
+ * torch.lerp's two formulas (m + w (x - m) for |w| < 1/2, else x - (x - m)(1 - w)): one element.
+ * co_lerp_scale_clamp and the pass fused into compression (co_lerp_scale_clamp_compress_rows) both
+ * call these, so that the compiler forms (and contracts) the same expressions in both.
+ */
+static inline float clamp_to(float v, float b, float nb) { return v > b ? b : (v < nb ? nb : v); }
+
+static inline float lsc_small(float x, float m, float w, float r, float c, float b, float nb) {
+    return clamp_to(c * (r * (m + w * (x - m))), b, nb);
+}
+
+static inline float lsc_large(float x, float m, float wc, float r, float c, float b, float nb) {
+    float d = x - m;
+    return clamp_to(c * (r * (x - d * wc)), b, nb);
+}
+
+/* lerp(m, x, w) alone, torch.lerp's formulas (the fused pass without r, clamp and scale; what
+ * torch.lerp computes only where it contracts as this does: the caller checks, see segmented.Lerp). */
+static inline float lerp_small(float x, float m, float w) { return m + w * (x - m); }
+
+static inline float lerp_large(float x, float m, float wc) {
+    float d = x - m;
+    return x - d * wc;
+}
+
+/* clamp(r x, -b, b): co_scale_clamp's element, and the fused pass's without lerp. */
+static inline float sc_value(float x, float r, float b, float nb) { return clamp_to(r * x, b, nb); }
+
+/*
+ * A segmented lerp_scale_clamp pass (m != NULL) or scale_clamp pass (m == NULL: w and scales
+ * unused), or a lerp alone (r == NULL: bounds and scales unused) over a flat buffer, run block by block inside a compression instead of over the whole
+ * buffer before it: segment s is [off[s], off[s + 1]); elements past off[nseg] are x itself.
+ * seg: the segment of the last element formed (blocks come in order).
+ */
+struct co_lsc {
+    const float *x, *m, *r;
+    float w;
+    const double *bounds, *scales; /* scales == NULL: c_s = 1 */
+    const int64_t *off;
+    int64_t nseg, seg;
+};
+
+/*
+ * error[0, len) <- u = v + error[0, len), v the pass's values of elements [lo, lo + len) of the flat
+ * buffer (error: the worker error of element lo): compress_rows' compensation u = x + error with
+ * the pass's x, in the loop that reads the pass's inputs (every stream read once, at once).
+ */
+static void lsc_compensate(struct co_lsc *p, int64_t lo, int64_t len, float *restrict error) {
+    const int small = p->w < 0.5f && p->w > -0.5f;
+    const float w = p->w, wc = 1.0f - p->w;
+    const int64_t end = lo + len;
+    int64_t k = lo, s = p->seg;
+    while (k < end) {
+        while (s < p->nseg && p->off[s + 1] <= k) ++s;
+        float *restrict e = error + (k - lo);
+        const float *restrict xs = p->x + k;
+        if (s >= p->nseg) { /* past the segments: x as it is */
+            for (int64_t i = 0; i < end - k; ++i) e[i] = xs[i] + e[i];
+            break;
+        }
+        const int64_t stop = p->off[s + 1] < end ? p->off[s + 1] : end, n = stop - k;
+        if (!p->r) {
+            const float *restrict ms = p->m + k;
+            if (small) {
+                for (int64_t i = 0; i < n; ++i) e[i] = lerp_small(xs[i], ms[i], w) + e[i];
+            } else {
+                for (int64_t i = 0; i < n; ++i) e[i] = lerp_large(xs[i], ms[i], wc) + e[i];
+            }
+            k = stop;
+            continue;
+        }
+        const float b = (float)p->bounds[s], nb = -b, c = p->scales ? (float)p->scales[s] : 1.0f;
+        const float *restrict rs = p->r + k;
+        if (!p->m) {
+            for (int64_t i = 0; i < n; ++i) e[i] = sc_value(xs[i], rs[i], b, nb) + e[i];
+            k = stop;
+            continue;
+        }
+        const float *restrict ms = p->m + k;
+        if (small) {
+            for (int64_t i = 0; i < n; ++i) e[i] = lsc_small(xs[i], ms[i], w, rs[i], c, b, nb) + e[i];
+        } else {
+            for (int64_t i = 0; i < n; ++i) e[i] = lsc_large(xs[i], ms[i], wc, rs[i], c, b, nb) + e[i];
+        }
+        k = stop;
+    }
+    p->seg = s;
+}
+
+/*
  * Compress the valid elements [0, valid) of one chunk held in error (u after compensate, or to
  * be compensated with x): per block, pack its bits into bits, its scale sqrt(sum(u^2) / count)
  * into scales (4 bytes each), and subtract the decompressed values while the block is in cache.
+ * With pass (then x is NULL): x is the pass's values of the buffer's elements from first on,
+ * formed block by block and added to the error as the block is compensated, so that they never
+ * travel to memory; the same arithmetic as the pass, then the compression.
  */
 static void compress_chunk(const float *x, float *error, uint8_t *scales, uint8_t *bits, int64_t chunk,
-                           int64_t block, int64_t valid) {
+                           int64_t block, int64_t valid, struct co_lsc *pass, int64_t first) {
     const int64_t nb = blocks_of(chunk, block);
     for (int64_t b = 0; b < nb; ++b) {
         const int64_t lo = b * block, len = min64(chunk - lo, block), count = valid_in(valid, lo, len);
         float s = 0.0f;
         if (count > 0) {
-            double sumsq = compensate_pack(x ? x + lo : NULL, error + lo, bits + lo / 8, count, len / 8);
+            const float *xb = x ? x + lo : NULL;
+            if (pass) lsc_compensate(pass, first + lo, count, error + lo); /* then error holds u */
+            double sumsq = compensate_pack(xb, error + lo, bits + lo / 8, count, len / 8);
             s = (float)sqrt(sumsq / (double)count);
             subtract_decompressed(error + lo, s, count);
         } else {
@@ -157,8 +252,49 @@ void co_compress_rows(const float *x, float *error, uint8_t *rows, int64_t row_s
         const int64_t lo = j * chunk, valid = valid_in(n, lo, chunk);
         uint8_t *row = rows + j * row_stride;
         const int64_t at = valid ? lo : 0; /* (no pointer past the buffers for empty chunks) */
-        compress_chunk(x ? x + at : NULL, error + at, row, row + 4 * nb, chunk, block, valid);
+        compress_chunk(x ? x + at : NULL, error + at, row, row + 4 * nb, chunk, block, valid, NULL, 0);
     }
+}
+
+/*
+ * co_lerp_scale_clamp(x, m, w, r, bounds, scales, off, nseg) then co_compress_rows(x, error, rows,
+ * row_stride, world, chunk, block, n), bit for bit, in one pass over memory: per block, the pass's
+ * values are formed and added to the error in one loop (error <- u), then packed, summed and
+ * corrected while the block is in cache, as co_compress_rows does with x == NULL. x is only read
+ * (not written): reads x, m, r and error once, writes error and the rows (5 streams where the two
+ * passes take 7).
+ */
+void co_lerp_scale_clamp_compress_rows(const float *x, const float *m, float w, const float *r, const double *bounds,
+                                      const double *scales, const int64_t *off, int64_t nseg, float *error,
+                                      uint8_t *rows, int64_t row_stride, int64_t world, int64_t chunk, int64_t block,
+                                      int64_t n) {
+    struct co_lsc pass = {x, m, r, w, bounds, scales, off, nseg, 0};
+    const int64_t nb = blocks_of(chunk, block);
+    for (int64_t j = 0; j < world; ++j) {
+        const int64_t lo = j * chunk, valid = valid_in(n, lo, chunk);
+        uint8_t *row = rows + j * row_stride;
+        const int64_t at = valid ? lo : 0;
+        compress_chunk(NULL, error + at, row, row + 4 * nb, chunk, block, valid, &pass, at);
+    }
+}
+
+/* x[0, m_n) <- lerp(m, x, w) (torch.lerp's formulas, as this compiler contracts them), then
+ * co_compress_rows(x, error, ...), in one pass over memory as co_lerp_scale_clamp_compress_rows (x
+ * only read). */
+void co_lerp_compress_rows(const float *x, const float *m, float w, int64_t m_n, float *error, uint8_t *rows,
+                           int64_t row_stride, int64_t world, int64_t chunk, int64_t block, int64_t n) {
+    const int64_t off[2] = {0, m_n};
+    co_lerp_scale_clamp_compress_rows(x, m, w, NULL, NULL, NULL, off, 1, error, rows, row_stride, world, chunk, block,
+                                      n);
+}
+
+/* co_scale_clamp(x, r, bounds, off, nseg) then co_compress_rows(x, error, ...), bit for bit, in one
+ * pass over memory as co_lerp_scale_clamp_compress_rows (x only read). */
+void co_scale_clamp_compress_rows(const float *x, const float *r, const double *bounds, const int64_t *off,
+                                  int64_t nseg, float *error, uint8_t *rows, int64_t row_stride, int64_t world,
+                                  int64_t chunk, int64_t block, int64_t n) {
+    co_lerp_scale_clamp_compress_rows(x, NULL, 0.0f, r, bounds, NULL, off, nseg, error, rows, row_stride, world, chunk,
+                                      block, n);
 }
 
 /*
@@ -208,7 +344,7 @@ int co_average_compress_rows(const uint8_t *rows, int64_t row_stride, int64_t wo
             z[e] = v;
         }
     }
-    compress_chunk(NULL, error, out_row, out_row + 4 * nb, chunk, block, m);
+    compress_chunk(NULL, error, out_row, out_row + 4 * nb, chunk, block, m, NULL, 0);
     return 0;
 }
 
@@ -319,16 +455,9 @@ void co_lerp_scale_clamp(float *x, const float *m, float w, const float *r, cons
         float *restrict xs = x + lo;
         const float *restrict ms = m + lo, *restrict rs = r + lo;
         if (small) {
-            for (int64_t i = 0; i < n; ++i) {
-                float v = c * (rs[i] * (ms[i] + w * (xs[i] - ms[i])));
-                xs[i] = v > b ? b : (v < nb ? nb : v);
-            }
+            for (int64_t i = 0; i < n; ++i) xs[i] = lsc_small(xs[i], ms[i], w, rs[i], c, b, nb);
         } else {
-            for (int64_t i = 0; i < n; ++i) {
-                float d = xs[i] - ms[i];
-                float v = c * (rs[i] * (xs[i] - d * wc));
-                xs[i] = v > b ? b : (v < nb ? nb : v);
-            }
+            for (int64_t i = 0; i < n; ++i) xs[i] = lsc_large(xs[i], ms[i], wc, rs[i], c, b, nb);
         }
     }
 }
@@ -340,10 +469,7 @@ void co_scale_clamp(float *x, const float *r, const double *bounds, const int64_
         const int64_t lo = off[s], n = off[s + 1] - off[s];
         float *restrict xs = x + lo;
         const float *restrict rs = r + lo;
-        for (int64_t i = 0; i < n; ++i) {
-            float v = rs[i] * xs[i];
-            xs[i] = v > b ? b : (v < nb ? nb : v);
-        }
+        for (int64_t i = 0; i < n; ++i) xs[i] = sc_value(xs[i], rs[i], b, nb);
     }
 }
 

@@ -14,6 +14,12 @@ operation and per segment:
 ``lerp_scale_clamp_(x, m, weight, r, bounds, segments, scales=None)``
     ``x <- clamp(c_s * r * lerp(m, x, weight), -b_s, b_s)`` element-wise, ``b_s = bounds[s]``,
     ``c_s = scales[s]`` (1 without ``scales``).
+``LerpScaleClamp(x, m, weight, r, bounds, segments, scales=None)``
+    the same pass on ``x``, not run yet: its ``compress_rows_(x, error, rows, chunk, block)`` runs
+    it fused with the compression of ``x`` (the kernels' worker side) where it can, one pass over
+    memory that never writes ``x``, bit for bit as the two in turn; ``apply_()`` runs it alone.
+    ``ScaleClamp(x, r, bounds, segments)``: the same for ``scale_clamp_``; ``Lerp(x, m, weight)``
+    for ``torch.lerp(m, x, weight, out=x)`` (where the C pass is checked to round as it does).
 ``scale_clamp_(x, r, bounds, segments)``
     ``x <- clamp(r * x, -b_s, b_s)``.
 ``divide_where_nonzero_(y, r, out, zero_index=None, segments=None, divisors=None)``
@@ -28,15 +34,18 @@ no C compiler exists (or ``COMPRESSED_OPT_KERNELS=reference``), compose the same
 PyTorch's fused multi-tensor ops (``torch._foreach_*``), which on CUDA launch a few kernels per
 pass whatever the number of segments. Both compute in fp32 like PyTorch (the sums in float64);
 they may differ in the last bit (the C pass can contract ``a + w * b`` into one FMA).
+:class:`LerpScaleClamp`'s compression runs ``onebit_cpu.c`` on CPU tensors and ``onebit.cu`` (CuPy)
+on CUDA tensors, each bit for bit its device's pass then the compression.
 """
 from __future__ import annotations
 
 import ctypes
 import os
+import warnings
 
 import torch
 
-from . import cpu
+from . import cpu, reference
 
 
 class Segments:
@@ -51,6 +60,16 @@ class Segments:
             offsets.append(offsets[-1] + n)
         self.offsets = torch.tensor(offsets, dtype=torch.int64)
         self.numel = offsets[-1]
+        self._on_device: dict = {}  # device -> a copy of offsets there (made once)
+
+    def offsets_on(self, device: torch.device) -> torch.Tensor:
+        """``offsets`` on ``device`` (copied there once)."""
+        device = torch.device(device)
+        if device.type == "cpu":
+            return self.offsets
+        if device not in self._on_device:
+            self._on_device[device] = self.offsets.to(device)
+        return self._on_device[device]
 
     def __len__(self) -> int:
         return len(self.sizes)
@@ -174,6 +193,189 @@ def lerp_scale_clamp_(x: torch.Tensor, m: torch.Tensor, weight: float, r: torch.
         if views:
             torch._foreach_mul_(views, [float(v) for v in c.to(torch.float32).tolist()])
     _clamp_segments_(x, b.tolist(), segments)
+
+
+class LerpScaleClamp:
+    """``lerp_scale_clamp_(x, m, weight, r, bounds, segments, scales)``, not run yet: a pass whose
+    result only a compression reads (the local momentum of the preconditioned exchange) runs inside
+    that compression (:meth:`compress_rows_`) and never travels to memory; anywhere else, the caller
+    runs it alone first (:meth:`apply_`). The arguments are kept, not copied: they must not change
+    before the pass runs."""
+
+    def __init__(self, x: torch.Tensor, m: torch.Tensor, weight: float, r: torch.Tensor, bounds,
+                 segments: Segments, scales=None):
+        _check(segments, x, m, r)
+        self.x, self.m, self.weight, self.r = x, m, float(weight), r
+        self.bounds, self.segments, self.scales = bounds, segments, scales
+
+    def apply_(self) -> None:
+        """Run the pass on its ``x``, alone."""
+        lerp_scale_clamp_(self.x, self.m, self.weight, self.r, self.bounds, self.segments, self.scales)
+
+    def compress_rows_(self, x: torch.Tensor, error: torch.Tensor, rows: torch.Tensor, chunk: int,
+                       block: int) -> bool:
+        """The pass, then the worker side of the compression, ``compress_rows_(x, error, rows, chunk,
+        block)`` (:mod:`compressed_opt.cuda`), in one native pass over memory, bit for bit as
+        :meth:`apply_` then the compression: ``x`` (this pass's buffer, as a flat view) is read, not
+        written (its values afterwards: unspecified; the compressed allreduce writes its result
+        there). ``False``, with nothing done, where no fused pass runs here (not contiguous fp32 CPU
+        tensors, no C library or CUDA kernels, another buffer): then :meth:`apply_` and compress. The
+        caller has checked the compression's arguments (as for the kernels' unchecked implementations)."""
+        n = error.numel()
+        if (x.dim() != 1 or x.data_ptr() != self.x.data_ptr() or x.numel() != self.x.numel() or n > x.numel()
+                or rows.dtype != torch.uint8 or rows.dim() != 2 or rows.stride(1) != 1 or rows.device != x.device):
+            return False
+        if x.device.type == "cuda":
+            return self._compress_rows_cuda(x, error, rows, chunk, block)
+        lib = _native(*(t for t in (x, self.m, self.r, error) if t is not None))
+        if lib is None:
+            return False
+        if self.r is None:  # torch.lerp alone: only where the C pass rounds as it does here
+            if not _native_lerp_agrees(lib):
+                return False
+            lib.co_lerp_compress_rows(x.data_ptr(), self.m.data_ptr(), self.weight, self.m.numel(), error.data_ptr(),
+                                      rows.data_ptr(), rows.stride(0), rows.shape[0], chunk, block, n)
+            return True
+        nseg = len(self.segments)
+        b, bp = _c_doubles(self.bounds, nseg)
+        if self.m is None:
+            lib.co_scale_clamp_compress_rows(x.data_ptr(), self.r.data_ptr(), bp, self.segments.offsets.data_ptr(),
+                                             nseg, error.data_ptr(), rows.data_ptr(), rows.stride(0), rows.shape[0],
+                                             chunk, block, n)
+            return True
+        c, cp = (None, None) if self.scales is None else _c_doubles(self.scales, nseg)
+        lib.co_lerp_scale_clamp_compress_rows(
+            x.data_ptr(), self.m.data_ptr(), self.weight, self.r.data_ptr(), bp, cp, self.segments.offsets.data_ptr(),
+            nseg, error.data_ptr(), rows.data_ptr(), rows.stride(0), rows.shape[0], chunk, block, n)
+        return True
+
+    def _compress_rows_cuda(self, x, error, rows, chunk, block) -> bool:
+        from . import gpu
+
+        tensors = [t for t in (x, self.m, self.r, error) if t is not None]
+        if (os.environ.get("COMPRESSED_OPT_KERNELS") == "reference"
+                or not all(_addressable(t) and t.device == x.device and t.dtype == torch.float32 and t.is_contiguous()
+                           for t in tensors)
+                or not gpu.is_available(x.device) or not _cuda_fusion_agrees(x.device)):
+            return False
+        self._launch_cuda(x, error, rows, chunk, block)
+        return True
+
+    def _launch_cuda(self, x, error, rows, chunk, block) -> None:
+        from . import gpu
+
+        nseg, scalars = len(self.segments), None
+        if self.bounds is not None:
+            # the bounds and the scales as fp32, as PyTorch's ops on CUDA round their scalars (scale 1: exact)
+            scales = torch.ones(nseg, dtype=torch.float64) if self.scales is None else _doubles(self.scales, nseg)
+            scalars = torch.cat([_doubles(self.bounds, nseg), scales]).to(torch.float32)
+            if x.device.type == "cuda":  # (pinned: the copy waits for nothing, the host goes on)
+                scalars = scalars.pin_memory()
+            scalars = scalars.to(x.device, non_blocking=True)
+        gpu.lerp_scale_clamp_compress_rows_(x, self.m, self.weight, self.r, scalars, self.segments.offsets_on(x.device),
+                                            error, rows, chunk, block)
+
+
+_fusion_checked: dict = {}  # device -> whether the fused kernel gave the two passes' bits there
+
+
+class ScaleClamp(LerpScaleClamp):
+    """``scale_clamp_(x, r, bounds, segments)``, not run yet (0/1 Adam's exchanged ``R x``, bounded),
+    for a compression to run (:meth:`compress_rows_`), or the caller first (:meth:`apply_`), as
+    :class:`LerpScaleClamp`."""
+
+    def __init__(self, x: torch.Tensor, r: torch.Tensor, bounds, segments: Segments):
+        _check(segments, x, r)
+        self.x, self.m, self.weight, self.r = x, None, 0.0, r
+        self.bounds, self.segments, self.scales = bounds, segments, None
+
+    def apply_(self) -> None:
+        scale_clamp_(self.x, self.r, self.bounds, self.segments)
+
+
+class Lerp(LerpScaleClamp):
+    """``torch.lerp(m, x, weight, out=x)`` not run yet (the momentum exchange's local momentum), for
+    a compression to run (:meth:`compress_rows_`), or the caller first (:meth:`apply_`), as
+    :class:`LerpScaleClamp`; ``x`` and ``m`` flat, of one size. torch.lerp's rounding is
+    PyTorch's (its vector kernels contract each formula into one FMA on CPUs that have it): the
+    fused pass runs only where a check at first use found it the same bit for bit."""
+
+    def __init__(self, x: torch.Tensor, m: torch.Tensor, weight: float):
+        if x.dim() != 1 or x.shape != m.shape:
+            raise ValueError(f"x and m must be flat buffers of one size, got {tuple(x.shape)} and {tuple(m.shape)}")
+        self.x, self.m, self.weight, self.r = x, m, float(weight), None
+        self.bounds, self.segments, self.scales = None, Segments([x.numel()]), None
+
+    def apply_(self) -> None:
+        torch.lerp(self.m, self.x, self.weight, out=self.x)
+
+
+_native_lerp: list = []  # [whether co_lerp_compress_rows gave torch.lerp then the compression, bit for bit]
+
+
+def _native_lerp_agrees(lib) -> bool:
+    """Whether the C library's lerp pass fused into the compression gives what ``torch.lerp`` then
+    the compression give here, bit for bit (sizes with and without a vector loop's tail, both of
+    lerp's formulas): checked once per process, at first use."""
+    if not _native_lerp:
+        g = torch.Generator().manual_seed(29)
+        agree = True
+        for n, weight in ((7, 0.1), (1411, 0.1), (1411, 0.9), (4099, 0.75), (4099, 0.25)):
+            x, m, e = (torch.randn(n, generator=g) for _ in range(3))
+            x[::9] = 0.0
+            chunk, block = -(-n // 32) * 32, 256
+            rows = [torch.zeros(1, reference.rows_layout(chunk, block)[1], dtype=torch.uint8) for _ in range(2)]
+            e1, e2, x1 = e.clone(), e.clone(), x.clone()
+            torch.lerp(m, x1, weight, out=x1)
+            cpu.compress_rows_(x1, e1, rows[0], chunk, block)
+            lib.co_lerp_compress_rows(x.data_ptr(), m.data_ptr(), weight, n, e2.data_ptr(), rows[1].data_ptr(),
+                                      rows[1].stride(0), 1, chunk, block, n)
+            agree = agree and torch.equal(e1.view(torch.int32), e2.view(torch.int32)) and torch.equal(*rows)
+        _native_lerp.append(agree)
+    return _native_lerp[0]
+
+
+def _cuda_fusion_agrees(device: torch.device) -> bool:
+    """Whether, on ``device``, the CUDA kernel of :class:`LerpScaleClamp`'s compression gives bit
+    for bit what the pass (PyTorch's ops there) then the CUDA compression give, on a small case
+    (segments across blocks and chunks, an empty one, both of torch.lerp's formulas, scales):
+    checked once per device, at first use (one synchronisation). Where it does not (a PyTorch
+    whose lerp rounds otherwise), the two passes run, and a warning says so, once."""
+    from . import gpu
+
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device in _fusion_checked:
+        return _fusion_checked[device]
+    g = torch.Generator().manual_seed(29)
+    segments = Segments([300, 0, 1100, 5])
+    n, chunk, block = segments.numel + 7, 736, 256
+    x, m, e = (torch.randn(n, generator=g) for _ in range(3))
+    r = torch.rand(n, generator=g) * 3
+    x[::9], r[::7] = 0.0, 0.0
+    bounds, scales = [0.5, 1.0, 2.0, 0.25], [1.5, 0.5, 0.75, 1.25]
+    agree = True
+    for kind, weight in (("lsc", 0.1), ("lsc", 0.9), ("sc", None), ("lerp", 0.1), ("lerp", 0.9)):
+        got = []
+        for fused in (True, False):
+            x_, m_, r_, e_ = (t.to(device, copy=True) for t in (x, m, r, e))
+            rows = torch.zeros(2, reference.rows_layout(chunk, block)[1], dtype=torch.uint8, device=device)
+            pending = (ScaleClamp(x_, r_, bounds, segments) if kind == "sc" else Lerp(x_, m_, weight) if kind == "lerp"
+                       else LerpScaleClamp(x_, m_, weight, r_, bounds, segments, scales))
+            if fused:
+                pending._launch_cuda(x_, e_, rows, chunk, block)
+            else:
+                pending.apply_()
+                gpu.compress_rows_(x_, e_, rows, chunk, block)
+            got.append((e_.cpu().view(torch.int32), rows.cpu()))
+        agree = agree and all(torch.equal(a, b) for a, b in zip(*got))
+    if not agree:
+        warnings.warn("compressed_opt: the fused CUDA kernel of the local momentum's compression does not give "
+                      "PyTorch's rounding on this device; running the two passes instead", RuntimeWarning,
+                      stacklevel=4)
+    _fusion_checked[device] = agree
+    return agree
 
 
 def scale_clamp_(x: torch.Tensor, r: torch.Tensor, bounds, segments: Segments) -> None:

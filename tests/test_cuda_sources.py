@@ -54,7 +54,7 @@ def test_kernel_parameters_match_the_launch_signatures(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     text = ptx.read_text()
-    width = {"p": "u64", "q": "u64", "i": "u32"}  # PTX types of 8-byte pointers, long long, int
+    width = {"p": "u64", "q": "u64", "i": "u32", "f": "f32"}  # PTX types of 8-byte pointers, long long, int, float
     for name, kinds in gpu.SIGNATURES.items():
         params = re.search(rf"\.entry\s+{name}\((.*?)\)", text, re.DOTALL).group(1)
         types = re.findall(r"\.param\s+\.(\w+)", params)
@@ -64,6 +64,7 @@ def test_kernel_parameters_match_the_launch_signatures(tmp_path):
 # A device's resident blocks per kernel, e.g. an H100's 132 SMs at 8 blocks each.
 RESIDENT = {name: 132 * 8 for name in gpu.SIGNATURES}
 _INT_RANGE = {"p": (0, 1 << 64), "q": (-(1 << 63), 1 << 63), "i": (-(1 << 31), 1 << 31)}
+_FLOAT = {"f"}
 
 
 def _check_launch(plan, name, resident=RESIDENT):
@@ -75,6 +76,9 @@ def _check_launch(plan, name, resident=RESIDENT):
     kinds = gpu.SIGNATURES[name]
     assert len(args) == len(kinds)
     for kind, value in zip(kinds, args):
+        if kind in _FLOAT:
+            assert isinstance(value, float), (kind, value)
+            continue
         lo, hi = _INT_RANGE[kind]
         assert isinstance(value, int) and lo <= value < hi, (kind, value)
     return grid_x, grid_y
@@ -100,6 +104,21 @@ def test_compress_plans_cover_every_unit(world, chunk, block, n):
     assert (grid - 1) * gpu.WARPS < units
     plan = gpu.compress_plan(0, 0x2001, 0x3001, row_len, world, chunk, block, n, RESIDENT)  # x = None
     assert plan[0][2][0] == 0
+
+
+@pytest.mark.parametrize("world,chunk,block,n", GEOMETRIES)
+def test_fused_local_momentum_compress_plans_are_the_compress_plans(world, chunk, block, n):
+    """The local momentum's pass fused into the compression: the compression's grid (one warp per
+    (row, block) unit), with the pass's inputs before the compression's arguments."""
+    nb, row_len = compressed_opt.cuda.rows_layout(chunk, block)
+    plain = gpu.compress_plan(0x1001, 0x2001, 0x3001, row_len + 3, world, chunk, block, n, RESIDENT)
+    plan = gpu.lerp_scale_clamp_compress_plan(0x1001, 0x4001, 0.1, 0x5001, 0x6001, 0x7001, 7, 1, 0x2001, 0x3001,
+                                              row_len + 3, world, chunk, block, n, RESIDENT)
+    grid, _ = _check_launch(plan, "co_lerp_scale_clamp_compress_rows")
+    assert grid == plain[0][1][0]
+    assert plan[0][2] == (0x1001, 0x4001, 0.1, 0x5001, 0x6001, 0x7001, 7, 1, 0x2001, 0x3001, row_len + 3, world, chunk,
+                          block, n)
+    assert gpu.lerp_scale_clamp_compress_plan(0, 0, 0.1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 32, 256, 0, RESIDENT) == []
 
 
 @pytest.mark.parametrize("world,chunk,block,n", GEOMETRIES)

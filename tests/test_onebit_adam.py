@@ -527,3 +527,51 @@ def test_a_checkpoint_of_the_other_exchange_is_refused_and_of_the_same_one_loads
     with pytest.raises(ValueError, match="Invalid exchange"):
         make(list(mlp().parameters()), "sign")
 
+
+
+def _fused_and_unfused_runs(rank, world):
+    """Per configuration, the parameters after a seeded job with the local momentum's pass fused
+    into the exchange's compression, and with it run alone first (the fusion refused), and how
+    many compressions ran it fused."""
+    from compressed_opt.cuda import segmented
+
+    fused = segmented.LerpScaleClamp.compress_rows_
+    ran = [0]
+
+    def counted(self, *args):
+        done = fused(self, *args)
+        ran[0] += bool(done)
+        return done
+
+    out = []
+    for kwargs in (dict(), dict(overlap=False, bucket_cap_mb=0.004, scale_block=256), dict(zero_stage=1),
+                   dict(exchange="momentum", bucket_cap_mb=0.004)):
+        finals = []
+        for fuse in (True, False):
+            segmented.LerpScaleClamp.compress_rows_ = counted if fuse else (lambda self, *args: False)
+            try:
+                torch.manual_seed(0)
+                model = nn.Sequential(nn.Linear(64, 40), nn.Tanh(), nn.Linear(40, 10), nn.LayerNorm(10))
+                opt = OnebitAdam(model.parameters(), freeze_step=3, **HP, **kwargs)
+                for x, y in gaussian_batches(rank, world, 12):
+                    opt.zero_grad()
+                    nn.functional.cross_entropy(model(x), y).backward()
+                    opt.step()
+                finals.append([p.detach().clone() for p in model.parameters()])
+            finally:
+                segmented.LerpScaleClamp.compress_rows_ = fused
+        out.append((finals, ran[0]))
+        ran[0] = 0
+    return out
+
+
+@pytest.mark.multiprocess
+def test_the_fused_local_momentum_pass_changes_no_bit():
+    """The preconditioned exchange's local momentum formed inside the compression (one native pass)
+    and formed before it (two): the same parameters bit for bit, with exchange groups and overlap,
+    and the momentum exchange's (torch.lerp's rounding); ZeRO forms it while gathering and never fuses."""
+    for per_rank in run_ranks(_fused_and_unfused_runs, 2):
+        (default, ran_default), (groups, ran_groups), (zero, ran_zero), (momentum, ran_momentum) = per_rank
+        for finals in (default, groups, zero, momentum):
+            assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(*finals))
+        assert ran_default > 0 and ran_groups > 0 and ran_zero == 0 and ran_momentum > 0

@@ -483,3 +483,39 @@ def test_bad_group_override_names_the_argument():
                       {"params": list(model[2].parameters()), "max_coeff": 5.0, "coeff_beta": 0}])
     assert opt.param_groups[1]["max_coeff"] == 5.0 and opt.param_groups[1]["factor_min"] == 0.5
     assert type(opt.param_groups[1]["coeff_beta"]) is float
+
+
+def _fused_and_unfused_lamb(rank, world):
+    """The parameters after a seeded job with the local momentum's pass fused into the exchange's
+    compression where nothing reads it first, and with it always run alone; how many ran fused."""
+    from compressed_opt.cuda import segmented
+
+    fused = segmented.LerpScaleClamp.compress_rows_
+    ran = [0]
+
+    def counted(self, *args):
+        done = fused(self, *args)
+        ran[0] += bool(done)
+        return done
+
+    finals = []
+    for fuse in (True, False):
+        segmented.LerpScaleClamp.compress_rows_ = counted if fuse else (lambda self, *args: False)
+        try:
+            torch.manual_seed(0)
+            model = mlp()
+            opt = OnebitLamb(model.parameters(), freeze_step=3, trust_ratio_interval=3, **HP)
+            run_steps(model, opt, list(shard_batches(rank, world, 14)))
+            finals.append([p.detach().clone() for p in model.parameters()])
+        finally:
+            segmented.LerpScaleClamp.compress_rows_ = fused
+    return finals, ran[0]
+
+
+@pytest.mark.multiprocess
+def test_the_fused_local_momentum_pass_changes_no_bit():
+    """The steps that do not measure the live trust ratio form the local momentum inside the
+    compression: the same parameters bit for bit as with the two passes."""
+    for finals, ran in run_ranks(_fused_and_unfused_lamb, 2):
+        assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(*finals))
+        assert ran > 0

@@ -216,3 +216,216 @@ def test_descend_scaled_matches_the_foreach_composition(decay, monkeypatch):
         assert n.shape == p.shape
     with pytest.raises(ValueError, match="one destination per segment"):
         segmented.descend_scaled_(native[:2], y, a, segments, decay, scales)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32) if t.dtype == torch.float32 else t
+
+
+FUSED_CASES = [  # (segment sizes, elements past the segments, world, block, weight, scaled)
+    ([5, 0, 17, 1, 64, 3], 4, 1, 256, 0.1, True),           # tiny, an empty tensor, tails of blocks
+    ([3000, 1, 2047, 0, 999], 0, 2, 256, 0.1, False),        # tensors across blocks and chunks
+    ([1025, 1023, 4096, 7], 37, 3, 1024, 0.9, True),         # weight >= 1/2: lerp's other formula
+    ([20_000, 333, 1, 12_345], 61, 4, 512, 0.5, True),       # weight exactly 1/2
+    ([1] * 300, 5, 2, 256, 0.1, False),                      # many one-element tensors
+    ([777], 0, 1, 1024, -0.25, True),                        # one tensor, less than a block
+]
+
+
+@pytest.mark.parametrize("sizes,past,world,block,weight,scaled", FUSED_CASES)
+@pytest.mark.parametrize("seed", range(3))
+def test_lerp_scale_clamp_fused_into_compression_is_bit_identical(sizes, past, world, block, weight, scaled, seed):
+    """The local momentum's pass run inside the worker's compression (one pass over memory) gives
+    the error and the rows of ``lerp_scale_clamp_`` then ``compress_rows_`` on the native path bit
+    for bit (zeros, -0.0, negatives, values beyond the bounds, r == 0, odd sizes, blocks and chunks
+    cut inside tensors, elements past the segments, a gap between the rows), and leaves ``x`` as it was."""
+    from compressed_opt import cuda as kernels
+
+    if cpu.library() is None:
+        pytest.skip("no C compiler here")
+    g = torch.Generator().manual_seed(seed)
+    segs = Segments(sizes)
+    n = segs.numel + past
+    chunk = -(-max(-(-n // world), 1) // 32) * 32
+    x = torch.randn(n, generator=g) * 10.0 ** torch.randint(-4, 2, (n,), generator=g)
+    x[::7], x[3::11] = 0.0, -0.0
+    m = torch.randn(n, generator=g) * 0.5
+    r = torch.rand(n, generator=g) * 4
+    r[::5] = 0.0
+    error = torch.randn(n, generator=g) * 0.1
+    error[::13] = 0.0
+    bounds = (torch.rand(len(segs), generator=g) * 2 + 0.05).tolist()
+    scales = (torch.rand(len(segs), generator=g) + 0.5).tolist() if scaled else None
+    nb, row_len = kernels.rows_layout(chunk, block)
+    stride = row_len + 3
+
+    x1, e1 = x.clone(), error.clone()
+    rows1 = torch.zeros(world, stride, dtype=torch.uint8)
+    segmented.lerp_scale_clamp_(x1, m, weight, r, bounds, segs, scales)
+    cpu.compress_rows_(x1, e1, rows1[:, :row_len], chunk, block)
+
+    x2, e2 = x.clone(), error.clone()
+    rows2 = torch.zeros(world, stride, dtype=torch.uint8)
+    fused = segmented.LerpScaleClamp(x2, m, weight, r, bounds, segs, scales)
+    assert fused.compress_rows_(x2, e2, rows2[:, :row_len], chunk, block)
+    assert torch.equal(_bits(e2), _bits(e1))
+    assert torch.equal(rows2, rows1)
+    assert torch.equal(_bits(x2), _bits(x))  # read, never written
+
+    fused.apply_()  # alone: the pass itself
+    assert torch.equal(_bits(x2), _bits(x1))
+
+
+def test_lerp_scale_clamp_pass_falls_back_where_it_cannot_fuse(monkeypatch):
+    """Another buffer, or the reference kernels: nothing done, ``False`` (the caller applies the
+    pass, then compresses); through ``comm.compressed.compress_pending_`` the result is the same."""
+    from compressed_opt import cuda as kernels
+    from compressed_opt.comm.compressed import compress_pending_
+
+    segs, x, m, r, _ = _case(1)
+    error = torch.randn(x.numel())
+    nb, row_len = kernels.rows_layout(64, 256)
+    rows = torch.zeros(2, row_len, dtype=torch.uint8)
+    pending = segmented.LerpScaleClamp(x, m, 0.1, r, [1.0] * len(segs), segs)
+    before = (x.clone(), error.clone(), rows.clone())
+    assert not pending.compress_rows_(x.clone(), error, rows, 64, 256)
+    monkeypatch.setenv("COMPRESSED_OPT_KERNELS", "reference")
+    assert not pending.compress_rows_(x, error, rows, 64, 256)
+    for a, b in zip((x, error, rows), before):
+        assert torch.equal(a, b)
+    expected = x.clone(), error.clone(), rows.clone()
+    segmented.lerp_scale_clamp_(expected[0], m, 0.1, r, [1.0] * len(segs), segs)
+    kernels.reference.compress_rows_(expected[0], expected[1], expected[2], 64, 256)
+    compress_pending_(kernels.reference, x, error, rows, 64, 256, pending)
+    for a, b in zip((x, error, rows), expected):
+        assert torch.equal(a, b)
+
+
+def _emulated_cuda_kernel(x, m, weight, r, scalars, offsets, error, rows, chunk, block):
+    """``gpu.lerp_scale_clamp_compress_rows_``'s contract on the CPU: the pass (``m is None``:
+    ``scale_clamp_``; ``r is None``: ``torch.lerp``) with the bounds and scales it is given (fp32,
+    ``nseg`` of each) over a copy of ``x``, then the compression."""
+    nseg = offsets.numel() - 1
+    segs = Segments(offsets.diff().tolist())
+    v = x.clone()
+    if r is None:  # torch.lerp alone, over the one segment that is the whole buffer
+        assert scalars is None and offsets.tolist() == [0, x.numel()]
+        torch.lerp(m, v, weight, out=v)
+        cpu.compress_rows_(v, error, rows, chunk, block)
+        return
+    assert torch.equal(offsets, segs.offsets) and scalars.dtype == torch.float32 and scalars.numel() == 2 * nseg
+    if m is None:  # scale_clamp_
+        segmented.scale_clamp_(v, r, scalars[:nseg].double(), segs)
+    else:
+        segmented.lerp_scale_clamp_(v, m, weight, r, scalars[:nseg].double(), segs, scalars[nseg:].double())
+    cpu.compress_rows_(v, error, rows, chunk, block)
+
+
+def test_the_cuda_dispatch_hands_the_kernel_its_scalars_and_checks_it_once(monkeypatch):
+    """Without a GPU, the CUDA path's Python with the kernel emulated on the CPU: the bounds then
+    the scales (1 without scales) as fp32, the offsets, the compression's arguments; the first use
+    on a device compares the kernel with the two passes once, and a kernel that rounds otherwise
+    is refused (the two passes run) with one warning."""
+    from compressed_opt import cuda as kernels
+    from compressed_opt.cuda import gpu
+
+    if cpu.library() is None:
+        pytest.skip("no C compiler here")
+    monkeypatch.setattr(gpu, "is_available", lambda device=None: True)
+    monkeypatch.setattr(gpu, "lerp_scale_clamp_compress_rows_", _emulated_cuda_kernel)
+    monkeypatch.setattr(gpu, "compress_rows_", cpu.compress_rows_)
+    monkeypatch.setattr(segmented, "_fusion_checked", {})
+    segs, x, m, r, g = _case(5, sizes=(700, 0, 333, 1, 64))
+    error = torch.randn(x.numel(), generator=g)
+    chunk, block = 576, 256
+    _, row_len = kernels.rows_layout(chunk, block)
+    for scales in ([0.5, 2.0, 1.5, 0.75, 1.25], None):
+        bounds = [1.0, 0.5, 2.0, 0.25, 0.1]
+        want_e, want_rows = error.clone(), torch.zeros(2, row_len, dtype=torch.uint8)
+        want_x = x.clone()
+        segmented.lerp_scale_clamp_(want_x, m, 0.1, r, bounds, segs, scales)
+        cpu.compress_rows_(want_x, want_e, want_rows, chunk, block)
+        e, rows = error.clone(), torch.zeros(2, row_len, dtype=torch.uint8)
+        pending = segmented.LerpScaleClamp(x, m, 0.1, r, bounds, segs, scales)
+        assert pending._compress_rows_cuda(x, e, rows, chunk, block)
+        assert torch.equal(e, want_e) and torch.equal(rows, want_rows)
+    e, rows = error.clone(), torch.zeros(2, row_len, dtype=torch.uint8)
+    assert segmented.ScaleClamp(x, r, [1.0, 0.5, 2.0, 0.25, 0.1], segs)._compress_rows_cuda(x, e, rows, chunk, block)
+    want_x, want_e, want_rows = x.clone(), error.clone(), torch.zeros(2, row_len, dtype=torch.uint8)
+    segmented.scale_clamp_(want_x, r, [1.0, 0.5, 2.0, 0.25, 0.1], segs)
+    cpu.compress_rows_(want_x, want_e, want_rows, chunk, block)
+    assert torch.equal(e, want_e) and torch.equal(rows, want_rows)
+    e, rows = error.clone(), torch.zeros(2, row_len, dtype=torch.uint8)
+    assert segmented.Lerp(x, m, 0.9)._compress_rows_cuda(x, e, rows, chunk, block)
+    want_x, want_e, want_rows = x.clone(), error.clone(), torch.zeros(2, row_len, dtype=torch.uint8)
+    torch.lerp(m, want_x, 0.9, out=want_x)
+    cpu.compress_rows_(want_x, want_e, want_rows, chunk, block)
+    assert torch.equal(e, want_e) and torch.equal(rows, want_rows)
+    assert segmented._fusion_checked == {torch.device("cpu"): True}
+
+    def off_by_one_ulp(x, m, weight, r, scalars, offsets, error, rows, chunk, block):
+        _emulated_cuda_kernel(x, m, weight, r, scalars, offsets, error, rows, chunk, block)
+        error[0] = torch.nextafter(error[0], torch.tensor(float("inf")))
+
+    monkeypatch.setattr(gpu, "lerp_scale_clamp_compress_rows_", off_by_one_ulp)
+    monkeypatch.setattr(segmented, "_fusion_checked", {})
+    with pytest.warns(RuntimeWarning, match="two passes instead"):
+        assert not segmented.LerpScaleClamp(x, m, 0.1, r, [1.0] * 5, segs)._compress_rows_cuda(
+            x, error.clone(), torch.zeros(2, row_len, dtype=torch.uint8), chunk, block)
+    assert not segmented.LerpScaleClamp(x, m, 0.1, r, [1.0] * 5, segs)._compress_rows_cuda(
+        x, error.clone(), torch.zeros(2, row_len, dtype=torch.uint8), chunk, block)  # (checked once)
+
+
+@pytest.mark.parametrize("sizes,past,world,block,weight,scaled", FUSED_CASES)
+def test_scale_clamp_fused_into_compression_is_bit_identical(sizes, past, world, block, weight, scaled):
+    """0/1 Adam's ``clamp(R x)`` run inside the compression: ``scale_clamp_`` then
+    ``compress_rows_`` on the native path bit for bit, ``x`` not written."""
+    from compressed_opt import cuda as kernels
+
+    if cpu.library() is None:
+        pytest.skip("no C compiler here")
+    g = torch.Generator().manual_seed(11)
+    segs = Segments(sizes)
+    n = segs.numel + past
+    chunk = -(-max(-(-n // world), 1) // 32) * 32
+    x = torch.randn(n, generator=g) * 10.0 ** torch.randint(-4, 2, (n,), generator=g)
+    x[::7], x[3::11] = 0.0, -0.0
+    r = torch.rand(n, generator=g) * 4
+    r[::5] = 0.0
+    error = torch.randn(n, generator=g) * 0.1
+    bounds = (torch.rand(len(segs), generator=g) * 2 + 0.05).tolist()
+    _, row_len = kernels.rows_layout(chunk, block)
+    x1, e1, rows1 = x.clone(), error.clone(), torch.zeros(world, row_len, dtype=torch.uint8)
+    segmented.scale_clamp_(x1, r, bounds, segs)
+    cpu.compress_rows_(x1, e1, rows1, chunk, block)
+    x2, e2, rows2 = x.clone(), error.clone(), torch.zeros(world, row_len, dtype=torch.uint8)
+    assert kernels.ScaleClamp(x2, r, bounds, segs).compress_rows_(x2, e2, rows2, chunk, block)
+    assert torch.equal(_bits(e2), _bits(e1)) and torch.equal(rows2, rows1) and torch.equal(_bits(x2), _bits(x))
+    kernels.ScaleClamp(x2, r, bounds, segs).apply_()
+    assert torch.equal(_bits(x2), _bits(x1))
+
+
+@pytest.mark.parametrize("n,world,block,weight", [(7, 1, 256, 0.1), (5000, 3, 256, 0.9), (20_011, 2, 1024, 0.1),
+                                                  (4097, 4, 512, 0.5), (1, 1, 256, 0.25)])
+def test_lerp_fused_into_compression_is_torch_lerp_then_compression(n, world, block, weight, monkeypatch):
+    """The momentum exchange's ``torch.lerp(m, x, w, out=x)`` inside the compression: where the
+    first-use check finds the C pass rounds as torch.lerp does (here it must: the library contracts
+    as PyTorch's vector kernels do), the error and rows of torch.lerp then ``compress_rows_`` bit for
+    bit, ``x`` not written; where the check fails, refused."""
+    from compressed_opt import cuda as kernels
+
+    if cpu.library() is None:
+        pytest.skip("no C compiler here")
+    g = torch.Generator().manual_seed(n)
+    x, m, error = torch.randn(n, generator=g), torch.randn(n, generator=g) * 0.3, torch.randn(n, generator=g) * 0.1
+    x[::7], m[::5], x[2::11] = 0.0, 0.0, -0.0
+    chunk = -(-max(-(-n // world), 1) // 32) * 32
+    _, row_len = kernels.rows_layout(chunk, block)
+    x1, e1, rows1 = x.clone(), error.clone(), torch.zeros(world, row_len, dtype=torch.uint8)
+    torch.lerp(m, x1, weight, out=x1)
+    cpu.compress_rows_(x1, e1, rows1, chunk, block)
+    x2, e2, rows2 = x.clone(), error.clone(), torch.zeros(world, row_len, dtype=torch.uint8)
+    assert kernels.Lerp(x2, m, weight).compress_rows_(x2, e2, rows2, chunk, block)
+    assert torch.equal(_bits(e2), _bits(e1)) and torch.equal(rows2, rows1) and torch.equal(_bits(x2), _bits(x))
+    monkeypatch.setattr(segmented, "_native_lerp", [False])
+    assert not kernels.Lerp(x2, m, weight).compress_rows_(x2, error.clone(), rows2, chunk, block)

@@ -116,7 +116,7 @@ def test_format_2_errors_are_carried_to_the_exchange_factors(monkeypatch):
     errors = []
     real = resumed.exchanges.requests  # (every 1-bit exchange's requests pass here)
     monkeypatch.setattr(resumed.exchanges, "requests",
-                        lambda requests: ([errors.append(resumed.error_buffers(b)[0].clone()) for b, _, _ in requests],
+                        lambda requests: ([errors.append(resumed.error_buffers(b)[0].clone()) for b, *_ in requests],
                                           real(requests))[1])
     run_steps(model, resumed, list(shard_batches(0, 1, 3)))
     factors = resumed._buckets[0].derived["exchange_factors"]

@@ -579,3 +579,39 @@ def test_zero_variance_coordinates_are_zeroed_either_way(zero_fraction):
     expected2 = t2.masked_fill(v == 0, 0.0)
     _no_variance_no_move_(t2, bucket, v, refreshed=False)  # reused between refreshes
     assert torch.equal(t2, expected2) and bucket.flats["no_variance"] is kept
+
+
+def _fused_and_unfused_zero_one(rank, world):
+    """The parameters after a seeded job (phase A and phase B) with ``clamp(R x)`` formed inside the
+    exchanges' compression, and with it run alone first; how many compressions ran it fused."""
+    from compressed_opt.cuda import segmented
+
+    fused = segmented.ScaleClamp.compress_rows_
+    ran = [0]
+
+    def counted(self, *args):
+        done = fused(self, *args)
+        ran[0] += bool(done)
+        return done
+
+    finals = []
+    for fuse in (True, False):
+        segmented.ScaleClamp.compress_rows_ = counted if fuse else (lambda self, *args: False)
+        try:
+            torch.manual_seed(0)
+            model = mlp()
+            opt = ZeroOneAdam(model.parameters(), **HP)
+            run_steps(model, opt, list(shard_batches(rank, world, 40)))
+            finals.append([p.detach().clone() for p in model.parameters()])
+        finally:
+            segmented.ScaleClamp.compress_rows_ = fused
+    return finals, ran[0]
+
+
+@pytest.mark.multiprocess
+def test_the_fused_exchange_pass_changes_no_bit():
+    """0/1 Adam's preconditioned exchanges (phase A's gradients, phase B's synchronisations) with
+    their ``clamp(R x)`` inside the compression: the same parameters bit for bit as with two passes."""
+    for finals, ran in run_ranks(_fused_and_unfused_zero_one, 2):
+        assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(*finals))
+        assert ran > 0
