@@ -49,7 +49,7 @@ import torch
 
 from . import reference
 from .segmented import (Lerp, LerpScaleClamp, ScaleClamp, Segments, descend_scaled_, divide_where_nonzero_, gather_,
-                        lerp_scale_clamp_, scale_clamp_, segment_sumsq)
+                        lerp_scale_clamp_, scale_clamp_, segment_sumsq, sumsq_each)
 
 __all__ = [
     "compress_rows_",
@@ -64,6 +64,7 @@ __all__ = [
     "reference",
     "Segments",
     "segment_sumsq",
+    "sumsq_each",
     "gather_",
     "lerp_scale_clamp_",
     "LerpScaleClamp",

@@ -390,15 +390,27 @@ void co_decompress_rows(const uint8_t *rows, int64_t row_stride, int64_t nrows, 
 
 /* out[s] = sum of x^2 over segment s, accumulated in double (8 independent lanes: vectorizes):
  * squares of gradients down to 1e-160 stay representable, where fp32 ones would underflow. */
+static double sumsq_f64(const float *restrict x, int64_t n) {
+    double acc[8] = {0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; ++j) acc[j] += (double)x[i + j] * x[i + j];
+    double total = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    for (; i < n; ++i) total += (double)x[i] * x[i];
+    return total;
+}
+
 void co_segment_sumsq(const float *x, const int64_t *off, int64_t nseg, double *out) {
+    for (int64_t s = 0; s < nseg; ++s) out[s] = sumsq_f64(x + off[s], off[s + 1] - off[s]);
+}
+
+/* out[s] = the sum of squares of the off[s + 1] - off[s] floats at address srcs[s] (0 for a NULL
+ * address), as co_segment_sumsq and co_gather's sumsq accumulate them: one read of each tensor,
+ * where torch's float64 norm of an fp32 tensor first copies it to float64. */
+void co_sumsq_each(const int64_t *srcs, const int64_t *off, int64_t nseg, double *out) {
     for (int64_t s = 0; s < nseg; ++s) {
-        double acc[8] = {0};
-        int64_t i = off[s], end = off[s + 1];
-        for (; i + 8 <= end; i += 8)
-            for (int j = 0; j < 8; ++j) acc[j] += (double)x[i + j] * x[i + j];
-        double total = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-        for (; i < end; ++i) total += (double)x[i] * x[i];
-        out[s] = total;
+        const float *src = (const float *)(intptr_t)srcs[s];
+        out[s] = src ? sumsq_f64(src, off[s + 1] - off[s]) : 0.0;
     }
 }
 

@@ -171,6 +171,32 @@ def segment_sumsq(x: torch.Tensor, segments: Segments, out: torch.Tensor) -> tor
     return out
 
 
+def sumsq_each(sources: list, out: torch.Tensor) -> torch.Tensor:
+    """``out[s]`` <- the sum of squares of ``sources[s]`` (0 for ``None``), in float64 (``out``,
+    one element per source, on their device): accumulated as :func:`gather_`'s ``sumsq_out``, one
+    read of each tensor (natively; else PyTorch's float64 norm, which may differ in the last bit)."""
+    if out.shape != (len(sources),) or out.dtype != torch.float64:
+        raise ValueError(f"out must be float64 of shape ({len(sources)},)")
+    lib = cpu.library() if out.is_cpu and out.is_contiguous() and os.environ.get(
+        "COMPRESSED_OPT_KERNELS") != "reference" else None
+    if lib is not None and all(s is None or (_addressable(s) and s.is_cpu and s.dtype is torch.float32
+                                             and s.is_contiguous()) for s in sources):
+        offsets = [0]
+        for src in sources:
+            offsets.append(offsets[-1] + (0 if src is None else src.numel()))
+        addresses = torch.tensor([0 if src is None or not src.numel() else src.data_ptr() for src in sources],
+                                 dtype=torch.int64)
+        offsets = torch.tensor(offsets, dtype=torch.int64)  # (held: the call reads it)
+        lib.co_sumsq_each(addresses.data_ptr(), offsets.data_ptr(), len(sources), out.data_ptr())
+        return out
+    out.zero_()
+    have = [i for i, src in enumerate(sources) if src is not None and src.numel()]
+    if have:
+        norms = torch._foreach_norm([sources[i] for i in have], 2, dtype=torch.float64)
+        out[have] = torch.stack(norms).to(out).square_()
+    return out
+
+
 def lerp_scale_clamp_(x: torch.Tensor, m: torch.Tensor, weight: float, r: torch.Tensor, bounds,
                       segments: Segments, scales=None) -> None:
     """``x`` <- ``clamp(c_s * (r * lerp(m, x, weight)), -bounds[s], bounds[s])`` on each segment

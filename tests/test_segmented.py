@@ -429,3 +429,28 @@ def test_lerp_fused_into_compression_is_torch_lerp_then_compression(n, world, bl
     assert torch.equal(_bits(e2), _bits(e1)) and torch.equal(rows2, rows1) and torch.equal(_bits(x2), _bits(x))
     monkeypatch.setattr(segmented, "_native_lerp", [False])
     assert not kernels.Lerp(x2, m, weight).compress_rows_(x2, error.clone(), rows2, chunk, block)
+
+
+def test_sumsq_each_sums_as_the_gather_does_and_as_torch_within_rounding(monkeypatch):
+    """Per tensor, the float64 sum of squares that the gather's ``sumsq_out`` gives for the same
+    values (bit for bit), within float64 rounding of torch's norm, 0 for ``None`` and empty
+    tensors; tiny values do not underflow (their fp32 squares would)."""
+    from compressed_opt.cuda import Segments, gather_, sumsq_each
+
+    g = torch.Generator().manual_seed(3)
+    sources = [torch.randn(n, generator=g) for n in (1, 7, 8, 9, 1000, 4097)] + [None, torch.empty(0)]
+    sources[2] = sources[2] * 1e-30
+    out = sumsq_each(sources, torch.empty(len(sources), dtype=torch.float64))
+    sizes = [0 if s is None else s.numel() for s in sources]
+    gathered = torch.zeros(len(sources), dtype=torch.float64)
+    gather_(sources, torch.empty(sum(sizes)), Segments(sizes), sumsq_out=gathered)
+    assert torch.equal(out, gathered)
+    expected = torch.tensor([0.0 if s is None else s.double().square().sum().item() for s in sources],
+                            dtype=torch.float64)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=0)
+    assert out[2] > 0 and out[6] == 0 and out[7] == 0
+    with pytest.raises(ValueError, match="float64 of shape"):
+        sumsq_each(sources, torch.empty(2, dtype=torch.float64))
+    monkeypatch.setenv("COMPRESSED_OPT_KERNELS", "reference")  # (PyTorch's float64 norms)
+    reference = sumsq_each(sources, torch.full((len(sources),), -1.0, dtype=torch.float64))
+    torch.testing.assert_close(reference, expected, rtol=1e-12, atol=0)
