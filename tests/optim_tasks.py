@@ -3,6 +3,8 @@ shipped with the package, nothing downloaded), an MLP, and a data-parallel train
 every rank sees a different shard of each batch."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -126,3 +128,22 @@ def steps_with_overflow(model, opt, rank: int, batches, overflow_steps=(2, 5), o
         scaler.update()
         taken.append(opt.global_step - before)
     return taken, [p.detach().clone() for p in model.parameters()]
+
+
+@contextlib.contextmanager
+def fusion(pass_class, on: bool, ran: list):
+    """Within: ``pass_class.compress_rows_`` (a kernels pass that may run fused into the exchange's
+    compression) counting in ``ran[0]`` the compressions it fused when ``on``, refusing to fuse
+    (the pass then runs alone first) when not."""
+    original = pass_class.compress_rows_
+
+    def counted(self, *args):
+        done = original(self, *args)
+        ran[0] += bool(done)
+        return done
+
+    pass_class.compress_rows_ = counted if on else (lambda self, *args: False)
+    try:
+        yield
+    finally:
+        pass_class.compress_rows_ = original

@@ -18,6 +18,7 @@ import compressed_opt
 from compressed_opt.dcp import OptimizerState
 
 from distributed import run_ranks
+from test_dcp import _train  # (the same seeded steps as the same-rank round trips)
 
 CONFIGS = {
     "OnebitAdam": dict(freeze_step=3),
@@ -30,14 +31,6 @@ SAVE_AT, MORE = 8, 3  # (0/1 Adam: step 8 is a local step, between synchronisati
 def _model(seed):
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(12, 24), nn.Tanh(), nn.Linear(24, 6))
-
-
-def _train(model, opt, who, steps):
-    for step in steps:
-        g = torch.Generator().manual_seed(1000 * step + who)
-        opt.zero_grad()
-        model(torch.randn(8, 12, generator=g)).square().mean().backward()
-        opt.step()
 
 
 def _moments(opt, whole=lambda p, t: t) -> dict:

@@ -11,7 +11,7 @@ from compressed_opt import OnebitAdam, VarianceStabilityRule
 from compressed_opt.comm import SingleProcessBackend, chunk_numel
 from distributed import run_ranks, spawn_ranks
 from tracking_reference import TrackingReference
-from optim_tasks import (MODES, digits, full_loss, in_mode, mlp, resume_run, run_steps, shard_batches,
+from optim_tasks import (MODES, digits, full_loss, fusion, in_mode, mlp, resume_run, run_steps, shard_batches,
                          steps_with_overflow)
 
 HP = dict(lr=3e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
@@ -535,21 +535,12 @@ def _fused_and_unfused_runs(rank, world):
     many compressions ran it fused."""
     from compressed_opt.cuda import segmented
 
-    fused = segmented.LerpScaleClamp.compress_rows_
-    ran = [0]
-
-    def counted(self, *args):
-        done = fused(self, *args)
-        ran[0] += bool(done)
-        return done
-
     out = []
     for kwargs in (dict(), dict(overlap=False, bucket_cap_mb=0.004, scale_block=256), dict(zero_stage=1),
                    dict(exchange="momentum", bucket_cap_mb=0.004)):
-        finals = []
+        ran, finals = [0], []
         for fuse in (True, False):
-            segmented.LerpScaleClamp.compress_rows_ = counted if fuse else (lambda self, *args: False)
-            try:
+            with fusion(segmented.LerpScaleClamp, fuse, ran):
                 torch.manual_seed(0)
                 model = nn.Sequential(nn.Linear(64, 40), nn.Tanh(), nn.Linear(40, 10), nn.LayerNorm(10))
                 opt = OnebitAdam(model.parameters(), freeze_step=3, **HP, **kwargs)
@@ -558,10 +549,7 @@ def _fused_and_unfused_runs(rank, world):
                     nn.functional.cross_entropy(model(x), y).backward()
                     opt.step()
                 finals.append([p.detach().clone() for p in model.parameters()])
-            finally:
-                segmented.LerpScaleClamp.compress_rows_ = fused
         out.append((finals, ran[0]))
-        ran[0] = 0
     return out
 
 

@@ -11,7 +11,7 @@ from allreduce_reference import chunk_of, simulate
 from compressed_opt import VarianceStabilityRule
 from compressed_opt.onebit_lamb import OnebitLamb
 from distributed import run_ranks
-from optim_tasks import digits, full_loss, mlp, run_steps, shard_batches, train
+from optim_tasks import digits, full_loss, fusion, mlp, run_steps, shard_batches, train
 
 HP = dict(lr=0.02, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, max_coeff=0.3, min_coeff=0.01,
           coeff_beta=0.9, factor_max=4.0, factor_min=0.5, factor_threshold=0.1)
@@ -490,25 +490,14 @@ def _fused_and_unfused_lamb(rank, world):
     compression where nothing reads it first, and with it always run alone; how many ran fused."""
     from compressed_opt.cuda import segmented
 
-    fused = segmented.LerpScaleClamp.compress_rows_
-    ran = [0]
-
-    def counted(self, *args):
-        done = fused(self, *args)
-        ran[0] += bool(done)
-        return done
-
-    finals = []
+    ran, finals = [0], []
     for fuse in (True, False):
-        segmented.LerpScaleClamp.compress_rows_ = counted if fuse else (lambda self, *args: False)
-        try:
+        with fusion(segmented.LerpScaleClamp, fuse, ran):
             torch.manual_seed(0)
             model = mlp()
             opt = OnebitLamb(model.parameters(), freeze_step=3, trust_ratio_interval=3, **HP)
             run_steps(model, opt, list(shard_batches(rank, world, 14)))
             finals.append([p.detach().clone() for p in model.parameters()])
-        finally:
-            segmented.LerpScaleClamp.compress_rows_ = fused
     return finals, ran[0]
 
 

@@ -15,7 +15,7 @@ from compressed_opt.freeze import VarianceStabilityRule
 from compressed_opt.zero_one_adam import ZeroOneAdam
 from distributed import run_ranks
 from tracking_reference import TrackingReference
-from optim_tasks import checkpoint_round_trip, full_loss, mlp, run_steps, shard_batches, train
+from optim_tasks import checkpoint_round_trip, full_loss, fusion, mlp, run_steps, shard_batches, train
 
 WORLD = 2
 # phase A: refreshes at steps 1, 2, 4, 6, 8 (var_interval 1 -> 2 -> 4); phase B from step 9:
@@ -586,25 +586,14 @@ def _fused_and_unfused_zero_one(rank, world):
     exchanges' compression, and with it run alone first; how many compressions ran it fused."""
     from compressed_opt.cuda import segmented
 
-    fused = segmented.ScaleClamp.compress_rows_
-    ran = [0]
-
-    def counted(self, *args):
-        done = fused(self, *args)
-        ran[0] += bool(done)
-        return done
-
-    finals = []
+    ran, finals = [0], []
     for fuse in (True, False):
-        segmented.ScaleClamp.compress_rows_ = counted if fuse else (lambda self, *args: False)
-        try:
+        with fusion(segmented.ScaleClamp, fuse, ran):
             torch.manual_seed(0)
             model = mlp()
             opt = ZeroOneAdam(model.parameters(), **HP)
             run_steps(model, opt, list(shard_batches(rank, world, 40)))
             finals.append([p.detach().clone() for p in model.parameters()])
-        finally:
-            segmented.ScaleClamp.compress_rows_ = fused
     return finals, ran[0]
 
 
