@@ -167,6 +167,9 @@ class OptimizerState(Stateful):
             sd = self._state_dict_from(state_dict)
         except ValueError as exc:
             problem = exc
+        except Exception as exc:  # noqa: BLE001 - a damaged entry (torch.load's errors): every rank must hear of it
+            problem = ValueError(f"this rank's entry of the checkpoint could not be read ({type(exc).__name__}: {exc})")
+            problem.__cause__ = exc
         _agree(self.optimizer, problem)
         self.optimizer.load_state_dict(sd)
 
@@ -234,12 +237,16 @@ class OptimizerState(Stateful):
 
 
 def _agree(optimizer, problem: ValueError | None) -> None:
-    """Raise ``problem`` here, and an error on every other rank of the job, if any rank has one
-    (a rank that raised alone would leave the others waiting in the optimizer's load)."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        flag = torch.tensor([0 if problem is None else 1], dtype=torch.int32, device=optimizer.comm_device)
-        dist.all_reduce(flag)
-        if problem is None and int(flag.item()):
+    """Raise ``problem`` here, and an error on every other rank of the optimizer's backend, if any
+    of them has one (a rank that raised alone would leave the others waiting in the optimizer's
+    load, whose checks are collective over the backend; DCP's own group may be larger, or, with
+    ``dcp.load(process_group=...)``, another)."""
+    backend = optimizer.backend
+    if backend.world_size > 1:
+        device = optimizer.comm_device
+        flags = torch.empty(backend.world_size, dtype=torch.int64, device=device)
+        backend.all_gather(flags, torch.tensor([0 if problem is None else 1], dtype=torch.int64, device=device))
+        if problem is None and bool(flags.any()):
             raise ValueError("OptimizerState: another rank could not load its part of this checkpoint (its error "
                              "says why); no rank loaded it")
     if problem is not None:

@@ -289,3 +289,30 @@ def test_resharding_a_checkpoint_of_another_model_or_optimizer_raises_and_loads_
         text = str(caught.value) + "".join(map(str, getattr(caught.value, "failures", {}).values()))
         assert said in text, (cls.__name__, text[-500:])
         assert opt.global_step == 0 and not opt.state, cls.__name__
+
+
+def _one_rank_cannot_load(rank, world):
+    warnings.simplefilter("ignore")
+    model = _model(0)
+    opt = compressed_opt.OnebitAdam(model.parameters(), lr=1e-2, **CONFIGS["OnebitAdam"])
+    _train(model, opt, rank, range(1, 5))
+    entries = OptimizerState(opt).state_dict()
+    if rank == 1:
+        entries["rank1"] = b"not a state"  # (a damaged entry of this rank only)
+    fresh = compressed_opt.OnebitAdam(_model(1).parameters(), lr=1e-2, **CONFIGS["OnebitAdam"])
+    try:
+        OptimizerState(fresh).load_state_dict(entries)
+        return "loaded", fresh.global_step
+    except Exception as exc:  # noqa: BLE001 - what each rank says is the result
+        return f"{type(exc).__name__}: {exc}", fresh.global_step
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_an_entry_one_rank_cannot_load_raises_on_every_rank():
+    """Rank 1's entry damaged, rank 0's sound: both raise (rank 0 saying another rank could not),
+    neither loads, and neither waits for the other in the optimizer's collective load."""
+    (said0, step0), (said1, step1) = run_ranks(_one_rank_cannot_load, 2, timeout=90)
+    assert "another rank could not load" in said0, said0
+    assert "this rank's entry of the checkpoint could not be read" in said1, said1
+    assert step0 == step1 == 0
