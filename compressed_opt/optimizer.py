@@ -88,13 +88,13 @@ def common_args(cls):
 
 
 class CompressedOptimizer(Stepping, Reporting, Persistence, Optimizer):
-    #: ``False``, as torch's own optimizers: ``torch.amp.GradScaler.step`` unscales ``p.grad`` in
-    #: place, then calls ``step()`` only where it found no inf/NaN. A compression step's gradients
-    #: are each rank's own, so at the end of backward the ranks share whether any holds inf/NaN and
-    #: mark every rank's alike (:mod:`compressed_opt.stepping`): every rank's scaler skips and backs
-    #: off together, and clipping after ``scaler.unscale_`` (Lightning's mixed precision) works.
     @property
-    def _step_supports_amp_scaling(self) -> bool:  # (DTensor parameters: compressed_opt.local_shards)
+    def _step_supports_amp_scaling(self) -> bool:
+        """``False``, as torch's own optimizers: ``GradScaler.step`` unscales ``p.grad`` in place, then
+        calls ``step()`` only where it found no inf/NaN. A compression step's gradients are each rank's
+        own, so at the end of backward the ranks share whether any holds inf/NaN and mark every rank's
+        alike (:mod:`compressed_opt.stepping`): every rank's scaler skips and backs off together.
+        ``True`` with DTensor parameters: ``step()`` is then called at once, and refuses the scaler."""
         return bool(self.__dict__.get("_local_shards"))
 
     #: the per-bucket buffers this class adds (name -> role and dtype, compressed_opt.buffers);
