@@ -97,13 +97,27 @@ def test_a_replicated_checkpoint_reshards_onto_one_process_and_onto_three_ranks(
             assert all(torch.equal(a, b) for a, b in zip(three[0][name][2], three[r][name][2])), (name, r)
 
 
+def _load_without_reshard(rank, world, path):
+    opt = compressed_opt.OnebitAdam(_model(1).parameters(), lr=1e-2, **CONFIGS["OnebitAdam"])
+    try:
+        dcp.load({"optim": OptimizerState(opt)}, checkpoint_id=path)
+        return "loaded", opt.global_step
+    except BaseException as exc:  # noqa: BLE001 - (DCP's CheckpointException is a BaseException)
+        return str(exc) + "".join(map(str, getattr(exc, "failures", {}).values())), opt.global_step
+
+
 def test_without_reshard_another_world_size_is_refused_and_says_how(tmp_path):
+    """Saved by 2 ranks: on 1 this module's error names reshard=True; on 3, DCP's missing-key
+    error for rank 2's entry, on every rank (DCP checks the template's keys first); nothing loads."""
     run_ranks(_save_replicated, 2, str(tmp_path), timeout=240)
+    path = os.path.join(str(tmp_path), "OnebitAdam")
     model = _model(1)
     opt = compressed_opt.OnebitAdam(model.parameters(), lr=1e-2, **CONFIGS["OnebitAdam"])
     with pytest.raises(ValueError, match=r"state of 2 ranks, and it is loaded on 1.*reshard=True"):
-        dcp.load({"optim": OptimizerState(opt)}, checkpoint_id=os.path.join(str(tmp_path), "OnebitAdam"))
+        dcp.load({"optim": OptimizerState(opt)}, checkpoint_id=path)
     assert opt.global_step == 0
+    for said, step in run_ranks(_load_without_reshard, 3, path, timeout=120):
+        assert "Missing key in checkpoint state_dict: optim.rank2" in said and step == 0, said[:300]
 
 
 def test_zero_state_is_not_resharded_and_says_so():
