@@ -151,7 +151,7 @@ class Exchanges:
         self.averaging.average(x)
 
     def requests(self, requests: list) -> list:
-        """Each ``(bucket, x, averaging)`` or ``(bucket, x, averaging, pending)`` of ``requests``
+        """Each ``(bucket, x, averaging, pending)`` of ``requests``
         (``averaging``: ``None`` for the chosen one, with its path per bucket; ``pending``: an
         element-wise pass on ``x`` not run yet, which the 1-bit exchange runs fused with its
         compression where it can, and anything else first): the fp32 averages one by one, then
@@ -159,8 +159,7 @@ class Exchanges:
         Returns per request the result's 1-bit rows where the averaging gives them (else ``None``)."""
         rows: list = [None] * len(requests)
         together: dict[int, tuple] = {}
-        for i, (bucket, x, way, *pending) in enumerate(requests):
-            pending = pending[0] if pending else None
+        for i, (bucket, x, way, pending) in enumerate(requests):
             if way is None:
                 if self.path != "1bit" and self.path_of(bucket) == "fp32":
                     if pending is not None:

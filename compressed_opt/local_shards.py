@@ -46,6 +46,7 @@ class LocalShards:
         #: (the layer's size over the mesh's ranks, the same on each: buckets are laid out alike)
         self._split: dict[int, int] = {}
         self._group = None  # the process group the split layers are split over
+        self._dtensor_of: dict[int, torch.Tensor] = {}  # id of a shard parameter -> its DTensor
 
     def __bool__(self) -> bool:
         return bool(self._pairs)
@@ -82,6 +83,7 @@ class LocalShards:
                 local = p.to_local()
             shard = torch.nn.Parameter(local, requires_grad=p.requires_grad)
             self._pairs.append((p, shard))
+            self._dtensor_of[id(shard)] = p
             self._mesh_ranks.update(int(r) for r in mesh.mesh.flatten().tolist())
             if any(isinstance(pl, Shard) for pl in p.placements) and mesh.size() > 1:
                 group = mesh.get_group()
@@ -100,7 +102,7 @@ class LocalShards:
 
     def dtensor_of(self, shard) -> torch.Tensor | None:
         """The DTensor parameter whose local tensor ``shard`` is (``None`` for a plain parameter)."""
-        return next((p for p, s in self._pairs if s is shard), None)
+        return self._dtensor_of.get(id(shard))
 
     def numel_for_buckets(self, p) -> int:
         """The size a parameter counts for in the bucket layout: a split layer's nominal share

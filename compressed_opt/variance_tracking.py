@@ -228,9 +228,9 @@ class LayerVarianceTracking:
         """Compression stage, ZeRO (the local momentum is formed from ``p.grad`` directly): this
         rank's per-layer sums of ``g_i^2`` from ``p.grad`` as the loop left it, unscaled."""
         if self.variance_tracking and self.frozen:  # (summed as the gather's sums: kernels.gather_)
-            grads = [p.grad for p in bucket.params]
             self._local_square_sums[bucket.index] = sumsq_each(
-                grads, torch.empty(len(grads), dtype=torch.float64, device=bucket.device))
+                [p.grad for p in bucket.params], bucket.segments,
+                torch.empty(len(bucket.params), dtype=torch.float64, device=bucket.device))
             self._summed_step[bucket.index] = self.global_step + 1
 
     def gather_observed(self, bucket, grad: torch.Tensor) -> None:

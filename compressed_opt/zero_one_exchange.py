@@ -187,7 +187,7 @@ class ZeroOneMomentum(ExchangeVariant):
         """``x`` times ``c_l`` per layer; the request; divided by ``c_l``."""
         coeffs, views = opt._layer_coeffs(bucket), bucket.views(x)
         scaling.scale_(views, coeffs)
-        yield bucket, x, None
+        yield bucket, x, None, None
         scaling.unscale_(views, coeffs)
 
     def after_average_(self, opt, bucket, grad) -> None:

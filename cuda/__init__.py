@@ -49,7 +49,8 @@ import torch
 
 from . import reference
 from .segmented import (Lerp, LerpScaleClamp, ScaleClamp, Segments, descend_scaled_, divide_where_nonzero_, gather_,
-                        lerp_scale_clamp_, scale_clamp_, segment_sumsq, sumsq_each)
+                        lerp_scale_clamp_, scale_clamp_, segment_sumsq)
+from .sumsq import sumsq_each
 
 __all__ = [
     "compress_rows_",

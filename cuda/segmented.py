@@ -78,9 +78,14 @@ class Segments:
         return list(flat[: self.numel].split(self.sizes))
 
 
+def _library_allowed() -> bool:
+    """Whether the C passes may be used (``COMPRESSED_OPT_KERNELS=reference``: never)."""
+    return os.environ.get("COMPRESSED_OPT_KERNELS") != "reference"
+
+
 def _native(*tensors: torch.Tensor):
     """The C library when every tensor is a contiguous fp32 CPU tensor and it is allowed, else None."""
-    if os.environ.get("COMPRESSED_OPT_KERNELS") == "reference":
+    if not _library_allowed():
         return None
     if not all(_addressable(t) and t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
                for t in tensors):
@@ -92,6 +97,21 @@ def _addressable(t: torch.Tensor) -> bool:
     """Whether the C pass may read ``t``'s elements at ``data_ptr()``: a plain tensor or parameter
     with storage (a DTensor's ``data_ptr()`` is 0: its elements are its local shard's)."""
     return type(t) in (torch.Tensor, torch.nn.Parameter) and (t.numel() == 0 or t.data_ptr() != 0)
+
+
+def _plain_cpu_floats(sources: list) -> bool:
+    """Whether the C passes may read every source (``None``: none): contiguous fp32 CPU memory."""
+    return all(s is None or (_addressable(s) and s.is_cpu and s.dtype is torch.float32 and s.is_contiguous())
+               for s in sources)
+
+
+def _source_addresses(sources: list, segments: Segments) -> torch.Tensor:
+    """Each source's address (0 for ``None``), checked against its segment's size."""
+    for src, n in zip(sources, segments.sizes):
+        if src is not None and src.numel() != n:
+            raise ValueError(f"a source of {src.numel()} elements for a segment of {n}")
+    return torch.tensor([0 if src is None or not src.numel() else src.data_ptr() for src in sources],
+                        dtype=torch.int64)
 
 
 def _check(segments: Segments, *tensors: torch.Tensor) -> None:
@@ -130,12 +150,8 @@ def gather_(sources: list, out: torch.Tensor, segments: Segments, scale: float |
     if sumsq_out is not None and (sumsq_out.shape != (len(segments),) or sumsq_out.dtype != torch.float64):
         raise ValueError(f"sumsq_out must be float64 of shape ({len(segments)},)")
     lib = _native(out) if sumsq_out is None or (sumsq_out.is_cpu and sumsq_out.is_contiguous()) else None
-    if lib is not None and all(s is None or (_addressable(s) and s.is_cpu and s.dtype is torch.float32
-                                             and s.is_contiguous()) for s in sources):
-        for src, n in zip(sources, segments.sizes):
-            if src is not None and src.numel() != n:
-                raise ValueError(f"a source of {src.numel()} elements for a segment of {n}")
-        addresses = torch.tensor([0 if src is None else src.data_ptr() for src in sources], dtype=torch.int64)
+    if lib is not None and _plain_cpu_floats(sources):
+        addresses = _source_addresses(sources, segments)
         lib.co_gather(addresses.data_ptr(), out.data_ptr(), segments.offsets.data_ptr(), len(segments),
                       1.0 if scale is None else float(scale), scale is not None,
                       None if sumsq_out is None else sumsq_out.data_ptr())
@@ -168,32 +184,6 @@ def segment_sumsq(x: torch.Tensor, segments: Segments, out: torch.Tensor) -> tor
     if nonempty:
         norms = torch._foreach_norm([views[i] for i in nonempty], 2, dtype=torch.float64)
         out[nonempty] = torch.stack(norms).to(out).square_()
-    return out
-
-
-def sumsq_each(sources: list, out: torch.Tensor) -> torch.Tensor:
-    """``out[s]`` <- the sum of squares of ``sources[s]`` (0 for ``None``), in float64 (``out``,
-    one element per source, on their device): accumulated as :func:`gather_`'s ``sumsq_out``, one
-    read of each tensor (natively; else PyTorch's float64 norm, which may differ in the last bit)."""
-    if out.shape != (len(sources),) or out.dtype != torch.float64:
-        raise ValueError(f"out must be float64 of shape ({len(sources)},)")
-    lib = cpu.library() if out.is_cpu and out.is_contiguous() and os.environ.get(
-        "COMPRESSED_OPT_KERNELS") != "reference" else None
-    if lib is not None and all(s is None or (_addressable(s) and s.is_cpu and s.dtype is torch.float32
-                                             and s.is_contiguous()) for s in sources):
-        offsets = [0]
-        for src in sources:
-            offsets.append(offsets[-1] + (0 if src is None else src.numel()))
-        addresses = torch.tensor([0 if src is None or not src.numel() else src.data_ptr() for src in sources],
-                                 dtype=torch.int64)
-        offsets = torch.tensor(offsets, dtype=torch.int64)  # (held: the call reads it)
-        lib.co_sumsq_each(addresses.data_ptr(), offsets.data_ptr(), len(sources), out.data_ptr())
-        return out
-    out.zero_()
-    have = [i for i, src in enumerate(sources) if src is not None and src.numel()]
-    if have:
-        norms = torch._foreach_norm([sources[i] for i in have], 2, dtype=torch.float64)
-        out[have] = torch.stack(norms).to(out).square_()
     return out
 
 

@@ -222,6 +222,21 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32) if t.dtype == torch.float32 else t
 
 
+def _chunk(n: int, world: int) -> int:
+    """The compression's chunk for ``n`` elements on ``world`` ranks (a multiple of 32)."""
+    return -(-max(-(-n // world), 1) // 32) * 32
+
+
+def _fusion_input(g, sizes, past, world):
+    """``(segments, n, chunk, x)``: the segments, ``past`` elements beyond them, and an ``x`` of
+    magnitudes over five decades with zeros and -0.0, drawn from ``g``."""
+    segs = Segments(sizes)
+    n = segs.numel + past
+    x = torch.randn(n, generator=g) * 10.0 ** torch.randint(-4, 2, (n,), generator=g)
+    x[::7], x[3::11] = 0.0, -0.0
+    return segs, n, _chunk(n, world), x
+
+
 FUSED_CASES = [  # (segment sizes, elements past the segments, world, block, weight, scaled)
     ([5, 0, 17, 1, 64, 3], 4, 1, 256, 0.1, True),           # tiny, an empty tensor, tails of blocks
     ([3000, 1, 2047, 0, 999], 0, 2, 256, 0.1, False),        # tensors across blocks and chunks
@@ -244,11 +259,7 @@ def test_lerp_scale_clamp_fused_into_compression_is_bit_identical(sizes, past, w
     if cpu.library() is None:
         pytest.skip("no C compiler here")
     g = torch.Generator().manual_seed(seed)
-    segs = Segments(sizes)
-    n = segs.numel + past
-    chunk = -(-max(-(-n // world), 1) // 32) * 32
-    x = torch.randn(n, generator=g) * 10.0 ** torch.randint(-4, 2, (n,), generator=g)
-    x[::7], x[3::11] = 0.0, -0.0
+    segs, n, chunk, x = _fusion_input(g, sizes, past, world)
     m = torch.randn(n, generator=g) * 0.5
     r = torch.rand(n, generator=g) * 4
     r[::5] = 0.0
@@ -385,11 +396,7 @@ def test_scale_clamp_fused_into_compression_is_bit_identical(sizes, past, world,
     if cpu.library() is None:
         pytest.skip("no C compiler here")
     g = torch.Generator().manual_seed(11)
-    segs = Segments(sizes)
-    n = segs.numel + past
-    chunk = -(-max(-(-n // world), 1) // 32) * 32
-    x = torch.randn(n, generator=g) * 10.0 ** torch.randint(-4, 2, (n,), generator=g)
-    x[::7], x[3::11] = 0.0, -0.0
+    segs, n, chunk, x = _fusion_input(g, sizes, past, world)
     r = torch.rand(n, generator=g) * 4
     r[::5] = 0.0
     error = torch.randn(n, generator=g) * 0.1
@@ -419,7 +426,7 @@ def test_lerp_fused_into_compression_is_torch_lerp_then_compression(n, world, bl
     g = torch.Generator().manual_seed(n)
     x, m, error = torch.randn(n, generator=g), torch.randn(n, generator=g) * 0.3, torch.randn(n, generator=g) * 0.1
     x[::7], m[::5], x[2::11] = 0.0, 0.0, -0.0
-    chunk = -(-max(-(-n // world), 1) // 32) * 32
+    chunk = _chunk(n, world)
     _, row_len = kernels.rows_layout(chunk, block)
     x1, e1, rows1 = x.clone(), error.clone(), torch.zeros(world, row_len, dtype=torch.uint8)
     torch.lerp(m, x1, weight, out=x1)
@@ -440,17 +447,18 @@ def test_sumsq_each_sums_as_the_gather_does_and_as_torch_within_rounding(monkeyp
     g = torch.Generator().manual_seed(3)
     sources = [torch.randn(n, generator=g) for n in (1, 7, 8, 9, 1000, 4097)] + [None, torch.empty(0)]
     sources[2] = sources[2] * 1e-30
-    out = sumsq_each(sources, torch.empty(len(sources), dtype=torch.float64))
     sizes = [0 if s is None else s.numel() for s in sources]
+    segments = Segments(sizes)
+    out = sumsq_each(sources, segments, torch.empty(len(sources), dtype=torch.float64))
     gathered = torch.zeros(len(sources), dtype=torch.float64)
-    gather_(sources, torch.empty(sum(sizes)), Segments(sizes), sumsq_out=gathered)
+    gather_(sources, torch.empty(sum(sizes)), segments, sumsq_out=gathered)
     assert torch.equal(out, gathered)
     expected = torch.tensor([0.0 if s is None else s.double().square().sum().item() for s in sources],
                             dtype=torch.float64)
     torch.testing.assert_close(out, expected, rtol=1e-12, atol=0)
     assert out[2] > 0 and out[6] == 0 and out[7] == 0
     with pytest.raises(ValueError, match="float64 of shape"):
-        sumsq_each(sources, torch.empty(2, dtype=torch.float64))
+        sumsq_each(sources, segments, torch.empty(2, dtype=torch.float64))
     monkeypatch.setenv("COMPRESSED_OPT_KERNELS", "reference")  # (PyTorch's float64 norms)
-    reference = sumsq_each(sources, torch.full((len(sources),), -1.0, dtype=torch.float64))
+    reference = sumsq_each(sources, segments, torch.full((len(sources),), -1.0, dtype=torch.float64))
     torch.testing.assert_close(reference, expected, rtol=1e-12, atol=0)

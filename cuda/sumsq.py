@@ -1,0 +1,32 @@
+"""Per-tensor sums of squares in float64, accumulated as the gather's (:func:`gather_`'s
+``sumsq_out``), each tensor read once where it is: PyTorch's float64 norm of an fp32 tensor
+would first copy it to float64. Float64 keeps the squares of gradients down to 1e-160
+representable, where fp32 ones would underflow.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import cpu
+from .segmented import Segments, _library_allowed, _plain_cpu_floats, _source_addresses
+
+
+def sumsq_each(sources: list, segments: Segments, out: torch.Tensor) -> torch.Tensor:
+    """``out[s]`` <- the sum of squares of ``sources[s]`` (``segments.sizes[s]`` elements; 0 for
+    ``None``), in float64 (``out``, on their device): natively as :func:`gather_` sums, else
+    PyTorch's float64 norm (which may differ in the last bit)."""
+    if len(sources) != len(segments):
+        raise ValueError(f"one source per segment is needed ({len(segments)}), got {len(sources)}")
+    if out.shape != (len(segments),) or out.dtype != torch.float64:
+        raise ValueError(f"out must be float64 of shape ({len(segments)},)")
+    lib = cpu.library() if out.is_cpu and out.is_contiguous() and _library_allowed() else None
+    if lib is not None and _plain_cpu_floats(sources):
+        addresses = _source_addresses(sources, segments)
+        lib.co_sumsq_each(addresses.data_ptr(), segments.offsets.data_ptr(), len(segments), out.data_ptr())
+        return out
+    out.zero_()
+    have = [i for i, src in enumerate(sources) if src is not None and src.numel()]
+    if have:
+        norms = torch._foreach_norm([sources[i] for i in have], 2, dtype=torch.float64)
+        out[have] = torch.stack(norms).to(out).square_()
+    return out
