@@ -222,22 +222,27 @@ static void lsc_compensate(struct co_lsc *p, int64_t lo, int64_t len, float *res
  * formed block by block and added to the error as the block is compensated, so that they never
  * travel to memory; the same arithmetic as the pass, then the compression.
  */
+static void compress_block(const float *xb, float *error, uint8_t *scale, uint8_t *bits, int64_t len,
+                           int64_t count, struct co_lsc *pass, int64_t first) {
+    float s = 0.0f;
+    if (count > 0) {
+        if (pass) lsc_compensate(pass, first, count, error); /* then error holds u */
+        double sumsq = compensate_pack(xb, error, bits, count, len / 8);
+        s = (float)sqrt(sumsq / (double)count);
+        subtract_decompressed(error, s, count);
+    } else {
+        memset(bits, 0xFF, (size_t)(len / 8));
+    }
+    memcpy(scale, &s, sizeof s);
+}
+
 static void compress_chunk(const float *x, float *error, uint8_t *scales, uint8_t *bits, int64_t chunk,
                            int64_t block, int64_t valid, struct co_lsc *pass, int64_t first) {
     const int64_t nb = blocks_of(chunk, block);
     for (int64_t b = 0; b < nb; ++b) {
         const int64_t lo = b * block, len = min64(chunk - lo, block), count = valid_in(valid, lo, len);
-        float s = 0.0f;
-        if (count > 0) {
-            const float *xb = x ? x + lo : NULL;
-            if (pass) lsc_compensate(pass, first + lo, count, error + lo); /* then error holds u */
-            double sumsq = compensate_pack(xb, error + lo, bits + lo / 8, count, len / 8);
-            s = (float)sqrt(sumsq / (double)count);
-            subtract_decompressed(error + lo, s, count);
-        } else {
-            memset(bits + lo / 8, 0xFF, (size_t)(len / 8));
-        }
-        memcpy(scales + 4 * b, &s, sizeof s);
+        compress_block(x && count ? x + lo : NULL, error + lo, scales + 4 * b, bits + lo / 8, len, count, pass,
+                       first + lo);
     }
 }
 
@@ -300,7 +305,8 @@ void co_scale_clamp_compress_rows(const float *x, const float *r, const double *
 /*
  * Server: over the m valid elements of this rank's chunk, error <- z = error + sum_i w_ib (2 b_i - 1),
  * w_ib = (scale b of row i) / world, added in rank order i = 0, 1, ...; b_i the bits of row i of
- * rows (world rows, row_stride bytes apart). Then out_row <- z compressed, error <- z - C(z).
+ * rows (world rows, row_stride bytes apart); each block then compressed while it is in cache: out_row
+ * <- z compressed, error <- z - C(z).
  * Returns -1 if world > 1024 (the caller checks), else 0.
  */
 int co_average_compress_rows(const uint8_t *rows, int64_t row_stride, int64_t world, int64_t chunk,
@@ -309,8 +315,11 @@ int co_average_compress_rows(const uint8_t *rows, int64_t row_stride, int64_t wo
     if (world > 1024) return -1;
     const int64_t nb = blocks_of(chunk, block);
     for (int64_t b = 0; b < nb; ++b) {
-        const int64_t lo = b * block, count = valid_in(m, lo, min64(chunk - lo, block));
-        if (count == 0) break;
+        const int64_t lo = b * block, len = min64(chunk - lo, block), count = valid_in(m, lo, len);
+        if (count == 0) { /* (past the valid elements: a block of scale 0, its bits 1) */
+            compress_block(NULL, error + lo, out_row + 4 * b, out_row + 4 * nb + lo / 8, len, 0, NULL, 0);
+            continue;
+        }
         for (int64_t i = 0; i < world; ++i) w[i] = load_scale(rows + i * row_stride + 4 * b) / (float)world;
         float *z = error + lo;
         const int64_t byte0 = 4 * nb + lo / 8, full_bytes = count / 8;
@@ -343,8 +352,9 @@ int co_average_compress_rows(const uint8_t *rows, int64_t row_stride, int64_t wo
                 v += (rows[i * row_stride + byte0 + e / 8] >> (e % 8)) & 1u ? w[i] : -w[i];
             z[e] = v;
         }
+        /* compressed while the block is in cache: one pass over the error, not two */
+        compress_block(NULL, z, out_row + 4 * b, out_row + 4 * nb + lo / 8, len, count, NULL, 0);
     }
-    compress_chunk(NULL, error, out_row, out_row + 4 * nb, chunk, block, m, NULL, 0);
     return 0;
 }
 
@@ -527,6 +537,11 @@ void co_divide_where_nonzero_segments(float *y, const float *r, float *q, const 
     }
 }
 
+/* One element of co_descend_scaled (and co_divide_descend: the compiler forms both alike). */
+static inline float descend_decayed(float p, float d, float c, float y, float a) { return p * d + (c * y) * a; }
+
+static inline float descend_plain(float p, float c, float y, float a) { return p + (c * y) * a; }
+
 /*
  * p_s <- p_s d + (c_s y) a over segment s, written through the segment's own pointer dests[s]
  * (a parameter's memory, as co_gather reads it): the update of the preconditioned exchange in one
@@ -542,9 +557,56 @@ void co_descend_scaled(const int64_t *dests, const float *y, const float *a, con
         const float c = (float)scales[s];
         const float *restrict ys = y + lo, *restrict as = a + lo;
         if (decayed) {
-            for (int64_t i = 0; i < n; ++i) p[i] = p[i] * d + (c * ys[i]) * as[i];
+            for (int64_t i = 0; i < n; ++i) p[i] = descend_decayed(p[i], d, c, ys[i], as[i]);
         } else {
-            for (int64_t i = 0; i < n; ++i) p[i] = p[i] + (c * ys[i]) * as[i];
+            for (int64_t i = 0; i < n; ++i) p[i] = descend_plain(p[i], c, ys[i], as[i]);
+        }
+    }
+}
+
+/*
+ * co_divide_where_nonzero_segments(y, r, q, divisors, off, nseg) (divisors == NULL: no division by
+ * them, co_divide_where_nonzero's values) and co_descend_scaled(dests, y, a, off, nseg, d, decayed,
+ * scales), bit for bit, in one pass: reads y, r, a and each destination once, writes q and the
+ * destinations (the preconditioned exchange's m = y / (s_l R) and its update). q must not be y; only
+ * the segments' elements of q are written.
+ */
+void co_divide_descend(const float *y, const float *r, float *q, const double *divisors, const int64_t *off,
+                       int64_t nseg, const int64_t *dests, const float *a, float d, int decayed, const double *scales) {
+    for (int64_t s = 0; s < nseg; ++s) {
+        float *restrict p = (float *)(intptr_t)dests[s];
+        const int64_t lo = off[s], n = off[s + 1] - off[s];
+        if (n == 0) continue;
+        const float c = (float)scales[s];
+        const float *restrict ys = y + lo, *restrict rs = r + lo, *restrict as = a + lo;
+        float *restrict qs = q + lo;
+        if (divisors) {
+            const float v = (float)divisors[s];
+            if (decayed) {
+                for (int64_t i = 0; i < n; ++i) {
+                    const float yi = ys[i];
+                    qs[i] = quotient_or_zero(yi, rs[i]) / v;
+                    p[i] = descend_decayed(p[i], d, c, yi, as[i]);
+                }
+            } else {
+                for (int64_t i = 0; i < n; ++i) {
+                    const float yi = ys[i];
+                    qs[i] = quotient_or_zero(yi, rs[i]) / v;
+                    p[i] = descend_plain(p[i], c, yi, as[i]);
+                }
+            }
+        } else if (decayed) {
+            for (int64_t i = 0; i < n; ++i) {
+                const float yi = ys[i];
+                qs[i] = quotient_or_zero(yi, rs[i]);
+                p[i] = descend_decayed(p[i], d, c, yi, as[i]);
+            }
+        } else {
+            for (int64_t i = 0; i < n; ++i) {
+                const float yi = ys[i];
+                qs[i] = quotient_or_zero(yi, rs[i]);
+                p[i] = descend_plain(p[i], c, yi, as[i]);
+            }
         }
     }
 }
