@@ -314,12 +314,11 @@ class Replicated(Layout):
         bucket.flats.pop("frozen_denominator", None)
 
     def step_preconditioned_(self, opt, bucket, y, decay, alpha, step):
-        """``m = y / (s_l R)`` into ``exp_avg``; ``p <- p decay + alpha (f_l / s_l) A y`` formed
-        inside the update (one pass, no direction buffer written)."""
-        opt.momentum_from_exchange(bucket, y, out=bucket.flat("exp_avg"))
+        """``m = y / (s_l R)`` into ``exp_avg`` and ``p <- p decay + alpha (f_l / s_l) A y``, in one
+        pass over memory (no direction buffer written)."""
         factors = opt.update_factors(bucket) or [1.0] * len(bucket.params)
-        kernels.descend_scaled_(bucket.params, y, bucket.flats["direction_factor"], bucket.segments, decay,
-                                [alpha * f for f in factors])  # (one pass over each parameter)
+        descend = kernels.Descend(bucket.params, bucket.flats["direction_factor"], decay, [alpha * f for f in factors])
+        opt.momentum_from_exchange(bucket, y, out=bucket.flat("exp_avg"), descend=descend)
 
     def update_masters(self, opt, bucket, step, decay, delta, alpha=1.0):
         pass  # the parameters are the truth

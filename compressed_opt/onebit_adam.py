@@ -271,10 +271,16 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
             idx = bucket.flats["no_variance"] = torch.nonzero(self.exchange_preconditioner(bucket) == 0).view(-1)
         return idx
 
-    def momentum_from_exchange(self, bucket, y: torch.Tensor, out: torch.Tensor) -> None:
+    def momentum_from_exchange(self, bucket, y: torch.Tensor, out: torch.Tensor, descend=None) -> None:
         """The momentum ``m`` from the exchanged average ``y`` into ``out``: ``y / (s_l R)`` (0 where
-        ``v_f == 0``), or ``y / c_l`` with the paper's exchange (the exchange variant's)."""
-        self.exchange_variant.momentum_from_exchange(self, bucket, y, out, self._applied_exchange_factors(bucket))
+        ``v_f == 0``), or ``y / c_l`` with the paper's exchange (the exchange variant's).
+        ``descend`` (the preconditioned exchange): the update of ``y``, a
+        :class:`compressed_opt.cuda.Descend`, run in the same pass."""
+        factors = self._applied_exchange_factors(bucket)
+        if descend is None:
+            self.exchange_variant.momentum_from_exchange(self, bucket, y, out, factors)
+        else:
+            self.exchange_variant.momentum_and_update_(self, bucket, y, out, factors, descend)
 
     def _load_extra_state(self, extra):
         self._load_tracking_of(extra)

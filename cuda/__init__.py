@@ -51,6 +51,7 @@ from . import reference
 from .segmented import (Lerp, LerpScaleClamp, ScaleClamp, Segments, descend_scaled_, divide_where_nonzero_, gather_,
                         lerp_scale_clamp_, scale_clamp_, segment_sumsq)
 from .sumsq import sumsq_each
+from .update import Descend, divide_descend_
 
 __all__ = [
     "compress_rows_",
@@ -74,6 +75,8 @@ __all__ = [
     "scale_clamp_",
     "divide_where_nonzero_",
     "descend_scaled_",
+    "Descend",
+    "divide_descend_",
 ]
 
 
