@@ -180,7 +180,7 @@ class CompressedAllreduce(_RowExchange):
             raise ValueError(f"compressed_allreduce called with different blocks on different ranks ({blocks})")
 
     def __call__(self, tensor: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor,
-                 agreed: bool = False, pending=None) -> torch.Tensor:
+                 agreed: bool = False, pending=None, expand: bool = True) -> torch.Tensor:
         """One exchange (the module docstring's steps). ``agreed``: the caller checked these
         arguments (as :func:`compressed_allreduce` does) and made every rank agree on the numel,
         dtype and block (the hierarchical exchange's agreement, or an earlier exchange of the same
@@ -188,7 +188,9 @@ class CompressedAllreduce(_RowExchange):
         trust the buffers' sizes, so pass ``agreed=True`` only for arguments checked before.
         ``pending``: an element-wise pass on ``tensor`` not run yet (a kernels pass such as
         :class:`compressed_opt.cuda.LerpScaleClamp`), which the compression runs first, fused with
-        it where the kernels can (:func:`compress_pending_`)."""
+        it where the kernels can (:func:`compress_pending_`). ``expand=False``: the result stays in
+        its 1-bit rows (:attr:`gathered`, :func:`result_rows`), not decompressed into ``tensor``
+        (whose values are then unspecified), for a caller that reads the rows itself."""
         if not agreed:
             if pending is not None:
                 pending.apply_()
@@ -197,10 +199,10 @@ class CompressedAllreduce(_RowExchange):
             if tensor.numel() != self.numel or tensor.device != self.device:
                 raise ValueError(f"this plan exchanges {self.numel} elements on {self.device}, got {tensor.numel()} "
                                  f"on {tensor.device}")
-        return self._run(tensor, worker_error, server_error, agreed, pending)
+        return self._run(tensor, worker_error, server_error, agreed, pending, expand)
 
     def _run(self, tensor: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor,
-             agreed: bool, pending=None) -> torch.Tensor:
+             agreed: bool, pending=None, expand: bool = True) -> torch.Tensor:
         backend, world = self.backend, self.backend.world_size
         flat = tensor.view(-1) if tensor.is_contiguous() else None
         if flat is not None and tensor.dtype == torch.float32:
@@ -241,7 +243,9 @@ class CompressedAllreduce(_RowExchange):
         # 4. exchange 2: every server's row
         self._exchange(backend.all_gather, self.gathered, self.server_row, False, "gather")()
 
-        # 5. decompress the concatenation of the server chunks
+        # 5. decompress the concatenation of the server chunks (unless the caller reads the rows)
+        if not expand:
+            return tensor
         with observe.span("kernel", "decompress_rows_"):
             impl.decompress_rows_(self.gathered.view(world, -1), x, self.chunk, self.block)
         if x is not flat:
@@ -274,8 +278,8 @@ def compress_pending_(impl, x: torch.Tensor, error: torch.Tensor, rows: torch.Te
     impl.compress_rows_(x, error, rows, chunk, block)
 
 
-def coalesced_compressed_allreduce(plans: list, tensors: list, worker_errors: list,
-                                   server_errors: list, pendings: list | None = None) -> list[torch.Tensor]:
+def coalesced_compressed_allreduce(plans: list, tensors: list, worker_errors: list, server_errors: list,
+                                   pendings: list | None = None, expands: list | None = None) -> list[torch.Tensor]:
     """The exchanges of several plans of one backend and device at once, each ``plans[i](tensors[i],
     worker_errors[i], server_errors[i], agreed=True)`` bit for bit, with their rows in one
     all-to-all and one all-gather instead of two collectives each: a small buffer's exchange on
@@ -285,7 +289,8 @@ def coalesced_compressed_allreduce(plans: list, tensors: list, worker_errors: li
     Returns each exchange's result as it travelled (``[world, row]`` bytes, what
     :func:`result_rows` gives after a call of its own: views of a reused buffer, valid until the
     next coalesced exchange of the same sizes); the plans' own buffers are not used. ``pendings``:
-    per tensor, the element-wise pass on it not run yet, or ``None`` (as a plan's ``pending``)."""
+    per tensor, the element-wise pass on it not run yet, or ``None`` (as a plan's ``pending``);
+    ``expands``: per tensor, whether its result is decompressed into it (as a plan's ``expand``)."""
     if not plans:
         return []
     backend, device, world = plans[0].backend, plans[0].device, plans[0].backend.world_size
@@ -309,8 +314,9 @@ def coalesced_compressed_allreduce(plans: list, tensors: list, worker_errors: li
             impl.average_compress_rows_(recv[:, a:b], se[: p.server_numel], rows.server[a:b], p.chunk, p.block)
     rows._exchange(backend.all_gather, rows.gathered, rows.server, False, "gather")()
     with observe.span("kernel", "decompress_rows_"):
-        for p, x, (a, b) in zip(plans, tensors, spans):
-            impl.decompress_rows_(gathered[:, a:b], x.view(-1), p.chunk, p.block)
+        for p, x, (a, b), expand in zip(plans, tensors, spans, expands or [True] * len(plans)):
+            if expand:
+                impl.decompress_rows_(gathered[:, a:b], x.view(-1), p.chunk, p.block)
     return [gathered[:, a:b] for a, b in spans]
 
 

@@ -172,15 +172,17 @@ class FlatAveraging:
         self._agreed[key] = compressed_allreduce_plan(x.numel(), self.backend, x.device, self.block)
 
     def exchange_many(self, items: list) -> list[torch.Tensor | None]:
-        """Each ``(x, worker_error, server_error, pending)`` of ``items`` exchanged as by a call, bit
-        for bit (``pending``: an element-wise pass on ``x`` not run yet, or ``None``; the compression
-        runs it, fused where the kernels can: ``comm.compressed.compress_pending_``): a size not
-        agreed yet alone (checked and agreed by it), then the rest with their collectives coalesced
-        (one all-to-all and one all-gather for all of them). Returns each one's result rows as they
-        travelled (``[world, row]`` bytes; ``None`` for an empty one)."""
+        """Each ``(x, worker_error, server_error, pending, expand)`` of ``items`` exchanged as by a
+        call, bit for bit (``pending``: an element-wise pass on ``x`` not run yet, or ``None``; the
+        compression runs it, fused where the kernels can: ``comm.compressed.compress_pending_``;
+        ``expand=False``: the result is left in its rows, not decompressed into ``x``, where a
+        coalesced exchange runs): a size not agreed yet alone (checked and agreed by it, its result in
+        ``x``), then the rest with their collectives coalesced (one all-to-all and one all-gather for
+        all of them). Returns each one's result rows as they travelled (``[world, row]`` bytes: views
+        of reused buffers, valid until the next exchange; ``None`` for an empty one)."""
         rows: list = [None] * len(items)
         plans, rest, where = [], [], []
-        for i, (x, worker_error, server_error, pending) in enumerate(items):
+        for i, (x, worker_error, server_error, pending, expand) in enumerate(items):
             plan = self._agreed.get((x.numel(), x.device))
             if plan is None or x.dtype != torch.float32 or not x.is_contiguous():
                 if pending is not None:
@@ -190,13 +192,13 @@ class FlatAveraging:
                 rows[i] = plan.gathered.view(self.backend.world_size, -1).clone()  # (the plan's buffer is reused)
             elif x.numel():
                 plans.append(plan)
-                rest.append((x, worker_error, server_error, pending))
+                rest.append((x, worker_error, server_error, pending, expand))
                 where.append(i)
             elif pending is not None:
                 pending.apply_()
         if len(plans) == 1:  # (alone: the plan's own buffers, no packed copy of them)
-            x, worker_error, server_error, pending = rest[0]
-            plans[0](x, worker_error, server_error, agreed=True, pending=pending)
+            x, worker_error, server_error, pending, expand = rest[0]
+            plans[0](x, worker_error, server_error, agreed=True, pending=pending, expand=expand)
             rows[where[0]] = plans[0].gathered.view(self.backend.world_size, -1)
         elif plans:
             for i, r in zip(where, coalesced_compressed_allreduce(plans, *(list(c) for c in zip(*rest)))):
@@ -243,14 +245,15 @@ class NodeAveraging:
         self._agreed[key] = hierarchical_compressed_allreduce_plan(x, self.backends, self.block)
 
     def exchange_many(self, items: list) -> list[None]:
-        """Each ``(x, worker_error, server_error, pending)`` of ``items`` exchanged as by a call, bit
-        for bit (``pending``, an element-wise pass on ``x`` not run yet, or ``None``, runs first):
+        """Each ``(x, worker_error, server_error, pending, expand)`` of ``items`` exchanged as by a
+        call, bit for bit (``pending``, an element-wise pass on ``x`` not run yet, or ``None``, runs
+        first; ``expand`` is not used: every result is decompressed into its ``x``):
         a size not agreed yet alone (checked and agreed by it), then the rest together: each one's
         reduce-scatter inside the node, one coalesced 1-bit exchange of all their shards between
         the nodes (an all-to-all and an all-gather over the slow links), each one's all-gather of
         rows inside the node. No rows are returned (the result travelled as shards' rows)."""
         together = []
-        for x, worker_error, server_error, pending in items:
+        for x, worker_error, server_error, pending, _ in items:
             if pending is not None:  # (the reduce-scatter inside the node reads x first)
                 pending.apply_()
             plan = self._agreed.get(("exchange", x.numel(), x.device))

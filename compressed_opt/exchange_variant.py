@@ -39,6 +39,9 @@ class ExchangeVariant:
 
     #: the ``exchange=`` argument that chooses it, and the name checkpoints record
     name = ""
+    #: whether its update reads the exchange's result through the layout's ``exchanged`` (which may
+    #: give it as 1-bit rows, never decompressed into memory), not from the exchanged buffer
+    reads_compressed_result = False
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(exchange={self.name!r})"
@@ -57,6 +60,7 @@ class AdamPreconditioned(ExchangeVariant):
     ``bound_exchanged_``, applied by the layout in the pass that forms ``m_i``)."""
 
     name = "preconditioned"
+    reads_compressed_result = True  # (the layout's step_preconditioned_)
 
     def preconditioner(self, opt, bucket) -> torch.Tensor:
         """``R = c_l / sqrt(v_f)`` per element (0 where ``v_f == 0``), made at the first compressed

@@ -151,15 +151,17 @@ class Exchanges:
         self.averaging.average(x)
 
     def requests(self, requests: list) -> list:
-        """Each ``(bucket, x, averaging, pending)`` of ``requests``
+        """Each ``(bucket, x, averaging, pending, expand)`` of ``requests``
         (``averaging``: ``None`` for the chosen one, with its path per bucket; ``pending``: an
         element-wise pass on ``x`` not run yet, which the 1-bit exchange runs fused with its
-        compression where it can, and anything else first): the fp32 averages one by one, then
-        each averaging's 1-bit exchanges together (the flat one coalesces their collectives).
-        Returns per request the result's 1-bit rows where the averaging gives them (else ``None``)."""
+        compression where it can, and anything else first; ``expand=False``: a caller that reads the
+        result's rows, where they are returned, lets the exchange leave ``x`` as it is): the fp32
+        averages one by one, then each averaging's 1-bit exchanges together (the flat one coalesces
+        their collectives). Returns per request the result's 1-bit rows where the averaging gives
+        them (else ``None``: the result is in ``x``)."""
         rows: list = [None] * len(requests)
         together: dict[int, tuple] = {}
-        for i, (bucket, x, way, pending) in enumerate(requests):
+        for i, (bucket, x, way, pending, expand) in enumerate(requests):
             if way is None:
                 if self.path != "1bit" and self.path_of(bucket) == "fp32":
                     if pending is not None:
@@ -168,7 +170,7 @@ class Exchanges:
                     continue
                 way = self.averaging
             entry = together.setdefault(id(way), (way, [], []))
-            entry[1].append((x, *self.error_buffers(bucket), pending))
+            entry[1].append((x, *self.error_buffers(bucket), pending, expand))
             entry[2].append(i)
         for way, items, where in together.values():
             for i, r in zip(where, way.exchange_many(items)):

@@ -38,6 +38,7 @@ from __future__ import annotations
 import torch
 
 from compressed_opt import cuda as kernels
+from compressed_opt.comm import chunk_numel
 
 from . import scaling
 from .buckets import Bucket
@@ -159,14 +160,21 @@ class Layout:
         self.local_momentum_(opt, bucket, x, beta1)
         return None
 
-    def exchange(self, opt, bucket: Bucket, x: torch.Tensor, pending=None):
+    def exchange(self, opt, bucket: Bucket, x: torch.Tensor, pending=None, keep_result=False):
         """``x`` <- the 1-bit compressed average of the ranks' ``x`` (collective), as a generator
-        that yields its one request ``(bucket, x, averaging, pending)`` (``averaging``: ``None`` for
-        the optimizer's own; ``pending``: :meth:`local_momentum_pass`'s pass, ``None`` when ``x``
-        holds the value to average) and keeps what it needs of the result after it: the
+        that yields its one request ``(bucket, x, averaging, pending, expand)`` (``averaging``:
+        ``None`` for the optimizer's own; ``pending``: :meth:`local_momentum_pass`'s pass, ``None``
+        when ``x`` holds the value to average) and keeps what it needs of the result after it: the
         optimizer runs the requests of an exchange group together
-        (:meth:`compressed_opt.exchanges.Exchanges.run`)."""
+        (:meth:`compressed_opt.exchanges.Exchanges.run`). ``keep_result``: the caller reads the
+        result through :meth:`exchanged` (which may leave it in its 1-bit rows), not from ``x``."""
         raise NotImplementedError
+
+    def exchanged(self, opt, bucket: Bucket, x: torch.Tensor):
+        """The result of this step's :meth:`exchange` with ``keep_result``: ``x``, or the result
+        as its 1-bit rows (a :class:`compressed_opt.cuda.CompressedResult` that decompresses into
+        ``x``), once."""
+        return x
 
     def keep_momentum(self, opt, bucket: Bucket, m: torch.Tensor) -> None:
         """Keep the averaged momentum ``m`` (whole) for the next step's local momentum."""
@@ -284,8 +292,26 @@ class Replicated(Layout):
         return kernels.LerpScaleClamp(x, m, 1 - beta1, r, opt.exchange_bounds(bucket), bucket.segments,
                                       opt.exchange_factors(bucket))
 
-    def exchange(self, opt, bucket, x, pending=None):
-        yield bucket, x, None, pending
+    def exchange(self, opt, bucket, x, pending=None, keep_result=False):
+        """With ``keep_result``, a flat 1-bit exchange leaves ``x`` as it is and its result rows are
+        kept (copied: the exchange's buffers are reused), for :meth:`exchanged`; another averaging
+        (hierarchical, fp32) writes the result into ``x`` as always."""
+        rows = yield bucket, x, None, pending, not keep_result
+        if not keep_result:
+            return
+        if rows is None:
+            bucket.derived.pop("result_rows", None)
+            return
+        kept = bucket.derived.get("result_rows")
+        if kept is None or kept.shape != rows.shape or kept.device != rows.device:
+            kept = torch.empty(rows.shape, dtype=torch.uint8, device=rows.device)
+        bucket.derived["result_rows"] = kept.copy_(rows)
+
+    def exchanged(self, opt, bucket, x):
+        rows = bucket.derived.pop("result_rows", None)
+        if rows is None:
+            return x
+        return kernels.CompressedResult(rows, chunk_numel(bucket.numel, rows.shape[0]), opt.scale_block, x)
 
     def keep_momentum(self, opt, bucket, m):
         bucket.flat("exp_avg").copy_(m)
@@ -318,7 +344,7 @@ class Replicated(Layout):
         pass over memory (no direction buffer written)."""
         factors = opt.update_factors(bucket) or [1.0] * len(bucket.params)
         descend = kernels.Descend(bucket.params, bucket.flats["direction_factor"], decay, [alpha * f for f in factors])
-        opt.momentum_from_exchange(bucket, y, out=bucket.flat("exp_avg"), descend=descend)
+        opt.momentum_from_exchange(bucket, self.exchanged(opt, bucket, y), out=bucket.flat("exp_avg"), descend=descend)
 
     def update_masters(self, opt, bucket, step, decay, delta, alpha=1.0):
         pass  # the parameters are the truth

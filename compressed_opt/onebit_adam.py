@@ -383,7 +383,8 @@ class OnebitAdam(_FreezingAdam):
         the local momentum runs inside the exchange's compression where the layout and the kernels
         can (:meth:`~compressed_opt.layout.Layout.local_momentum_pass`): nothing reads it before."""
         pending = self.layout.local_momentum_pass(self, bucket, grad, group["betas"][0])
-        yield from self.layout.exchange(self, bucket, grad, pending)
+        yield from self.layout.exchange(self, bucket, grad, pending,
+                                        keep_result=self.exchange_variant.reads_compressed_result)
 
     def _bucket_step(self, bucket, group, grad, step, averaged):
         beta1, beta2 = group["betas"]

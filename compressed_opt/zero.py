@@ -303,13 +303,13 @@ class Sharded(Layout):
             x.index_fill_(0, idx, 0.0)
         opt.bound_exchanged_(bucket, x)
 
-    def exchange(self, opt, bucket, x, pending=None):
+    def exchange(self, opt, bucket, x, pending=None, keep_result=False):
         """The compressed allreduce of the local momentum (always flat: its server chunks are the
         shards); keep the result's 1-bit rows: they are the momentum from now on."""
         flat = getattr(self, "_flat", None)
         if flat is None or flat.backend is not opt.backend:  # (its plans: agreed once per size, as the optimizer's)
             flat = self._flat = FlatAveraging(opt.backend, opt.scale_block)
-        rows = yield bucket, x, flat, pending  # (this exchange's own rows: several may share one plan's buffers)
+        rows = yield bucket, x, flat, pending, True  # (this exchange's own rows: several may share one plan's buffers)
         shard(bucket, "momentum_rows", rows.numel(), torch.uint8).copy_(rows.reshape(-1))
         bucket.flats.pop("exp_avg", None)
 

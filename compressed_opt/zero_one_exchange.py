@@ -156,7 +156,7 @@ class ZeroOnePreconditioned(ExchangeVariant):
         0``: the callers zero those coordinates, :meth:`after_average_`)."""
         r = opt._preconditioner(bucket)
         bounds = opt._exchange_bounds(bucket, lr_sum, factors)
-        yield bucket, x, None, kernels.ScaleClamp(x, r, bounds, bucket.segments)
+        yield bucket, x, None, kernels.ScaleClamp(x, r, bounds, bucket.segments), True
         x.div_(r)
 
     def after_average_(self, opt, bucket, grad) -> None:
@@ -187,7 +187,7 @@ class ZeroOneMomentum(ExchangeVariant):
         """``x`` times ``c_l`` per layer; the request; divided by ``c_l``."""
         coeffs, views = opt._layer_coeffs(bucket), bucket.views(x)
         scaling.scale_(views, coeffs)
-        yield bucket, x, None, None
+        yield bucket, x, None, None, True
         scaling.unscale_(views, coeffs)
 
     def after_average_(self, opt, bucket, grad) -> None:

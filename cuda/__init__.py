@@ -23,7 +23,8 @@ Each kernel works in place on flat buffers that the caller owns and reuses; rows
 ``chunk`` is a multiple of 32 and ``block`` a multiple of 256 (a CUDA warp tile); at most 1024
 rows for the server side. :mod:`~compressed_opt.cuda.segmented` holds the segmented element-wise
 passes around them (the gather of the gradients with their per-segment sums of squares, the
-update's preconditioning and its inverse).
+update's preconditioning and its inverse); :mod:`~compressed_opt.cuda.update` the preconditioned
+exchange's last pass (the momentum and the update, from the result's rows).
 
 Bits: bit ``k`` of a row's bits is bit ``k % 8`` of byte ``k // 8``; bits of invalid elements
 are 1. Float buffers are fp32. CUDA tensors run the CuPy kernels of ``onebit.cu`` on the current
@@ -51,7 +52,7 @@ from . import reference
 from .segmented import (Lerp, LerpScaleClamp, ScaleClamp, Segments, descend_scaled_, divide_where_nonzero_, gather_,
                         lerp_scale_clamp_, scale_clamp_, segment_sumsq)
 from .sumsq import sumsq_each
-from .update import Descend, divide_descend_
+from .update import CompressedResult, Descend, divide_descend_
 
 __all__ = [
     "compress_rows_",
@@ -76,6 +77,7 @@ __all__ = [
     "divide_where_nonzero_",
     "descend_scaled_",
     "Descend",
+    "CompressedResult",
     "divide_descend_",
 ]
 

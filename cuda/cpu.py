@@ -257,6 +257,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.co_descend_scaled.restype = None
     lib.co_divide_descend.argtypes = [p, p, p, p, p, i64, p, p, f32, ctypes.c_int, p]
     lib.co_divide_descend.restype = None
+    lib.co_rows_divide_descend.argtypes = [p, i64, i64, i64, p, p, p, p, i64, p, p, f32, ctypes.c_int, p]
+    lib.co_rows_divide_descend.restype = None
     return lib
 
 

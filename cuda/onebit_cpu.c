@@ -358,6 +358,25 @@ int co_average_compress_rows(const uint8_t *rows, int64_t row_stride, int64_t wo
     return 0;
 }
 
+/* dst[k] <- s (2 b_k - 1) for k < count, b_k bit k % 8 of src[k / 8] (one block's elements, from its first). */
+static void expand_signs(const uint8_t *src, float s, float *dst, int64_t count) {
+    const int64_t full_bytes = count / 8;
+#ifdef CO_AVX2
+    const __m256i lane = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    const __m256 pos = _mm256_set1_ps(s), neg = _mm256_set1_ps(-s);
+    for (int64_t k = 0; k < full_bytes; ++k) {
+        __m256i m = _mm256_and_si256(_mm256_set1_epi32(src[k]), lane);
+        _mm256_storeu_ps(dst + 8 * k, _mm256_blendv_ps(neg, pos, _mm256_castsi256_ps(_mm256_cmpeq_epi32(m, lane))));
+    }
+#else
+    for (int64_t k = 0; k < full_bytes; ++k) {
+        unsigned byte = src[k];
+        for (int j = 0; j < 8; ++j) dst[8 * k + j] = (byte >> j) & 1u ? s : -s;
+    }
+#endif
+    for (int64_t e = 8 * full_bytes; e < count; ++e) dst[e] = (src[e / 8] >> (e % 8)) & 1u ? s : -s;
+}
+
 /*
  * Decompress: out[k] = s (2 b_k - 1) for k < n, with row r = k / chunk (row_stride bytes apart),
  * s the scale of block (k % chunk) / block of row r, b_k bit k % chunk of row r's bits.
@@ -371,24 +390,7 @@ void co_decompress_rows(const uint8_t *rows, int64_t row_stride, int64_t nrows, 
         const int64_t valid = min64(n - r * chunk, chunk);
         for (int64_t b = 0; b * block < valid; ++b) {
             const int64_t lo = b * block, count = min64(valid - lo, block);
-            const float s = load_scale(row + 4 * b);
-            float *dst = out + r * chunk + lo;
-            const uint8_t *src = bits + lo / 8;
-            const int64_t full_bytes = count / 8;
-#ifdef CO_AVX2
-            const __m256i lane = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
-            const __m256 pos = _mm256_set1_ps(s), neg = _mm256_set1_ps(-s);
-            for (int64_t k = 0; k < full_bytes; ++k) {
-                __m256i m = _mm256_and_si256(_mm256_set1_epi32(src[k]), lane);
-                _mm256_storeu_ps(dst + 8 * k, _mm256_blendv_ps(neg, pos, _mm256_castsi256_ps(_mm256_cmpeq_epi32(m, lane))));
-            }
-#else
-            for (int64_t k = 0; k < full_bytes; ++k) {
-                unsigned byte = src[k];
-                for (int j = 0; j < 8; ++j) dst[8 * k + j] = (byte >> j) & 1u ? s : -s;
-            }
-#endif
-            for (int64_t e = 8 * full_bytes; e < count; ++e) dst[e] = (src[e / 8] >> (e % 8)) & 1u ? s : -s;
+            expand_signs(bits + lo / 8, load_scale(row + 4 * b), out + r * chunk + lo, count);
         }
     }
 }
@@ -565,6 +567,40 @@ void co_descend_scaled(const int64_t *dests, const float *y, const float *a, con
 }
 
 /*
+ * The elements [0, n) of one segment: q <- (y / r) / v (0 where r == 0; no division by v when
+ * divided == 0), p <- p d + (c y) a (decayed == 0: p + (c y) a), y read once.
+ */
+static void divide_descend_span(const float *restrict ys, const float *restrict rs, float *restrict qs,
+                                float *restrict p, const float *restrict as, int64_t n, int divided, float v,
+                                float c, float d, int decayed) {
+    if (divided && decayed) {
+        for (int64_t i = 0; i < n; ++i) {
+            const float yi = ys[i];
+            qs[i] = quotient_or_zero(yi, rs[i]) / v;
+            p[i] = descend_decayed(p[i], d, c, yi, as[i]);
+        }
+    } else if (divided) {
+        for (int64_t i = 0; i < n; ++i) {
+            const float yi = ys[i];
+            qs[i] = quotient_or_zero(yi, rs[i]) / v;
+            p[i] = descend_plain(p[i], c, yi, as[i]);
+        }
+    } else if (decayed) {
+        for (int64_t i = 0; i < n; ++i) {
+            const float yi = ys[i];
+            qs[i] = quotient_or_zero(yi, rs[i]);
+            p[i] = descend_decayed(p[i], d, c, yi, as[i]);
+        }
+    } else {
+        for (int64_t i = 0; i < n; ++i) {
+            const float yi = ys[i];
+            qs[i] = quotient_or_zero(yi, rs[i]);
+            p[i] = descend_plain(p[i], c, yi, as[i]);
+        }
+    }
+}
+
+/*
  * co_divide_where_nonzero_segments(y, r, q, divisors, off, nseg) (divisors == NULL: no division by
  * them, co_divide_where_nonzero's values) and co_descend_scaled(dests, y, a, off, nseg, d, decayed,
  * scales), bit for bit, in one pass: reads y, r, a and each destination once, writes q and the
@@ -574,39 +610,40 @@ void co_descend_scaled(const int64_t *dests, const float *y, const float *a, con
 void co_divide_descend(const float *y, const float *r, float *q, const double *divisors, const int64_t *off,
                        int64_t nseg, const int64_t *dests, const float *a, float d, int decayed, const double *scales) {
     for (int64_t s = 0; s < nseg; ++s) {
-        float *restrict p = (float *)(intptr_t)dests[s];
         const int64_t lo = off[s], n = off[s + 1] - off[s];
         if (n == 0) continue;
-        const float c = (float)scales[s];
-        const float *restrict ys = y + lo, *restrict rs = r + lo, *restrict as = a + lo;
-        float *restrict qs = q + lo;
-        if (divisors) {
-            const float v = (float)divisors[s];
-            if (decayed) {
-                for (int64_t i = 0; i < n; ++i) {
-                    const float yi = ys[i];
-                    qs[i] = quotient_or_zero(yi, rs[i]) / v;
-                    p[i] = descend_decayed(p[i], d, c, yi, as[i]);
-                }
-            } else {
-                for (int64_t i = 0; i < n; ++i) {
-                    const float yi = ys[i];
-                    qs[i] = quotient_or_zero(yi, rs[i]) / v;
-                    p[i] = descend_plain(p[i], c, yi, as[i]);
-                }
-            }
-        } else if (decayed) {
-            for (int64_t i = 0; i < n; ++i) {
-                const float yi = ys[i];
-                qs[i] = quotient_or_zero(yi, rs[i]);
-                p[i] = descend_decayed(p[i], d, c, yi, as[i]);
-            }
-        } else {
-            for (int64_t i = 0; i < n; ++i) {
-                const float yi = ys[i];
-                qs[i] = quotient_or_zero(yi, rs[i]);
-                p[i] = descend_plain(p[i], c, yi, as[i]);
-            }
+        divide_descend_span(y + lo, r + lo, q + lo, (float *)(intptr_t)dests[s], a + lo, n, divisors != NULL,
+                            divisors ? (float)divisors[s] : 1.0f, (float)scales[s], d, decayed);
+    }
+}
+
+#define CO_TILE 256 /* elements of y decompressed at once into a stack tile (1 KiB: in L1) */
+
+/*
+ * co_decompress_rows(rows, row_stride, nrows, chunk, block, y, off[nseg]) then co_divide_descend(y,
+ * r, q, divisors, off, nseg, dests, a, d, decayed, scales), bit for bit, without y in memory: y is
+ * decompressed tile by tile (at most CO_TILE elements of one block of one row) into the stack and
+ * consumed there (reads r, a, each destination and the rows; writes q and the destinations).
+ */
+void co_rows_divide_descend(const uint8_t *rows, int64_t row_stride, int64_t chunk, int64_t block, const float *r,
+                            float *q, const double *divisors, const int64_t *off, int64_t nseg, const int64_t *dests,
+                            const float *a, float d, int decayed, const double *scales) {
+    const int64_t nb = blocks_of(chunk, block), n = off[nseg];
+    float tile[CO_TILE];
+    int64_t s = 0;
+    for (int64_t k0 = 0; k0 < n;) {
+        const int64_t j = k0 / chunk, in_chunk = k0 - j * chunk, b = in_chunk / block;
+        const int64_t len = min64(min64(CO_TILE, (b + 1) * block - in_chunk), min64(chunk - in_chunk, n - k0));
+        const uint8_t *row = rows + j * row_stride;
+        expand_signs(row + 4 * nb + in_chunk / 8, load_scale(row + 4 * b), tile, len);
+        const int64_t end = k0 + len;
+        for (int64_t k = k0; k < end;) {
+            while (off[s + 1] <= k) ++s;
+            const int64_t stop = min64(off[s + 1], end), lo = off[s];
+            divide_descend_span(tile + (k - k0), r + k, q + k, (float *)(intptr_t)dests[s] + (k - lo), a + k, stop - k,
+                                divisors != NULL, divisors ? (float)divisors[s] : 1.0f, (float)scales[s], d, decayed);
+            k = stop;
         }
+        k0 = end;
     }
 }

@@ -6,6 +6,10 @@ the update it makes, in one pass over memory (docs/design.md 2.3.1).
     ``None``), then ``descend`` (a :class:`Descend`, ``dests[s] <- dests[s] * decay +
     (scales[s] * y) * a``) with the same ``y``.
 
+``y`` may also be a :class:`CompressedResult`, the 1-bit rows a compressed allreduce's result
+travelled as: the C pass then decompresses them tile by tile into the stack (``y`` never travels to
+memory), where the other passes decompress them into the result's buffer first.
+
 It is :func:`~compressed_opt.cuda.segmented.divide_where_nonzero_` then
 :func:`~compressed_opt.cuda.segmented.descend_scaled_`, bit for bit: on contiguous fp32 CPU tensors
 ``onebit_cpu.c`` runs both in one loop (``y``, ``r``, ``a`` and each destination read once; the C
@@ -17,6 +21,30 @@ from __future__ import annotations
 import torch
 
 from .segmented import Segments, _addressable, _c_doubles, _check, _native, descend_scaled_, divide_where_nonzero_
+
+
+class CompressedResult:
+    """A compressed allreduce's result as its 1-bit rows: ``rows`` (uint8 ``[world, row_len]``,
+    contiguous, the layout of :func:`~compressed_opt.cuda.rows_layout`) of ``chunk`` elements each, one
+    scale per ``block``; :meth:`expand_` decompresses them (``decompress_rows_``) into ``buffer`` (a
+    flat fp32 tensor of the result's size, where a pass that cannot read the rows takes it)."""
+
+    def __init__(self, rows: torch.Tensor, chunk: int, block: int, buffer: torch.Tensor):
+        if rows.dtype != torch.uint8 or rows.dim() != 2 or not rows.is_contiguous():
+            raise ValueError(f"rows must be contiguous uint8 [world, row_len], got {rows.dtype} {tuple(rows.shape)}")
+        from . import check_rows_geometry, rows_layout
+
+        check_rows_geometry(chunk, block)
+        if rows.shape[1] < rows_layout(chunk, block)[1]:
+            raise ValueError(f"rows of {rows.shape[1]} bytes for chunks of {chunk} elements in blocks of {block}")
+        self.rows, self.chunk, self.block, self.buffer = rows, int(chunk), int(block), buffer
+
+    def expand_(self) -> torch.Tensor:
+        """The result, decompressed into :attr:`buffer` (returned)."""
+        from . import decompress_rows_
+
+        decompress_rows_(self.rows, self.buffer, self.chunk, self.block)
+        return self.buffer
 
 
 class Descend:
@@ -41,19 +69,29 @@ def _destination_addresses(dests: list, segments: Segments) -> torch.Tensor | No
     return torch.tensor([p.data_ptr() if p.numel() else 0 for p in dests], dtype=torch.int64)
 
 
-def divide_descend_(y: torch.Tensor, r: torch.Tensor, out: torch.Tensor, segments: Segments, divisors,
-                    descend: Descend, zero_index: torch.Tensor | None = None) -> None:
+def divide_descend_(y, r: torch.Tensor, out: torch.Tensor, segments: Segments, divisors, descend: Descend,
+                    zero_index: torch.Tensor | None = None) -> None:
     """``out <- y / r`` (0 where ``r == 0``; then ``/ divisors[s]`` on segment ``s`` unless
     ``divisors`` is ``None``) and ``descend.dests[s] <- dests[s] * decay + (scales[s] * y) * a``,
     over the segments' elements of the flat ``y``, ``r``, ``out`` and ``descend.a`` (``out`` not
-    ``y``). ``zero_index``: as for :func:`divide_where_nonzero_` (the two passes' mask)."""
+    ``y``). ``y``: a flat tensor, or a :class:`CompressedResult` (decompressed into its buffer
+    first where the C pass cannot run).
+    ``zero_index``: as for :func:`divide_where_nonzero_` (the two passes' mask)."""
     if len(descend.dests) != len(segments):
         raise ValueError(f"one destination per segment is needed ({len(segments)}), got {len(descend.dests)}")
-    _check(segments, y, r, out, descend.a)
+    compressed = isinstance(y, CompressedResult)
+    _check(segments, r, out, descend.a, *(() if compressed else (y,)))
+    if compressed and y.rows.shape[0] * y.chunk < segments.numel:
+        raise ValueError(f"{y.rows.shape[0]} rows of {y.chunk} elements for {segments.numel} elements")
     n = segments.numel
-    lib = _native(y, r, out, descend.a) if out.data_ptr() != y.data_ptr() else None
+    if compressed:
+        lib = _native(r, out, descend.a) if y.rows.is_cpu else None
+    else:
+        lib = _native(y, r, out, descend.a) if out.data_ptr() != y.data_ptr() else None
     addresses = _destination_addresses(descend.dests, segments) if lib is not None else None
     if addresses is None:
+        if compressed:
+            y = y.expand_()
         with_divisors = () if divisors is None else (segments, divisors)
         divide_where_nonzero_(y[:n], r[:n], out[:n], zero_index, *with_divisors)
         descend.apply_(y, segments)
@@ -61,5 +99,10 @@ def divide_descend_(y: torch.Tensor, r: torch.Tensor, out: torch.Tensor, segment
     nseg = len(segments)
     v, vp = (None, None) if divisors is None else _c_doubles(divisors, nseg)
     c, cp = _c_doubles(descend.scales, nseg)
-    lib.co_divide_descend(y.data_ptr(), r.data_ptr(), out.data_ptr(), vp, segments.offsets.data_ptr(), nseg,
-                          addresses.data_ptr(), descend.a.data_ptr(), descend.decay, descend.decay != 1.0, cp)
+    tail = (segments.offsets.data_ptr(), nseg, addresses.data_ptr(), descend.a.data_ptr(), descend.decay,
+            descend.decay != 1.0, cp)
+    if compressed:
+        lib.co_rows_divide_descend(y.rows.data_ptr(), y.rows.stride(0), y.chunk, y.block, r.data_ptr(), out.data_ptr(),
+                                   vp, *tail)
+    else:
+        lib.co_divide_descend(y.data_ptr(), r.data_ptr(), out.data_ptr(), vp, *tail)

@@ -171,6 +171,43 @@ def test_a_plan_called_directly_checks_unless_agreed_and_agreed_skips_the_header
         plan(torch.zeros(n + 1), *[torch.zeros(k) for k in error_buffer_sizes(n + 1, 1)])
 
 
+def test_a_result_left_in_its_rows_is_the_expanded_result():
+    """expand=False (a caller that reads the result's 1-bit rows): the tensor is left as it was,
+    the error buffers and rows are those of the exchange that expands, and the rows decompress to
+    its result bit for bit; alone and coalesced with an exchange that expands."""
+    from compressed_opt.comm import coalesced_compressed_allreduce, result_rows
+    from compressed_opt.cuda import decompress_rows_
+
+    n, backend, other = 4099, SingleProcessBackend(), SingleProcessBackend()
+    sizes = error_buffer_sizes(n, 1)
+    plan = compressed_allreduce_plan(n, backend, torch.device("cpu"))
+    kept, expanded = [torch.zeros(k) for k in sizes], [torch.zeros(k) for k in sizes]
+    for step in range(3):
+        x = rank_input(0, n, step)
+        want = compressed_allreduce(x.clone(), *expanded, other)
+        left = x.clone()
+        plan(left, *kept, agreed=step > 0, expand=False)
+        assert torch.equal(left, x)
+        assert all(torch.equal(a, b) for a, b in zip(kept, expanded))
+        assert torch.equal(plan.gathered, result_rows(n, other, torch.device("cpu")))
+        got = torch.empty(n)
+        decompress_rows_(plan.gathered.view(1, -1), got, plan.chunk, plan.block)
+        assert torch.equal(got, want)
+    m = 333
+    small = compressed_allreduce_plan(m, backend, torch.device("cpu"))
+    small(torch.zeros(m), *[torch.zeros(k) for k in error_buffer_sizes(m, 1)])  # (agreed)
+    xs = [rank_input(0, n, 9), rank_input(0, m, 9)]
+    errors = [[e.clone() for e in kept], [torch.zeros(k) for k in error_buffer_sizes(m, 1)]]
+    ref = [compressed_allreduce(x.clone(), *[e.clone() for e in es], other) for x, es in zip(xs, errors)]
+    tensors = [x.clone() for x in xs]
+    rows = coalesced_compressed_allreduce([plan, small], tensors, [e[0] for e in errors], [e[1] for e in errors],
+                                          expands=[False, True])
+    assert torch.equal(tensors[0], xs[0]) and torch.equal(tensors[1], ref[1])
+    got = torch.empty(n)
+    decompress_rows_(rows[0].contiguous(), got, plan.chunk, plan.block)
+    assert torch.equal(got, ref[0])
+
+
 def test_error_buffer_sizes():
     assert error_buffer_sizes(100, 1) == (100, 128)
     assert error_buffer_sizes(100, 4) == (100, 32)

@@ -3,7 +3,8 @@ from the exchanged average and the update, in one pass, bit for bit as the two p
 import pytest
 import torch
 
-from compressed_opt.cuda import Descend, Segments, cpu, descend_scaled_, divide_descend_, divide_where_nonzero_
+from compressed_opt.cuda import (CompressedResult, Descend, Segments, compress_rows_, cpu, decompress_rows_,
+                                 descend_scaled_, divide_descend_, divide_where_nonzero_, rows_layout)
 
 CASES = [  # (segment sizes, elements past the segments)
     ([5, 0, 17, 1, 64, 3], 4),
@@ -91,3 +92,55 @@ def test_divide_descend_refuses_bad_input():
         divide_descend_(y, r, out, segs, None, Descend([params[0], torch.zeros(4)], a, 1.0, [1.0, 1.0]))
     with pytest.raises(ValueError, match="flat buffer"):
         divide_descend_(y[:4], r, out, segs, None, Descend(params, a, 1.0, [1.0, 1.0]))
+
+
+@pytest.mark.parametrize("sizes,past", CASES)
+@pytest.mark.parametrize("world,block", [(1, 256), (2, 256), (3, 512)])
+@pytest.mark.parametrize("divided", [False, True])
+def test_the_pass_from_the_compressed_rows_is_decompression_then_the_pass(sizes, past, world, block, divided):
+    """With ``y`` as the 1-bit rows it travelled as, the C pass decompresses it tile by tile
+    (tiles across segments, blocks and chunks) and gives what decompression then the pass give,
+    bit for bit; the other path (the reference kernels) decompresses into the scratch buffer."""
+    g = torch.Generator().manual_seed(world * 7 + len(sizes))
+    segs, _, r, a, params, out = _inputs(g, sizes, past)
+    n = segs.numel
+    chunk = -(-max(-(-n // world), 1) // 32) * 32
+    rows = torch.zeros(world, rows_layout(chunk, block)[1], dtype=torch.uint8)
+    compress_rows_(torch.randn(n, generator=g), torch.zeros(n), rows, chunk, block)
+    result = CompressedResult(rows, chunk, block, torch.empty(n))
+    divisors = [1.5 - 0.125 * (i % 4) for i in range(len(sizes))] if divided else None
+    scales = [0.25 * (i + 1) for i in range(len(sizes))]
+
+    fused_p, fused_m = [p.clone() for p in params], out.clone()
+    divide_descend_(result, r, fused_m, segs, divisors, Descend(fused_p, a, 0.99, scales))
+
+    y = torch.empty(n)
+    decompress_rows_(rows, y, chunk, block)
+    two_p, two_m = [p.clone() for p in params], out.clone()
+    divide_descend_(y, r, two_m, segs, divisors, Descend(two_p, a, 0.99, scales))
+    assert torch.equal(fused_m.view(torch.int32), two_m.view(torch.int32))
+    assert all(torch.equal(f, t) for f, t in zip(_bits(fused_p), _bits(two_p)))
+
+
+def test_a_compressed_result_without_the_c_pass_is_decompressed_into_its_buffer(monkeypatch):
+    g = torch.Generator().manual_seed(11)
+    segs, _, r, a, params, out = _inputs(g, [300, 0, 45], 3)
+    n, chunk, block = segs.numel, 352, 256
+    rows = torch.zeros(1, rows_layout(chunk, block)[1], dtype=torch.uint8)
+    compress_rows_(torch.randn(n, generator=g), torch.zeros(n), rows, chunk, block)
+    native_p, native_m, untouched = [p.clone() for p in params], out.clone(), torch.full((n + 5,), 3.0)
+    divide_descend_(CompressedResult(rows, chunk, block, untouched), r, native_m, segs, None,
+                    Descend(native_p, a, 1.0, [1.0] * 3))
+    assert torch.all(untouched == 3.0)  # (the C pass decompressed nothing into the buffer)
+    monkeypatch.setenv("COMPRESSED_OPT_KERNELS", "reference")
+    ref_p, ref_m, buffer = [p.clone() for p in params], out.clone(), torch.empty(n)
+    divide_descend_(CompressedResult(rows, chunk, block, buffer), r, ref_m, segs, None,
+                    Descend(ref_p, a, 1.0, [1.0] * 3))
+    y = torch.empty(n)
+    decompress_rows_(rows, y, chunk, block)
+    assert torch.equal(buffer, y)
+    torch.testing.assert_close(ref_m, native_m, rtol=2e-7, atol=0)
+    for p, q in zip(ref_p, native_p):
+        torch.testing.assert_close(p, q, rtol=2e-7, atol=1e-7)
+    with pytest.raises(ValueError, match="rows of"):
+        CompressedResult(rows[:, :10].contiguous(), chunk, block, torch.empty(n))
