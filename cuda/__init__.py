@@ -47,7 +47,7 @@ import warnings
 
 import torch
 
-from . import reference
+from . import lamb_passes, reference
 from .segmented import (Lerp, LerpScaleClamp, ScaleClamp, Segments, descend_scaled_, divide_where_nonzero_, gather_,
                         lerp_scale_clamp_, scale_clamp_, segment_sumsq)
 from .sumsq import sumsq_each
@@ -74,6 +74,7 @@ __all__ = [
     "scale_clamp_",
     "divide_where_nonzero_",
     "descend_scaled_",
+    "lamb_passes",
 ]
 
 

@@ -255,6 +255,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.co_divide_where_nonzero_segments.restype = None
     lib.co_descend_scaled.argtypes = [p, p, p, p, i64, f32, ctypes.c_int, p]
     lib.co_descend_scaled.restype = None
+    lib.co_lamb_variance_maxima.argtypes = [p, p, p, p, p, p, p, i64, f32, f32, f32, f32, f32, p]
+    lib.co_lamb_variance_maxima.restype = None
+    lib.co_lamb_descend.argtypes = [p, p, p, p, i64, p, p]
+    lib.co_lamb_descend.restype = None
     return lib
 
 
