@@ -288,11 +288,21 @@ class OnebitLamb(_FreezingAdam):
             if self._measures_live_ratio(step):
                 self._observe_local_direction(bucket, group, grad, step)
         yield from self.layout.exchange(self, bucket, grad, pending)
-        self.momentum_from_exchange(bucket, grad, out=grad)  # m_t = y / R, or y / c_l
+        # m_t = y / R, or y / c_l: here, or inside the step's first native pass (_fused_compressed_step)
+        bucket.derived["momentum_in_step"] = fused = self._fused_passes_ready(bucket, grad)
+        if not fused:
+            self.momentum_from_exchange(bucket, grad, out=grad)
 
     def _compressed_step(self, bucket, group, momentum, step):
-        """``momentum`` holds ``m_t`` (the compressed average); the layout still holds ``m_{t-1}``
-        (:meth:`~compressed_opt.layout.Layout.previous_momentum`)."""
+        """``momentum`` holds ``m_t`` (the compressed average), or the exchange's ``y`` where the
+        two native passes form it (:meth:`_fused_compressed_step`); the layout still holds
+        ``m_{t-1}`` (:meth:`~compressed_opt.layout.Layout.previous_momentum`). This composition in
+        PyTorch runs elsewhere (other devices, ZeRO, ``COMPRESSED_OPT_KERNELS=reference``)."""
+        if bucket.derived.pop("momentum_in_step", False):
+            if self._fused_passes_ready(bucket, momentum):
+                self._fused_compressed_step(bucket, group, momentum, step)
+                return
+            self.momentum_from_exchange(bucket, momentum, out=momentum)
         layout = self.layout
         denom = self.frozen_denominator(bucket)  # sqrt(v_f) + eps, inf where v_f == 0
         params = bucket.params
@@ -329,6 +339,45 @@ class OnebitLamb(_FreezingAdam):
         torch._foreach_mul_(views, [-lr * c / bc1 for c in coeffs])
         torch._foreach_add_(params, views)
         layout.update_masters(self, bucket, step, decays, update)
+
+    def _fused_passes_ready(self, bucket, y) -> bool:
+        """Whether this compression step runs as the two native passes of
+        :mod:`compressed_opt.cuda.lamb_passes`: the whole state on this rank (stage 0, where the
+        previous momentum's buffer is the kept one), no exchange factors, and the exchanged ``y``,
+        the buffers and the parameters contiguous fp32 CPU tensors (:func:`~compressed_opt.cuda.
+        lamb_passes.ready`)."""
+        if self.layout.sharded or self._applied_exchange_factors(bucket) is not None:
+            return False
+        r, _ = self.exchange_variant.momentum_divisors(self, bucket)
+        tensors = [y, r, self.layout.previous_momentum(self, bucket),
+                   self.layout.state(self, bucket, "exp_avg_sq_fresh"), self.frozen_denominator(bucket)]
+        return kernels.lamb_passes.ready(tensors, bucket.params, bucket.segments)
+
+    def _fused_compressed_step(self, bucket, group, y, step):
+        """:meth:`_compressed_step`'s math in two native passes over the bucket, from the exchange's
+        average ``y``: the first forms ``m_t`` (``y / R`` or ``y / c_l``), the fresh variance and the
+        factor's per-layer maxima, and keeps ``m <- m_t``; the second is the update ``p <- p decay_l
+        - (lr coeff_l / bc1) m_t / (sqrt(v_f) + eps)`` through each parameter's memory. A step that
+        measures the live ratio also writes the direction ``m_t / (sqrt(v_f) + eps)`` into ``y`` for
+        its norms. ``m``, ``v_fresh`` and the parameters are the composition's bit for bit given the
+        same coefficients; the maxima are within ``2^-20`` of its (docs/design.md 2.4.2)."""
+        params, passes = bucket.params, kernels.lamb_passes
+        denom = self.frozen_denominator(bucket)  # sqrt(v_f) + eps, inf where v_f == 0
+        beta1, beta2 = group["betas"]
+        lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]
+        bc1, bc2_sqrt = bias_corrections(beta1, beta2, step, group["bias_correction"])
+        m = self.layout.previous_momentum(self, bucket)  # m_{t-1}; m_t after the first pass
+        r, divisors = self.exchange_variant.momentum_divisors(self, bucket)
+        maxima = passes.variance_maxima_(y, r, divisors, m, self.layout.state(self, bucket, "exp_avg_sq_fresh"),
+                                         denom, bucket.segments, beta1, beta2, bc2_sqrt, eps)
+        coeffs = self._compression_coeffs(params, group, self._local_shards.whole_layer_maxima(params, maxima))
+        if self.trust_ratio == "live":
+            measure = self._measures_live_ratio(step)
+            update = torch.div(m, denom, out=y) if measure else None  # (read only when measuring)
+            coeffs = self._live_coeffs(bucket, group, coeffs, measure, update, bc1)
+        decays = [1.0 - lr * c * wd for c in coeffs] if wd != 0 else None
+        passes.descend_(params, m, denom, bucket.segments, decays, [-lr * c / bc1 for c in coeffs])
+        # (stage 0: no fp32 masters to update)
 
     # --- the live trust ratio (trust_ratio="live") -------------------------------------------------
     def _measures_live_ratio(self, step) -> bool:

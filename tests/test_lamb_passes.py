@@ -1,13 +1,16 @@
 """1-bit LAMB's two native compression-stage passes (compressed_opt.cuda.lamb_passes): against
 the PyTorch composition bit for bit (``m``, ``v_fresh``, the parameters), the per-layer maxima
-against a float64 reference within their bound."""
+against a float64 reference within their bound, and in the optimizer: the same training as the
+composition, deterministic run to run."""
 import math
 
 import pytest
 import torch
 
+from compressed_opt import OnebitLamb
 from compressed_opt.cuda import cpu, lamb_passes
 from compressed_opt.cuda.segmented import Segments
+from optim_tasks import mlp, run_steps, shard_batches
 
 pytestmark = pytest.mark.skipif(cpu.library() is None or not lamb_passes._agrees(cpu.library()),
                                 reason="no native LAMB passes here (no C compiler, or another PyTorch rounding)")
@@ -129,3 +132,42 @@ def test_ready_only_for_plain_fp32_cpu_buffers(monkeypatch):
     monkeypatch.setenv("COMPRESSED_OPT_KERNELS", "reference")
     assert not lamb_passes.ready(flat, params, segments)
 
+
+def _train(fused: bool, monkeypatch, exchange="preconditioned", trust_ratio="live", wd=0.01, calls=None):
+    """A seeded single-process job through the freeze and 9 compression steps (the live ratio
+    measured at steps 5, 8, 11): the parameters and the optimizer's state at the end."""
+    with monkeypatch.context() as patch:
+        original = lamb_passes.ready
+        if not fused:
+            patch.setattr(lamb_passes, "ready", lambda *a: False)
+        elif calls is not None:
+            def counted(*a):
+                calls.append(1)
+                return original(*a)
+            patch.setattr(lamb_passes, "ready", counted)
+        model = mlp(0, hidden=16)
+        opt = OnebitLamb(model.parameters(), lr=0.02, weight_decay=wd, freeze_step=4, exchange=exchange,
+                         trust_ratio=trust_ratio, trust_ratio_interval=3, max_coeff=0.3)
+        run_steps(model, opt, list(shard_batches(0, 1, 13, batch=32)))
+        assert opt.compressing
+    state = [(opt.state[p]["exp_avg"].clone(), opt.state[p]["exp_avg_sq_fresh"].clone()) for p in model.parameters()]
+    return [p.detach().clone() for p in model.parameters()], state
+
+
+@pytest.mark.parametrize("exchange,trust_ratio,wd", [("preconditioned", "live", 0.01), ("preconditioned", "live", 0.0),
+                                                     ("momentum", "live", 0.01), ("preconditioned", "frozen", 0.01)])
+def test_the_optimizer_trains_as_the_composition_and_repeats_bit_for_bit(exchange, trust_ratio, wd, monkeypatch):
+    """The fused passes in OnebitLamb's compression stage: twice the same job, the same bits; against
+    the composition in PyTorch, the same training up to the maxima's last bits (which reach the
+    factor, and the parameters through it)."""
+    calls = []
+    fused = _train(True, monkeypatch, exchange, trust_ratio, wd, calls)
+    assert calls  # the native passes ran
+    again = _train(True, monkeypatch, exchange, trust_ratio, wd)
+    composed = _train(False, monkeypatch, exchange, trust_ratio, wd)
+    assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(fused[0], again[0]))
+    assert all(torch.equal(_bits(a), _bits(b)) for s, t in zip(fused[1], again[1]) for a, b in zip(s, t))
+    for a, b in zip(fused[0], composed[0]):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+    for s, t in zip(fused[1], composed[1]):
+        assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-9) for a, b in zip(s, t))
