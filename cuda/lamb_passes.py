@@ -23,14 +23,14 @@ Rounding: :func:`compose_variance_maxima_` and :func:`compose_descend_` are the 
 OnebitLamb runs on other devices (one kernel per operation). Each operation of the passes is one
 rounded IEEE operation in the composition's order (the C contracts nothing into an FMA), except
 where PyTorch's kernel is one FMA itself: ``torch.add(m_t, m, alpha=-b1)`` rounds ``fma(m, -b1,
-m_t)`` and ``addcmul_`` rounds ``fma(value * g, g, b2 v)`` in its AVX2 / AVX-512 loops and their
-tails, which the C writes as ``fmaf``. So ``m``, ``v`` and the parameters are the composition's bit
-for bit. The maxima are not: PyTorch's ``torch.sqrt`` of fp32 CPU tensors (2.13: MKL's vector
-sqrt) is not correctly rounded (it differs from the correctly rounded root by one unit in the last
-place in about one element in five), the C's ``sqrtf`` is. Each maximum is within ``2^-21``
-relative of the same formula in float64 on the same ``v`` (four fp32 roundings: at most ``2 *
-2^-23``; tested), and within ``2^-20`` of the composition's. A check at first use in the process
-(:func:`ready`) compares the passes with the composition on a small case (``m``, ``v``, the
+m_t)`` and ``addcmul_`` rounds ``fma(value * g, g, b2 v)``, in their vector loops and tails alike
+(measured: torch 2.13 on AVX2), which the C writes as ``fmaf``. So ``m``, ``v`` and the parameters
+are the composition's bit for bit. The maxima are not: PyTorch's ``torch.sqrt`` of fp32 CPU
+tensors (2.13, AVX2) is not correctly rounded (it differs from the correctly rounded root by one
+unit in the last place in about one element in five), the C's ``sqrtf`` is. Each maximum is within
+``2^-21`` relative of the same formula in float64 on the same ``v`` (four fp32 roundings of at most
+``2^-24`` each; tested), and within ``2^-20`` of the composition's. A check at first use in the
+process (:func:`ready`) compares the passes with the composition on a small case (``m``, ``v``, the
 parameters bit for bit, the maxima within ``2^-20``); where they differ (a PyTorch built without
 those FMAs, a CPU without FMA) OnebitLamb composes in PyTorch. ``COMPRESSED_OPT_KERNELS=reference``
 turns the passes off.
