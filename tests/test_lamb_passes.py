@@ -171,3 +171,26 @@ def test_the_optimizer_trains_as_the_composition_and_repeats_bit_for_bit(exchang
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
     for s, t in zip(fused[1], composed[1]):
         assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-9) for a, b in zip(s, t))
+
+
+def test_an_empty_parameter_takes_the_passes_as_the_composition(monkeypatch):
+    """An fp32 parameter without elements in a bucket the passes serve: its factor's maximum is 1
+    (as the composition's empty layer), its coefficients as the composition's, nothing written."""
+    from torch import nn
+
+    finals = []
+    for fused in (True, False):
+        with monkeypatch.context() as patch:
+            if not fused:
+                patch.setattr(lamb_passes, "ready", lambda *a: False)
+            ran = []
+            original = lamb_passes.descend_
+            patch.setattr(lamb_passes, "descend_", lambda *a: ran.append(1) or original(*a))
+            model, empty = mlp(0, hidden=16), nn.Parameter(torch.zeros(0))
+            opt = OnebitLamb(list(model.parameters()) + [empty], freeze_step=3, lr=0.02)
+            run_steps(model, opt, list(shard_batches(0, 1, 8, batch=32)))
+            assert bool(ran) == fused and opt.compressing
+        st = opt.state[empty]
+        finals.append((st["lamb_coeff"], st["last_factor"], [p.detach().clone() for p in model.parameters()]))
+    assert finals[0][:2] == finals[1][:2] == (1.0, 1.0)
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(finals[0][2], finals[1][2]))
