@@ -273,7 +273,8 @@ class OnebitLamb(_FreezingAdam):
         """Compression stage, as soon as the bucket's gradients are ready: the local momentum
         ``b1 m + (1 - b1) g_i`` into the gradient buffer (``m`` keeps ``m_{t-1}``, needed to
         reconstruct the gradient), as the exchange variant carries it (``R m_i``, bounded, or
-        ``c_l m_i``), compressed-allreduced, and ``m_t`` taken back from the average. Where nothing
+        ``c_l m_i``), compressed-allreduced, and (sharded) ``m_t`` taken back from the average; with
+        the whole state the step takes it (:meth:`_compressed_step`). Where nothing
         reads the local momentum before the exchange (preconditioned, a step that does not measure
         the live ratio), its pass runs inside the exchange's compression where it can
         (:meth:`~compressed_opt.layout.Layout.local_momentum_pass`)."""
@@ -288,17 +289,16 @@ class OnebitLamb(_FreezingAdam):
             if self._measures_live_ratio(step):
                 self._observe_local_direction(bucket, group, grad, step)
         yield from self.layout.exchange(self, bucket, grad, pending)
-        # m_t = y / R, or y / c_l: here, or inside the step's first native pass (_fused_compressed_step)
-        bucket.derived["momentum_in_step"] = fused = self._fused_passes_ready(bucket, grad)
-        if not fused:
-            self.momentum_from_exchange(bucket, grad, out=grad)
+        if self.layout.sharded:  # (whole state: the step forms m_t, in its first native pass where it can)
+            self.momentum_from_exchange(bucket, grad, out=grad)  # m_t = y / R, or y / c_l
 
     def _compressed_step(self, bucket, group, momentum, step):
-        """``momentum`` holds ``m_t`` (the compressed average), or the exchange's ``y`` where the
-        two native passes form it (:meth:`_fused_compressed_step`); the layout still holds
-        ``m_{t-1}`` (:meth:`~compressed_opt.layout.Layout.previous_momentum`). This composition in
-        PyTorch runs elsewhere (other devices, ZeRO, ``COMPRESSED_OPT_KERNELS=reference``)."""
-        if bucket.derived.pop("momentum_in_step", False):
+        """``momentum`` holds ``m_t`` (the compressed average; sharded) or the exchange's ``y``
+        (whole state: ``m_t`` is formed here, by the two native passes of
+        :meth:`_fused_compressed_step` where they run); the layout still holds ``m_{t-1}``
+        (:meth:`~compressed_opt.layout.Layout.previous_momentum`). This composition in PyTorch runs
+        elsewhere (other devices, ZeRO, ``COMPRESSED_OPT_KERNELS=reference``)."""
+        if not self.layout.sharded:
             if self._fused_passes_ready(bucket, momentum):
                 self._fused_compressed_step(bucket, group, momentum, step)
                 return
@@ -342,11 +342,10 @@ class OnebitLamb(_FreezingAdam):
 
     def _fused_passes_ready(self, bucket, y) -> bool:
         """Whether this compression step runs as the two native passes of
-        :mod:`compressed_opt.cuda.lamb_passes`: the whole state on this rank (stage 0, where the
-        previous momentum's buffer is the kept one), no exchange factors, and the exchanged ``y``,
-        the buffers and the parameters contiguous fp32 CPU tensors (:func:`~compressed_opt.cuda.
-        lamb_passes.ready`)."""
-        if self.layout.sharded or self._applied_exchange_factors(bucket) is not None:
+        :mod:`compressed_opt.cuda.lamb_passes` (the whole state on this rank, where the previous
+        momentum's buffer is the kept one): no exchange factors, and the exchanged ``y``, the buffers
+        and the parameters contiguous fp32 CPU tensors (:func:`~compressed_opt.cuda.lamb_passes.ready`)."""
+        if self._applied_exchange_factors(bucket) is not None:
             return False
         r, _ = self.exchange_variant.momentum_divisors(self, bucket)
         tensors = [y, r, self.layout.previous_momentum(self, bucket),

@@ -59,10 +59,24 @@ def ready(tensors: list, params: list, segments: Segments) -> bool:
     flats = [t for t in tensors if t is not None]
     if not all(_plain(t) and t.dim() == 1 and t.numel() == segments.numel for t in flats):
         return False
-    if not all(_plain(p) and p.numel() == n for p, n in zip(params, segments.sizes)):
+    if not _plain_params(params, segments.sizes):
         return False
     lib = cpu.library()
     return lib is not None and _agrees(lib)
+
+
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def _plain_params(params: list, sizes: list[int]) -> bool:
+    """Whether each parameter is a plain contiguous fp32 CPU tensor of its segment's size, with
+    storage (:func:`_plain`, written for thousands of parameters a step: a microsecond or less each)."""
+    f32 = torch.float32
+    for p, n in zip(params, sizes):
+        if (type(p) not in _PLAIN_TYPES or p.dtype is not f32 or not p.is_cpu or p.numel() != n
+                or not p.is_contiguous() or (n and not p.data_ptr())):
+            return False
+    return True
 
 
 def variance_maxima_(y: torch.Tensor, r: torch.Tensor | None, divisors, m: torch.Tensor, v: torch.Tensor,
