@@ -71,7 +71,8 @@ always-zero input, unused embedding rows) get no momentum step in the compressio
 compression cannot send a 0, and ``scale / eps`` would throw them far away.
 
 The exchange (local momentum, scaling, compressed allreduce) is ``_bucket_communicate``, so with
-``overlap=True`` it runs during backward; ``step()`` does the rest.
+``overlap=True`` it runs during backward; ``step()`` does the rest: on CPU with the whole state on
+the rank, in two native passes (:mod:`compressed_opt.cuda.lamb_passes`, docs/design.md 2.4.2).
 
 With ``zero_stage=1 | 2`` the state is sharded as for :class:`OnebitAdam`
 (:mod:`compressed_opt.zero`): in warmup rank ``j`` keeps chunk ``j`` of ``m`` and ``v`` and
