@@ -174,6 +174,11 @@ def _with_decay_sq(direction: list[torch.Tensor], params, wd: float) -> torch.Te
 class LambPreconditioned(AdamPreconditioned):
     """1-bit LAMB's default: 1-bit Adam's preconditioned momentum (``c_l`` inside ``R``)."""
 
+    def momentum_divisors(self, opt, bucket) -> tuple[torch.Tensor, None]:
+        """What :meth:`momentum_from_exchange` divides ``y`` by, for a pass that forms ``m`` itself
+        (:mod:`compressed_opt.cuda.lamb_passes`): ``(R, None)``, ``m = y / R``, 0 where ``R == 0``."""
+        return self.preconditioner(opt, bucket), None
+
     def local_direction_sq(self, opt, bucket, x, scales: list[float], wd: float) -> torch.Tensor:
         """Per layer ``||u_i||^2``, ``u_i = m_i_hat / sqrt(v_f) + wd p`` the rank's LAMB direction,
         from the exchanged ``x = R m_i`` (bounded): ``m_i_hat / sqrt(v_f) = x scales``, ``scales =
@@ -188,6 +193,12 @@ class LambPreconditioned(AdamPreconditioned):
 
 class LambMomentum(AdamMomentum):
     """The paper's 1-bit LAMB exchange: ``c_l m_i``, one coefficient per layer."""
+
+    def momentum_divisors(self, opt, bucket) -> tuple[None, list[float] | None]:
+        """What :meth:`momentum_from_exchange` divides ``y`` by, for a pass that forms ``m`` itself:
+        ``(None, c_l)``, ``m = y / c_l`` per layer (``(None, None)`` when every ``c_l`` is 1: ``m = y``)."""
+        coeffs = self.exchange_scales(opt, bucket)
+        return None, (coeffs if any(c != 1.0 for c in coeffs) else None)
 
     def exchange_scales(self, opt, bucket) -> list[float]:
         """Each layer's ``c_l = mean_k RMS(m_k) / RMS(m_l)`` (1 for an all-zero or empty layer),

@@ -71,7 +71,8 @@ always-zero input, unused embedding rows) get no momentum step in the compressio
 compression cannot send a 0, and ``scale / eps`` would throw them far away.
 
 The exchange (local momentum, scaling, compressed allreduce) is ``_bucket_communicate``, so with
-``overlap=True`` it runs during backward; ``step()`` does the rest.
+``overlap=True`` it runs during backward; ``step()`` does the rest: on CPU with the whole state on
+the rank, in two native passes (:mod:`compressed_opt.cuda.lamb_passes`, docs/design.md 2.4.2).
 
 With ``zero_stage=1 | 2`` the state is sharded as for :class:`OnebitAdam`
 (:mod:`compressed_opt.zero`): in warmup rank ``j`` keeps chunk ``j`` of ``m`` and ``v`` and
@@ -273,7 +274,8 @@ class OnebitLamb(_FreezingAdam):
         """Compression stage, as soon as the bucket's gradients are ready: the local momentum
         ``b1 m + (1 - b1) g_i`` into the gradient buffer (``m`` keeps ``m_{t-1}``, needed to
         reconstruct the gradient), as the exchange variant carries it (``R m_i``, bounded, or
-        ``c_l m_i``), compressed-allreduced, and ``m_t`` taken back from the average. Where nothing
+        ``c_l m_i``), compressed-allreduced, and (sharded) ``m_t`` taken back from the average; with
+        the whole state the step takes it (:meth:`_compressed_step`). Where nothing
         reads the local momentum before the exchange (preconditioned, a step that does not measure
         the live ratio), its pass runs inside the exchange's compression where it can
         (:meth:`~compressed_opt.layout.Layout.local_momentum_pass`)."""
@@ -288,11 +290,20 @@ class OnebitLamb(_FreezingAdam):
             if self._measures_live_ratio(step):
                 self._observe_local_direction(bucket, group, grad, step)
         yield from self.layout.exchange(self, bucket, grad, pending)
-        self.momentum_from_exchange(bucket, grad, out=grad)  # m_t = y / R, or y / c_l
+        if self.layout.sharded:  # (whole state: the step forms m_t, in its first native pass where it can)
+            self.momentum_from_exchange(bucket, grad, out=grad)  # m_t = y / R, or y / c_l
 
     def _compressed_step(self, bucket, group, momentum, step):
-        """``momentum`` holds ``m_t`` (the compressed average); the layout still holds ``m_{t-1}``
-        (:meth:`~compressed_opt.layout.Layout.previous_momentum`)."""
+        """``momentum`` holds ``m_t`` (the compressed average; sharded) or the exchange's ``y``
+        (whole state: ``m_t`` is formed here, by the two native passes of
+        :meth:`_fused_compressed_step` where they run); the layout still holds ``m_{t-1}``
+        (:meth:`~compressed_opt.layout.Layout.previous_momentum`). This composition in PyTorch runs
+        elsewhere (other devices, ZeRO, ``COMPRESSED_OPT_KERNELS=reference``)."""
+        if not self.layout.sharded:
+            if self._fused_passes_ready(bucket, momentum):
+                self._fused_compressed_step(bucket, group, momentum, step)
+                return
+            self.momentum_from_exchange(bucket, momentum, out=momentum)
         layout = self.layout
         denom = self.frozen_denominator(bucket)  # sqrt(v_f) + eps, inf where v_f == 0
         params = bucket.params
@@ -329,6 +340,44 @@ class OnebitLamb(_FreezingAdam):
         torch._foreach_mul_(views, [-lr * c / bc1 for c in coeffs])
         torch._foreach_add_(params, views)
         layout.update_masters(self, bucket, step, decays, update)
+
+    def _fused_passes_ready(self, bucket, y) -> bool:
+        """Whether this compression step runs as the two native passes of
+        :mod:`compressed_opt.cuda.lamb_passes` (the whole state on this rank, where the previous
+        momentum's buffer is the kept one): no exchange factors, and the exchanged ``y``, the buffers
+        and the parameters contiguous fp32 CPU tensors (:func:`~compressed_opt.cuda.lamb_passes.ready`)."""
+        if self._applied_exchange_factors(bucket) is not None:
+            return False
+        r, _ = self.exchange_variant.momentum_divisors(self, bucket)
+        tensors = [y, r, self.layout.previous_momentum(self, bucket),
+                   self.layout.state(self, bucket, "exp_avg_sq_fresh"), self.frozen_denominator(bucket)]
+        return kernels.lamb_passes.ready(tensors, bucket.params, bucket.segments)
+
+    def _fused_compressed_step(self, bucket, group, y, step):
+        """:meth:`_compressed_step`'s math in two native passes over the bucket, from the exchange's
+        average ``y``: the first forms ``m_t`` (``y / R`` or ``y / c_l``), the fresh variance and the
+        factor's per-layer maxima, and keeps ``m <- m_t``; the second is the update ``p <- p decay_l
+        - (lr coeff_l / bc1) m_t / (sqrt(v_f) + eps)`` through each parameter's memory. A step that
+        measures the live ratio also writes the direction ``m_t / (sqrt(v_f) + eps)`` into ``y`` for
+        its norms. ``m``, ``v_fresh`` and the parameters are the composition's bit for bit given the
+        same coefficients; the maxima are within ``2^-20`` of its (docs/design.md 2.4.2)."""
+        params, passes = bucket.params, kernels.lamb_passes
+        denom = self.frozen_denominator(bucket)  # sqrt(v_f) + eps, inf where v_f == 0
+        beta1, beta2 = group["betas"]
+        lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]
+        bc1, bc2_sqrt = bias_corrections(beta1, beta2, step, group["bias_correction"])
+        m = self.layout.previous_momentum(self, bucket)  # m_{t-1}; m_t after the first pass
+        r, divisors = self.exchange_variant.momentum_divisors(self, bucket)
+        maxima = passes.variance_maxima_(y, r, divisors, m, self.layout.state(self, bucket, "exp_avg_sq_fresh"),
+                                         denom, bucket.segments, beta1, beta2, bc2_sqrt, eps)
+        coeffs = self._compression_coeffs(params, group, self._local_shards.whole_layer_maxima(params, maxima))
+        if self.trust_ratio == "live":
+            measure = self._measures_live_ratio(step)
+            update = torch.div(m, denom, out=y) if measure else None  # (read only when measuring)
+            coeffs = self._live_coeffs(bucket, group, coeffs, measure, update, bc1)
+        decays = [1.0 - lr * c * wd for c in coeffs] if wd != 0 else None
+        passes.descend_(params, m, denom, bucket.segments, decays, [-lr * c / bc1 for c in coeffs])
+        # (stage 0: no fp32 masters to update)
 
     # --- the live trust ratio (trust_ratio="live") -------------------------------------------------
     def _measures_live_ratio(self, step) -> bool:

@@ -24,7 +24,8 @@ Each kernel works in place on flat buffers that the caller owns and reuses; rows
 rows for the server side. :mod:`~compressed_opt.cuda.segmented` holds the segmented element-wise
 passes around them (the gather of the gradients with their per-segment sums of squares, the
 update's preconditioning and its inverse); :mod:`~compressed_opt.cuda.update` the preconditioned
-exchange's last pass (the momentum and the update, from the result's rows).
+exchange's last pass (the momentum and the update, from the result's rows),
+:mod:`~compressed_opt.cuda.lamb_passes` 1-bit LAMB's two compression-step passes.
 
 Bits: bit ``k`` of a row's bits is bit ``k % 8`` of byte ``k // 8``; bits of invalid elements
 are 1. Float buffers are fp32. CUDA tensors run the CuPy kernels of ``onebit.cu`` on the current
@@ -48,7 +49,7 @@ import warnings
 
 import torch
 
-from . import reference
+from . import lamb_passes, reference
 from .segmented import (Lerp, LerpScaleClamp, ScaleClamp, Segments, descend_scaled_, divide_where_nonzero_, gather_,
                         lerp_scale_clamp_, scale_clamp_, segment_sumsq)
 from .sumsq import sumsq_each
@@ -79,6 +80,7 @@ __all__ = [
     "Descend",
     "CompressedResult",
     "divide_descend_",
+    "lamb_passes",
 ]
 
 

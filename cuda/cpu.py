@@ -259,6 +259,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.co_divide_descend.restype = None
     lib.co_rows_divide_descend.argtypes = [p, i64, i64, i64, p, p, p, p, i64, p, p, f32, ctypes.c_int, p]
     lib.co_rows_divide_descend.restype = None
+    lib.co_lamb_variance_maxima.argtypes = [p, p, p, p, p, p, p, i64, f32, f32, f32, f32, f32, p]
+    lib.co_lamb_variance_maxima.restype = None
+    lib.co_lamb_descend.argtypes = [p, p, p, p, i64, p, p]
+    lib.co_lamb_descend.restype = None
     return lib
 
 
