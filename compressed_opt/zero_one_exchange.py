@@ -159,6 +159,14 @@ class ZeroOnePreconditioned(ExchangeVariant):
         yield bucket, x, None, kernels.ScaleClamp(x, r, bounds, bucket.segments)
         x.div_(r)
 
+    def sync_plan(self, opt, bucket, x, lr_sum, factors):
+        """Phase B's fused synchronisation (:mod:`compressed_opt.zero_one_local`): ``(per-layer
+        scales before the exchange, the pass the compression runs, the element-wise divisor after
+        it, per-layer divisors after it)``: no scales, ``clamp(R x)`` bounded, ``R``, none."""
+        r = opt._preconditioner(bucket)
+        bounds = opt._exchange_bounds(bucket, lr_sum, factors)
+        return None, kernels.ScaleClamp(x, r, bounds, bucket.segments), r, None
+
     def after_average_(self, opt, bucket, grad) -> None:
         """Phase A: the averaged gradient is 0 where ``v == 0`` (``y / R`` is 0 / 0 there)."""
         _no_variance_no_move_(grad, bucket, bucket.flat("exp_avg_sq"), False)
@@ -189,6 +197,13 @@ class ZeroOneMomentum(ExchangeVariant):
         scaling.scale_(views, coeffs)
         yield bucket, x, None, None
         scaling.unscale_(views, coeffs)
+
+    def sync_plan(self, opt, bucket, x, lr_sum, factors):
+        """Phase B's fused synchronisation (as :meth:`ZeroOnePreconditioned.sync_plan`): each layer
+        times ``c_l`` before, divided by it after (``None``, nothing, where every ``c_l`` is 1)."""
+        coeffs = opt._layer_coeffs(bucket)
+        scaled = coeffs if any(c != 1.0 for c in coeffs) else None
+        return scaled, None, None, scaled
 
     def after_average_(self, opt, bucket, grad) -> None:
         """Nothing: nothing was divided."""

@@ -50,6 +50,8 @@ import torch
 from . import reference
 from .segmented import (Lerp, LerpScaleClamp, ScaleClamp, Segments, descend_scaled_, divide_where_nonzero_, gather_,
                         lerp_scale_clamp_, scale_clamp_, segment_sumsq)
+from .local_steps import (signed_denominator, zero_one_local_step_, zero_one_passes_serve, zero_one_sync_after_,
+                          zero_one_sync_before_)
 from .sumsq import sumsq_each
 
 __all__ = [
@@ -74,6 +76,11 @@ __all__ = [
     "scale_clamp_",
     "divide_where_nonzero_",
     "descend_scaled_",
+    "signed_denominator",
+    "zero_one_passes_serve",
+    "zero_one_local_step_",
+    "zero_one_sync_before_",
+    "zero_one_sync_after_",
 ]
 
 

@@ -255,6 +255,12 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.co_divide_where_nonzero_segments.restype = None
     lib.co_descend_scaled.argtypes = [p, p, p, p, i64, f32, ctypes.c_int, p]
     lib.co_descend_scaled.restype = None
+    lib.co_zo_local_step.argtypes = [p, p, p, p, p, p, i64, i64, f32, f32, f32, ctypes.c_int, p]
+    lib.co_zo_local_step.restype = None
+    lib.co_zo_sync_before.argtypes = [p, p, p, p, p, i64, i64, f32, f32, p]
+    lib.co_zo_sync_before.restype = None
+    lib.co_zo_sync_after.argtypes = [p, p, p, p, p, p, p, i64, i64, f32, f32, ctypes.c_int, p, p]
+    lib.co_zo_sync_after.restype = None
     return lib
 
 
