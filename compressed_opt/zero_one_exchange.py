@@ -159,13 +159,11 @@ class ZeroOnePreconditioned(ExchangeVariant):
         yield bucket, x, None, kernels.ScaleClamp(x, r, bounds, bucket.segments)
         x.div_(r)
 
-    def sync_plan(self, opt, bucket, x, lr_sum, factors):
-        """Phase B's fused synchronisation (:mod:`compressed_opt.zero_one_local`): ``(per-layer
-        scales before the exchange, the pass the compression runs, the element-wise divisor after
-        it, per-layer divisors after it)``: no scales, ``clamp(R x)`` bounded, ``R``, none."""
-        r = opt._preconditioner(bucket)
-        bounds = opt._exchange_bounds(bucket, lr_sum, factors)
-        return None, kernels.ScaleClamp(x, r, bounds, bucket.segments), r, None
+    def sync_plan(self, opt, bucket, lr_sum, factors):
+        """Phase B's synchronisation in the C passes (:mod:`compressed_opt.zero_one_local`): ``(per-layer
+        scales before the exchange, R and the per-layer bounds of its clamp(R x), per-layer divisors
+        after it)``: no scales, ``R`` and the bounds (``y`` divided by ``R`` after), none."""
+        return None, opt._preconditioner(bucket), opt._exchange_bounds(bucket, lr_sum, factors), None
 
     def after_average_(self, opt, bucket, grad) -> None:
         """Phase A: the averaged gradient is 0 where ``v == 0`` (``y / R`` is 0 / 0 there)."""
@@ -198,9 +196,9 @@ class ZeroOneMomentum(ExchangeVariant):
         yield bucket, x, None, None
         scaling.unscale_(views, coeffs)
 
-    def sync_plan(self, opt, bucket, x, lr_sum, factors):
-        """Phase B's fused synchronisation (as :meth:`ZeroOnePreconditioned.sync_plan`): each layer
-        times ``c_l`` before, divided by it after (``None``, nothing, where every ``c_l`` is 1)."""
+    def sync_plan(self, opt, bucket, lr_sum, factors):
+        """Phase B's synchronisation in the C passes (as :meth:`ZeroOnePreconditioned.sync_plan`): each
+        layer times ``c_l`` before, divided by it after (``None``, nothing, where every ``c_l`` is 1)."""
         coeffs = opt._layer_coeffs(bucket)
         scaled = coeffs if any(c != 1.0 for c in coeffs) else None
         return scaled, None, None, scaled

@@ -10,11 +10,13 @@ Per element, with ``den = sqrt(v) + eps`` (``v`` frozen) and the interval's trac
                   p_sync <- p_sync D + (-f_l y) / den;    p <- p_sync;    acc <- 0
 
 On contiguous fp32 CPU tensors these are the C passes of :mod:`compressed_opt.cuda.local_steps`:
-one pass for a local step, one before a synchronisation's exchange and one after it, each reading
-every buffer once (the exchange's own ``clamp(R x)`` runs inside its compression,
-:class:`~compressed_opt.cuda.ScaleClamp`). Elsewhere, and with ``COMPRESSED_OPT_KERNELS=reference``,
-the PyTorch composition below (:meth:`ZeroOneLocalSteps._composed_local_step`), which the passes
-give bit for bit where torch's CPU kernels use FMA (the module doc of ``local_steps``).
+one pass for a local step; for a synchronisation, the pass before the exchange (``m``, ``acc den``,
+the exchange's own ``clamp(R x)`` or ``c_l x``) runs inside the exchange's compression
+(:class:`~compressed_opt.cuda.ZeroOneSyncBefore`; ``acc den`` never travels to memory), and one
+pass after it (``y / R`` or ``y / c_l``, the masking, ``m``, ``p_sync``, ``p``, ``acc <- 0``). Each
+reads every buffer once. Elsewhere, and with ``COMPRESSED_OPT_KERNELS=reference``, the PyTorch
+composition below (:meth:`ZeroOneLocalSteps._composed_local_step`), which the passes give bit for
+bit where torch's CPU kernels use FMA (the module doc of ``local_steps``).
 """
 from __future__ import annotations
 
@@ -79,8 +81,9 @@ class ZeroOneLocalSteps:
         return self._frozen_denominator(bucket, v, group["eps"], signed=True)
 
     def _fused_sync(self, bucket, group, grad, factors, sync) -> bool:
-        """A synchronising step as a C pass, the exchange, a C pass; ``False`` (nothing done) where
-        the passes do not run here."""
+        """A synchronising step as the C passes: the pass before the exchange inside its compression
+        (:class:`~compressed_opt.cuda.ZeroOneSyncBefore`), the pass after it; ``False`` (nothing done)
+        where they do not run here."""
         lr_sum, decay, tracked = sync
         lr, weight = float(group["lr"]), 1 - group["betas"][0]
         m, acc, anchor = bucket.flat("exp_avg"), bucket.flat("momentum_accumulator"), bucket.flat("sync_params")
@@ -88,22 +91,19 @@ class ZeroOneLocalSteps:
         if sden is None:
             return False
         if lr_sum <= 0:  # nothing moved over the interval: no exchange; p = p_sync
-            if not kernels.zero_one_sync_before_(bucket.params, grad, m, sden, acc, bucket.segments, weight, lr):
-                return False
+            kernels.zero_one_sync_before_(bucket.params, grad, m, sden, acc, bucket.segments, weight, lr)
             torch._foreach_copy_(bucket.params, bucket.views(anchor))
             acc.zero_()
             return True
-        scales, pending, r, divisors = self.exchange_variant.sync_plan(self, bucket, acc, lr_sum, tracked)
-        if not kernels.zero_one_sync_before_(bucket.params, grad, m, sden, acc, bucket.segments, weight, lr, scales):
-            return False
+        scales, r, bounds, divisors = self.exchange_variant.sync_plan(self, bucket, lr_sum, tracked)
+        pending = kernels.ZeroOneSyncBefore(grad, m, sden, acc, bucket.segments, weight, lr, scales, r, bounds)
 
         def request():
             yield bucket, acc, None, pending
 
         self.exchanges.run([request()])
-        if not kernels.zero_one_sync_after_(bucket.params, acc, sden, m, anchor, bucket.segments, lr_sum, decay,
-                                            [-f for f in factors], r, divisors):
-            raise RuntimeError("0/1 Adam's pass after the exchange did not run where the pass before it did")
+        kernels.zero_one_sync_after_(bucket.params, acc, sden, m, anchor, bucket.segments, lr_sum, decay,
+                                     [-f for f in factors], r, divisors)
         return True
 
     def _composed_local_step(self, bucket, group, grad, factors, sync):

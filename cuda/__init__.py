@@ -50,8 +50,8 @@ import torch
 from . import reference
 from .segmented import (Lerp, LerpScaleClamp, ScaleClamp, Segments, descend_scaled_, divide_where_nonzero_, gather_,
                         lerp_scale_clamp_, scale_clamp_, segment_sumsq)
-from .local_steps import (signed_denominator, zero_one_local_step_, zero_one_passes_serve, zero_one_sync_after_,
-                          zero_one_sync_before_)
+from .local_steps import (ZeroOneSyncBefore, signed_denominator, zero_one_local_step_, zero_one_passes_serve,
+                          zero_one_sync_after_, zero_one_sync_before_)
 from .sumsq import sumsq_each
 
 __all__ = [
@@ -81,6 +81,7 @@ __all__ = [
     "zero_one_local_step_",
     "zero_one_sync_before_",
     "zero_one_sync_after_",
+    "ZeroOneSyncBefore",
 ]
 
 

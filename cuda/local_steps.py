@@ -13,6 +13,10 @@ Per element of segment ``s``:
 ``zero_one_sync_before_(params, g, m, sden, acc, segments, weight, lr, scales=None)``
     ``m`` as above; ``acc <- ((acc + (lr m) / den) den) scales[s]`` (what the exchange averages:
     ``sum lr m``, times the layer's coefficient with ``scales``).
+``ZeroOneSyncBefore(g, m, sden, acc, segments, weight, lr, scales=None, r=None, bounds=None)``
+    that pass, then (with ``r``) the exchange's ``clamp(r acc, -bounds[s], bounds[s])``, not run
+    yet: the exchange's compression runs both inside its worker side (``compress_rows_``, one pass
+    over memory; ``acc`` read, not written), bit for bit as the passes then the compression.
 ``zero_one_sync_after_(params, y, sden, m, anchor, segments, lr_sum, decay, steps, r=None, divisors=None)``
     ``y <- y / r / divisors[s]`` (each where given), 0 where ``v == 0``; ``m <- y / lr_sum``;
     ``anchor <- anchor decay + (steps[s] y) / den``; ``p <- anchor``; ``y <- 0``.
@@ -39,7 +43,7 @@ import ctypes
 
 import torch
 
-from .segmented import Segments, _c_doubles, _check, _native
+from .segmented import Segments, _c_doubles, _check, _native, scale_clamp_
 
 
 def _params_ok(params: list, segments: Segments):
@@ -100,14 +104,18 @@ def zero_one_sync_before_(params: list, g: torch.Tensor, m: torch.Tensor, sden: 
     """A synchronising step's pass before its exchange (see the module doc): ``m``, and ``acc``
     becomes what the exchange averages. ``scales``: per segment (``None``: none). ``params`` are
     only checked: ``False`` (nothing done) where :func:`zero_one_sync_after_` could not write them."""
-    n = _flat_buffers(segments, g, m, sden, acc)
+    _flat_buffers(segments, g, m, sden, acc)
     lib = _native(g, m, sden, acc)
     if _params_ok(params, segments) is None or lib is None:
         return False
+    _sync_before(lib, g, m, sden, acc, segments, weight, lr, scales)
+    return True
+
+
+def _sync_before(lib, g, m, sden, acc, segments: Segments, weight: float, lr: float, scales) -> None:
     c, cp = (None, None) if scales is None else _c_doubles(scales, len(segments))
     lib.co_zo_sync_before(g.data_ptr(), m.data_ptr(), sden.data_ptr(), acc.data_ptr(), segments.offsets.data_ptr(),
-                          len(segments), n, float(weight), float(lr), cp)
-    return True
+                          len(segments), acc.numel(), float(weight), float(lr), cp)
 
 
 def zero_one_sync_after_(params: list, y: torch.Tensor, sden: torch.Tensor, m: torch.Tensor, anchor: torch.Tensor,
@@ -127,3 +135,51 @@ def zero_one_sync_after_(params: list, y: torch.Tensor, sden: torch.Tensor, m: t
                          m.data_ptr(), anchor.data_ptr(), segments.offsets.data_ptr(), len(segments), n, float(lr_sum),
                          float(decay), decay != 1.0, dp, cp)
     return True
+
+
+class ZeroOneSyncBefore:
+    """:func:`zero_one_sync_before_` then, with ``r``, the exchange's ``scale_clamp_(acc, r, bounds,
+    segments)``, not run yet: the pending pass of a synchronisation's exchange (as
+    :class:`~compressed_opt.cuda.LerpScaleClamp`). Its :meth:`compress_rows_` runs both inside the
+    worker side of the compression of ``acc`` (one pass over memory, ``acc`` read and not written,
+    ``m`` written), bit for bit as :meth:`apply_` then the compression; :meth:`apply_` runs them
+    alone. Made only where :func:`zero_one_passes_serve` (the caller checks); the arguments are
+    kept, not copied."""
+
+    def __init__(self, g: torch.Tensor, m: torch.Tensor, sden: torch.Tensor, acc: torch.Tensor, segments: Segments,
+                 weight: float, lr: float, scales=None, r: torch.Tensor | None = None, bounds=None):
+        _flat_buffers(segments, g, m, sden, acc, *(() if r is None else (r,)))
+        if (r is None) != (bounds is None):
+            raise ValueError("r and bounds go together")
+        self.g, self.m, self.sden, self.acc, self.segments = g, m, sden, acc, segments
+        self.weight, self.lr, self.scales, self.r, self.bounds = float(weight), float(lr), scales, r, bounds
+
+    def apply_(self) -> None:
+        """The passes on ``acc``, alone (the C passes, or where they cannot run, which the caller
+        has excluded, a ``RuntimeError``)."""
+        lib = _native(self.g, self.m, self.sden, self.acc)
+        if lib is None:
+            raise RuntimeError("0/1 Adam's pass before the exchange cannot run here")
+        _sync_before(lib, self.g, self.m, self.sden, self.acc, self.segments, self.weight, self.lr, self.scales)
+        if self.r is not None:
+            scale_clamp_(self.acc, self.r, self.bounds, self.segments)
+
+    def compress_rows_(self, x: torch.Tensor, error: torch.Tensor, rows: torch.Tensor, chunk: int, block: int) -> bool:
+        """The passes, then ``compress_rows_(x, error, rows, chunk, block)`` (:mod:`compressed_opt.cuda`),
+        in one native pass: ``x`` (this pass's ``acc``) read, not written. ``False``, with nothing
+        done, where it does not run here (another buffer, or not the whole of it; rows elsewhere)."""
+        n = error.numel()
+        if (x.dim() != 1 or x.data_ptr() != self.acc.data_ptr() or x.numel() != self.acc.numel() or n != x.numel()
+                or rows.dtype != torch.uint8 or rows.dim() != 2 or rows.stride(1) != 1 or not rows.is_cpu):
+            return False
+        lib = _native(x, self.g, self.m, self.sden, error, *(() if self.r is None else (self.r,)))
+        if lib is None:
+            return False
+        nseg = len(self.segments)
+        c, cp = (None, None) if self.scales is None else _c_doubles(self.scales, nseg)
+        b, bp = (None, None) if self.bounds is None else _c_doubles(self.bounds, nseg)
+        lib.co_zo_sync_before_compress_rows(
+            self.g.data_ptr(), self.m.data_ptr(), self.sden.data_ptr(), x.data_ptr(), self.weight, self.lr, cp,
+            None if self.r is None else self.r.data_ptr(), bp, self.segments.offsets.data_ptr(), nseg,
+            error.data_ptr(), rows.data_ptr(), rows.stride(0), rows.shape[0], chunk, block, n)
+        return True

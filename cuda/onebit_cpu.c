@@ -753,3 +753,99 @@ ZO_PASS void co_zo_sync_after(const int64_t *dests, float *y, const float *r, co
                          c, lr_sum, decay, kind);
     }
 }
+
+/*
+ * co_zo_sync_before, then the exchange's element-wise pass clamp(r x, -b_s, b_s) over the segments
+ * (r != NULL: co_scale_clamp), then co_compress_rows(acc, error, ...), bit for bit, in one pass
+ * over memory: per block of the compression, the passes' values are formed and added to the
+ * worker error in one loop (error <- u), then packed, summed and corrected while the block is in
+ * cache, as co_lerp_scale_clamp_compress_rows does. m is written; acc is only read (the exchange's
+ * result overwrites it). Reads g, m, sden, acc, r and error once, writes m, error and the rows.
+ */
+struct zo_before {
+    const float *g, *sden, *acc, *r;
+    float *m;
+    float coeff, lr;
+    int small;
+    const double *scales, *bounds;
+    const int64_t *off;
+    int64_t nseg, seg;
+};
+
+/* error[0, len) <- x + error for x the passes' values of len elements of one segment (kind: 1 times
+ * c, 2 clamp(r x, -b, b)); m written. A function of its own, as zo_after_segment. */
+static ZO_PASS __attribute__((noinline)) void zo_before_segment(
+    const float *restrict gs, float *restrict ms, const float *restrict ds, const float *restrict as,
+    const float *restrict rs, float *restrict e, int64_t len, float coeff, int small, float lr, float c, float b,
+    int kind) {
+    ZO_NO_CONTRACT
+    const float nb = -b;
+#define ZO_BEFORE_LOOP(SCALE, CLAMP)                                                                                 \
+    for (int64_t i = 0; i < len; ++i) {                                                                             \
+        ZO_MOMENTUM(mi, ms[i], gs[i], ds[i], coeff, small);                                                         \
+        const float den = fabsf(ds[i]);                                                                             \
+        ms[i] = mi;                                                                                                 \
+        const float a = as[i] + (lr * mi) / den;                                                                    \
+        float x = a * den;                                                                                          \
+        if (SCALE) x = x * c;                                                                                       \
+        if (CLAMP) x = sc_value(x, rs[i], b, nb);                                                                   \
+        e[i] = x + e[i];                                                                                            \
+    }
+    switch (kind) {
+    case 0: ZO_BEFORE_LOOP(0, 0); break;
+    case 1: ZO_BEFORE_LOOP(1, 0); break;
+    case 2: ZO_BEFORE_LOOP(0, 1); break;
+    default: ZO_BEFORE_LOOP(1, 1); break;
+    }
+#undef ZO_BEFORE_LOOP
+}
+
+static void zo_before_compensate(struct zo_before *p, int64_t lo, int64_t len, float *error) {
+    const int64_t end = lo + len;
+    int64_t k = lo, s = p->seg;
+    while (k < end) {
+        while (s < p->nseg && p->off[s + 1] <= k) ++s;
+        const int in = s < p->nseg;
+        const int64_t stop = in && p->off[s + 1] < end ? p->off[s + 1] : end;
+        const int kind = in ? (p->scales ? 1 : 0) | (p->r ? 2 : 0) : 0;
+        zo_before_segment(p->g + k, p->m + k, p->sden + k, p->acc + k, (p->r ? p->r : p->sden) + k, error + (k - lo),
+                          stop - k, p->coeff, p->small, p->lr, in && p->scales ? (float)p->scales[s] : 1.0f,
+                          in && p->r ? (float)p->bounds[s] : 0.0f, kind);
+        k = stop;
+    }
+    p->seg = s;
+}
+
+/* compress_chunk with the passes of zo_before (x: the pass's values, formed per block). */
+static void zo_compress_chunk(float *error, uint8_t *scales, uint8_t *bits, int64_t chunk, int64_t block,
+                              int64_t valid, struct zo_before *pass, int64_t first) {
+    const int64_t nb = blocks_of(chunk, block);
+    for (int64_t b = 0; b < nb; ++b) {
+        const int64_t lo = b * block, len = min64(chunk - lo, block), count = valid_in(valid, lo, len);
+        float s = 0.0f;
+        if (count > 0) {
+            zo_before_compensate(pass, first + lo, count, error + lo); /* then error holds u */
+            double sumsq = compensate_pack(NULL, error + lo, bits + lo / 8, count, len / 8);
+            s = (float)sqrt(sumsq / (double)count);
+            subtract_decompressed(error + lo, s, count);
+        } else {
+            memset(bits + lo / 8, 0xFF, (size_t)(len / 8));
+        }
+        memcpy(scales + 4 * b, &s, sizeof s);
+    }
+}
+
+void co_zo_sync_before_compress_rows(const float *g, float *m, const float *sden, const float *acc, float w, float lr,
+                                     const double *scales, const float *r, const double *bounds, const int64_t *off,
+                                     int64_t nseg, float *error, uint8_t *rows, int64_t row_stride, int64_t world,
+                                     int64_t chunk, int64_t block, int64_t n) {
+    const int small = w < 0.5f && w > -0.5f;
+    struct zo_before pass = {g, sden, acc, r, m, small ? w : w - 1.0f, lr, small, scales, bounds, off, nseg, 0};
+    const int64_t nb = blocks_of(chunk, block);
+    for (int64_t j = 0; j < world; ++j) {
+        const int64_t lo = j * chunk, valid = valid_in(n, lo, chunk);
+        uint8_t *row = rows + j * row_stride;
+        const int64_t at = valid ? lo : 0;
+        zo_compress_chunk(error + at, row, row + 4 * nb, chunk, block, valid, &pass, at);
+    }
+}

@@ -134,6 +134,40 @@ def test_pass_after_the_exchange_is_the_composition_bit_for_bit(divide, decay, e
     assert not y2.any() and not torch.signbit(y2).any()  # the accumulator restarts at +0
 
 
+@pytest.mark.parametrize("variant", ["preconditioned", "momentum", "plain"])
+@pytest.mark.parametrize("extra", [0, 13])
+def test_pass_before_the_exchange_inside_the_compression_is_both_in_turn_bit_for_bit(variant, extra):
+    """``ZeroOneSyncBefore.compress_rows_`` (the pass, the clamp, the worker side of the compression
+    in one pass) against ``apply_()`` then the compression: m, the error and the rows bit for bit,
+    over 3 rows whose chunks and blocks cut segments."""
+    from compressed_opt.cuda import cpu, reference
+
+    grad, m, v, acc, _, r = _inputs(6, extra)
+    _, sden = _denominators(v, 1e-8)
+    seg, n, world, block = Segments(SIZES), sum(SIZES) + extra, 3, 256
+    chunk = -(-n // (world * 32)) * 32
+    error = torch.randn(n, generator=torch.Generator().manual_seed(7)) * 1e-3
+    bounds = [0.5, 1.0, 2.0, 0.25, 3.0, 1.0, 0.1]
+    kw = {"preconditioned": dict(r=r, bounds=bounds), "momentum": dict(scales=[1.5, 0.5, 0.75, 1.25, 3.0, 1.0, 0.3]),
+          "plain": {}}[variant]
+    got = []
+    for fused in (True, False):
+        m_, acc_, e_ = m.clone(), acc.clone(), error.clone()
+        rows = torch.zeros(world, reference.rows_layout(chunk, block)[1], dtype=torch.uint8)
+        pending = kernels.ZeroOneSyncBefore(grad, m_, sden, acc_, seg, 0.1, 2e-3, **kw)
+        if fused:
+            assert pending.compress_rows_(acc_, e_, rows, chunk, block)
+            assert torch.equal(acc_, acc)  # read, not written
+        else:
+            pending.apply_()
+            cpu.compress_rows_(acc_, e_, rows, chunk, block)
+        got.append((m_, e_, rows))
+    (m1, e1, rows1), (m2, e2, rows2) = got
+    assert _same(m1, m2) and _same(e1, e2) and torch.equal(rows1, rows2)
+    assert not kernels.ZeroOneSyncBefore(grad, m, sden, acc, seg, 0.1, 2e-3).compress_rows_(
+        acc[:-1], error[:-1], rows1, chunk, block)  # not the whole buffer: refused, nothing done
+
+
 def test_the_lerp_is_within_its_bound_of_the_exact_one():
     """``|m - lerp| <= ulp(m) / 2 + |w| ulp(g - m) / 2`` (the module doc), both formulas, in float64."""
     g = torch.Generator().manual_seed(4)
@@ -176,10 +210,12 @@ def test_passes_refuse_what_they_cannot_serve(monkeypatch):
 
 @contextlib.contextmanager
 def passes(on: bool, ran: list):
-    """Within: the phase-B C passes counted in ``ran[0]`` when ``on``, refused (the composition runs)
-    when not."""
-    names = ("zero_one_local_step_", "zero_one_sync_before_")
-    originals = {name: getattr(kernels, name) for name in names}
+    """Within: the phase-B C passes counted in ``ran[0]`` when ``on`` (each local step's pass, and
+    each synchronisation's fused compression and pass after the exchange), refused (the PyTorch
+    composition runs) when not."""
+    originals = {name: getattr(kernels, name) for name in ("zero_one_local_step_", "zero_one_sync_after_",
+                                                            "zero_one_passes_serve")}
+    fused = kernels.ZeroOneSyncBefore.compress_rows_
 
     def counted(f):
         def run(*args, **kwargs):
@@ -188,13 +224,18 @@ def passes(on: bool, ran: list):
             return done
         return run
 
-    for name, f in originals.items():
-        setattr(kernels, name, counted(f) if on else (lambda *args, **kwargs: False))
+    if on:
+        kernels.zero_one_local_step_ = counted(originals["zero_one_local_step_"])
+        kernels.zero_one_sync_after_ = counted(originals["zero_one_sync_after_"])
+        kernels.ZeroOneSyncBefore.compress_rows_ = counted(fused)
+    else:
+        kernels.zero_one_passes_serve = lambda *args, **kwargs: False
     try:
         yield
     finally:
         for name, f in originals.items():
             setattr(kernels, name, f)
+        kernels.ZeroOneSyncBefore.compress_rows_ = fused
 
 
 def _job(exchange, wd, tracking, steps=16):
@@ -231,7 +272,8 @@ def test_the_optimizer_with_the_passes_is_the_composition_bit_for_bit(exchange, 
     with passes(False, [0]):
         composed = _job(exchange, wd, tracking)
     kinds = [k for k, _, _ in fused]
-    assert {"local", "sync"} <= set(kinds) and ran[0] >= kinds.count("local") + kinds.count("sync")
+    # every local step one pass, every synchronisation two (but the one of an interval of lr 0: one)
+    assert {"local", "sync"} <= set(kinds) and ran[0] == kinds.count("local") + 2 * kinds.count("sync") - 1
     for (kind, p1, s1), (_, p2, s2) in zip(fused, composed):
         assert all(_same(a, b) for a, b in zip(p1 + s1, p2 + s2)), kind
     again = _job(exchange, wd, tracking)  # the same seeded job: the same bits
