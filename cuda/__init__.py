@@ -23,7 +23,8 @@ Each kernel works in place on flat buffers that the caller owns and reuses; rows
 ``chunk`` is a multiple of 32 and ``block`` a multiple of 256 (a CUDA warp tile); at most 1024
 rows for the server side. :mod:`~compressed_opt.cuda.segmented` holds the segmented element-wise
 passes around them (the gather of the gradients with their per-segment sums of squares, the
-update's preconditioning and its inverse).
+update's preconditioning and its inverse); :mod:`~compressed_opt.cuda.local_steps` 0/1 Adam's
+phase-B passes (a local step, a synchronisation's work before and after its exchange).
 
 Bits: bit ``k`` of a row's bits is bit ``k % 8`` of byte ``k // 8``; bits of invalid elements
 are 1. Float buffers are fp32. CUDA tensors run the CuPy kernels of ``onebit.cu`` on the current
