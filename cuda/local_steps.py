@@ -32,10 +32,11 @@ composition's order (no FMA contraction), the denominator PyTorch's own (``torch
 correctly rounded on every build), and the lerp as torch's vector kernel computes it on CPUs with
 FMA (``fma(w, g - m, m)``; for ``|w| >= 1/2`` ``fma(w - 1, g - m, g)``): bit for bit the
 composition wherever torch's CPU kernels use FMA (``torch.backends.cpu.get_cpu_capability()``
-AVX2, AVX512; ``tests/test_local_steps.py`` checks it). Elsewhere only ``m``'s lerp may differ
-from ``torch.lerp``: ``|m - lerp| <= ulp(m) / 2 + |w| ulp(g - m) / 2`` against the exact lerp of
-the fp32 inputs (tested against float64), and every other value is the composition's arithmetic
-on that ``m``.
+AVX2, AVX512; ``tests/test_local_steps.py`` checks it). Elsewhere (a torch whose lerp does not
+contract) only ``m`` may differ from the composition, in the lerp's rounding: the pass's ``m`` is
+within ``ulp(m) / 2 + |c| ulp(g - m) / 2`` of the exact lerp of the fp32 inputs (``c`` the
+formula's coefficient, ``w`` or ``w - 1``; tested against float64), and every other value is the
+composition's arithmetic on that ``m``.
 """
 from __future__ import annotations
 
