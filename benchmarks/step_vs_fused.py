@@ -14,6 +14,11 @@ move about as much: docs/benchmarks.md, "A step against fused AdamW").
     python -P benchmarks/step_vs_fused.py                                   # the table of the docs
     python -P benchmarks/step_vs_fused.py --shapes 9000000x100 --optimizers OnebitAdam --steps 5
     python -P benchmarks/step_vs_fused.py --shapes 4000000x1,4000000x100,4000000x2000   # per tensor
+
+ZeroOneAdam's phase B synchronises every step while its ``local_step_interval`` is 1, which it stays
+for ``local_step_scaler`` steps (32678 by default): the rows time synchronising steps.
+``--local-step-scaler 1`` doubles the interval every step up to its clipper (16), so that the
+median is a local step's (no communication, no exchange kernels).
 """
 from __future__ import annotations
 
@@ -58,7 +63,7 @@ def _clone(params):
     return out
 
 
-def _make(name: str, params, exchange: str, zero_stage: int):
+def _make(name: str, params, exchange: str, zero_stage: int, local_step_scaler: int | None = None):
     import compressed_opt
     from compressed_opt.comm import SingleProcessBackend
 
@@ -66,6 +71,8 @@ def _make(name: str, params, exchange: str, zero_stage: int):
     if name == "ZeroOneAdam":
         if zero_stage:
             return None
+        if local_step_scaler is not None:
+            kw["local_step_scaler"] = local_step_scaler
         return compressed_opt.ZeroOneAdam(params, var_freeze_step=2, **kw)
     return getattr(compressed_opt, name)(params, freeze_step=2, zero_stage=zero_stage, **kw)
 
@@ -84,10 +91,10 @@ def copy_bandwidth(numel: int, device: str, repeats: int = 7) -> float:
 
 
 def measure(name: str, numel: int, tensors: int, exchange: str, zero_stage: int, steps: int,
-            device: str = "cpu") -> dict | None:
+            device: str = "cpu", local_step_scaler: int | None = None) -> dict | None:
     base = _params(numel, tensors, device)
     mine = _clone(base)
-    opt = _make(name, mine, exchange, zero_stage)
+    opt = _make(name, mine, exchange, zero_stage, local_step_scaler)
     if opt is None:
         return None
     adamw = torch.optim.AdamW(base, lr=1e-4, fused=True)
@@ -95,13 +102,14 @@ def measure(name: str, numel: int, tensors: int, exchange: str, zero_stage: int,
         opt.step()
         adamw.step()
     assert opt.compressing
-    ours, theirs = [], []
+    ours, theirs, kinds = [], [], []
     for _ in range(steps):
         _sync(device)
         s = time.perf_counter()
         opt.step()
         _sync(device)
         ours.append(time.perf_counter() - s)
+        kinds.append(getattr(opt, "last_step_kind", None))  # (ZeroOneAdam's: "local" or "sync")
         s = time.perf_counter()
         adamw.step()
         _sync(device)
@@ -111,7 +119,8 @@ def measure(name: str, numel: int, tensors: int, exchange: str, zero_stage: int,
     return {"device": device, "optimizer": name, "exchange": exchange, "zero_stage": zero_stage, "numel": numel,
             "tensors": tensors,
             "step_ms": 1e3 * a, "fused_adamw_ms": 1e3 * b, "ratio": a / b,
-            "needed_bandwidth": STREAMS * 4 * numel / a, "fused_adamw_bandwidth": STREAMS * 4 * numel / b}
+            "needed_bandwidth": STREAMS * 4 * numel / a, "fused_adamw_bandwidth": STREAMS * 4 * numel / b,
+            "step_kinds": kinds}
 
 
 def main(argv=None) -> int:
@@ -123,6 +132,9 @@ def main(argv=None) -> int:
     p.add_argument("--zero-stages", default="0,1")
     p.add_argument("--steps", type=int, default=7)
     p.add_argument("--device", default="cpu", help="cpu, or cuda (the CuPy kernels)")
+    p.add_argument("--local-step-scaler", type=int, default=None,
+                   help="ZeroOneAdam's local_step_scaler (default: its own, every timed step synchronises; "
+                        "1: local steps, see the module doc)")
     p.add_argument("--out", default=os.path.join(HERE, "results", "step_vs_fused.json"))
     args = p.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -136,7 +148,8 @@ def main(argv=None) -> int:
         for name in args.optimizers.split(","):
             for exchange in args.exchanges.split(","):
                 for zero in (int(z) for z in args.zero_stages.split(",")):
-                    row = measure(name, numel, tensors, exchange, zero, args.steps, args.device)
+                    row = measure(name, numel, tensors, exchange, zero, args.steps, args.device,
+                                  args.local_step_scaler)
                     if row is None:
                         continue
                     row["copy_bandwidth"] = bandwidth

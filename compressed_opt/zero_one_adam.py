@@ -80,6 +80,7 @@ from .moments import denominator_, momentum_
 from .optimizer import CompressedOptimizer, common_args
 from .validation import check_adam_group, check_step_count
 from .zero_one_exchange import VARIANTS, ZeroOneExchange, _no_variance_no_move_
+from .zero_one_local import ZeroOneLocalSteps
 
 logger = logging.getLogger("compressed_opt")
 
@@ -89,7 +90,7 @@ STEP_KINDS = ("refresh", "compressed", "local", "sync")
 
 
 @common_args
-class ZeroOneAdam(ZeroOneExchange, tracking.LayerVarianceTracking, CompressedOptimizer):
+class ZeroOneAdam(ZeroOneExchange, ZeroOneLocalSteps, tracking.LayerVarianceTracking, CompressedOptimizer):
     """0/1 Adam: sparse variance refreshes with 1-bit gradients, then a frozen variance with
     local steps and 1-bit synchronisations at growing intervals.
 
@@ -285,53 +286,6 @@ class ZeroOneAdam(ZeroOneExchange, tracking.LayerVarianceTracking, CompressedOpt
         if wd != 0:
             torch._foreach_mul_(bucket.params, 1 - lr * wd)
         torch._foreach_add_(bucket.params, bucket.views(direction), alpha=-lr / bc1)
-
-    @staticmethod
-    def _frozen_denominator(bucket, v: torch.Tensor, eps: float) -> torch.Tensor:
-        """Phase B's ``sqrt(v_hat) + eps``, made once while ``v`` (frozen) and ``eps`` stay as they
-        are (a load or a change of ``eps`` makes it again): one buffer of the bucket's size (not
-        saved: made from ``v``) in place of two passes per step."""
-        key = (v.data_ptr(), v._version, eps)
-        denom = bucket.flats.get("frozen_denominator")
-        if denom is None or bucket.derived.get("frozen_denominator_of") != key:
-            denom = bucket.flats["frozen_denominator"] = denominator_(v, torch.empty_like(v), eps)
-            bucket.derived["frozen_denominator_of"] = key
-        return denom
-
-    def _local_step(self, bucket, group, grad):
-        m, v = bucket.flat("exp_avg"), bucket.flat("exp_avg_sq")
-        acc, anchor = bucket.flat("momentum_accumulator"), bucket.flat("sync_params")
-        beta1 = group["betas"][0]
-        lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]
-        momentum_(m, grad, beta1)
-        _no_variance_no_move_(m, bucket, v, False)
-        denom = self._frozen_denominator(bucket, v, eps)
-        acc.addcdiv_(m, denom, value=lr)  # acc += lr * m / (sqrt(v) + eps)
-        tracked = self._interval_factors(bucket)
-        factors = tracked or [1.0] * len(bucket.params)
-        if not self._syncs_now():
-            if wd != 0:
-                torch._foreach_mul_(bucket.params, 1 - lr * wd)
-            if bucket.params:  # p -= lr f_l m / (sqrt(v) + eps): one pass, no direction buffer
-                torch._foreach_addcdiv_(bucket.params, bucket.views(m), bucket.views(denom), [-lr * f for f in factors])
-            return
-        lr_sums, decays = self._group_lists()
-        lr_sum = lr_sums[bucket.group_index] + lr
-        decay = decays[bucket.group_index] * (1 - lr * wd)
-        if lr_sum > 0:
-            # y = average of acc * (sqrt(v) + eps) = sum lr m, identical on every rank
-            acc.mul_(denom)
-            self._exchange(bucket, acc, lr_sum, tracked)
-            _no_variance_no_move_(acc, bucket, v, False)
-            torch.div(acc, lr_sum, out=m)
-            if decay != 1.0:
-                anchor.mul_(decay)
-            if bucket.params:  # anchor -= f_l y / (sqrt(v) + eps): one pass
-                torch._foreach_addcdiv_(bucket.views(anchor), bucket.views(acc), bucket.views(denom),
-                                        [-f for f in factors])
-        # p = p_sync D - y / (sqrt(v) + eps): the same numbers on every rank (lr_sum == 0: p_sync)
-        torch._foreach_copy_(bucket.params, bucket.views(anchor))
-        acc.zero_()
 
     def _end_step(self, step):
         if self.frozen:

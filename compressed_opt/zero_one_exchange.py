@@ -159,6 +159,12 @@ class ZeroOnePreconditioned(ExchangeVariant):
         yield bucket, x, None, kernels.ScaleClamp(x, r, bounds, bucket.segments), True
         x.div_(r)
 
+    def sync_plan(self, opt, bucket, lr_sum, factors):
+        """Phase B's synchronisation in the C passes (:mod:`compressed_opt.zero_one_local`): ``(per-layer
+        scales before the exchange, R and the per-layer bounds of its clamp(R x), per-layer divisors
+        after it)``: no scales, ``R`` and the bounds (``y`` divided by ``R`` after), none."""
+        return None, opt._preconditioner(bucket), opt._exchange_bounds(bucket, lr_sum, factors), None
+
     def after_average_(self, opt, bucket, grad) -> None:
         """Phase A: the averaged gradient is 0 where ``v == 0`` (``y / R`` is 0 / 0 there)."""
         _no_variance_no_move_(grad, bucket, bucket.flat("exp_avg_sq"), False)
@@ -189,6 +195,13 @@ class ZeroOneMomentum(ExchangeVariant):
         scaling.scale_(views, coeffs)
         yield bucket, x, None, None, True
         scaling.unscale_(views, coeffs)
+
+    def sync_plan(self, opt, bucket, lr_sum, factors):
+        """Phase B's synchronisation in the C passes (as :meth:`ZeroOnePreconditioned.sync_plan`): each
+        layer times ``c_l`` before, divided by it after (``None``, nothing, where every ``c_l`` is 1)."""
+        coeffs = opt._layer_coeffs(bucket)
+        scaled = coeffs if any(c != 1.0 for c in coeffs) else None
+        return scaled, None, None, scaled
 
     def after_average_(self, opt, bucket, grad) -> None:
         """Nothing: nothing was divided."""

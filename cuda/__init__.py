@@ -25,7 +25,9 @@ rows for the server side. :mod:`~compressed_opt.cuda.segmented` holds the segmen
 passes around them (the gather of the gradients with their per-segment sums of squares, the
 update's preconditioning and its inverse); :mod:`~compressed_opt.cuda.update` the preconditioned
 exchange's last pass (the momentum and the update, from the result's rows),
-:mod:`~compressed_opt.cuda.lamb_passes` 1-bit LAMB's two compression-step passes.
+:mod:`~compressed_opt.cuda.lamb_passes` 1-bit LAMB's two compression-step passes,
+:mod:`~compressed_opt.cuda.local_steps` 0/1 Adam's phase-B passes (a local step, a
+synchronisation's work before and after its exchange).
 
 Bits: bit ``k`` of a row's bits is bit ``k % 8`` of byte ``k // 8``; bits of invalid elements
 are 1. Float buffers are fp32. CUDA tensors run the CuPy kernels of ``onebit.cu`` on the current
@@ -52,6 +54,8 @@ import torch
 from . import lamb_passes, reference
 from .segmented import (Lerp, LerpScaleClamp, ScaleClamp, Segments, descend_scaled_, divide_where_nonzero_, gather_,
                         lerp_scale_clamp_, scale_clamp_, segment_sumsq)
+from .local_steps import (ZeroOneSyncBefore, signed_denominator, zero_one_local_step_, zero_one_passes_serve,
+                          zero_one_sync_after_, zero_one_sync_before_)
 from .sumsq import sumsq_each
 from .update import CompressedResult, Descend, divide_descend_
 
@@ -81,6 +85,12 @@ __all__ = [
     "CompressedResult",
     "divide_descend_",
     "lamb_passes",
+    "signed_denominator",
+    "zero_one_passes_serve",
+    "zero_one_local_step_",
+    "zero_one_sync_before_",
+    "zero_one_sync_after_",
+    "ZeroOneSyncBefore",
 ]
 
 

@@ -1,0 +1,186 @@
+"""0/1 Adam's phase-B passes (docs/design.md 2.5): a local step, and the work before and after
+a synchronisation's exchange, each one pass over a bucket's flat buffers (C on CPU).
+
+Segment ``s`` of the flat fp32 buffers is parameter ``s`` (:class:`~compressed_opt.cuda.Segments`);
+``params[s]`` is that parameter, written through its own memory. ``sden`` is the frozen
+denominator ``sqrt(v) + eps`` with its sign bit set where ``v == 0`` (:func:`signed_denominator`):
+``den = |sden|``, and a negative ``sden`` marks a coordinate without variance, one stream for both.
+Per element of segment ``s``:
+
+``zero_one_local_step_(params, g, m, sden, acc, segments, weight, lr, decay, steps)``
+    ``m <- lerp(m, g, weight)`` (0 where ``v == 0``); ``acc <- acc + (lr m) / den``;
+    ``p <- p decay + (steps[s] m) / den`` (no multiplication where ``decay`` is 1).
+``zero_one_sync_before_(params, g, m, sden, acc, segments, weight, lr, scales=None)``
+    ``m`` as above; ``acc <- ((acc + (lr m) / den) den) scales[s]`` (what the exchange averages:
+    ``sum lr m``, times the layer's coefficient with ``scales``).
+``ZeroOneSyncBefore(g, m, sden, acc, segments, weight, lr, scales=None, r=None, bounds=None)``
+    that pass, then (with ``r``) the exchange's ``clamp(r acc, -bounds[s], bounds[s])``, not run
+    yet: the exchange's compression runs both inside its worker side (``compress_rows_``, one pass
+    over memory; ``acc`` read, not written), bit for bit as the passes then the compression.
+``zero_one_sync_after_(params, y, sden, m, anchor, segments, lr_sum, decay, steps, r=None, divisors=None)``
+    ``y <- y / r / divisors[s]`` (each where given), 0 where ``v == 0``; ``m <- y / lr_sum``;
+    ``anchor <- anchor decay + (steps[s] y) / den``; ``p <- anchor``; ``y <- 0``.
+
+Elements past the segments (up to the buffers' size) get what has no per-segment scalar (``m``,
+``acc``, ``anchor decay``; no parameter, no step), as the PyTorch composition treats them.
+
+Each returns ``True`` when it ran, ``False`` (nothing done) where the C library does not serve:
+not contiguous fp32 CPU tensors (parameters included), no library, or
+``COMPRESSED_OPT_KERNELS=reference``; the caller then runs its PyTorch composition
+(:mod:`compressed_opt.zero_one_local`). Rounding: every operation rounded on its own in that
+composition's order (no FMA contraction), the denominator PyTorch's own (``torch.sqrt`` is not
+correctly rounded on every build), and the lerp as torch's vector kernel computes it on CPUs with
+FMA (``fma(w, g - m, m)``; for ``|w| >= 1/2`` ``fma(w - 1, g - m, g)``): bit for bit the
+composition wherever torch's CPU kernels use FMA (``torch.backends.cpu.get_cpu_capability()``
+AVX2, AVX512; ``tests/test_local_steps.py`` checks it). Elsewhere (a torch whose lerp does not
+contract) only ``m`` may differ from the composition, in the lerp's rounding: the pass's ``m`` is
+within ``ulp(m) / 2 + |c| ulp(g - m) / 2`` of the exact lerp of the fp32 inputs (``c`` the
+formula's coefficient, ``w`` or ``w - 1``; tested against float64), and every other value is the
+composition's arithmetic on that ``m``.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from .segmented import Segments, _c_doubles, _check, _native, scale_clamp_
+
+
+def _params_ok(params: list, segments: Segments):
+    """The parameters' addresses as a C array (``None`` when the C pass cannot write them)."""
+    if len(params) != len(segments):
+        raise ValueError(f"one parameter per segment is needed ({len(segments)}), got {len(params)}")
+    addresses = []
+    for p, n in zip(params, segments.sizes):
+        if p.numel() != n:
+            raise ValueError(f"a parameter of {p.numel()} elements for a segment of {n}")
+        if type(p) not in (torch.Tensor, torch.nn.Parameter) or not (
+                p.is_cpu and p.dtype is torch.float32 and p.is_contiguous()):
+            return None
+        addresses.append(p.data_ptr() if n else 0)
+    return (ctypes.c_int64 * len(addresses))(*addresses)
+
+
+def _flat_buffers(segments: Segments, *tensors: torch.Tensor) -> int:
+    _check(segments, *tensors)
+    n = tensors[0].numel()
+    if any(t.numel() != n for t in tensors):
+        raise ValueError(f"flat buffers of one size are needed, got {[t.numel() for t in tensors]}")
+    return n
+
+
+def zero_one_passes_serve(params: list, segments: Segments, *tensors: torch.Tensor) -> bool:
+    """Whether the passes run here on these parameters and flat buffers (contiguous fp32 CPU tensors,
+    the C library allowed and loaded)."""
+    return _native(*tensors) is not None and _params_ok(params, segments) is not None
+
+
+def signed_denominator(v: torch.Tensor, denom: torch.Tensor) -> torch.Tensor:
+    """``denom`` (``sqrt(v) + eps``, made by PyTorch) negated where ``v == 0``, in place: the passes'
+    ``sden``. Made once while ``v`` is frozen."""
+    zero = v == 0
+    denom[zero] = denom[zero].neg_()
+    return denom
+
+
+def zero_one_local_step_(params: list, g: torch.Tensor, m: torch.Tensor, sden: torch.Tensor, acc: torch.Tensor,
+                         segments: Segments, weight: float, lr: float, decay: float, steps) -> bool:
+    """A phase-B local step in one pass (see the module doc): ``m``, ``acc`` and the parameters.
+    ``steps[s]`` is ``-lr f_s`` (the step's scalar of segment ``s``)."""
+    n = _flat_buffers(segments, g, m, sden, acc)
+    lib = _native(g, m, sden, acc)
+    dests = _params_ok(params, segments)
+    if lib is None or dests is None:
+        return False
+    c, cp = _c_doubles(steps, len(segments))
+    lib.co_zo_local_step(ctypes.addressof(dests), g.data_ptr(), m.data_ptr(), sden.data_ptr(), acc.data_ptr(),
+                         segments.offsets.data_ptr(), len(segments), n, float(weight), float(lr), float(decay),
+                         decay != 1.0, cp)
+    return True
+
+
+def zero_one_sync_before_(params: list, g: torch.Tensor, m: torch.Tensor, sden: torch.Tensor, acc: torch.Tensor,
+                          segments: Segments, weight: float, lr: float, scales=None) -> bool:
+    """A synchronising step's pass before its exchange (see the module doc): ``m``, and ``acc``
+    becomes what the exchange averages. ``scales``: per segment (``None``: none). ``params`` are
+    only checked: ``False`` (nothing done) where :func:`zero_one_sync_after_` could not write them."""
+    _flat_buffers(segments, g, m, sden, acc)
+    lib = _native(g, m, sden, acc)
+    if _params_ok(params, segments) is None or lib is None:
+        return False
+    _sync_before(lib, g, m, sden, acc, segments, weight, lr, scales)
+    return True
+
+
+def _sync_before(lib, g, m, sden, acc, segments: Segments, weight: float, lr: float, scales) -> None:
+    c, cp = (None, None) if scales is None else _c_doubles(scales, len(segments))
+    lib.co_zo_sync_before(g.data_ptr(), m.data_ptr(), sden.data_ptr(), acc.data_ptr(), segments.offsets.data_ptr(),
+                          len(segments), acc.numel(), float(weight), float(lr), cp)
+
+
+def zero_one_sync_after_(params: list, y: torch.Tensor, sden: torch.Tensor, m: torch.Tensor, anchor: torch.Tensor,
+                         segments: Segments, lr_sum: float, decay: float, steps, r: torch.Tensor | None = None,
+                         divisors=None) -> bool:
+    """A synchronising step's pass after its exchange (``y``: its result; see the module doc):
+    ``m``, ``anchor``, the parameters, and ``y <- 0``. ``steps[s]`` is ``-f_s``; ``r``: the
+    element-wise divisor of the preconditioned exchange; ``divisors``: per segment."""
+    n = _flat_buffers(segments, y, sden, m, anchor, *(() if r is None else (r,)))
+    lib = _native(y, sden, m, anchor, *(() if r is None else (r,)))
+    dests = _params_ok(params, segments)
+    if lib is None or dests is None:
+        return False
+    c, cp = _c_doubles(steps, len(segments))
+    d, dp = (None, None) if divisors is None else _c_doubles(divisors, len(segments))
+    lib.co_zo_sync_after(ctypes.addressof(dests), y.data_ptr(), None if r is None else r.data_ptr(), sden.data_ptr(),
+                         m.data_ptr(), anchor.data_ptr(), segments.offsets.data_ptr(), len(segments), n, float(lr_sum),
+                         float(decay), decay != 1.0, dp, cp)
+    return True
+
+
+class ZeroOneSyncBefore:
+    """:func:`zero_one_sync_before_` then, with ``r``, the exchange's ``scale_clamp_(acc, r, bounds,
+    segments)``, not run yet: the pending pass of a synchronisation's exchange (as
+    :class:`~compressed_opt.cuda.LerpScaleClamp`). Its :meth:`compress_rows_` runs both inside the
+    worker side of the compression of ``acc`` (one pass over memory, ``acc`` read and not written,
+    ``m`` written), bit for bit as :meth:`apply_` then the compression; :meth:`apply_` runs them
+    alone. Made only where :func:`zero_one_passes_serve` (the caller checks); the arguments are
+    kept, not copied."""
+
+    def __init__(self, g: torch.Tensor, m: torch.Tensor, sden: torch.Tensor, acc: torch.Tensor, segments: Segments,
+                 weight: float, lr: float, scales=None, r: torch.Tensor | None = None, bounds=None):
+        _flat_buffers(segments, g, m, sden, acc, *(() if r is None else (r,)))
+        if (r is None) != (bounds is None):
+            raise ValueError("r and bounds go together")
+        self.g, self.m, self.sden, self.acc, self.segments = g, m, sden, acc, segments
+        self.weight, self.lr, self.scales, self.r, self.bounds = float(weight), float(lr), scales, r, bounds
+
+    def apply_(self) -> None:
+        """The passes on ``acc``, alone (the C passes, or where they cannot run, which the caller
+        has excluded, a ``RuntimeError``)."""
+        lib = _native(self.g, self.m, self.sden, self.acc)
+        if lib is None:
+            raise RuntimeError("0/1 Adam's pass before the exchange cannot run here")
+        _sync_before(lib, self.g, self.m, self.sden, self.acc, self.segments, self.weight, self.lr, self.scales)
+        if self.r is not None:
+            scale_clamp_(self.acc, self.r, self.bounds, self.segments)
+
+    def compress_rows_(self, x: torch.Tensor, error: torch.Tensor, rows: torch.Tensor, chunk: int, block: int) -> bool:
+        """The passes, then ``compress_rows_(x, error, rows, chunk, block)`` (:mod:`compressed_opt.cuda`),
+        in one native pass: ``x`` (this pass's ``acc``) read, not written. ``False``, with nothing
+        done, where it does not run here (another buffer, or not the whole of it; rows elsewhere)."""
+        n = error.numel()
+        if (x.dim() != 1 or x.data_ptr() != self.acc.data_ptr() or x.numel() != self.acc.numel() or n != x.numel()
+                or rows.dtype != torch.uint8 or rows.dim() != 2 or rows.stride(1) != 1 or not rows.is_cpu):
+            return False
+        lib = _native(x, self.g, self.m, self.sden, error, *(() if self.r is None else (self.r,)))
+        if lib is None:
+            return False
+        nseg = len(self.segments)
+        c, cp = (None, None) if self.scales is None else _c_doubles(self.scales, nseg)
+        b, bp = (None, None) if self.bounds is None else _c_doubles(self.bounds, nseg)
+        lib.co_zo_sync_before_compress_rows(
+            self.g.data_ptr(), self.m.data_ptr(), self.sden.data_ptr(), x.data_ptr(), self.weight, self.lr, cp,
+            None if self.r is None else self.r.data_ptr(), bp, self.segments.offsets.data_ptr(), nseg,
+            error.data_ptr(), rows.data_ptr(), rows.stride(0), rows.shape[0], chunk, block, n)
+        return True
