@@ -56,6 +56,7 @@ from .segmented import (Lerp, LerpScaleClamp, ScaleClamp, Segments, descend_scal
                         lerp_scale_clamp_, scale_clamp_, segment_sumsq)
 from .local_steps import (ZeroOneSyncBefore, signed_denominator, zero_one_local_step_, zero_one_passes_serve,
                           zero_one_sync_after_, zero_one_sync_before_)
+from .addresses import addressable as plain_memory
 from .sumsq import sumsq_each
 from .update import CompressedResult, Descend, divide_descend_
 
@@ -150,13 +151,6 @@ def _impl(device: torch.device):
 
         return cpu
     return reference
-
-
-def plain_memory(t) -> bool:
-    """Whether ``t`` is a tensor whose elements a kernel may address: a ``torch.Tensor`` or
-    ``nn.Parameter`` itself (not a subclass such as DTensor, whose ``data_ptr()`` is not its
-    elements'), with storage (``data_ptr() != 0``, or no elements)."""
-    return type(t) in (torch.Tensor, torch.nn.Parameter) and (t.numel() == 0 or t.data_ptr() != 0)
 
 
 def _check_flat(name: str, t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> None:

@@ -42,11 +42,12 @@ import ctypes
 import torch
 
 from . import cpu
-from .segmented import Segments, _addressable, _c_doubles, _check, _library_allowed
+from .addresses import addressable, destination_addresses
+from .segmented import Segments, _c_doubles, _check, _library_allowed
 
 
 def _plain(t: torch.Tensor) -> bool:
-    return _addressable(t) and t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
+    return addressable(t) and t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
 
 
 def ready(tensors: list, params: list, segments: Segments) -> bool:
@@ -59,24 +60,10 @@ def ready(tensors: list, params: list, segments: Segments) -> bool:
     flats = [t for t in tensors if t is not None]
     if not all(_plain(t) and t.dim() == 1 and t.numel() == segments.numel for t in flats):
         return False
-    if not _plain_params(params, segments.sizes):
+    if destination_addresses(params, segments.sizes) is None:
         return False
     lib = cpu.library()
     return lib is not None and _agrees(lib)
-
-
-_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
-
-
-def _plain_params(params: list, sizes: list[int]) -> bool:
-    """Whether each parameter is a plain contiguous fp32 CPU tensor of its segment's size, with
-    storage (:func:`_plain`, written for thousands of parameters a step: a microsecond or less each)."""
-    f32 = torch.float32
-    for p, n in zip(params, sizes):
-        if (type(p) not in _PLAIN_TYPES or p.dtype is not f32 or not p.is_cpu or p.numel() != n
-                or not p.is_contiguous() or (n and not p.data_ptr())):
-            return False
-    return True
 
 
 def variance_maxima_(y: torch.Tensor, r: torch.Tensor | None, divisors, m: torch.Tensor, v: torch.Tensor,
@@ -103,7 +90,7 @@ def descend_(params: list, m: torch.Tensor, denom: torch.Tensor, segments: Segme
     :func:`ready`."""
     _check(segments, m, denom)
     nseg = len(segments)
-    addresses = torch.tensor([p.data_ptr() if p.numel() else 0 for p in params], dtype=torch.int64)
+    addresses = torch.tensor([p.data_ptr() if p.numel() else 0 for p in params], dtype=torch.int64)  # (ready())
     a, ap = _c_doubles(alphas, nseg)
     d, dp = (None, None) if decays is None else _c_doubles(decays, nseg)
     cpu.library().co_lamb_descend(addresses.data_ptr(), m.data_ptr(), denom.data_ptr(), segments.offsets.data_ptr(),

@@ -40,26 +40,10 @@ composition's arithmetic on that ``m``.
 """
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
+from .addresses import destination_addresses
 from .segmented import Segments, _c_doubles, _check, _native, scale_clamp_
-
-
-def _params_ok(params: list, segments: Segments):
-    """The parameters' addresses as a C array (``None`` when the C pass cannot write them)."""
-    if len(params) != len(segments):
-        raise ValueError(f"one parameter per segment is needed ({len(segments)}), got {len(params)}")
-    addresses = []
-    for p, n in zip(params, segments.sizes):
-        if p.numel() != n:
-            raise ValueError(f"a parameter of {p.numel()} elements for a segment of {n}")
-        if type(p) not in (torch.Tensor, torch.nn.Parameter) or not (
-                p.is_cpu and p.dtype is torch.float32 and p.is_contiguous()):
-            return None
-        addresses.append(p.data_ptr() if n else 0)
-    return (ctypes.c_int64 * len(addresses))(*addresses)
 
 
 def _flat_buffers(segments: Segments, *tensors: torch.Tensor) -> int:
@@ -73,7 +57,7 @@ def _flat_buffers(segments: Segments, *tensors: torch.Tensor) -> int:
 def zero_one_passes_serve(params: list, segments: Segments, *tensors: torch.Tensor) -> bool:
     """Whether the passes run here on these parameters and flat buffers (contiguous fp32 CPU tensors,
     the C library allowed and loaded)."""
-    return _native(*tensors) is not None and _params_ok(params, segments) is not None
+    return _native(*tensors) is not None and destination_addresses(params, segments.sizes) is not None
 
 
 def signed_denominator(v: torch.Tensor, denom: torch.Tensor) -> torch.Tensor:
@@ -90,11 +74,11 @@ def zero_one_local_step_(params: list, g: torch.Tensor, m: torch.Tensor, sden: t
     ``steps[s]`` is ``-lr f_s`` (the step's scalar of segment ``s``)."""
     n = _flat_buffers(segments, g, m, sden, acc)
     lib = _native(g, m, sden, acc)
-    dests = _params_ok(params, segments)
+    dests = destination_addresses(params, segments.sizes)
     if lib is None or dests is None:
         return False
     c, cp = _c_doubles(steps, len(segments))
-    lib.co_zo_local_step(ctypes.addressof(dests), g.data_ptr(), m.data_ptr(), sden.data_ptr(), acc.data_ptr(),
+    lib.co_zo_local_step(dests.data_ptr(), g.data_ptr(), m.data_ptr(), sden.data_ptr(), acc.data_ptr(),
                          segments.offsets.data_ptr(), len(segments), n, float(weight), float(lr), float(decay),
                          decay != 1.0, cp)
     return True
@@ -107,7 +91,7 @@ def zero_one_sync_before_(params: list, g: torch.Tensor, m: torch.Tensor, sden: 
     only checked: ``False`` (nothing done) where :func:`zero_one_sync_after_` could not write them."""
     _flat_buffers(segments, g, m, sden, acc)
     lib = _native(g, m, sden, acc)
-    if _params_ok(params, segments) is None or lib is None:
+    if destination_addresses(params, segments.sizes) is None or lib is None:
         return False
     _sync_before(lib, g, m, sden, acc, segments, weight, lr, scales)
     return True
@@ -127,12 +111,12 @@ def zero_one_sync_after_(params: list, y: torch.Tensor, sden: torch.Tensor, m: t
     element-wise divisor of the preconditioned exchange; ``divisors``: per segment."""
     n = _flat_buffers(segments, y, sden, m, anchor, *(() if r is None else (r,)))
     lib = _native(y, sden, m, anchor, *(() if r is None else (r,)))
-    dests = _params_ok(params, segments)
+    dests = destination_addresses(params, segments.sizes)
     if lib is None or dests is None:
         return False
     c, cp = _c_doubles(steps, len(segments))
     d, dp = (None, None) if divisors is None else _c_doubles(divisors, len(segments))
-    lib.co_zo_sync_after(ctypes.addressof(dests), y.data_ptr(), None if r is None else r.data_ptr(), sden.data_ptr(),
+    lib.co_zo_sync_after(dests.data_ptr(), y.data_ptr(), None if r is None else r.data_ptr(), sden.data_ptr(),
                          m.data_ptr(), anchor.data_ptr(), segments.offsets.data_ptr(), len(segments), n, float(lr_sum),
                          float(decay), decay != 1.0, dp, cp)
     return True

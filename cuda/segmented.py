@@ -46,6 +46,8 @@ import warnings
 import torch
 
 from . import cpu, reference
+from .addresses import addressable
+from .addresses import destination_addresses, plain_cpu_floats, source_addresses
 
 
 class Segments:
@@ -87,31 +89,10 @@ def _native(*tensors: torch.Tensor):
     """The C library when every tensor is a contiguous fp32 CPU tensor and it is allowed, else None."""
     if not _library_allowed():
         return None
-    if not all(_addressable(t) and t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
+    if not all(addressable(t) and t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
                for t in tensors):
         return None
     return cpu.library()
-
-
-def _addressable(t: torch.Tensor) -> bool:
-    """Whether the C pass may read ``t``'s elements at ``data_ptr()``: a plain tensor or parameter
-    with storage (a DTensor's ``data_ptr()`` is 0: its elements are its local shard's)."""
-    return type(t) in (torch.Tensor, torch.nn.Parameter) and (t.numel() == 0 or t.data_ptr() != 0)
-
-
-def _plain_cpu_floats(sources: list) -> bool:
-    """Whether the C passes may read every source (``None``: none): contiguous fp32 CPU memory."""
-    return all(s is None or (_addressable(s) and s.is_cpu and s.dtype is torch.float32 and s.is_contiguous())
-               for s in sources)
-
-
-def _source_addresses(sources: list, segments: Segments) -> torch.Tensor:
-    """Each source's address (0 for ``None``), checked against its segment's size."""
-    for src, n in zip(sources, segments.sizes):
-        if src is not None and src.numel() != n:
-            raise ValueError(f"a source of {src.numel()} elements for a segment of {n}")
-    return torch.tensor([0 if src is None or not src.numel() else src.data_ptr() for src in sources],
-                        dtype=torch.int64)
 
 
 def _check(segments: Segments, *tensors: torch.Tensor) -> None:
@@ -150,8 +131,8 @@ def gather_(sources: list, out: torch.Tensor, segments: Segments, scale: float |
     if sumsq_out is not None and (sumsq_out.shape != (len(segments),) or sumsq_out.dtype != torch.float64):
         raise ValueError(f"sumsq_out must be float64 of shape ({len(segments)},)")
     lib = _native(out) if sumsq_out is None or (sumsq_out.is_cpu and sumsq_out.is_contiguous()) else None
-    if lib is not None and _plain_cpu_floats(sources):
-        addresses = _source_addresses(sources, segments)
+    if lib is not None and plain_cpu_floats(sources):
+        addresses = source_addresses(sources, segments.sizes)
         lib.co_gather(addresses.data_ptr(), out.data_ptr(), segments.offsets.data_ptr(), len(segments),
                       1.0 if scale is None else float(scale), scale is not None,
                       None if sumsq_out is None else sumsq_out.data_ptr())
@@ -270,7 +251,7 @@ class LerpScaleClamp:
 
         tensors = [t for t in (x, self.m, self.r, error) if t is not None]
         if (os.environ.get("COMPRESSED_OPT_KERNELS") == "reference"
-                or not all(_addressable(t) and t.device == x.device and t.dtype == torch.float32 and t.is_contiguous()
+                or not all(addressable(t) and t.device == x.device and t.dtype == torch.float32 and t.is_contiguous()
                            for t in tensors)
                 or not gpu.is_available(x.device) or not _cuda_fusion_agrees(x.device)):
             return False
@@ -469,12 +450,8 @@ def descend_scaled_(dests: list, y: torch.Tensor, a: torch.Tensor, segments: Seg
     _check(segments, y, a)
     c, cp = _c_doubles(scales, len(segments))
     lib = _native(y, a)
-    if lib is not None and all(_addressable(p) and p.is_cpu and p.dtype is torch.float32 and p.is_contiguous()
-                               for p in dests):
-        for p, n in zip(dests, segments.sizes):
-            if p.numel() != n:
-                raise ValueError(f"a destination of {p.numel()} elements for a segment of {n}")
-        addresses = torch.tensor([p.data_ptr() if p.numel() else 0 for p in dests], dtype=torch.int64)
+    addresses = destination_addresses(dests, segments.sizes) if lib is not None else None
+    if addresses is not None:
         lib.co_descend_scaled(addresses.data_ptr(), y.data_ptr(), a.data_ptr(), segments.offsets.data_ptr(),
                               len(segments), float(decay), decay != 1.0, cp)
         return

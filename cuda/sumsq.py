@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 
 from . import cpu
-from .segmented import Segments, _library_allowed, _plain_cpu_floats, _source_addresses
+from .addresses import plain_cpu_floats, source_addresses
+from .segmented import Segments, _library_allowed
 
 
 def sumsq_each(sources: list, segments: Segments, out: torch.Tensor) -> torch.Tensor:
@@ -20,8 +21,8 @@ def sumsq_each(sources: list, segments: Segments, out: torch.Tensor) -> torch.Te
     if out.shape != (len(segments),) or out.dtype != torch.float64:
         raise ValueError(f"out must be float64 of shape ({len(segments)},)")
     lib = cpu.library() if out.is_cpu and out.is_contiguous() and _library_allowed() else None
-    if lib is not None and _plain_cpu_floats(sources):
-        addresses = _source_addresses(sources, segments)
+    if lib is not None and plain_cpu_floats(sources):
+        addresses = source_addresses(sources, segments.sizes)
         lib.co_sumsq_each(addresses.data_ptr(), segments.offsets.data_ptr(), len(segments), out.data_ptr())
         return out
     out.zero_()

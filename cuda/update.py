@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from .segmented import Segments, _addressable, _c_doubles, _check, _native, descend_scaled_, divide_where_nonzero_
+from .addresses import destination_addresses
+from .segmented import Segments, _c_doubles, _check, _native, descend_scaled_, divide_where_nonzero_
 
 
 class CompressedResult:
@@ -58,17 +59,6 @@ class Descend:
         descend_scaled_(self.dests, y, self.a, segments, self.decay, self.scales)
 
 
-def _destination_addresses(dests: list, segments: Segments) -> torch.Tensor | None:
-    """Each destination's address (0 for an empty one), or ``None`` where one is not contiguous fp32
-    CPU memory; raises where one's size is not its segment's."""
-    for p, n in zip(dests, segments.sizes):
-        if p.numel() != n:
-            raise ValueError(f"a destination of {p.numel()} elements for a segment of {n}")
-    if not all(_addressable(p) and p.is_cpu and p.dtype is torch.float32 and p.is_contiguous() for p in dests):
-        return None
-    return torch.tensor([p.data_ptr() if p.numel() else 0 for p in dests], dtype=torch.int64)
-
-
 def divide_descend_(y, r: torch.Tensor, out: torch.Tensor, segments: Segments, divisors, descend: Descend,
                     zero_index: torch.Tensor | None = None) -> None:
     """``out <- y / r`` (0 where ``r == 0``; then ``/ divisors[s]`` on segment ``s`` unless
@@ -88,7 +78,7 @@ def divide_descend_(y, r: torch.Tensor, out: torch.Tensor, segments: Segments, d
         lib = _native(r, out, descend.a) if y.rows.is_cpu else None
     else:
         lib = _native(y, r, out, descend.a) if out.data_ptr() != y.data_ptr() else None
-    addresses = _destination_addresses(descend.dests, segments) if lib is not None else None
+    addresses = destination_addresses(descend.dests, segments.sizes) if lib is not None else None
     if addresses is None:
         if compressed:
             y = y.expand_()

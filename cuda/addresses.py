@@ -1,0 +1,51 @@
+"""Where the C passes may read and write: the checks and the address arrays of tensors they take
+by pointer (a bucket's parameters, written through their own memory; the gradients, read where
+they are), made once per call for thousands of tensors (a microsecond or less each).
+"""
+from __future__ import annotations
+
+import torch
+
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def addressable(t: torch.Tensor) -> bool:
+    """Whether a kernel may address ``t``'s elements at ``data_ptr()``: a ``torch.Tensor`` or
+    ``nn.Parameter`` itself (not a subclass such as DTensor, whose ``data_ptr()`` is not its
+    elements': 0, its elements are its local shard's), with storage (or no elements). Exported as
+    ``compressed_opt.cuda.plain_memory``."""
+    return type(t) in _PLAIN_TYPES and (t.numel() == 0 or t.data_ptr() != 0)
+
+
+def plain_cpu_floats(sources: list) -> bool:
+    """Whether the C passes may read every source (``None``: none): contiguous fp32 CPU memory."""
+    return all(s is None or (addressable(s) and s.is_cpu and s.dtype is torch.float32 and s.is_contiguous())
+               for s in sources)
+
+
+def source_addresses(sources: list, sizes: list[int]) -> torch.Tensor:
+    """Each source's address (0 for ``None`` or an empty one), checked against its segment's size."""
+    for src, n in zip(sources, sizes):
+        if src is not None and src.numel() != n:
+            raise ValueError(f"a source of {src.numel()} elements for a segment of {n}")
+    return torch.tensor([0 if src is None or not src.numel() else src.data_ptr() for src in sources],
+                        dtype=torch.int64)
+
+
+def destination_addresses(dests: list, sizes: list[int]) -> torch.Tensor | None:
+    """Each destination's address (0 for an empty one; int64), or ``None`` where one is not a plain
+    contiguous fp32 CPU tensor with storage (a C pass cannot write it). Raises ``ValueError`` where
+    their number or a size is not the segments'."""
+    if len(dests) != len(sizes):
+        raise ValueError(f"one destination per segment is needed ({len(sizes)}), got {len(dests)}")
+    f32, out = torch.float32, []
+    for p, n in zip(dests, sizes):
+        if p.numel() != n:
+            raise ValueError(f"a destination of {p.numel()} elements for a segment of {n}")
+        if type(p) not in _PLAIN_TYPES or p.dtype is not f32 or not p.is_cpu or not p.is_contiguous():
+            return None
+        ptr = p.data_ptr() if n else 0
+        if n and not ptr:
+            return None
+        out.append(ptr)
+    return torch.tensor(out, dtype=torch.int64)
