@@ -215,18 +215,29 @@ static void lsc_compensate(struct co_lsc *p, int64_t lo, int64_t len, float *res
 }
 
 /*
- * Compress the valid elements [0, valid) of one chunk held in error (u after compensate, or to
- * be compensated with x): per block, pack its bits into bits, its scale sqrt(sum(u^2) / count)
- * into scales (4 bytes each), and subtract the decompressed values while the block is in cache.
- * With pass (then x is NULL): x is the pass's values of the buffer's elements from first on,
- * formed block by block and added to the error as the block is compensated, so that they never
- * travel to memory; the same arithmetic as the pass, then the compression.
+ * A pass fused into a compression (co_lsc, 0/1 Adam's zo_before): error[0, len) <- u = v + error,
+ * v the pass's values of the flat buffer's elements [lo, lo + len), formed as the block is
+ * compensated. pass is the pass's own state.
+ */
+typedef void (*co_compensate)(void *pass, int64_t lo, int64_t len, float *error);
+
+static void lsc_compensate_any(void *pass, int64_t lo, int64_t len, float *error) {
+    lsc_compensate((struct co_lsc *)pass, lo, len, error);
+}
+
+/*
+ * Compress one block of count valid elements (of len) held in error (u after compensate, or to
+ * be compensated with xb): pack its bits into bits, its scale sqrt(sum(u^2) / count) into scale
+ * (4 bytes), and subtract the decompressed values while the block is in cache. With compensate
+ * (then xb is NULL): the pass's values of the buffer's elements from first on are formed and added
+ * to the error as the block is compensated, so that they never travel to memory; the same
+ * arithmetic as the pass, then the compression. No valid element: scale 0, bits 1.
  */
 static void compress_block(const float *xb, float *error, uint8_t *scale, uint8_t *bits, int64_t len,
-                           int64_t count, struct co_lsc *pass, int64_t first) {
+                           int64_t count, co_compensate compensate, void *pass, int64_t first) {
     float s = 0.0f;
     if (count > 0) {
-        if (pass) lsc_compensate(pass, first, count, error); /* then error holds u */
+        if (compensate) compensate(pass, first, count, error); /* then error holds u */
         double sumsq = compensate_pack(xb, error, bits, count, len / 8);
         s = (float)sqrt(sumsq / (double)count);
         subtract_decompressed(error, s, count);
@@ -236,13 +247,27 @@ static void compress_block(const float *xb, float *error, uint8_t *scale, uint8_
     memcpy(scale, &s, sizeof s);
 }
 
+/* compress_block over the blocks of one chunk, its valid elements [0, valid) (scales: 4 bytes each). */
 static void compress_chunk(const float *x, float *error, uint8_t *scales, uint8_t *bits, int64_t chunk,
-                           int64_t block, int64_t valid, struct co_lsc *pass, int64_t first) {
+                           int64_t block, int64_t valid, co_compensate compensate, void *pass, int64_t first) {
     const int64_t nb = blocks_of(chunk, block);
     for (int64_t b = 0; b < nb; ++b) {
         const int64_t lo = b * block, len = min64(chunk - lo, block), count = valid_in(valid, lo, len);
-        compress_block(x && count ? x + lo : NULL, error + lo, scales + 4 * b, bits + lo / 8, len, count, pass,
-                       first + lo);
+        compress_block(x && count ? x + lo : NULL, error + lo, scales + 4 * b, bits + lo / 8, len, count, compensate,
+                       pass, first + lo);
+    }
+}
+
+/* Each of world rows (row_stride bytes apart) <- its chunk of the n valid elements, compressed
+ * (compress_chunk; empty chunks: rows of scale 0). */
+static void compress_each_row(const float *x, float *error, uint8_t *rows, int64_t row_stride, int64_t world,
+                              int64_t chunk, int64_t block, int64_t n, co_compensate compensate, void *pass) {
+    const int64_t nb = blocks_of(chunk, block);
+    for (int64_t j = 0; j < world; ++j) {
+        const int64_t lo = j * chunk, valid = valid_in(n, lo, chunk);
+        uint8_t *row = rows + j * row_stride;
+        const int64_t at = valid ? lo : 0; /* (no pointer past the buffers for empty chunks) */
+        compress_chunk(x ? x + at : NULL, error + at, row, row + 4 * nb, chunk, block, valid, compensate, pass, at);
     }
 }
 
@@ -252,13 +277,7 @@ static void compress_chunk(const float *x, float *error, uint8_t *scales, uint8_
  */
 void co_compress_rows(const float *x, float *error, uint8_t *rows, int64_t row_stride, int64_t world,
                       int64_t chunk, int64_t block, int64_t n) {
-    const int64_t nb = blocks_of(chunk, block);
-    for (int64_t j = 0; j < world; ++j) {
-        const int64_t lo = j * chunk, valid = valid_in(n, lo, chunk);
-        uint8_t *row = rows + j * row_stride;
-        const int64_t at = valid ? lo : 0; /* (no pointer past the buffers for empty chunks) */
-        compress_chunk(x ? x + at : NULL, error + at, row, row + 4 * nb, chunk, block, valid, NULL, 0);
-    }
+    compress_each_row(x, error, rows, row_stride, world, chunk, block, n, NULL, NULL);
 }
 
 /*
@@ -274,13 +293,7 @@ void co_lerp_scale_clamp_compress_rows(const float *x, const float *m, float w, 
                                       uint8_t *rows, int64_t row_stride, int64_t world, int64_t chunk, int64_t block,
                                       int64_t n) {
     struct co_lsc pass = {x, m, r, w, bounds, scales, off, nseg, 0};
-    const int64_t nb = blocks_of(chunk, block);
-    for (int64_t j = 0; j < world; ++j) {
-        const int64_t lo = j * chunk, valid = valid_in(n, lo, chunk);
-        uint8_t *row = rows + j * row_stride;
-        const int64_t at = valid ? lo : 0;
-        compress_chunk(NULL, error + at, row, row + 4 * nb, chunk, block, valid, &pass, at);
-    }
+    compress_each_row(NULL, error, rows, row_stride, world, chunk, block, n, lsc_compensate_any, &pass);
 }
 
 /* x[0, m_n) <- lerp(m, x, w) (torch.lerp's formulas, as this compiler contracts them), then
@@ -317,7 +330,7 @@ int co_average_compress_rows(const uint8_t *rows, int64_t row_stride, int64_t wo
     for (int64_t b = 0; b < nb; ++b) {
         const int64_t lo = b * block, len = min64(chunk - lo, block), count = valid_in(m, lo, len);
         if (count == 0) { /* (past the valid elements: a block of scale 0, its bits 1) */
-            compress_block(NULL, error + lo, out_row + 4 * b, out_row + 4 * nb + lo / 8, len, 0, NULL, 0);
+            compress_block(NULL, error + lo, out_row + 4 * b, out_row + 4 * nb + lo / 8, len, 0, NULL, NULL, 0);
             continue;
         }
         for (int64_t i = 0; i < world; ++i) w[i] = load_scale(rows + i * row_stride + 4 * b) / (float)world;
@@ -353,7 +366,7 @@ int co_average_compress_rows(const uint8_t *rows, int64_t row_stride, int64_t wo
             z[e] = v;
         }
         /* compressed while the block is in cache: one pass over the error, not two */
-        compress_block(NULL, z, out_row + 4 * b, out_row + 4 * nb + lo / 8, len, count, NULL, 0);
+        compress_block(NULL, z, out_row + 4 * b, out_row + 4 * nb + lo / 8, len, count, NULL, NULL, 0);
     }
     return 0;
 }
@@ -677,16 +690,6 @@ void co_rows_divide_descend(const uint8_t *rows, int64_t row_stride, int64_t chu
 #define LAMB_NO_CONTRACT
 #endif
 
-/* y / r, +0 where r == 0 (the preconditioned exchange's m = y / R; integer masking, as it vectorizes). */
-static inline LAMB_EXACT float lamb_quotient_or_zero(float y, float r) {
-    float q = y / r;
-    uint32_t bits;
-    memcpy(&bits, &q, sizeof bits);
-    bits &= -(uint32_t)(r != 0.0f);
-    memcpy(&q, &bits, sizeof q);
-    return q;
-}
-
 /* torch.nan_to_num(x, nan=0, posinf=0) (neginf: the lowest float), as a max's operand. */
 static inline LAMB_EXACT float lamb_finite_or_zero(float x) {
     float z = (x != x || x == INFINITY) ? 0.0f : x;
@@ -778,7 +781,7 @@ LAMB_EXACT void co_lamb_variance_maxima(const float *y, const float *r, const do
         for (int j = 0; j < 8; ++j) best = lanes[j] > best ? lanes[j] : best;
 #endif
         for (; i < n; ++i) {
-            const float mt = rs ? lamb_quotient_or_zero(ys[i], rs[i]) : divisors ? ys[i] / c : ys[i];
+            const float mt = rs ? quotient_or_zero(ys[i], rs[i]) : divisors ? ys[i] / c : ys[i];
             const float f = lamb_element(mt, ms + i, vs + i, ds[i], &k);
             best = f > best ? f : best;
         }
@@ -1087,23 +1090,8 @@ static void zo_before_compensate(struct zo_before *p, int64_t lo, int64_t len, f
     p->seg = s;
 }
 
-/* compress_chunk with the passes of zo_before (x: the pass's values, formed per block). */
-static void zo_compress_chunk(float *error, uint8_t *scales, uint8_t *bits, int64_t chunk, int64_t block,
-                              int64_t valid, struct zo_before *pass, int64_t first) {
-    const int64_t nb = blocks_of(chunk, block);
-    for (int64_t b = 0; b < nb; ++b) {
-        const int64_t lo = b * block, len = min64(chunk - lo, block), count = valid_in(valid, lo, len);
-        float s = 0.0f;
-        if (count > 0) {
-            zo_before_compensate(pass, first + lo, count, error + lo); /* then error holds u */
-            double sumsq = compensate_pack(NULL, error + lo, bits + lo / 8, count, len / 8);
-            s = (float)sqrt(sumsq / (double)count);
-            subtract_decompressed(error + lo, s, count);
-        } else {
-            memset(bits + lo / 8, 0xFF, (size_t)(len / 8));
-        }
-        memcpy(scales + 4 * b, &s, sizeof s);
-    }
+static void zo_before_compensate_any(void *pass, int64_t lo, int64_t len, float *error) {
+    zo_before_compensate((struct zo_before *)pass, lo, len, error);
 }
 
 void co_zo_sync_before_compress_rows(const float *g, float *m, const float *sden, const float *acc, float w, float lr,
@@ -1112,11 +1100,5 @@ void co_zo_sync_before_compress_rows(const float *g, float *m, const float *sden
                                      int64_t chunk, int64_t block, int64_t n) {
     const int small = w < 0.5f && w > -0.5f;
     struct zo_before pass = {g, sden, acc, r, m, small ? w : w - 1.0f, lr, small, scales, bounds, off, nseg, 0};
-    const int64_t nb = blocks_of(chunk, block);
-    for (int64_t j = 0; j < world; ++j) {
-        const int64_t lo = j * chunk, valid = valid_in(n, lo, chunk);
-        uint8_t *row = rows + j * row_stride;
-        const int64_t at = valid ? lo : 0;
-        zo_compress_chunk(error + at, row, row + 4 * nb, chunk, block, valid, &pass, at);
-    }
+    compress_each_row(NULL, error, rows, row_stride, world, chunk, block, n, zo_before_compensate_any, &pass);
 }
