@@ -1,6 +1,8 @@
-"""Native CPU path of the compression kernels: ``onebit_cpu.c``, compiled at first use.
+"""Native CPU path of the compression kernels and the passes around them: ``onebit_cpu.c``,
+``segmented_cpu.c``, ``lamb_cpu.c`` and ``zero_one_cpu.c`` (``onebit_cpu.h``: what they share), compiled
+into one library at first use.
 
-The C source is compiled with the system C compiler (``$CC``, else ``cc``), keyed by the source,
+The C sources are compiled with the system C compiler (``$CC``, else ``cc``), keyed by the sources,
 the flags and the CPU, and loaded with ctypes. ``-march=native`` is tried first (AVX2 for the
 packing), then plain ``-O3``. Loading never breaks training; :func:`library` looks, in order:
 
@@ -31,7 +33,10 @@ import threading
 import warnings
 from pathlib import Path
 
-SOURCE = Path(__file__).with_name("onebit_cpu.c")
+#: the library's sources, compiled together (onebit_cpu.h: what they share)
+SOURCES = tuple(Path(__file__).with_name(name) for name in
+                ("onebit_cpu.c", "segmented_cpu.c", "lamb_cpu.c", "zero_one_cpu.c"))
+HEADER = Path(__file__).with_name("onebit_cpu.h")
 _FLAG_SETS = (["-O3", "-march=native"], ["-O3"])
 
 _warn_lock = threading.Lock()
@@ -70,8 +75,9 @@ def _describe(error: BaseException) -> str:
 
 
 def _library_name(flags: list[str]) -> str:
-    """The file name of the library built from this source with ``flags`` on this CPU."""
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode() + _cpu_signature().encode())
+    """The file name of the library built from these sources with ``flags`` on this CPU."""
+    text = b"".join(path.read_bytes() for path in (*SOURCES, HEADER))
+    key = hashlib.sha256(text + " ".join(flags).encode() + _cpu_signature().encode())
     return f"onebit_cpu_{key.hexdigest()[:16]}.so"
 
 
@@ -128,13 +134,13 @@ def _temp_dir() -> tuple[Path | None, str]:
 
 
 def _compile(compiler: str, flags: list[str], target: Path) -> str | None:
-    """Compile the source with ``flags`` into ``target``; ``None`` on success, else why not."""
+    """Compile the sources with ``flags`` into ``target``; ``None`` on success, else why not."""
     try:
         fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
         os.close(fd)
     except OSError as e:
         return _describe(e)
-    cmd = [compiler, *flags, "-shared", "-fPIC", "-o", tmp, str(SOURCE)]
+    cmd = [compiler, *flags, "-shared", "-fPIC", "-o", tmp, *(str(path) for path in SOURCES)]
     try:
         done = subprocess.run(cmd, capture_output=True, timeout=120)
         if done.returncode != 0:

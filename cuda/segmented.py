@@ -29,7 +29,7 @@ operation and per segment:
     ``dests[s] <- dests[s] * decay + c_s * y * a`` over segment ``s`` (``c_s = scales[s]``): an
     update written into each parameter's own memory, in one pass where PyTorch takes two.
 
-CPU tensors run ``onebit_cpu.c`` (one pass, no per-segment call); other devices, and CPUs where
+CPU tensors run ``segmented_cpu.c`` (one pass, no per-segment call); other devices, and CPUs where
 no C compiler exists (or ``COMPRESSED_OPT_KERNELS=reference``), compose the same math from
 PyTorch's fused multi-tensor ops (``torch._foreach_*``), which on CUDA launch a few kernels per
 pass whatever the number of segments. Both compute in fp32 like PyTorch (the sums in float64);

@@ -12,7 +12,7 @@ memory), where the other passes decompress them into the result's buffer first.
 
 It is :func:`~compressed_opt.cuda.segmented.divide_where_nonzero_` then
 :func:`~compressed_opt.cuda.segmented.descend_scaled_`, bit for bit: on contiguous fp32 CPU tensors
-``onebit_cpu.c`` runs both in one loop (``y``, ``r``, ``a`` and each destination read once; the C
+``segmented_cpu.c`` runs both in one loop (``y``, ``r``, ``a`` and each destination read once; the C
 library forms each element with the same inline functions as the two passes), elsewhere the two
 passes run in turn.
 """

@@ -1,0 +1,115 @@
+/*
+ * What the CPU kernels' sources share (onebit_cpu.c: the compression; segmented_cpu.c: the
+ * segmented passes around it; lamb_cpu.c: 1-bit LAMB's compression step; zero_one_cpu.c: 0/1
+ * Adam's phase B), compiled together into one library by compressed_opt.cuda.cpu: the rows'
+ * geometry, the elements that two passes must form alike (the compiler then contracts them alike),
+ * and the compression loop that other passes fuse into.
+ */
+#ifndef CO_ONEBIT_CPU_H
+#define CO_ONEBIT_CPU_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define CO_AVX2 1
+#endif
+
+#if defined(__GNUC__)
+#define CO_INTERNAL __attribute__((visibility("hidden")))
+#else
+#define CO_INTERNAL
+#endif
+
+/*
+ * A function whose every operation is rounded on its own, as PyTorch's one-kernel-per-operation
+ * compositions round them (1-bit LAMB's and 0/1 Adam's passes): CO_EXACT on the function (GCC's
+ * -O3 -march=native would contract a multiplication and an addition into an FMA), CO_NO_CONTRACT
+ * at the top of its body (clang's form); an FMA where PyTorch's kernel is one is written as fmaf.
+ */
+#if defined(__clang__)
+#define CO_EXACT
+#define CO_NO_CONTRACT _Pragma("clang fp contract(off)")
+#elif defined(__GNUC__)
+#define CO_EXACT __attribute__((optimize("fp-contract=off")))
+#define CO_NO_CONTRACT
+#else
+#define CO_EXACT
+#define CO_NO_CONTRACT
+#endif
+
+/*
+ * Rows: chunk j of a buffer travels as row j, nb = ceil(chunk / block) fp32 scales (4 nb bytes)
+ * then chunk / 8 bytes of bits; block b of a chunk is its elements [b block, min((b+1) block,
+ * chunk)). chunk and block are multiples of 8 (the callers: of 32 and of 256).
+ */
+static inline int64_t blocks_of(int64_t chunk, int64_t block) { return (chunk + block - 1) / block; }
+
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+/* How many of the len elements starting at lo are among the first n: clamp(n - lo, 0, len). */
+static inline int64_t valid_in(int64_t n, int64_t lo, int64_t len) { return n <= lo ? 0 : min64(n - lo, len); }
+
+static inline float load_scale(const uint8_t *p) {
+    float s;
+    memcpy(&s, p, sizeof s);
+    return s;
+}
+
+/*
+ * The local momentum of the preconditioned exchange, clamp(c_s (r lerp(m, x, w)), -b_s, b_s), with
+ * torch.lerp's two formulas (m + w (x - m) for |w| < 1/2, else x - (x - m)(1 - w)): one element.
+ * co_lerp_scale_clamp and the pass fused into compression (co_lerp_scale_clamp_compress_rows) both
+ * call these, so that the compiler forms (and contracts) the same expressions in both.
+ */
+static inline float clamp_to(float v, float b, float nb) { return v > b ? b : (v < nb ? nb : v); }
+
+static inline float lsc_small(float x, float m, float w, float r, float c, float b, float nb) {
+    return clamp_to(c * (r * (m + w * (x - m))), b, nb);
+}
+
+static inline float lsc_large(float x, float m, float wc, float r, float c, float b, float nb) {
+    float d = x - m;
+    return clamp_to(c * (r * (x - d * wc)), b, nb);
+}
+
+/* lerp(m, x, w) alone, torch.lerp's formulas (the fused pass without r, clamp and scale; what
+ * torch.lerp computes only where it contracts as this does: the caller checks, see segmented.Lerp). */
+static inline float lerp_small(float x, float m, float w) { return m + w * (x - m); }
+
+static inline float lerp_large(float x, float m, float wc) {
+    float d = x - m;
+    return x - d * wc;
+}
+
+/* clamp(r x, -b, b): co_scale_clamp's element, and the fused pass's without lerp. */
+static inline float sc_value(float x, float r, float b, float nb) { return clamp_to(r * x, b, nb); }
+
+/* y / r, or +0 where r == 0: the division is done anyway and masked with integer operations, a
+ * form compilers vectorize (a float select after a division that may trap they do not). */
+static inline float quotient_or_zero(float y, float r) {
+    float q = y / r;
+    uint32_t bits;
+    memcpy(&bits, &q, sizeof bits);
+    bits &= -(uint32_t)(r != 0.0f);
+    memcpy(&q, &bits, sizeof q);
+    return q;
+}
+
+/*
+ * A pass fused into a compression (co_lsc, 0/1 Adam's zo_before): error[0, len) <- u = v + error,
+ * v the pass's values of the flat buffer's elements [lo, lo + len), formed as the block is
+ * compensated. pass is the pass's own state.
+ */
+typedef void (*co_compensate)(void *pass, int64_t lo, int64_t len, float *error);
+
+/* The compression of the n valid elements of world chunks into world rows (row_stride bytes
+ * apart), x + error or, with compensate, the pass's values + error (onebit_cpu.c). */
+CO_INTERNAL void compress_each_row(const float *x, float *error, uint8_t *rows, int64_t row_stride, int64_t world,
+                                   int64_t chunk, int64_t block, int64_t n, co_compensate compensate, void *pass);
+
+/* dst[k] <- s (2 b_k - 1) for k < count, b_k bit k % 8 of src[k / 8] (onebit_cpu.c). */
+CO_INTERNAL void expand_signs(const uint8_t *src, float s, float *dst, int64_t count);
+
+#endif

@@ -1,0 +1,248 @@
+/*
+ * CPU kernels of the segmented element-wise passes around the compression
+ * (compressed_opt.cuda.segmented, compressed_opt.cuda.update): the gather of the gradients and
+ * their sums of squares, the local momentum alone, the momentum from the exchange and the update.
+ */
+#include "onebit_cpu.h"
+
+/*
+ * Segment s is [off[s], off[s + 1]) of a flat buffer, off[0] = 0; per-segment
+ * scalars are doubles, used as floats (as torch uses a Python scalar on an fp32 tensor).
+ */
+
+/* out[s] = sum of x^2 over segment s, accumulated in double (8 independent lanes: vectorizes):
+ * squares of gradients down to 1e-160 stay representable, where fp32 ones would underflow. */
+static double sumsq_f64(const float *restrict x, int64_t n) {
+    double acc[8] = {0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; ++j) acc[j] += (double)x[i + j] * x[i + j];
+    double total = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    for (; i < n; ++i) total += (double)x[i] * x[i];
+    return total;
+}
+
+void co_segment_sumsq(const float *x, const int64_t *off, int64_t nseg, double *out) {
+    for (int64_t s = 0; s < nseg; ++s) out[s] = sumsq_f64(x + off[s], off[s + 1] - off[s]);
+}
+
+/* out[s] = the sum of squares of the off[s + 1] - off[s] floats at address srcs[s] (0 for a NULL
+ * address), as co_segment_sumsq and co_gather's sumsq accumulate them: one read of each tensor,
+ * where torch's float64 norm of an fp32 tensor first copies it to float64. */
+void co_sumsq_each(const int64_t *srcs, const int64_t *off, int64_t nseg, double *out) {
+    for (int64_t s = 0; s < nseg; ++s) {
+        const float *src = (const float *)(intptr_t)srcs[s];
+        out[s] = src ? sumsq_f64(src, off[s + 1] - off[s]) : 0.0;
+    }
+}
+
+/*
+ * Gather: segment s of out <- src[s] (times scale when scaled; zeros where src[s] == 0, an
+ * address); with sumsq, sumsq[s] = the sum of squares of what was written, as co_segment_sumsq.
+ */
+void co_gather(const int64_t *srcs, float *out, const int64_t *off, int64_t nseg, float scale, int scaled,
+               double *sumsq) {
+    for (int64_t s = 0; s < nseg; ++s) {
+        const float *restrict src = (const float *)(intptr_t)srcs[s];
+        float *restrict o = out + off[s];
+        const int64_t n = off[s + 1] - off[s];
+        if (!src) {
+            memset(o, 0, (size_t)n * sizeof(float));
+            if (sumsq) sumsq[s] = 0.0;
+            continue;
+        }
+        const float f = scaled ? scale : 1.0f;
+        if (!sumsq) {
+            for (int64_t i = 0; i < n; ++i) o[i] = src[i] * f;
+            continue;
+        }
+        double acc[8] = {0};
+        int64_t i = 0;
+        for (; i + 8 <= n; i += 8)
+            for (int j = 0; j < 8; ++j) {
+                float v = src[i + j] * f;
+                o[i + j] = v;
+                acc[j] += (double)v * v;
+            }
+        double total = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+        for (; i < n; ++i) {
+            float v = src[i] * f;
+            o[i] = v;
+            total += (double)v * v;
+        }
+        sumsq[s] = total;
+    }
+}
+
+/*
+ * x <- clamp(c_s * (r * lerp(m, x, w)), -b_s, b_s) over segment s, with torch.lerp's formula
+ * (m + w (x - m) for |w| < 1/2, else x - (x - m)(1 - w)); NaN stays NaN. scales == NULL: c_s = 1
+ * (a multiplication by 1 is exact, so the result is the unscaled one bit for bit).
+ */
+void co_lerp_scale_clamp(float *x, const float *m, float w, const float *r, const double *bounds,
+                         const double *scales, const int64_t *off, int64_t nseg) {
+    const int small = w < 0.5f && w > -0.5f;
+    const float wc = 1.0f - w;
+    for (int64_t s = 0; s < nseg; ++s) {
+        const float b = (float)bounds[s], nb = -b, c = scales ? (float)scales[s] : 1.0f;
+        const int64_t lo = off[s], n = off[s + 1] - off[s];
+        float *restrict xs = x + lo;
+        const float *restrict ms = m + lo, *restrict rs = r + lo;
+        if (small) {
+            for (int64_t i = 0; i < n; ++i) xs[i] = lsc_small(xs[i], ms[i], w, rs[i], c, b, nb);
+        } else {
+            for (int64_t i = 0; i < n; ++i) xs[i] = lsc_large(xs[i], ms[i], wc, rs[i], c, b, nb);
+        }
+    }
+}
+
+/* x <- clamp(r * x, -b_s, b_s) over segment s; NaN stays NaN. */
+void co_scale_clamp(float *x, const float *r, const double *bounds, const int64_t *off, int64_t nseg) {
+    for (int64_t s = 0; s < nseg; ++s) {
+        const float b = (float)bounds[s], nb = -b;
+        const int64_t lo = off[s], n = off[s + 1] - off[s];
+        float *restrict xs = x + lo;
+        const float *restrict rs = r + lo;
+        for (int64_t i = 0; i < n; ++i) xs[i] = sc_value(xs[i], rs[i], b, nb);
+    }
+}
+
+/* q <- y / r, 0 where r == 0, over n elements; q may be y itself. */
+void co_divide_where_nonzero(float *y, const float *r, float *q, int64_t n) {
+    if (q == y) {
+        float *restrict ys = y;
+        const float *restrict rs = r;
+        for (int64_t i = 0; i < n; ++i) ys[i] = quotient_or_zero(ys[i], rs[i]);
+    } else {
+        const float *restrict ys = y, *restrict rs = r;
+        float *restrict qs = q;
+        for (int64_t i = 0; i < n; ++i) qs[i] = quotient_or_zero(ys[i], rs[i]);
+    }
+}
+
+/* (y / r) / c_s over segment s, or +0 where r == 0 (q may be y). */
+void co_divide_where_nonzero_segments(float *y, const float *r, float *q, const double *divisors,
+                                      const int64_t *off, int64_t nseg) {
+    for (int64_t s = 0; s < nseg; ++s) {
+        const float c = (float)divisors[s];
+        const int64_t lo = off[s], n = off[s + 1] - off[s];
+        if (q == y) {
+            float *restrict ys = y + lo;
+            const float *restrict rs = r + lo;
+            for (int64_t i = 0; i < n; ++i) ys[i] = quotient_or_zero(ys[i], rs[i]) / c;
+        } else {
+            const float *restrict ys = y + lo, *restrict rs = r + lo;
+            float *restrict qs = q + lo;
+            for (int64_t i = 0; i < n; ++i) qs[i] = quotient_or_zero(ys[i], rs[i]) / c;
+        }
+    }
+}
+
+/* One element of co_descend_scaled (and co_divide_descend: the compiler forms both alike). */
+static inline float descend_decayed(float p, float d, float c, float y, float a) { return p * d + (c * y) * a; }
+
+static inline float descend_plain(float p, float c, float y, float a) { return p + (c * y) * a; }
+
+/*
+ * p_s <- p_s d + (c_s y) a over segment s, written through the segment's own pointer dests[s]
+ * (a parameter's memory, as co_gather reads it): the update of the preconditioned exchange in one
+ * pass, where PyTorch takes two (a multiplication by d, then addcmul). decayed == 0: no
+ * multiplication by d (d == 1). A NULL pointer (a parameter without elements) is skipped.
+ */
+void co_descend_scaled(const int64_t *dests, const float *y, const float *a, const int64_t *off, int64_t nseg,
+                       float d, int decayed, const double *scales) {
+    for (int64_t s = 0; s < nseg; ++s) {
+        float *restrict p = (float *)(intptr_t)dests[s];
+        const int64_t lo = off[s], n = off[s + 1] - off[s];
+        if (!p || n == 0) continue;
+        const float c = (float)scales[s];
+        const float *restrict ys = y + lo, *restrict as = a + lo;
+        if (decayed) {
+            for (int64_t i = 0; i < n; ++i) p[i] = descend_decayed(p[i], d, c, ys[i], as[i]);
+        } else {
+            for (int64_t i = 0; i < n; ++i) p[i] = descend_plain(p[i], c, ys[i], as[i]);
+        }
+    }
+}
+
+/*
+ * The elements [0, n) of one segment: q <- (y / r) / v (0 where r == 0; no division by v when
+ * divided == 0), p <- p d + (c y) a (decayed == 0: p + (c y) a), y read once.
+ */
+static void divide_descend_span(const float *restrict ys, const float *restrict rs, float *restrict qs,
+                                float *restrict p, const float *restrict as, int64_t n, int divided, float v,
+                                float c, float d, int decayed) {
+    if (divided && decayed) {
+        for (int64_t i = 0; i < n; ++i) {
+            const float yi = ys[i];
+            qs[i] = quotient_or_zero(yi, rs[i]) / v;
+            p[i] = descend_decayed(p[i], d, c, yi, as[i]);
+        }
+    } else if (divided) {
+        for (int64_t i = 0; i < n; ++i) {
+            const float yi = ys[i];
+            qs[i] = quotient_or_zero(yi, rs[i]) / v;
+            p[i] = descend_plain(p[i], c, yi, as[i]);
+        }
+    } else if (decayed) {
+        for (int64_t i = 0; i < n; ++i) {
+            const float yi = ys[i];
+            qs[i] = quotient_or_zero(yi, rs[i]);
+            p[i] = descend_decayed(p[i], d, c, yi, as[i]);
+        }
+    } else {
+        for (int64_t i = 0; i < n; ++i) {
+            const float yi = ys[i];
+            qs[i] = quotient_or_zero(yi, rs[i]);
+            p[i] = descend_plain(p[i], c, yi, as[i]);
+        }
+    }
+}
+
+/*
+ * co_divide_where_nonzero_segments(y, r, q, divisors, off, nseg) (divisors == NULL: no division by
+ * them, co_divide_where_nonzero's values) and co_descend_scaled(dests, y, a, off, nseg, d, decayed,
+ * scales), bit for bit, in one pass: reads y, r, a and each destination once, writes q and the
+ * destinations (the preconditioned exchange's m = y / (s_l R) and its update). q must not be y; only
+ * the segments' elements of q are written.
+ */
+void co_divide_descend(const float *y, const float *r, float *q, const double *divisors, const int64_t *off,
+                       int64_t nseg, const int64_t *dests, const float *a, float d, int decayed, const double *scales) {
+    for (int64_t s = 0; s < nseg; ++s) {
+        const int64_t lo = off[s], n = off[s + 1] - off[s];
+        if (n == 0) continue;
+        divide_descend_span(y + lo, r + lo, q + lo, (float *)(intptr_t)dests[s], a + lo, n, divisors != NULL,
+                            divisors ? (float)divisors[s] : 1.0f, (float)scales[s], d, decayed);
+    }
+}
+
+#define CO_TILE 256 /* elements of y decompressed at once into a stack tile (1 KiB: in L1) */
+
+/*
+ * co_decompress_rows(rows, row_stride, nrows, chunk, block, y, off[nseg]) then co_divide_descend(y,
+ * r, q, divisors, off, nseg, dests, a, d, decayed, scales), bit for bit, without y in memory: y is
+ * decompressed tile by tile (at most CO_TILE elements of one block of one row) into the stack and
+ * consumed there (reads r, a, each destination and the rows; writes q and the destinations).
+ */
+void co_rows_divide_descend(const uint8_t *rows, int64_t row_stride, int64_t chunk, int64_t block, const float *r,
+                            float *q, const double *divisors, const int64_t *off, int64_t nseg, const int64_t *dests,
+                            const float *a, float d, int decayed, const double *scales) {
+    const int64_t nb = blocks_of(chunk, block), n = off[nseg];
+    float tile[CO_TILE];
+    int64_t s = 0;
+    for (int64_t k0 = 0; k0 < n;) {
+        const int64_t j = k0 / chunk, in_chunk = k0 - j * chunk, b = in_chunk / block;
+        const int64_t len = min64(min64(CO_TILE, (b + 1) * block - in_chunk), min64(chunk - in_chunk, n - k0));
+        const uint8_t *row = rows + j * row_stride;
+        expand_signs(row + 4 * nb + in_chunk / 8, load_scale(row + 4 * b), tile, len);
+        const int64_t end = k0 + len;
+        for (int64_t k = k0; k < end;) {
+            while (off[s + 1] <= k) ++s;
+            const int64_t stop = min64(off[s + 1], end), lo = off[s];
+            divide_descend_span(tile + (k - k0), r + k, q + k, (float *)(intptr_t)dests[s] + (k - lo), a + k, stop - k,
+                                divisors != NULL, divisors ? (float)divisors[s] : 1.0f, (float)scales[s], d, decayed);
+            k = stop;
+        }
+        k0 = end;
+    }
+}

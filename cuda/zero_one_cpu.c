@@ -1,0 +1,270 @@
+/*
+ * 0/1 Adam's phase-B passes (compressed_opt.cuda.local_steps).
+ *
+ * One pass over a bucket for each of: a local step, the step's work before its synchronisation's
+ * exchange, and the work after it. Segment s is [off[s], off[s + 1]) of the flat buffers, one
+ * parameter; per-segment scalars are doubles used as floats (as torch uses a Python scalar on an
+ * fp32 tensor); dests[s] is the address of segment s's parameter (0: none, then nothing of it is
+ * written). sden is the frozen denominator sqrt(v) + eps as PyTorch made it, its sign bit set
+ * where v == 0: den = |sden|, and a negative sden marks a coordinate without variance (m and the
+ * exchanged y are 0 there), one stream for both. (PyTorch's sqrt is not the correctly rounded
+ * sqrtf on every build, MKL's is not: the passes take PyTorch's.)
+ *
+ * Rounding: each operation is rounded on its own, in the order of the PyTorch composition
+ * (compressed_opt/zero_one_local.py), so that the results are that composition's bit for bit; no
+ * contraction into FMA (CO_EXACT, onebit_cpu.h) but the
+ * lerp's, written as torch's vector kernel computes it on CPUs with FMA: fma(w, g - m, m) for
+ * |w| < 1/2, else fma(w - 1, g - m, g).
+ */
+#include "onebit_cpu.h"
+
+/* x where sden's sign bit is clear (v != 0), else +0: masked with integer operations (a float
+ * select after a comparison, which may trap, is a branch to GCC's vectorizer; see quotient_or_zero). */
+static inline __attribute__((always_inline)) float zo_where_variance(float x, float sden) {
+    uint32_t bits, sign;
+    memcpy(&bits, &x, sizeof bits);
+    memcpy(&sign, &sden, sizeof sign);
+    bits &= (sign >> 31) - 1u;
+    memcpy(&x, &bits, sizeof x);
+    return x;
+}
+
+/* m <- lerp(m, g, w) as torch's vector kernel (coeff, base: w, m or w - 1, g), 0 where v == 0. */
+#define ZO_MOMENTUM(mi, mk, gk, sk, coeff, small)                                                                   \
+    const float mi##_m = (mk), mi##_g = (gk);                                                                       \
+    const float mi = zo_where_variance(fmaf((coeff), mi##_g - mi##_m, (small) ? mi##_m : mi##_g), (sk))
+
+/*
+ * A local step (no synchronisation), per element of segment s (c_s = steps[s], as a float):
+ *   m <- lerp(m, g, w), 0 where v == 0;      den = |sden|
+ *   acc <- acc + (lr * m) / den
+ *   p <- p * decay (when decayed);  p <- p + (c_s * m) / den      (c_s = -lr f_s)
+ * Elements past off[nseg] (up to n) get m and acc only.
+ */
+CO_EXACT void co_zo_local_step(const int64_t *dests, const float *g, float *m, const float *sden, float *acc,
+                              const int64_t *off, int64_t nseg, int64_t n, float w, float lr, float decay,
+                              int decayed, const double *steps) {
+    CO_NO_CONTRACT
+    const int small = w < 0.5f && w > -0.5f;
+    const float coeff = small ? w : w - 1.0f;
+    for (int64_t s = 0; s <= nseg; ++s) {
+        const int64_t lo = s < nseg ? off[s] : off[nseg], hi = s < nseg ? off[s + 1] : n;
+        if (hi <= lo) continue;
+        float *restrict p = s < nseg ? (float *)(intptr_t)dests[s] : NULL;
+        const float c = s < nseg ? (float)steps[s] : 0.0f;
+        const float *restrict gs = g + lo, *restrict ds = sden + lo;
+        float *restrict ms = m + lo, *restrict as = acc + lo;
+        const int64_t len = hi - lo;
+        if (!p) {
+            for (int64_t i = 0; i < len; ++i) {
+                ZO_MOMENTUM(mi, ms[i], gs[i], ds[i], coeff, small);
+                const float den = fabsf(ds[i]);
+                ms[i] = mi;
+                as[i] = as[i] + (lr * mi) / den;
+            }
+        } else if (decayed) {
+            for (int64_t i = 0; i < len; ++i) {
+                ZO_MOMENTUM(mi, ms[i], gs[i], ds[i], coeff, small);
+                const float den = fabsf(ds[i]);
+                ms[i] = mi;
+                as[i] = as[i] + (lr * mi) / den;
+                const float q = p[i] * decay;
+                p[i] = q + (c * mi) / den;
+            }
+        } else {
+            for (int64_t i = 0; i < len; ++i) {
+                ZO_MOMENTUM(mi, ms[i], gs[i], ds[i], coeff, small);
+                const float den = fabsf(ds[i]);
+                ms[i] = mi;
+                as[i] = as[i] + (lr * mi) / den;
+                p[i] = p[i] + (c * mi) / den;
+            }
+        }
+    }
+}
+
+/*
+ * Before a synchronisation's exchange, per element of segment s:
+ *   m <- lerp(m, g, w), 0 where v == 0;      den = |sden|
+ *   acc <- ((acc + (lr * m) / den) * den) * c_s      (c_s = scales[s]; no multiplication without scales)
+ * acc then holds what the exchange averages (sum lr m, each layer times its coefficient). Elements
+ * past off[nseg] (up to n): as in a segment without scale.
+ */
+CO_EXACT void co_zo_sync_before(const float *g, float *m, const float *sden, float *acc, const int64_t *off,
+                               int64_t nseg, int64_t n, float w, float lr, const double *scales) {
+    CO_NO_CONTRACT
+    const int small = w < 0.5f && w > -0.5f;
+    const float coeff = small ? w : w - 1.0f;
+    for (int64_t s = 0; s <= nseg; ++s) {
+        const int64_t lo = s < nseg ? off[s] : off[nseg], hi = s < nseg ? off[s + 1] : n;
+        if (hi <= lo) continue;
+        const int scaled = scales && s < nseg;
+        const float c = scaled ? (float)scales[s] : 1.0f;
+        const float *restrict gs = g + lo, *restrict ds = sden + lo;
+        float *restrict ms = m + lo, *restrict as = acc + lo;
+        const int64_t len = hi - lo;
+        if (scaled) {
+            for (int64_t i = 0; i < len; ++i) {
+                ZO_MOMENTUM(mi, ms[i], gs[i], ds[i], coeff, small);
+                const float den = fabsf(ds[i]);
+                ms[i] = mi;
+                const float a = as[i] + (lr * mi) / den;
+                const float x = a * den;
+                as[i] = x * c;
+            }
+        } else {
+            for (int64_t i = 0; i < len; ++i) {
+                ZO_MOMENTUM(mi, ms[i], gs[i], ds[i], coeff, small);
+                const float den = fabsf(ds[i]);
+                ms[i] = mi;
+                const float a = as[i] + (lr * mi) / den;
+                as[i] = a * den;
+            }
+        }
+    }
+}
+
+/*
+ * After a synchronisation's exchange (y: its result), per element of segment s:
+ *   y <- y / r (r != NULL);  y <- y / d_s (divisors != NULL);  y <- 0 where v == 0
+ *   m <- y / lr_sum;         den = |sden|
+ *   anchor <- anchor * decay (when decayed);  anchor <- anchor + (c_s * y) / den   (c_s = steps[s] = -f_s)
+ *   p <- anchor;             y <- 0 (the accumulator restarts)
+ * Elements past off[nseg] (up to n): y, m and anchor * decay only (no parameter, no step).
+ */
+/* One element of co_zo_sync_after; the flags are constants where it is expanded (one loop each). */
+#define ZO_AFTER(i, DIVIDE_R, DIVIDE_D, DECAY, STEP)                                                                 \
+    do {                                                                                                            \
+        float yi = ys[i];                                                                                           \
+        if (DIVIDE_R) yi = yi / rs[i];                                                                              \
+        if (DIVIDE_D) yi = yi / d;                                                                                  \
+        yi = zo_where_variance(yi, ds[i]);                                                                          \
+        ms[i] = yi / lr_sum;                                                                                        \
+        ys[i] = 0.0f;                                                                                               \
+        float a = DECAY ? an[i] * decay : an[i];                                                                    \
+        if (STEP) {                                                                                                 \
+            a = a + (c * yi) / fabsf(ds[i]);                                                                        \
+            p[i] = a;                                                                                               \
+        }                                                                                                           \
+        an[i] = a;                                                                                                  \
+    } while (0)
+
+#define ZO_AFTER_LOOP(DIVIDE_R, DIVIDE_D, DECAY, STEP)                                                               \
+    for (int64_t i = 0; i < len; ++i) ZO_AFTER(i, DIVIDE_R, DIVIDE_D, DECAY, STEP)
+
+/* One segment of co_zo_sync_after (kind: 8 divide by r, 4 by d, 2 decay, 1 step and write p), a
+ * loop per kind; a function of its own, so that no copy of the loops sees a NULL pointer (GCC then
+ * vectorizes none). */
+static CO_EXACT __attribute__((noinline)) void zo_after_segment(
+    float *restrict ys, const float *restrict rs, const float *restrict ds, float *restrict ms, float *restrict an,
+    float *restrict p, int64_t len, float d, float c, float lr_sum, float decay, int kind) {
+    CO_NO_CONTRACT
+    switch (kind) {
+    case 0: ZO_AFTER_LOOP(0, 0, 0, 0); break;
+    case 1: ZO_AFTER_LOOP(0, 0, 0, 1); break;
+    case 2: ZO_AFTER_LOOP(0, 0, 1, 0); break;
+    case 3: ZO_AFTER_LOOP(0, 0, 1, 1); break;
+    case 4: ZO_AFTER_LOOP(0, 1, 0, 0); break;
+    case 5: ZO_AFTER_LOOP(0, 1, 0, 1); break;
+    case 6: ZO_AFTER_LOOP(0, 1, 1, 0); break;
+    case 7: ZO_AFTER_LOOP(0, 1, 1, 1); break;
+    case 8: ZO_AFTER_LOOP(1, 0, 0, 0); break;
+    case 9: ZO_AFTER_LOOP(1, 0, 0, 1); break;
+    case 10: ZO_AFTER_LOOP(1, 0, 1, 0); break;
+    case 11: ZO_AFTER_LOOP(1, 0, 1, 1); break;
+    case 12: ZO_AFTER_LOOP(1, 1, 0, 0); break;
+    case 13: ZO_AFTER_LOOP(1, 1, 0, 1); break;
+    case 14: ZO_AFTER_LOOP(1, 1, 1, 0); break;
+    default: ZO_AFTER_LOOP(1, 1, 1, 1); break;
+    }
+}
+
+CO_EXACT void co_zo_sync_after(const int64_t *dests, float *y, const float *r, const float *sden, float *m,
+                              float *anchor, const int64_t *off, int64_t nseg, int64_t n, float lr_sum, float decay,
+                              int decayed, const double *divisors, const double *steps) {
+    for (int64_t s = 0; s <= nseg; ++s) {
+        const int64_t lo = s < nseg ? off[s] : off[nseg], hi = s < nseg ? off[s + 1] : n;
+        if (hi <= lo) continue;
+        float *p = s < nseg ? (float *)(intptr_t)dests[s] : NULL;
+        const int divided = divisors && s < nseg;
+        const float d = divided ? (float)divisors[s] : 1.0f, c = s < nseg ? (float)steps[s] : 0.0f;
+        const int kind = (r ? 8 : 0) | (divided ? 4 : 0) | (decayed ? 2 : 0) | (p ? 1 : 0);
+        zo_after_segment(y + lo, (r ? r : sden) + lo, sden + lo, m + lo, anchor + lo, p ? p : anchor + lo, hi - lo, d,
+                         c, lr_sum, decay, kind);
+    }
+}
+
+/*
+ * co_zo_sync_before, then the exchange's element-wise pass clamp(r x, -b_s, b_s) over the segments
+ * (r != NULL: co_scale_clamp), then co_compress_rows(acc, error, ...), bit for bit, in one pass
+ * over memory: per block of the compression, the passes' values are formed and added to the
+ * worker error in one loop (error <- u), then packed, summed and corrected while the block is in
+ * cache, as co_lerp_scale_clamp_compress_rows does. m is written; acc is only read (the exchange's
+ * result overwrites it). Reads g, m, sden, acc, r and error once, writes m, error and the rows.
+ */
+struct zo_before {
+    const float *g, *sden, *acc, *r;
+    float *m;
+    float coeff, lr;
+    int small;
+    const double *scales, *bounds;
+    const int64_t *off;
+    int64_t nseg, seg;
+};
+
+/* error[0, len) <- x + error for x the passes' values of len elements of one segment (kind: 1 times
+ * c, 2 clamp(r x, -b, b)); m written. A function of its own, as zo_after_segment. */
+static CO_EXACT __attribute__((noinline)) void zo_before_segment(
+    const float *restrict gs, float *restrict ms, const float *restrict ds, const float *restrict as,
+    const float *restrict rs, float *restrict e, int64_t len, float coeff, int small, float lr, float c, float b,
+    int kind) {
+    CO_NO_CONTRACT
+    const float nb = -b;
+#define ZO_BEFORE_LOOP(SCALE, CLAMP)                                                                                 \
+    for (int64_t i = 0; i < len; ++i) {                                                                             \
+        ZO_MOMENTUM(mi, ms[i], gs[i], ds[i], coeff, small);                                                         \
+        const float den = fabsf(ds[i]);                                                                             \
+        ms[i] = mi;                                                                                                 \
+        const float a = as[i] + (lr * mi) / den;                                                                    \
+        float x = a * den;                                                                                          \
+        if (SCALE) x = x * c;                                                                                       \
+        if (CLAMP) x = sc_value(x, rs[i], b, nb);                                                                   \
+        e[i] = x + e[i];                                                                                            \
+    }
+    switch (kind) {
+    case 0: ZO_BEFORE_LOOP(0, 0); break;
+    case 1: ZO_BEFORE_LOOP(1, 0); break;
+    case 2: ZO_BEFORE_LOOP(0, 1); break;
+    default: ZO_BEFORE_LOOP(1, 1); break;
+    }
+#undef ZO_BEFORE_LOOP
+}
+
+static void zo_before_compensate(struct zo_before *p, int64_t lo, int64_t len, float *error) {
+    const int64_t end = lo + len;
+    int64_t k = lo, s = p->seg;
+    while (k < end) {
+        while (s < p->nseg && p->off[s + 1] <= k) ++s;
+        const int in = s < p->nseg;
+        const int64_t stop = in && p->off[s + 1] < end ? p->off[s + 1] : end;
+        const int kind = in ? (p->scales ? 1 : 0) | (p->r ? 2 : 0) : 0;
+        zo_before_segment(p->g + k, p->m + k, p->sden + k, p->acc + k, (p->r ? p->r : p->sden) + k, error + (k - lo),
+                          stop - k, p->coeff, p->small, p->lr, in && p->scales ? (float)p->scales[s] : 1.0f,
+                          in && p->r ? (float)p->bounds[s] : 0.0f, kind);
+        k = stop;
+    }
+    p->seg = s;
+}
+
+static void zo_before_compensate_any(void *pass, int64_t lo, int64_t len, float *error) {
+    zo_before_compensate((struct zo_before *)pass, lo, len, error);
+}
+
+void co_zo_sync_before_compress_rows(const float *g, float *m, const float *sden, const float *acc, float w, float lr,
+                                     const double *scales, const float *r, const double *bounds, const int64_t *off,
+                                     int64_t nseg, float *error, uint8_t *rows, int64_t row_stride, int64_t world,
+                                     int64_t chunk, int64_t block, int64_t n) {
+    const int small = w < 0.5f && w > -0.5f;
+    struct zo_before pass = {g, sden, acc, r, m, small ? w : w - 1.0f, lr, small, scales, bounds, off, nseg, 0};
+    compress_each_row(NULL, error, rows, row_stride, world, chunk, block, n, zo_before_compensate_any, &pass);
+}
