@@ -247,6 +247,55 @@ def test_the_optimizer_trains_as_the_composition_and_repeats_bit_for_bit(exchang
         assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-9) for a, b in zip(s, t))
 
 
+CONFIGS = [("preconditioned", "live", 0.01), ("preconditioned", "live", 0.0), ("momentum", "live", 0.01),
+           ("preconditioned", "frozen", 0.01)]
+
+
+@pytest.mark.parametrize("exchange,trust_ratio,wd", CONFIGS)
+def test_the_optimizer_reads_the_exchange_rows_as_it_read_y(exchange, trust_ratio, wd, monkeypatch):
+    """Stage 0's exchange leaves its result in its 1-bit rows and pass 1 reads them (every
+    compression step, those that measure the live ratio too): the same parameters and state, bit for
+    bit, as decompressing them first and running pass 1 on ``y``."""
+    seen = []
+    original = lamb_passes.variance_maxima_
+
+    def rows_seen(y, *a):
+        seen.append(isinstance(y, CompressedResult))
+        return original(y, *a)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(lamb_passes, "variance_maxima_", rows_seen)
+        from_rows = _train(True, monkeypatch, exchange, trust_ratio, wd)
+    assert seen and all(seen)
+    with monkeypatch.context() as patch:
+        patch.setattr(lamb_passes, "variance_maxima_",
+                      lambda y, *a: original(y.expand_() if isinstance(y, CompressedResult) else y, *a))
+        from_y = _train(True, monkeypatch, exchange, trust_ratio, wd)
+    assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(from_rows[0], from_y[0]))
+    assert all(torch.equal(_bits(a), _bits(b)) for s, t in zip(from_rows[1], from_y[1]) for a, b in zip(s, t))
+
+
+def test_rows_the_step_cannot_pass_are_decompressed_for_the_composition(monkeypatch):
+    """Where the rows were kept but the step does not run the native passes, it decompresses them
+    into the bucket and composes: the bits of the composition from the exchange's own ``y``."""
+    original = OnebitLamb._fused_passes_ready
+    expanded = []
+
+    def not_from_rows(self, bucket, y):
+        if isinstance(y, CompressedResult):
+            expanded.append(1)
+            return False
+        return original(self, bucket, y)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(OnebitLamb, "_fused_passes_ready", not_from_rows)
+        from_rows = _train(True, monkeypatch)
+    assert expanded
+    composed = _train(False, monkeypatch)
+    assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(from_rows[0], composed[0]))
+    assert all(torch.equal(_bits(a), _bits(b)) for s, t in zip(from_rows[1], composed[1]) for a, b in zip(s, t))
+
+
 def test_an_empty_parameter_takes_the_passes_as_the_composition(monkeypatch):
     """An fp32 parameter without elements in a bucket the passes serve: its factor's maximum is 1
     (as the composition's empty layer), its coefficients as the composition's, nothing written."""
