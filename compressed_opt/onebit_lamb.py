@@ -278,7 +278,9 @@ class OnebitLamb(_FreezingAdam):
         the whole state the step takes it (:meth:`_compressed_step`). Where nothing
         reads the local momentum before the exchange (preconditioned, a step that does not measure
         the live ratio), its pass runs inside the exchange's compression where it can
-        (:meth:`~compressed_opt.layout.Layout.local_momentum_pass`)."""
+        (:meth:`~compressed_opt.layout.Layout.local_momentum_pass`). Where the step's native passes
+        will read the result (:meth:`_fused_passes_ready`), a flat 1-bit exchange leaves it in its
+        rows (``keep_result``; the first pass decompresses them in cache) and ``grad`` as it was."""
         coeffs = self.exchange_scales(bucket)  # (None when preconditioned: c_l is inside R)
         pending = None
         if coeffs is None and not self._measures_live_ratio(step):
@@ -289,20 +291,25 @@ class OnebitLamb(_FreezingAdam):
                 scaling.scale_(bucket.views(grad), coeffs)
             if self._measures_live_ratio(step):
                 self._observe_local_direction(bucket, group, grad, step)
-        yield from self.layout.exchange(self, bucket, grad, pending)
+        # whole state, where the native passes will read it: the result may stay in its 1-bit rows
+        keep = not self.layout.sharded and self._fused_passes_ready(bucket, grad)
+        yield from self.layout.exchange(self, bucket, grad, pending, keep_result=keep)
         if self.layout.sharded:  # (whole state: the step forms m_t, in its first native pass where it can)
             self.momentum_from_exchange(bucket, grad, out=grad)  # m_t = y / R, or y / c_l
 
     def _compressed_step(self, bucket, group, momentum, step):
         """``momentum`` holds ``m_t`` (the compressed average; sharded) or the exchange's ``y``
-        (whole state: ``m_t`` is formed here, by the two native passes of
+        (whole state, or its rows: ``layout.exchanged``; ``m_t`` is formed here, by the two native passes of
         :meth:`_fused_compressed_step` where they run); the layout still holds ``m_{t-1}``
         (:meth:`~compressed_opt.layout.Layout.previous_momentum`). This composition in PyTorch runs
         elsewhere (other devices, ZeRO, ``COMPRESSED_OPT_KERNELS=reference``)."""
         if not self.layout.sharded:
-            if self._fused_passes_ready(bucket, momentum):
-                self._fused_compressed_step(bucket, group, momentum, step)
+            y = self.layout.exchanged(self, bucket, momentum)  # (the result's rows, or momentum)
+            if self._fused_passes_ready(bucket, y):
+                self._fused_compressed_step(bucket, group, y, step)
                 return
+            if isinstance(y, kernels.CompressedResult):
+                y.expand_()  # into momentum
             self.momentum_from_exchange(bucket, momentum, out=momentum)
         layout = self.layout
         denom = self.frozen_denominator(bucket)  # sqrt(v_f) + eps, inf where v_f == 0
@@ -344,8 +351,9 @@ class OnebitLamb(_FreezingAdam):
     def _fused_passes_ready(self, bucket, y) -> bool:
         """Whether this compression step runs as the two native passes of
         :mod:`compressed_opt.cuda.lamb_passes` (the whole state on this rank, where the previous
-        momentum's buffer is the kept one): no exchange factors, and the exchanged ``y``, the buffers
-        and the parameters contiguous fp32 CPU tensors (:func:`~compressed_opt.cuda.lamb_passes.ready`)."""
+        momentum's buffer is the kept one): no exchange factors, and the exchanged ``y`` (the bucket's
+        buffer, or the result's CPU rows and that buffer), the buffers and the parameters contiguous
+        fp32 CPU tensors (:func:`~compressed_opt.cuda.lamb_passes.ready`)."""
         if self._applied_exchange_factors(bucket) is not None:
             return False
         r, _ = self.exchange_variant.momentum_divisors(self, bucket)
@@ -355,12 +363,14 @@ class OnebitLamb(_FreezingAdam):
 
     def _fused_compressed_step(self, bucket, group, y, step):
         """:meth:`_compressed_step`'s math in two native passes over the bucket, from the exchange's
-        average ``y``: the first forms ``m_t`` (``y / R`` or ``y / c_l``), the fresh variance and the
-        factor's per-layer maxima, and keeps ``m <- m_t``; the second is the update ``p <- p decay_l
-        - (lr coeff_l / bc1) m_t / (sqrt(v_f) + eps)`` through each parameter's memory. A step that
-        measures the live ratio also writes the direction ``m_t / (sqrt(v_f) + eps)`` into ``y`` for
-        its norms. ``m``, ``v_fresh`` and the parameters are the composition's bit for bit given the
-        same coefficients; the maxima are within ``2^-20`` of its (docs/design.md 2.4.2)."""
+        average ``y`` (the bucket's buffer, or a :class:`~compressed_opt.cuda.CompressedResult`: its
+        rows, decompressed tile by tile in the first pass): the first forms ``m_t`` (``y / R`` or ``y /
+        c_l``), the fresh variance and the factor's per-layer maxima, and keeps ``m <- m_t``; the
+        second is the update ``p <- p decay_l - (lr coeff_l / bc1) m_t / (sqrt(v_f) + eps)`` through
+        each parameter's memory. A step that measures the live ratio also writes the direction ``m_t /
+        (sqrt(v_f) + eps)`` into ``y``'s buffer for its norms (nothing reads ``y`` after the first
+        pass). ``m``, ``v_fresh`` and the parameters are the composition's bit for bit given the same
+        coefficients; the maxima are within ``2^-20`` of its (docs/design.md 2.4.2)."""
         params, passes = bucket.params, kernels.lamb_passes
         denom = self.frozen_denominator(bucket)  # sqrt(v_f) + eps, inf where v_f == 0
         beta1, beta2 = group["betas"]
@@ -373,7 +383,8 @@ class OnebitLamb(_FreezingAdam):
         coeffs = self._compression_coeffs(params, group, self._local_shards.whole_layer_maxima(params, maxima))
         if self.trust_ratio == "live":
             measure = self._measures_live_ratio(step)
-            update = torch.div(m, denom, out=y) if measure else None  # (read only when measuring)
+            buffer = y.buffer if isinstance(y, kernels.CompressedResult) else y  # (free after the first pass)
+            update = torch.div(m, denom, out=buffer) if measure else None  # (read only when measuring)
             coeffs = self._live_coeffs(bucket, group, coeffs, measure, update, bc1)
         decays = [1.0 - lr * c * wd for c in coeffs] if wd != 0 else None
         passes.descend_(params, m, denom, bucket.segments, decays, [-lr * c / bc1 for c in coeffs])

@@ -267,6 +267,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.co_rows_divide_descend.restype = None
     lib.co_lamb_variance_maxima.argtypes = [p, p, p, p, p, p, p, i64, f32, f32, f32, f32, f32, p]
     lib.co_lamb_variance_maxima.restype = None
+    lib.co_lamb_rows_variance_maxima.argtypes = [p, i64, i64, i64, p, p, p, p, p, p, i64, f32, f32, f32, f32, f32, p]
+    lib.co_lamb_rows_variance_maxima.restype = None
     lib.co_lamb_descend.argtypes = [p, p, p, p, i64, p, p]
     lib.co_lamb_descend.restype = None
     lib.co_zo_local_step.argtypes = [p, p, p, p, p, p, i64, i64, f32, f32, f32, ctypes.c_int, p]

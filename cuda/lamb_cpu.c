@@ -64,6 +64,42 @@ static inline CO_EXACT __m256 lamb_element8(__m256 mt, float *mp, float *vp, con
 #endif
 
 /*
+ * The max of f over n elements of one segment, m_t formed from ys (y / r, 0 where r == 0, with rs;
+ * y / c with divided; else y), m and v written (co_lamb_variance_maxima's element, below); -inf for
+ * n == 0. Eight elements at a time (lamb_element8) then one at a time (lamb_element): the same
+ * operations, so which of the two forms an element changes none of its bits.
+ */
+static inline CO_EXACT float lamb_span(const float *ys, const float *rs, int divided, float c, float *ms, float *vs,
+                                       const float *ds, int64_t n, const struct lamb_scalars *k) {
+    CO_NO_CONTRACT
+    float best = -INFINITY;
+    int64_t i = 0;
+#ifdef CO_AVX2
+    __m256 best8 = _mm256_set1_ps(-INFINITY);
+    const __m256 zero = _mm256_setzero_ps(), cv = _mm256_set1_ps(c);
+    for (; i + 8 <= n; i += 8) {
+        __m256 mt = _mm256_loadu_ps(ys + i);
+        if (rs) {
+            const __m256 rv = _mm256_loadu_ps(rs + i);
+            mt = _mm256_and_ps(_mm256_div_ps(mt, rv), _mm256_cmp_ps(rv, zero, _CMP_NEQ_UQ));
+        } else if (divided) {
+            mt = _mm256_div_ps(mt, cv);
+        }
+        best8 = _mm256_max_ps(lamb_element8(mt, ms + i, vs + i, ds + i, k), best8);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, best8);
+    for (int j = 0; j < 8; ++j) best = lanes[j] > best ? lanes[j] : best;
+#endif
+    for (; i < n; ++i) {
+        const float mt = rs ? quotient_or_zero(ys[i], rs[i]) : divided ? ys[i] / c : ys[i];
+        const float f = lamb_element(mt, ms + i, vs + i, ds[i], k);
+        best = f > best ? f : best;
+    }
+    return best;
+}
+
+/*
  * Over segment s = [off[s], off[s + 1]) of the flat buffers, for each element:
  *   m_t  = y / r (+0 where r == 0)             r != NULL: the preconditioned exchange
  *        = y / c_s                              r == NULL, divisors != NULL: the momentum exchange
@@ -87,34 +123,44 @@ CO_EXACT void co_lamb_variance_maxima(const float *y, const float *r, const doub
             maxima[s] = 1.0f;
             continue;
         }
-        const float c = divisors ? (float)divisors[s] : 1.0f;
-        const float *ys = y + lo, *ds = denom + lo, *rs = r ? r + lo : NULL;
-        float *ms = m + lo, *vs = v + lo;
-        float best = -INFINITY;
-        int64_t i = 0;
-#ifdef CO_AVX2
-        __m256 best8 = _mm256_set1_ps(-INFINITY);
-        const __m256 zero = _mm256_setzero_ps(), cv = _mm256_set1_ps(c);
-        for (; i + 8 <= n; i += 8) {
-            __m256 mt = _mm256_loadu_ps(ys + i);
-            if (rs) {
-                const __m256 rv = _mm256_loadu_ps(rs + i);
-                mt = _mm256_and_ps(_mm256_div_ps(mt, rv), _mm256_cmp_ps(rv, zero, _CMP_NEQ_UQ));
-            } else if (divisors) {
-                mt = _mm256_div_ps(mt, cv);
-            }
-            best8 = _mm256_max_ps(lamb_element8(mt, ms + i, vs + i, ds + i, &k), best8);
+        maxima[s] = lamb_span(y + lo, r ? r + lo : NULL, divisors != NULL, divisors ? (float)divisors[s] : 1.0f,
+                              m + lo, v + lo, denom + lo, n, &k);
+    }
+}
+
+/*
+ * co_decompress_rows(rows, row_stride, nrows, chunk, block, y, off[nseg]) then
+ * co_lamb_variance_maxima(y, ...), bit for bit, without y in memory: y is decompressed tile by tile
+ * (at most CO_TILE elements of one block of one row) into the stack and consumed there, as
+ * co_rows_divide_descend does (reads the rows, r, m, v and denom; writes m and v). A segment's
+ * maximum is the max of its pieces' (one per tile it meets): max is exact and f is never NaN, so
+ * how the elements fall into tiles and vector lanes changes nothing.
+ */
+CO_EXACT void co_lamb_rows_variance_maxima(const uint8_t *rows, int64_t row_stride, int64_t chunk, int64_t block,
+                                             const float *r, const double *divisors, float *m, float *v,
+                                             const float *denom, const int64_t *off, int64_t nseg, float b1, float b2,
+                                             float scale, float bc2_sqrt, float eps, float *maxima) {
+    CO_NO_CONTRACT
+    const struct lamb_scalars k = {-b1, b2, scale, bc2_sqrt, eps};
+    const int64_t nb = blocks_of(chunk, block), n = off[nseg];
+    for (int64_t s = 0; s < nseg; ++s) maxima[s] = off[s + 1] > off[s] ? -INFINITY : 1.0f;
+    float tile[CO_TILE];
+    int64_t s = 0;
+    for (int64_t k0 = 0; k0 < n;) {
+        const int64_t j = k0 / chunk, in_chunk = k0 - j * chunk, b = in_chunk / block;
+        const int64_t len = min64(min64(CO_TILE, (b + 1) * block - in_chunk), min64(chunk - in_chunk, n - k0));
+        const uint8_t *row = rows + j * row_stride;
+        expand_signs(row + 4 * nb + in_chunk / 8, load_scale(row + 4 * b), tile, len);
+        const int64_t end = k0 + len;
+        for (int64_t i = k0; i < end;) {
+            while (off[s + 1] <= i) ++s;
+            const int64_t stop = min64(off[s + 1], end);
+            const float best = lamb_span(tile + (i - k0), r ? r + i : NULL, divisors != NULL,
+                                         divisors ? (float)divisors[s] : 1.0f, m + i, v + i, denom + i, stop - i, &k);
+            maxima[s] = best > maxima[s] ? best : maxima[s];
+            i = stop;
         }
-        float lanes[8];
-        _mm256_storeu_ps(lanes, best8);
-        for (int j = 0; j < 8; ++j) best = lanes[j] > best ? lanes[j] : best;
-#endif
-        for (; i < n; ++i) {
-            const float mt = rs ? quotient_or_zero(ys[i], rs[i]) : divisors ? ys[i] / c : ys[i];
-            const float f = lamb_element(mt, ms + i, vs + i, ds[i], &k);
-            best = f > best ? f : best;
-        }
-        maxima[s] = best;
+        k0 = end;
     }
 }
 

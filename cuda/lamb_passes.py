@@ -19,6 +19,12 @@ sqrt(v_f) + eps`` (``inf`` where ``v_f == 0``), segment ``l`` a layer:
 written through each parameter's own memory (``alpha_l = -lr coeff_l / (1 - b1^t)``, ``decay_l = 1 - lr
 coeff_l wd``). ``g``, the variance ratio and the direction ``m / denom`` never travel to memory.
 
+``y`` may also be a :class:`~compressed_opt.cuda.update.CompressedResult`, the 1-bit rows the
+compressed allreduce's result travelled as (OnebitLamb's stage 0, as OnebitAdam's update): pass 1
+then decompresses them tile by tile into the stack, as ``co_rows_divide_descend`` does, and ``y``
+never travels to memory (the same bits as decompressing it first: the same operations per element,
+and a maximum does not depend on the order it is taken in).
+
 Rounding: :func:`compose_variance_maxima_` and :func:`compose_descend_` are the PyTorch composition
 OnebitLamb runs on other devices (one kernel per operation). Each operation of the passes is one
 rounded IEEE operation in the composition's order (the C contracts nothing into an FMA), except
@@ -44,6 +50,7 @@ import torch
 from . import cpu
 from .addresses import addressable, destination_addresses
 from .segmented import Segments, _c_doubles, _check, _library_allowed
+from .update import CompressedResult
 
 
 def _plain(t: torch.Tensor) -> bool:
@@ -52,12 +59,21 @@ def _plain(t: torch.Tensor) -> bool:
 
 def ready(tensors: list, params: list, segments: Segments) -> bool:
     """Whether :func:`variance_maxima_` and :func:`descend_` run natively on these flat buffers
-    (``None`` entries: absent) and parameters: all contiguous fp32 CPU tensors, flat buffers of
-    ``segments.numel`` elements and one parameter per segment of its size; the C library loaded and
-    allowed; its passes found equal to the composition bit for bit here (checked once per process)."""
+    (``None`` entries: absent; a :class:`~compressed_opt.cuda.update.CompressedResult`: its rows
+    and its buffer) and parameters: all contiguous fp32 CPU tensors, flat buffers of
+    ``segments.numel`` elements, CPU rows of at least that many elements, and one parameter per
+    segment of its size; the C library loaded and allowed; its passes found equal to the composition
+    bit for bit here (checked once per process)."""
     if not _library_allowed() or len(params) != len(segments):
         return False
-    flats = [t for t in tensors if t is not None]
+    flats = []
+    for t in tensors:
+        if isinstance(t, CompressedResult):
+            if not (addressable(t.rows) and t.rows.is_cpu and _holds(t, segments.numel)):
+                return False
+            t = t.buffer
+        if t is not None:
+            flats.append(t)
     if not all(_plain(t) and t.dim() == 1 and t.numel() == segments.numel for t in flats):
         return False
     if destination_addresses(params, segments.sizes) is None:
@@ -66,21 +82,36 @@ def ready(tensors: list, params: list, segments: Segments) -> bool:
     return lib is not None and _agrees(lib)
 
 
-def variance_maxima_(y: torch.Tensor, r: torch.Tensor | None, divisors, m: torch.Tensor, v: torch.Tensor,
+def _holds(y: CompressedResult, n: int) -> bool:
+    """Whether the rows of ``y`` carry at least ``n`` elements."""
+    return y.rows.shape[0] * y.chunk >= n
+
+
+def variance_maxima_(y, r: torch.Tensor | None, divisors, m: torch.Tensor, v: torch.Tensor,
                      denom: torch.Tensor, segments: Segments, beta1: float, beta2: float, bc2_sqrt: float,
                      eps: float) -> list[float]:
     """Pass 1 (the module doc): ``m`` (``m_{t-1}``) <- ``m_t`` formed from ``y`` (``y / r``, 0 where
     ``r == 0``; ``r`` ``None``: ``y / divisors[l]`` per layer, or ``y`` without ``divisors``), ``v``
     <- the fresh variance; returns the per-layer maxima of the variance ratio. Natively; the caller
-    has checked :func:`ready`."""
-    _check(segments, y, m, v, denom)
+    has checked :func:`ready`. ``y``: a flat tensor, or a
+    :class:`~compressed_opt.cuda.update.CompressedResult` (CPU rows), read from its 1-bit rows
+    256 elements at a time, decompressed into the stack (``y`` never travels to memory; the same
+    bits as decompressing it first)."""
+    compressed = isinstance(y, CompressedResult)
+    _check(segments, m, v, denom, *(() if compressed else (y,)))
+    if compressed and not _holds(y, segments.numel):
+        raise ValueError(f"{y.rows.shape[0]} rows of {y.chunk} elements for {segments.numel} elements")
     nseg = len(segments)
     c, cp = (None, None) if divisors is None else _c_doubles(divisors, nseg)
     out = (ctypes.c_float * nseg)()
-    cpu.library().co_lamb_variance_maxima(
-        y.data_ptr(), None if r is None else r.data_ptr(), cp, m.data_ptr(), v.data_ptr(), denom.data_ptr(),
-        segments.offsets.data_ptr(), nseg, float(beta1), float(beta2), _variance_scale(beta1, beta2),
-        float(bc2_sqrt), float(eps), out)
+    tail = (None if r is None else r.data_ptr(), cp, m.data_ptr(), v.data_ptr(), denom.data_ptr(),
+            segments.offsets.data_ptr(), nseg, float(beta1), float(beta2), _variance_scale(beta1, beta2),
+            float(bc2_sqrt), float(eps), out)
+    lib = cpu.library()
+    if compressed:
+        lib.co_lamb_rows_variance_maxima(y.rows.data_ptr(), y.rows.stride(0), y.chunk, y.block, *tail)
+    else:
+        lib.co_lamb_variance_maxima(y.data_ptr(), *tail)
     return list(out)
 
 

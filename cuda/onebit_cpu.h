@@ -51,6 +51,10 @@ static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 /* How many of the len elements starting at lo are among the first n: clamp(n - lo, 0, len). */
 static inline int64_t valid_in(int64_t n, int64_t lo, int64_t len) { return n <= lo ? 0 : min64(n - lo, len); }
 
+/* Elements of a result's rows decompressed at once into a stack tile (1 KiB: in L1) by the passes
+ * that read the rows in place of the result (co_rows_divide_descend, co_lamb_rows_variance_maxima). */
+#define CO_TILE 256
+
 static inline float load_scale(const uint8_t *p) {
     float s;
     memcpy(&s, p, sizeof s);

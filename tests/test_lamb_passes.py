@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from compressed_opt import OnebitLamb
-from compressed_opt.cuda import cpu, lamb_passes
+from compressed_opt.cuda import CompressedResult, compress_rows_, cpu, decompress_rows_, lamb_passes, rows_layout
 from compressed_opt.cuda.segmented import Segments
 from optim_tasks import mlp, run_steps, shard_batches
 
@@ -133,6 +133,80 @@ def test_ready_only_for_plain_fp32_cpu_buffers(monkeypatch):
     assert not lamb_passes.ready(flat, params, segments)
 
 
+#: (segment sizes) for the pass from the rows: segments across tiles (256), blocks and chunks,
+#: empty ones (first, inside, last), single elements, short segments inside one tile
+ROW_SIZES = ([5, 0, 17, 1, 64, 3], [3000, 1, 2047, 0, 999], [0, 1] * 150 + [7], [40_000, 7, 0], [255, 2, 300, 514])
+
+
+def _rows_of(g, n, world, block):
+    """1-bit rows of a random buffer of ``n`` elements over ``world`` rows (chunks of a multiple
+    of 32 elements: the last row may be short of elements)."""
+    chunk = -(-max(-(-n // world), 1) // 32) * 32
+    rows = torch.zeros(world, rows_layout(chunk, block)[1], dtype=torch.uint8)
+    compress_rows_(torch.randn(n, generator=g) * 0.1, torch.zeros(n), rows, chunk, block)
+    return rows, chunk
+
+
+@pytest.mark.parametrize("sizes", ROW_SIZES)
+@pytest.mark.parametrize("world,block", [(1, 256), (2, 256), (3, 512), (2, 512), (3, 256)])
+@pytest.mark.parametrize("form", FORMS)
+def test_variance_pass_from_the_rows_is_decompression_then_the_pass(sizes, world, block, form):
+    """With ``y`` as the 1-bit rows it travelled as, pass 1 decompresses it tile by tile into the
+    stack and gives what decompressing it then pass 1 on ``y`` give, bit for bit: ``m``, ``v`` and
+    every maximum (``R == 0`` and ``v_f == 0`` coordinates, ``v == 0``, empty layers: 1.0); nothing
+    is written into the result's buffer."""
+    segments, _, r, divisors, m, v, denom = _case(world * 10 + len(sizes), form, sizes)
+    n = segments.numel
+    g = torch.Generator().manual_seed(block + world)
+    rows, chunk = _rows_of(g, n, world, block)
+    buffer = torch.full((n,), 3.0)
+    mine, theirs = (m.clone(), v.clone()), (m.clone(), v.clone())
+    got = lamb_passes.variance_maxima_(CompressedResult(rows, chunk, block, buffer), r, divisors, *mine, denom,
+                                       segments, **ARGS)
+    y = torch.empty(n)
+    decompress_rows_(rows, y, chunk, block)
+    want = lamb_passes.variance_maxima_(y, r, divisors, *theirs, denom, segments, **ARGS)
+    assert got == want
+    assert all(a == 1.0 for k, a in zip(sizes, got) if k == 0)
+    assert torch.equal(_bits(mine[0]), _bits(theirs[0])) and torch.equal(_bits(mine[1]), _bits(theirs[1]))
+    assert torch.all(buffer == 3.0)
+
+
+def test_variance_pass_from_the_rows_with_infinite_and_nan_ratios():
+    """A layer with ``v_f == 0`` everywhere, one with a NaN variance, one with ``eps == 0`` and ``v
+    == 0`` (``denom / 0``): the maxima (0) and the state as from the decompressed ``y``."""
+    segments = Segments([300, 9, 260])
+    n = segments.numel
+    rows, chunk = _rows_of(torch.Generator().manual_seed(3), n, 2, 256)
+    m, v, denom, r = torch.full((n,), 0.25), torch.rand(n) * 1e-3, torch.rand(n) + 0.5, torch.full((n,), 2.0)
+    denom[:300], r[:300] = float("inf"), 0.0
+    v[300:309] = float("nan")
+    m[309:], v[309:] = 0.0, 0.0
+    y = torch.empty(n)
+    decompress_rows_(rows, y, chunk, 256)
+    r[309:] = float("inf")  # m_t = y / R = 0 there: v stays 0, q = 0
+    mine, theirs = (m.clone(), v.clone()), (m.clone(), v.clone())
+    args = dict(ARGS, eps=0.0)
+    got = lamb_passes.variance_maxima_(CompressedResult(rows, chunk, 256, torch.empty(n)), r, None, *mine, denom,
+                                       segments, **args)
+    want = lamb_passes.variance_maxima_(y, r, None, *theirs, denom, segments, **args)
+    assert got == want == [0.0, 0.0, 0.0]
+    assert torch.equal(_bits(mine[0]), _bits(theirs[0])) and torch.equal(_bits(mine[1]), _bits(theirs[1]))
+
+
+def test_ready_takes_cpu_rows_of_enough_elements():
+    segments = Segments([40, 30])
+    flat = [torch.zeros(70) for _ in range(3)]
+    params = [torch.zeros(40), torch.zeros(30)]
+    rows = torch.zeros(2, rows_layout(64, 256)[1], dtype=torch.uint8)
+    assert lamb_passes.ready([CompressedResult(rows, 64, 256, torch.zeros(70))] + flat, params, segments)
+    assert not lamb_passes.ready([CompressedResult(rows[:1], 64, 256, torch.zeros(70))] + flat, params, segments)
+    assert not lamb_passes.ready([CompressedResult(rows, 64, 256, torch.zeros(71))] + flat, params, segments)
+    with pytest.raises(ValueError, match="1 rows of 64 elements for 70"):
+        lamb_passes.variance_maxima_(CompressedResult(rows[:1], 64, 256, torch.zeros(70)), None, None, *flat,
+                                     segments, **ARGS)
+
+
 def _train(fused: bool, monkeypatch, exchange="preconditioned", trust_ratio="live", wd=0.01, calls=None):
     """A seeded single-process job through the freeze and 9 compression steps (the live ratio
     measured at steps 5, 8, 11): the parameters and the optimizer's state at the end."""
@@ -171,6 +245,55 @@ def test_the_optimizer_trains_as_the_composition_and_repeats_bit_for_bit(exchang
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
     for s, t in zip(fused[1], composed[1]):
         assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-9) for a, b in zip(s, t))
+
+
+CONFIGS = [("preconditioned", "live", 0.01), ("preconditioned", "live", 0.0), ("momentum", "live", 0.01),
+           ("preconditioned", "frozen", 0.01)]
+
+
+@pytest.mark.parametrize("exchange,trust_ratio,wd", CONFIGS)
+def test_the_optimizer_reads_the_exchange_rows_as_it_read_y(exchange, trust_ratio, wd, monkeypatch):
+    """Stage 0's exchange leaves its result in its 1-bit rows and pass 1 reads them (every
+    compression step, those that measure the live ratio too): the same parameters and state, bit for
+    bit, as decompressing them first and running pass 1 on ``y``."""
+    seen = []
+    original = lamb_passes.variance_maxima_
+
+    def rows_seen(y, *a):
+        seen.append(isinstance(y, CompressedResult))
+        return original(y, *a)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(lamb_passes, "variance_maxima_", rows_seen)
+        from_rows = _train(True, monkeypatch, exchange, trust_ratio, wd)
+    assert seen and all(seen)
+    with monkeypatch.context() as patch:
+        patch.setattr(lamb_passes, "variance_maxima_",
+                      lambda y, *a: original(y.expand_() if isinstance(y, CompressedResult) else y, *a))
+        from_y = _train(True, monkeypatch, exchange, trust_ratio, wd)
+    assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(from_rows[0], from_y[0]))
+    assert all(torch.equal(_bits(a), _bits(b)) for s, t in zip(from_rows[1], from_y[1]) for a, b in zip(s, t))
+
+
+def test_rows_the_step_cannot_pass_are_decompressed_for_the_composition(monkeypatch):
+    """Where the rows were kept but the step does not run the native passes, it decompresses them
+    into the bucket and composes: the bits of the composition from the exchange's own ``y``."""
+    original = OnebitLamb._fused_passes_ready
+    expanded = []
+
+    def not_from_rows(self, bucket, y):
+        if isinstance(y, CompressedResult):
+            expanded.append(1)
+            return False
+        return original(self, bucket, y)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(OnebitLamb, "_fused_passes_ready", not_from_rows)
+        from_rows = _train(True, monkeypatch)
+    assert expanded
+    composed = _train(False, monkeypatch)
+    assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(from_rows[0], composed[0]))
+    assert all(torch.equal(_bits(a), _bits(b)) for s, t in zip(from_rows[1], composed[1]) for a, b in zip(s, t))
 
 
 def test_an_empty_parameter_takes_the_passes_as_the_composition(monkeypatch):
