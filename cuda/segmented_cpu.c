@@ -216,8 +216,6 @@ void co_divide_descend(const float *y, const float *r, float *q, const double *d
     }
 }
 
-#define CO_TILE 256 /* elements of y decompressed at once into a stack tile (1 KiB: in L1) */
-
 /*
  * co_decompress_rows(rows, row_stride, nrows, chunk, block, y, off[nseg]) then co_divide_descend(y,
  * r, q, divisors, off, nseg, dests, a, d, decayed, scales), bit for bit, without y in memory: y is

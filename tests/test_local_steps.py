@@ -168,6 +168,55 @@ def test_pass_before_the_exchange_inside_the_compression_is_both_in_turn_bit_for
         acc[:-1], error[:-1], rows1, chunk, block)  # not the whole buffer: refused, nothing done
 
 
+ROW_SIZES = [300, 0, 1, 700, 0, 129, 2000, 5, 0]  # across tiles (256), blocks (256, 512) and chunks
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("block", [256, 512])
+@pytest.mark.parametrize("divide", ["r", "coefficients", "both", None])
+@pytest.mark.parametrize("decay", [1.0, 0.999])
+@pytest.mark.parametrize("extra", [0, 37])
+def test_pass_after_the_exchange_from_the_rows_is_decompressing_then_the_pass_bit_for_bit(world, block, divide, decay,
+                                                                                         extra):
+    """``zero_one_sync_after_`` on a ``CompressedResult`` (the rows decompressed tile by tile inside
+    the pass) against ``decompress_rows_`` into the accumulator then the pass on it: m, the anchor,
+    the parameters bit for bit, the accumulator +0 (written, whatever it held); rows ``row_stride``
+    apart as a coalesced exchange's."""
+    from compressed_opt.cuda import CompressedResult, cpu, reference
+
+    seg = Segments(ROW_SIZES)
+    n = seg.numel + extra
+    g = torch.Generator().manual_seed(world * 1000 + block + extra)
+    x = torch.randn(n, generator=g) * 10.0 ** torch.randint(-3, 2, (n,), generator=g)
+    v = torch.rand(n, generator=g) * 1e-2
+    v[::7] = 0.0
+    r = torch.where(v == 0, torch.zeros(()), 1.0 / torch.sqrt(v)) * 0.7
+    _, sden = _denominators(v, 1e-8)
+    anchor = torch.randn(n, generator=g)
+    params = [torch.randn(k, generator=g) for k in ROW_SIZES]
+    chunk = -(-n // (world * 32)) * 32
+    row_len = reference.rows_layout(chunk, block)[1]
+    rows = torch.zeros(world, row_len + 24, dtype=torch.uint8)[:, 8:8 + row_len]  # (rows apart, as coalesced)
+    cpu.compress_rows_(x, torch.randn(n, generator=g) * 1e-2, rows, chunk, block)
+    coeffs = [1.5, 0.5, 0.75, 1.25, 3.0, 1.0, 0.3, 2.0, 0.9]
+    steps = [-1.0, -2.0, -0.5, -1.5, -0.75, -1.0, -1.25, -0.6, -3.0]
+    kw = dict(r=r if divide in ("r", "both") else None, divisors=coeffs if divide in ("coefficients", "both") else None)
+    got = []
+    for from_rows in (True, False):
+        acc, m, a, p = torch.full((n,), -5.0), torch.full((n,), 5.0), anchor.clone(), [t.clone() for t in params]
+        if from_rows:
+            y = CompressedResult(rows, chunk, block, acc)
+        else:
+            cpu.decompress_rows_(rows, acc, chunk, block)
+            y = acc
+        assert kernels.zero_one_sync_after_(p, y, sden, m, a, seg, 7e-3, decay, steps, **kw)
+        got.append((acc, m, a, p))
+    (acc1, m1, a1, p1), (acc2, m2, a2, p2) = got
+    assert _same(m1, m2) and _same(a1, a2) and all(_same(s, t) for s, t in zip(p1, p2))
+    assert _same(acc1, acc2) and not acc1.any() and not torch.signbit(acc1).any()
+    assert not torch.equal(a1, anchor) and (m1[v == 0] == 0).all()  # (it did move, and masked)
+
+
 def test_the_lerp_is_within_its_bound_of_the_exact_one():
     """``|m - lerp| <= ulp(m) / 2 + |c| ulp(g - m) / 2`` (the module doc; ``c``: ``w``, or ``w - 1`` for
     ``|w| >= 1/2``), both formulas, in float64."""
