@@ -262,8 +262,9 @@ def test_passes_refuse_what_they_cannot_serve(monkeypatch):
 @contextlib.contextmanager
 def passes(on: bool, ran: list):
     """Within: the phase-B C passes counted in ``ran[0]`` when ``on`` (each local step's pass, and
-    each synchronisation's fused compression and pass after the exchange), refused (the PyTorch
-    composition runs) when not."""
+    each synchronisation's fused compression and pass after the exchange; in ``ran[1]``, where given,
+    the passes after the exchange that read its result rows), refused (the PyTorch composition runs)
+    when not."""
     originals = {name: getattr(kernels, name) for name in ("zero_one_local_step_", "zero_one_sync_after_",
                                                             "zero_one_passes_serve")}
     fused = kernels.ZeroOneSyncBefore.compress_rows_
@@ -272,6 +273,8 @@ def passes(on: bool, ran: list):
         def run(*args, **kwargs):
             done = f(*args, **kwargs)
             ran[0] += bool(done)
+            if len(ran) > 1 and f is originals["zero_one_sync_after_"]:
+                ran[1] += bool(done) and isinstance(args[1], kernels.CompressedResult)
             return done
         return run
 
@@ -317,14 +320,17 @@ def _job(exchange, wd, tracking, steps=16):
 def test_the_optimizer_with_the_passes_is_the_composition_bit_for_bit(exchange, wd, tracking):
     if not FMA_CAPABLE:
         pytest.skip(f"torch's CPU capability {torch.backends.cpu.get_cpu_capability()}: its lerp rounds otherwise")
-    ran = [0]
+    ran = [0, 0]
     with passes(True, ran):
         fused = _job(exchange, wd, tracking)
     with passes(False, [0]):
         composed = _job(exchange, wd, tracking)
     kinds = [k for k, _, _ in fused]
-    # every local step one pass, every synchronisation two (but the one of an interval of lr 0: one)
+    # every local step one pass, every synchronisation two (but the first: its exchange, which agrees
+    # the size, runs the pass before alone), and every pass after an exchange reads its result rows
+    # (the first one's: a copy the exchange returns)
     assert {"local", "sync"} <= set(kinds) and ran[0] == kinds.count("local") + 2 * kinds.count("sync") - 1
+    assert ran[1] == kinds.count("sync")
     for (kind, p1, s1), (_, p2, s2) in zip(fused, composed):
         assert all(_same(a, b) for a, b in zip(p1 + s1, p2 + s2)), kind
     again = _job(exchange, wd, tracking)  # the same seeded job: the same bits
@@ -332,7 +338,7 @@ def test_the_optimizer_with_the_passes_is_the_composition_bit_for_bit(exchange, 
 
 
 def _two_rank_job(rank, world):
-    ran, finals = [0], []
+    ran, finals = [0, 0], []
     for on in (True, False):
         with passes(on, ran):
             torch.manual_seed(0)
@@ -345,15 +351,17 @@ def _two_rank_job(rank, world):
                 kinds.append(opt.last_step_kind)
             finals.append([p.detach().clone() for p in model.parameters()])
             opt.close()
-    return finals, ran[0], kinds
+    return finals, ran, kinds
 
 
 @pytest.mark.multiprocess
 def test_two_ranks_with_the_passes_are_the_composition_and_agree_after_syncs():
     results = run_ranks(_two_rank_job, 2)
-    for finals, ran, kinds in results:
-        # every local step one pass, every synchronisation two (its compression fused on 2 ranks too)
+    for finals, (ran, from_rows), kinds in results:
+        # every local step one pass, every synchronisation two (its compression fused on 2 ranks too),
+        # every pass after an exchange reading its result rows
         assert kinds[-1] == "sync" and ran == kinds.count("local") + 2 * kinds.count("sync")
+        assert from_rows == kinds.count("sync")
         if FMA_CAPABLE:
             assert all(_same(a, b) for a, b in zip(*finals))
     assert all(_same(a, b) for a, b in zip(results[0][0][0], results[1][0][0]))  # ranks agree after the sync
