@@ -292,14 +292,16 @@ def passes(on: bool, ran: list):
         kernels.ZeroOneSyncBefore.compress_rows_ = fused
 
 
-def _job(exchange, wd, tracking, steps=16):
+def _job(exchange, wd, tracking, steps=16, **options):
     """A seeded job through both phases (phase B: syncs at growing intervals, an interval of lr 0):
-    its parameters and state after every step, and the step kinds."""
+    its parameters and state after every step, and the step kinds (``options``: more of
+    ZeroOneAdam's arguments)."""
     torch.manual_seed(0)
     shapes = [(37,), (0,), (16, 9), (1000,), (5,)]
     params = [torch.nn.Parameter(torch.randn(s) * 0.1) for s in shapes]
     opt = ZeroOneAdam(params, lr=1e-2, weight_decay=wd, var_freeze_step=3, local_step_scaler=2, local_step_clipper=4,
-                      backend=SingleProcessBackend(), exchange=exchange, overlap=False, variance_tracking=tracking)
+                      backend=SingleProcessBackend(), exchange=exchange, overlap=False, variance_tracking=tracking,
+                      **options)
     g = torch.Generator().manual_seed(1)
     record = []
     for t in range(steps):
@@ -335,6 +337,21 @@ def test_the_optimizer_with_the_passes_is_the_composition_bit_for_bit(exchange, 
         assert all(_same(a, b) for a, b in zip(p1 + s1, p2 + s2)), kind
     again = _job(exchange, wd, tracking)  # the same seeded job: the same bits
     assert all(_same(a, b) for (_, p1, s1), (_, p2, s2) in zip(fused, again) for a, b in zip(p1 + s1, p2 + s2))
+
+
+def test_where_the_exchange_returns_no_rows_the_pass_after_reads_acc():
+    """``path="fp32"``: the exact average, no rows (the result is in ``acc``): the pass after reads
+    ``acc``, bit for bit the composition."""
+    if not FMA_CAPABLE:
+        pytest.skip(f"torch's CPU capability {torch.backends.cpu.get_cpu_capability()}: its lerp rounds otherwise")
+    ran = [0, 0]
+    with passes(True, ran):
+        fused = _job("preconditioned", 0.1, True, path="fp32")
+    with passes(False, [0]):
+        composed = _job("preconditioned", 0.1, True, path="fp32")
+    kinds = [k for k, _, _ in fused]
+    assert ran == [kinds.count("local") + kinds.count("sync"), 0]  # (no compression: the pass before alone)
+    assert all(_same(a, b) for (_, p1, s1), (_, p2, s2) in zip(fused, composed) for a, b in zip(p1 + s1, p2 + s2))
 
 
 def _two_rank_job(rank, world):
