@@ -194,14 +194,28 @@ CO_EXACT void co_zo_sync_after(const int64_t *dests, float *y, const float *r, c
     }
 }
 
+/* x[0, len) <- +0 with non-temporal stores where x is 32-byte aligned (AVX2): no read for ownership
+ * of a buffer only written (the caller fences); else memset. */
+static inline void zo_zero_streaming(float *x, int64_t len) {
+#ifdef CO_AVX2
+    if (((uintptr_t)x & 31u) == 0) {
+        int64_t i = 0;
+        for (; i + 8 <= len; i += 8) _mm256_stream_ps(x + i, _mm256_setzero_ps());
+        for (; i < len; ++i) x[i] = 0.0f;
+        return;
+    }
+#endif
+    memset(x, 0, (size_t)len * sizeof(float));
+}
+
 /*
  * co_decompress_rows(rows, row_stride, ., chunk, block, acc, n) then co_zo_sync_after(dests, acc,
  * r, sden, m, anchor, off, nseg, n, lr_sum, decay, decayed, divisors, steps), bit for bit, without
  * y in memory: y (the exchange's result as its 1-bit rows, row_stride bytes apart, chunk elements
  * each, one scale per block) is decompressed tile by tile (at most CO_TILE elements of one block of
  * one row) into the stack and consumed there by the same loops (zo_after_segment on the tile), and
- * acc <- +0 tile by tile: acc is only written. Reads the rows, r, sden, anchor and writes m, anchor,
- * the destinations and acc.
+ * acc <- +0 tile by tile (zo_zero_streaming: acc is only written, not read for ownership either).
+ * Reads the rows, r, sden, anchor and writes m, anchor, the destinations and acc.
  */
 void co_zo_sync_after_rows(const int64_t *dests, const uint8_t *rows, int64_t row_stride, int64_t chunk,
                            int64_t block, float *acc, const float *r, const float *sden, float *m, float *anchor,
@@ -228,9 +242,12 @@ void co_zo_sync_after_rows(const int64_t *dests, const uint8_t *rows, int64_t ro
                              p ? p + (k - off[s]) : anchor + k, stop - k, d, c, lr_sum, decay, kind);
             k = stop;
         }
-        memset(acc + k0, 0, (size_t)len * sizeof(float));
+        zo_zero_streaming(acc + k0, len);
         k0 = end;
     }
+#ifdef CO_AVX2
+    _mm_sfence();
+#endif
 }
 
 /*
