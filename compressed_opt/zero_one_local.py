@@ -13,8 +13,10 @@ On contiguous fp32 CPU tensors these are the C passes of :mod:`compressed_opt.cu
 one pass for a local step; for a synchronisation, the pass before the exchange (``m``, ``acc den``,
 the exchange's own ``clamp(R x)`` or ``c_l x``) runs inside the exchange's compression
 (:class:`~compressed_opt.cuda.ZeroOneSyncBefore`; ``acc den`` never travels to memory), and one
-pass after it (``y / R`` or ``y / c_l``, the masking, ``m``, ``p_sync``, ``p``, ``acc <- 0``). Each
-reads every buffer once. Elsewhere, and with ``COMPRESSED_OPT_KERNELS=reference``, the PyTorch
+pass after it (``y / R`` or ``y / c_l``, the masking, ``m``, ``p_sync``, ``p``, ``acc <- 0``), which
+reads ``y`` from the flat 1-bit exchange's result rows, decompressed in cache (the exchange does not
+decompress them into ``acc``; the hierarchical and fp32 averages leave ``y`` in ``acc``, read there).
+Each reads every buffer once. Elsewhere, and with ``COMPRESSED_OPT_KERNELS=reference``, the PyTorch
 composition below (:meth:`ZeroOneLocalSteps._composed_local_step`), which the passes give bit for
 bit where torch's CPU kernels use FMA (the module doc of ``local_steps``).
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from compressed_opt import cuda as kernels
+from compressed_opt.comm import chunk_numel
 
 from .moments import denominator_, momentum_
 from .zero_one_exchange import _no_variance_no_move_
@@ -97,12 +100,17 @@ class ZeroOneLocalSteps:
             return True
         scales, r, bounds, divisors = self.exchange_variant.sync_plan(self, bucket, lr_sum, tracked)
         pending = kernels.ZeroOneSyncBefore(grad, m, sden, acc, bucket.segments, weight, lr, scales, r, bounds)
+        result = [acc]
 
-        def request():
-            yield bucket, acc, None, pending, True
+        def request():  # expand=False: the flat 1-bit exchange leaves y in its rows, the pass after reads them
+            rows = yield bucket, acc, None, pending, False
+            if rows is not None:  # (None: the hierarchical and fp32 averages, y in acc)
+                result[0] = kernels.CompressedResult(rows, chunk_numel(acc.numel(), rows.shape[0]), self.scale_block,
+                                                     acc)
 
         self.exchanges.run([request()])
-        kernels.zero_one_sync_after_(bucket.params, acc, sden, m, anchor, bucket.segments, lr_sum, decay,
+        # (the rows are views of the exchange's buffers, valid until the next exchange: read right now)
+        kernels.zero_one_sync_after_(bucket.params, result[0], sden, m, anchor, bucket.segments, lr_sum, decay,
                                      [-f for f in factors], r, divisors)
         return True
 

@@ -19,7 +19,10 @@ Per element of segment ``s``:
     over memory; ``acc`` read, not written), bit for bit as the passes then the compression.
 ``zero_one_sync_after_(params, y, sden, m, anchor, segments, lr_sum, decay, steps, r=None, divisors=None)``
     ``y <- y / r / divisors[s]`` (each where given), 0 where ``v == 0``; ``m <- y / lr_sum``;
-    ``anchor <- anchor decay + (steps[s] y) / den``; ``p <- anchor``; ``y <- 0``.
+    ``anchor <- anchor decay + (steps[s] y) / den``; ``p <- anchor``; ``y <- 0``. ``y`` may be
+    the exchange's result as its 1-bit rows (a :class:`~compressed_opt.cuda.CompressedResult`
+    whose buffer is the accumulator): they are then decompressed tile by tile inside the pass
+    and the accumulator only written (``<- 0``), bit for bit as decompressing them into it first.
 
 Elements past the segments (up to the buffers' size) get what has no per-segment scalar (``m``,
 ``acc``, ``anchor decay``; no parameter, no step), as the PyTorch composition treats them.
@@ -44,6 +47,7 @@ import torch
 
 from .addresses import destination_addresses
 from .segmented import Segments, _c_doubles, _check, _native, scale_clamp_
+from .update import CompressedResult
 
 
 def _flat_buffers(segments: Segments, *tensors: torch.Tensor) -> int:
@@ -103,22 +107,37 @@ def _sync_before(lib, g, m, sden, acc, segments: Segments, weight: float, lr: fl
                           len(segments), acc.numel(), float(weight), float(lr), cp)
 
 
-def zero_one_sync_after_(params: list, y: torch.Tensor, sden: torch.Tensor, m: torch.Tensor, anchor: torch.Tensor,
+def zero_one_sync_after_(params: list, y, sden: torch.Tensor, m: torch.Tensor, anchor: torch.Tensor,
                          segments: Segments, lr_sum: float, decay: float, steps, r: torch.Tensor | None = None,
                          divisors=None) -> bool:
     """A synchronising step's pass after its exchange (``y``: its result; see the module doc):
     ``m``, ``anchor``, the parameters, and ``y <- 0``. ``steps[s]`` is ``-f_s``; ``r``: the
-    element-wise divisor of the preconditioned exchange; ``divisors``: per segment."""
-    n = _flat_buffers(segments, y, sden, m, anchor, *(() if r is None else (r,)))
-    lib = _native(y, sden, m, anchor, *(() if r is None else (r,)))
+    element-wise divisor of the preconditioned exchange; ``divisors``: per segment.
+
+    ``y`` may be a :class:`~compressed_opt.cuda.CompressedResult`, the result as the 1-bit rows it
+    travelled as, whose ``buffer`` is the accumulator: the pass then decompresses the rows tile by
+    tile into the stack (``co_zo_sync_after_rows``; ``y`` never travels to memory) and writes the
+    buffer's ``+0`` without reading it, bit for bit as decompressing them into the buffer then the
+    pass on it."""
+    compressed = isinstance(y, CompressedResult)
+    acc = y.buffer if compressed else y
+    n = _flat_buffers(segments, acc, sden, m, anchor, *(() if r is None else (r,)))
+    if compressed and y.rows.shape[0] * y.chunk < n:
+        raise ValueError(f"{y.rows.shape[0]} rows of {y.chunk} elements for {n} elements")
+    lib = _native(acc, sden, m, anchor, *(() if r is None else (r,)))
     dests = destination_addresses(params, segments.sizes)
-    if lib is None or dests is None:
+    if lib is None or dests is None or (compressed and not y.rows.is_cpu):
         return False
     c, cp = _c_doubles(steps, len(segments))
     d, dp = (None, None) if divisors is None else _c_doubles(divisors, len(segments))
-    lib.co_zo_sync_after(dests.data_ptr(), y.data_ptr(), None if r is None else r.data_ptr(), sden.data_ptr(),
-                         m.data_ptr(), anchor.data_ptr(), segments.offsets.data_ptr(), len(segments), n, float(lr_sum),
-                         float(decay), decay != 1.0, dp, cp)
+    rp = None if r is None else r.data_ptr()
+    tail = (sden.data_ptr(), m.data_ptr(), anchor.data_ptr(), segments.offsets.data_ptr(), len(segments), n,
+            float(lr_sum), float(decay), decay != 1.0, dp, cp)
+    if compressed:
+        lib.co_zo_sync_after_rows(dests.data_ptr(), y.rows.data_ptr(), y.rows.stride(0), y.chunk, y.block,
+                                  acc.data_ptr(), rp, *tail)
+    else:
+        lib.co_zo_sync_after(dests.data_ptr(), acc.data_ptr(), rp, *tail)
     return True
 
 

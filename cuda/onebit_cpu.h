@@ -44,6 +44,10 @@
  * then chunk / 8 bytes of bits; block b of a chunk is its elements [b block, min((b+1) block,
  * chunk)). chunk and block are multiples of 8 (the callers: of 32 and of 256).
  */
+/* Elements of a result decompressed at once into a stack tile by a pass that reads the rows
+ * (co_rows_divide_descend, co_zo_sync_after_rows): 1 KiB, in L1. */
+#define CO_TILE 256
+
 static inline int64_t blocks_of(int64_t chunk, int64_t block) { return (chunk + block - 1) / block; }
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }

@@ -25,14 +25,15 @@ from .segmented import Segments, _c_doubles, _check, _native, descend_scaled_, d
 
 
 class CompressedResult:
-    """A compressed allreduce's result as its 1-bit rows: ``rows`` (uint8 ``[world, row_len]``,
-    contiguous, the layout of :func:`~compressed_opt.cuda.rows_layout`) of ``chunk`` elements each, one
+    """A compressed allreduce's result as its 1-bit rows: ``rows`` (uint8 ``[world, row_len]``, each
+    row contiguous, the layout of :func:`~compressed_opt.cuda.rows_layout`) of ``chunk`` elements each, one
     scale per ``block``; :meth:`expand_` decompresses them (``decompress_rows_``) into ``buffer`` (a
     flat fp32 tensor of the result's size, where a pass that cannot read the rows takes it)."""
 
     def __init__(self, rows: torch.Tensor, chunk: int, block: int, buffer: torch.Tensor):
-        if rows.dtype != torch.uint8 or rows.dim() != 2 or not rows.is_contiguous():
-            raise ValueError(f"rows must be contiguous uint8 [world, row_len], got {rows.dtype} {tuple(rows.shape)}")
+        if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.stride(1) != 1 or rows.stride(0) < rows.shape[1]:
+            raise ValueError(f"rows must be uint8 [world, row_len] with contiguous, non-overlapping rows, got "
+                             f"{rows.dtype} {tuple(rows.shape)} strides {rows.stride()}")
         from . import check_rows_geometry, rows_layout
 
         check_rows_geometry(chunk, block)

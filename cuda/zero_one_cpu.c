@@ -194,6 +194,62 @@ CO_EXACT void co_zo_sync_after(const int64_t *dests, float *y, const float *r, c
     }
 }
 
+/* x[0, len) <- +0 with non-temporal stores where x is 32-byte aligned (AVX2): no read for ownership
+ * of a buffer only written (the caller fences); else memset. */
+static inline void zo_zero_streaming(float *x, int64_t len) {
+#ifdef CO_AVX2
+    if (((uintptr_t)x & 31u) == 0) {
+        int64_t i = 0;
+        for (; i + 8 <= len; i += 8) _mm256_stream_ps(x + i, _mm256_setzero_ps());
+        for (; i < len; ++i) x[i] = 0.0f;
+        return;
+    }
+#endif
+    memset(x, 0, (size_t)len * sizeof(float));
+}
+
+/*
+ * co_decompress_rows(rows, row_stride, ., chunk, block, acc, n) then co_zo_sync_after(dests, acc,
+ * r, sden, m, anchor, off, nseg, n, lr_sum, decay, decayed, divisors, steps), bit for bit, without
+ * y in memory: y (the exchange's result as its 1-bit rows, row_stride bytes apart, chunk elements
+ * each, one scale per block) is decompressed tile by tile (at most CO_TILE elements of one block of
+ * one row) into the stack and consumed there by the same loops (zo_after_segment on the tile), and
+ * acc <- +0 tile by tile (zo_zero_streaming: acc is only written, not read for ownership either).
+ * Reads the rows, r, sden, anchor and writes m, anchor, the destinations and acc.
+ */
+void co_zo_sync_after_rows(const int64_t *dests, const uint8_t *rows, int64_t row_stride, int64_t chunk,
+                           int64_t block, float *acc, const float *r, const float *sden, float *m, float *anchor,
+                           const int64_t *off, int64_t nseg, int64_t n, float lr_sum, float decay, int decayed,
+                           const double *divisors, const double *steps) {
+    const int64_t nb = blocks_of(chunk, block);
+    float tile[CO_TILE];
+    int64_t s = 0;
+    for (int64_t k0 = 0; k0 < n;) {
+        const int64_t j = k0 / chunk, in_chunk = k0 - j * chunk, b = in_chunk / block;
+        const int64_t len = min64(min64(CO_TILE, (b + 1) * block - in_chunk), min64(chunk - in_chunk, n - k0));
+        const uint8_t *row = rows + j * row_stride;
+        expand_signs(row + 4 * nb + in_chunk / 8, load_scale(row + 4 * b), tile, len);
+        const int64_t end = k0 + len;
+        for (int64_t k = k0; k < end;) {
+            while (s < nseg && off[s + 1] <= k) ++s; /* (s == nseg: the elements past the segments) */
+            const int in = s < nseg;
+            const int64_t stop = in ? min64(off[s + 1], end) : end;
+            float *p = in ? (float *)(intptr_t)dests[s] : NULL;
+            const int divided = divisors && in;
+            const float d = divided ? (float)divisors[s] : 1.0f, c = in ? (float)steps[s] : 0.0f;
+            const int kind = (r ? 8 : 0) | (divided ? 4 : 0) | (decayed ? 2 : 0) | (p ? 1 : 0);
+            zo_after_segment(tile + (k - k0), (r ? r : sden) + k, sden + k, m + k, anchor + k,
+                             p ? p + (k - off[s]) : anchor + k, stop - k, d, c, lr_sum, decay, kind);
+            k = stop;
+        }
+        zo_zero_streaming(acc + k0, len);
+        k0 = end;
+    }
+#ifdef CO_AVX2
+    _mm_sfence();
+#endif
+}
+
 /*
  * co_zo_sync_before, then the exchange's element-wise pass clamp(r x, -b_s, b_s) over the segments
  * (r != NULL: co_scale_clamp), then co_compress_rows(acc, error, ...), bit for bit, in one pass

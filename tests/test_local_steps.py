@@ -168,6 +168,56 @@ def test_pass_before_the_exchange_inside_the_compression_is_both_in_turn_bit_for
         acc[:-1], error[:-1], rows1, chunk, block)  # not the whole buffer: refused, nothing done
 
 
+ROW_SIZES = [300, 0, 1, 700, 0, 129, 2000, 5, 0]  # across tiles (256), blocks (256, 512) and chunks
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("block", [256, 512])
+@pytest.mark.parametrize("divide", ["r", "coefficients", "both", None])
+@pytest.mark.parametrize("decay", [1.0, 0.999])
+@pytest.mark.parametrize("extra", [0, 37])
+def test_pass_after_the_exchange_from_the_rows_is_decompressing_then_the_pass_bit_for_bit(world, block, divide, decay,
+                                                                                         extra):
+    """``zero_one_sync_after_`` on a ``CompressedResult`` (the rows decompressed tile by tile inside
+    the pass) against ``decompress_rows_`` into the accumulator then the pass on it: m, the anchor,
+    the parameters bit for bit, the accumulator +0 (written, whatever it held); rows ``row_stride``
+    apart as a coalesced exchange's."""
+    from compressed_opt.cuda import CompressedResult, cpu, reference
+
+    seg = Segments(ROW_SIZES)
+    n = seg.numel + extra
+    g = torch.Generator().manual_seed(world * 1000 + block + extra)
+    x = torch.randn(n, generator=g) * 10.0 ** torch.randint(-3, 2, (n,), generator=g)
+    v = torch.rand(n, generator=g) * 1e-2
+    v[::7] = 0.0
+    r = torch.where(v == 0, torch.zeros(()), 1.0 / torch.sqrt(v)) * 0.7
+    _, sden = _denominators(v, 1e-8)
+    anchor = torch.randn(n, generator=g)
+    params = [torch.randn(k, generator=g) for k in ROW_SIZES]
+    chunk = -(-n // (world * 32)) * 32
+    row_len = reference.rows_layout(chunk, block)[1]
+    rows = torch.zeros(world, row_len + 24, dtype=torch.uint8)[:, 8:8 + row_len]  # (rows apart, as coalesced)
+    cpu.compress_rows_(x, torch.randn(n, generator=g) * 1e-2, rows, chunk, block)
+    coeffs = [1.5, 0.5, 0.75, 1.25, 3.0, 1.0, 0.3, 2.0, 0.9]
+    steps = [-1.0, -2.0, -0.5, -1.5, -0.75, -1.0, -1.25, -0.6, -3.0]
+    kw = dict(r=r if divide in ("r", "both") else None, divisors=coeffs if divide in ("coefficients", "both") else None)
+    got = []
+    for from_rows in (True, False):
+        acc = torch.full((n + 1,), -5.0)[world % 2:][:n]  # (1, 3 rows: acc not 32-byte aligned: memset)
+        m, a, p = torch.full((n,), 5.0), anchor.clone(), [t.clone() for t in params]
+        if from_rows:
+            y = CompressedResult(rows, chunk, block, acc)
+        else:
+            cpu.decompress_rows_(rows, acc, chunk, block)
+            y = acc
+        assert kernels.zero_one_sync_after_(p, y, sden, m, a, seg, 7e-3, decay, steps, **kw)
+        got.append((acc, m, a, p))
+    (acc1, m1, a1, p1), (acc2, m2, a2, p2) = got
+    assert _same(m1, m2) and _same(a1, a2) and all(_same(s, t) for s, t in zip(p1, p2))
+    assert _same(acc1, acc2) and not acc1.any() and not torch.signbit(acc1).any()
+    assert not torch.equal(a1, anchor) and (m1[v == 0] == 0).all()  # (it did move, and masked)
+
+
 def test_the_lerp_is_within_its_bound_of_the_exact_one():
     """``|m - lerp| <= ulp(m) / 2 + |c| ulp(g - m) / 2`` (the module doc; ``c``: ``w``, or ``w - 1`` for
     ``|w| >= 1/2``), both formulas, in float64."""
@@ -213,8 +263,9 @@ def test_passes_refuse_what_they_cannot_serve(monkeypatch):
 @contextlib.contextmanager
 def passes(on: bool, ran: list):
     """Within: the phase-B C passes counted in ``ran[0]`` when ``on`` (each local step's pass, and
-    each synchronisation's fused compression and pass after the exchange), refused (the PyTorch
-    composition runs) when not."""
+    each synchronisation's fused compression and pass after the exchange; in ``ran[1]``, where given,
+    the passes after the exchange that read its result rows), refused (the PyTorch composition runs)
+    when not."""
     originals = {name: getattr(kernels, name) for name in ("zero_one_local_step_", "zero_one_sync_after_",
                                                             "zero_one_passes_serve")}
     fused = kernels.ZeroOneSyncBefore.compress_rows_
@@ -223,6 +274,8 @@ def passes(on: bool, ran: list):
         def run(*args, **kwargs):
             done = f(*args, **kwargs)
             ran[0] += bool(done)
+            if len(ran) > 1 and f is originals["zero_one_sync_after_"]:
+                ran[1] += bool(done) and isinstance(args[1], kernels.CompressedResult)
             return done
         return run
 
@@ -240,14 +293,16 @@ def passes(on: bool, ran: list):
         kernels.ZeroOneSyncBefore.compress_rows_ = fused
 
 
-def _job(exchange, wd, tracking, steps=16):
+def _job(exchange, wd, tracking, steps=16, **options):
     """A seeded job through both phases (phase B: syncs at growing intervals, an interval of lr 0):
-    its parameters and state after every step, and the step kinds."""
+    its parameters and state after every step, and the step kinds (``options``: more of
+    ZeroOneAdam's arguments)."""
     torch.manual_seed(0)
     shapes = [(37,), (0,), (16, 9), (1000,), (5,)]
     params = [torch.nn.Parameter(torch.randn(s) * 0.1) for s in shapes]
     opt = ZeroOneAdam(params, lr=1e-2, weight_decay=wd, var_freeze_step=3, local_step_scaler=2, local_step_clipper=4,
-                      backend=SingleProcessBackend(), exchange=exchange, overlap=False, variance_tracking=tracking)
+                      backend=SingleProcessBackend(), exchange=exchange, overlap=False, variance_tracking=tracking,
+                      **options)
     g = torch.Generator().manual_seed(1)
     record = []
     for t in range(steps):
@@ -268,22 +323,40 @@ def _job(exchange, wd, tracking, steps=16):
 def test_the_optimizer_with_the_passes_is_the_composition_bit_for_bit(exchange, wd, tracking):
     if not FMA_CAPABLE:
         pytest.skip(f"torch's CPU capability {torch.backends.cpu.get_cpu_capability()}: its lerp rounds otherwise")
-    ran = [0]
+    ran = [0, 0]
     with passes(True, ran):
         fused = _job(exchange, wd, tracking)
     with passes(False, [0]):
         composed = _job(exchange, wd, tracking)
     kinds = [k for k, _, _ in fused]
-    # every local step one pass, every synchronisation two (but the one of an interval of lr 0: one)
+    # every local step one pass, every synchronisation two (but the first: its exchange, which agrees
+    # the size, runs the pass before alone), and every pass after an exchange reads its result rows
+    # (the first one's: a copy the exchange returns)
     assert {"local", "sync"} <= set(kinds) and ran[0] == kinds.count("local") + 2 * kinds.count("sync") - 1
+    assert ran[1] == kinds.count("sync")
     for (kind, p1, s1), (_, p2, s2) in zip(fused, composed):
         assert all(_same(a, b) for a, b in zip(p1 + s1, p2 + s2)), kind
     again = _job(exchange, wd, tracking)  # the same seeded job: the same bits
     assert all(_same(a, b) for (_, p1, s1), (_, p2, s2) in zip(fused, again) for a, b in zip(p1 + s1, p2 + s2))
 
 
+def test_where_the_exchange_returns_no_rows_the_pass_after_reads_acc():
+    """``path="fp32"``: the exact average, no rows (the result is in ``acc``): the pass after reads
+    ``acc``, bit for bit the composition."""
+    if not FMA_CAPABLE:
+        pytest.skip(f"torch's CPU capability {torch.backends.cpu.get_cpu_capability()}: its lerp rounds otherwise")
+    ran = [0, 0]
+    with passes(True, ran):
+        fused = _job("preconditioned", 0.1, True, path="fp32")
+    with passes(False, [0]):
+        composed = _job("preconditioned", 0.1, True, path="fp32")
+    kinds = [k for k, _, _ in fused]
+    assert ran == [kinds.count("local") + kinds.count("sync"), 0]  # (no compression: the pass before alone)
+    assert all(_same(a, b) for (_, p1, s1), (_, p2, s2) in zip(fused, composed) for a, b in zip(p1 + s1, p2 + s2))
+
+
 def _two_rank_job(rank, world):
-    ran, finals = [0], []
+    ran, finals = [0, 0], []
     for on in (True, False):
         with passes(on, ran):
             torch.manual_seed(0)
@@ -296,15 +369,17 @@ def _two_rank_job(rank, world):
                 kinds.append(opt.last_step_kind)
             finals.append([p.detach().clone() for p in model.parameters()])
             opt.close()
-    return finals, ran[0], kinds
+    return finals, ran, kinds
 
 
 @pytest.mark.multiprocess
 def test_two_ranks_with_the_passes_are_the_composition_and_agree_after_syncs():
     results = run_ranks(_two_rank_job, 2)
-    for finals, ran, kinds in results:
-        # every local step one pass, every synchronisation two (its compression fused on 2 ranks too)
+    for finals, (ran, from_rows), kinds in results:
+        # every local step one pass, every synchronisation two (its compression fused on 2 ranks too),
+        # every pass after an exchange reading its result rows
         assert kinds[-1] == "sync" and ran == kinds.count("local") + 2 * kinds.count("sync")
+        assert from_rows == kinds.count("sync")
         if FMA_CAPABLE:
             assert all(_same(a, b) for a, b in zip(*finals))
     assert all(_same(a, b) for a, b in zip(results[0][0][0], results[1][0][0]))  # ranks agree after the sync
