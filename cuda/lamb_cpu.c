@@ -142,15 +142,12 @@ CO_EXACT void co_lamb_rows_variance_maxima(const uint8_t *rows, int64_t row_stri
                                              float scale, float bc2_sqrt, float eps, float *maxima) {
     CO_NO_CONTRACT
     const struct lamb_scalars k = {-b1, b2, scale, bc2_sqrt, eps};
-    const int64_t nb = blocks_of(chunk, block), n = off[nseg];
+    const int64_t n = off[nseg];
     for (int64_t s = 0; s < nseg; ++s) maxima[s] = off[s + 1] > off[s] ? -INFINITY : 1.0f;
     float tile[CO_TILE];
     int64_t s = 0;
     for (int64_t k0 = 0; k0 < n;) {
-        const int64_t j = k0 / chunk, in_chunk = k0 - j * chunk, b = in_chunk / block;
-        const int64_t len = min64(min64(CO_TILE, (b + 1) * block - in_chunk), min64(chunk - in_chunk, n - k0));
-        const uint8_t *row = rows + j * row_stride;
-        expand_signs(row + 4 * nb + in_chunk / 8, load_scale(row + 4 * b), tile, len);
+        const int64_t len = next_tile(rows, row_stride, chunk, block, k0, n, tile);
         const int64_t end = k0 + len;
         for (int64_t i = k0; i < end;) {
             while (off[s + 1] <= i) ++s;

@@ -44,10 +44,6 @@
  * then chunk / 8 bytes of bits; block b of a chunk is its elements [b block, min((b+1) block,
  * chunk)). chunk and block are multiples of 8 (the callers: of 32 and of 256).
  */
-/* Elements of a result decompressed at once into a stack tile by a pass that reads the rows
- * (co_rows_divide_descend, co_zo_sync_after_rows): 1 KiB, in L1. */
-#define CO_TILE 256
-
 static inline int64_t blocks_of(int64_t chunk, int64_t block) { return (chunk + block - 1) / block; }
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -56,7 +52,8 @@ static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 static inline int64_t valid_in(int64_t n, int64_t lo, int64_t len) { return n <= lo ? 0 : min64(n - lo, len); }
 
 /* Elements of a result's rows decompressed at once into a stack tile (1 KiB: in L1) by the passes
- * that read the rows in place of the result (co_rows_divide_descend, co_lamb_rows_variance_maxima). */
+ * that read the rows in place of the result (co_rows_divide_descend, co_lamb_rows_variance_maxima,
+ * co_zo_sync_after_rows: next_tile). */
 #define CO_TILE 256
 
 static inline float load_scale(const uint8_t *p) {
@@ -119,5 +116,19 @@ CO_INTERNAL void compress_each_row(const float *x, float *error, uint8_t *rows, 
 
 /* dst[k] <- s (2 b_k - 1) for k < count, b_k bit k % 8 of src[k / 8] (onebit_cpu.c). */
 CO_INTERNAL void expand_signs(const uint8_t *src, float s, float *dst, int64_t count);
+
+/*
+ * The tile of a result that starts at element k0 of n, decompressed from its rows (row_stride
+ * bytes apart, chunk elements each, one scale per block) into tile: at most CO_TILE elements, never
+ * across a block or a chunk (so from a whole byte of bits, with one scale). Returns its length.
+ */
+static inline int64_t next_tile(const uint8_t *rows, int64_t row_stride, int64_t chunk, int64_t block, int64_t k0,
+                                int64_t n, float *tile) {
+    const int64_t j = k0 / chunk, in_chunk = k0 - j * chunk, b = in_chunk / block;
+    const int64_t len = min64(min64(CO_TILE, (b + 1) * block - in_chunk), min64(chunk - in_chunk, n - k0));
+    const uint8_t *row = rows + j * row_stride;
+    expand_signs(row + 4 * blocks_of(chunk, block) + in_chunk / 8, load_scale(row + 4 * b), tile, len);
+    return len;
+}
 
 #endif

@@ -221,14 +221,10 @@ void co_zo_sync_after_rows(const int64_t *dests, const uint8_t *rows, int64_t ro
                            int64_t block, float *acc, const float *r, const float *sden, float *m, float *anchor,
                            const int64_t *off, int64_t nseg, int64_t n, float lr_sum, float decay, int decayed,
                            const double *divisors, const double *steps) {
-    const int64_t nb = blocks_of(chunk, block);
     float tile[CO_TILE];
     int64_t s = 0;
     for (int64_t k0 = 0; k0 < n;) {
-        const int64_t j = k0 / chunk, in_chunk = k0 - j * chunk, b = in_chunk / block;
-        const int64_t len = min64(min64(CO_TILE, (b + 1) * block - in_chunk), min64(chunk - in_chunk, n - k0));
-        const uint8_t *row = rows + j * row_stride;
-        expand_signs(row + 4 * nb + in_chunk / 8, load_scale(row + 4 * b), tile, len);
+        const int64_t len = next_tile(rows, row_stride, chunk, block, k0, n, tile);
         const int64_t end = k0 + len;
         for (int64_t k = k0; k < end;) {
             while (s < nseg && off[s + 1] <= k) ++s; /* (s == nseg: the elements past the segments) */
