@@ -48,13 +48,9 @@ import ctypes
 import torch
 
 from . import cpu
-from .addresses import addressable, destination_addresses
+from .addresses import addressable, destination_addresses, plain_cpu_floats
 from .segmented import Segments, _c_doubles, _check, _library_allowed
 from .update import CompressedResult
-
-
-def _plain(t: torch.Tensor) -> bool:
-    return addressable(t) and t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
 
 
 def ready(tensors: list, params: list, segments: Segments) -> bool:
@@ -74,7 +70,7 @@ def ready(tensors: list, params: list, segments: Segments) -> bool:
             t = t.buffer
         if t is not None:
             flats.append(t)
-    if not all(_plain(t) and t.dim() == 1 and t.numel() == segments.numel for t in flats):
+    if not (plain_cpu_floats(flats) and all(t.dim() == 1 and t.numel() == segments.numel for t in flats)):
         return False
     if destination_addresses(params, segments.sizes) is None:
         return False
