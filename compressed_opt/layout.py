@@ -299,18 +299,17 @@ class Replicated(Layout):
         rows = yield bucket, x, None, pending, not keep_result
         if not keep_result:
             return
-        if rows is None:
-            bucket.derived.pop("result_rows", None)
-            return
-        kept = bucket.derived.get("result_rows")
-        if kept is None or kept.shape != rows.shape or kept.device != rows.device:
-            kept = torch.empty(rows.shape, dtype=torch.uint8, device=rows.device)
-        bucket.derived["result_rows"] = kept.copy_(rows)
+        bucket.derived["result_kept"] = rows is not None  # (None: the result is in x)
+        if rows is not None:  # (into a buffer made once, kept across steps)
+            kept = bucket.derived.get("result_rows")
+            if kept is None or kept.shape != rows.shape or kept.device != rows.device:
+                kept = bucket.derived["result_rows"] = torch.empty(rows.shape, dtype=torch.uint8, device=rows.device)
+            kept.copy_(rows)
 
     def exchanged(self, opt, bucket, x):
-        rows = bucket.derived.pop("result_rows", None)
-        if rows is None:
+        if not bucket.derived.pop("result_kept", False):
             return x
+        rows = bucket.derived["result_rows"]
         return kernels.CompressedResult(rows, chunk_numel(bucket.numel, rows.shape[0]), opt.scale_block, x)
 
     def keep_momentum(self, opt, bucket, m):
