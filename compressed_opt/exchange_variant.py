@@ -42,6 +42,9 @@ class ExchangeVariant:
     #: whether its update reads the exchange's result through the layout's ``exchanged`` (which may
     #: give it as 1-bit rows, never decompressed into memory), not from the exchanged buffer
     reads_compressed_result = False
+    #: whether the local momentum is exchanged as ``s_l R m_i``, bounded (a fused pass the
+    #: compression runs: :class:`compressed_opt.cuda.LerpScaleClamp`)
+    preconditioned = False
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(exchange={self.name!r})"
@@ -61,6 +64,7 @@ class AdamPreconditioned(ExchangeVariant):
 
     name = "preconditioned"
     reads_compressed_result = True  # (the layout's step_preconditioned_)
+    preconditioned = True
 
     def preconditioner(self, opt, bucket) -> torch.Tensor:
         """``R = c_l / sqrt(v_f)`` per element (0 where ``v_f == 0``), made at the first compressed

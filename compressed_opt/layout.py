@@ -270,9 +270,28 @@ class Replicated(Layout):
         return bucket.flat("exp_avg_sq")  # v stays where it is; v_f is made from it when first needed
 
     def gather_local(self, opt, bucket, grad):
-        opt.gather_observed(bucket, grad)
+        """Into ``grad``, or (where the step allows it: ``opt.leaves_gradients_in_place``) left in
+        ``p.grad`` and only summed: the local momentum's pass then reads them there, and whatever
+        reads ``grad`` first gathers them (:meth:`_gradients_left`)."""
+        if opt.leaves_gradients_in_place(bucket):
+            opt.observe_in_place(bucket, grad)
+            bucket.derived["gradients_in_place"] = True
+        else:
+            bucket.derived.pop("gradients_in_place", None)
+            opt.gather_observed(bucket, grad)
+
+    @staticmethod
+    def _gradients_left(bucket) -> list | None:
+        """The gradients :meth:`gather_local` left in ``p.grad`` this step (``None``: it gathered
+        them into the buffer), taken once: the caller reads them there, or gathers them."""
+        if not bucket.derived.pop("gradients_in_place", False):
+            return None
+        return [p.grad for p in bucket.params]
 
     def local_momentum_(self, opt, bucket, x, beta1):
+        sources = self._gradients_left(bucket)
+        if sources is not None:
+            kernels.gather_(sources, x, bucket.segments)
         m = bucket.flat("exp_avg")
         r = opt.exchange_preconditioner(bucket)
         if r is None:
@@ -287,10 +306,13 @@ class Replicated(Layout):
         exchange), or the momentum exchange's ``torch.lerp``."""
         m = bucket.flat("exp_avg")
         r = opt.exchange_preconditioner(bucket)
+        sources = self._gradients_left(bucket)
         if r is None:
+            if sources is not None:
+                kernels.gather_(sources, x, bucket.segments)
             return kernels.Lerp(x, m, 1 - beta1)
         return kernels.LerpScaleClamp(x, m, 1 - beta1, r, opt.exchange_bounds(bucket), bucket.segments,
-                                      opt.exchange_factors(bucket))
+                                      opt.exchange_factors(bucket), sources=sources)
 
     def exchange(self, opt, bucket, x, pending=None, keep_result=False):
         """With ``keep_result``, a flat 1-bit exchange leaves ``x`` as it is and its result rows are

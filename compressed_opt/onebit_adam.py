@@ -178,6 +178,9 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
         else:
             self.gather_observed(bucket, grad)
 
+    def _reads_gradients_in_place(self, step) -> bool:
+        return self.exchange_variant.preconditioned  # (its local momentum: a pass inside the compression)
+
     def exchange_scales(self, bucket) -> list[float] | None:
         """Per parameter of the bucket, the factor its momentum is multiplied by for the 1-bit
         exchange (``None``: not scaled; the exchange variant's)."""

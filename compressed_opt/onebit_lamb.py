@@ -391,6 +391,9 @@ class OnebitLamb(_FreezingAdam):
         # (stage 0: no fp32 masters to update)
 
     # --- the live trust ratio (trust_ratio="live") -------------------------------------------------
+    def _reads_gradients_in_place(self, step) -> bool:
+        return super()._reads_gradients_in_place(step) and not self._measures_live_ratio(step)
+
     def _measures_live_ratio(self, step) -> bool:
         """Whether compression step ``step`` measures ``||p|| / ||u||`` (the first compression step,
         then every ``trust_ratio_interval``; the same on every rank)."""

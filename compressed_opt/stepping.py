@@ -38,6 +38,8 @@ import weakref
 
 import torch
 
+from compressed_opt import cuda as kernels
+
 from . import ddp, traffic
 from .agreement import ENTRY_BACKWARD, ENTRY_STEP, hyperparameter_hash
 from .buckets import Bucket
@@ -102,6 +104,8 @@ class Stepping:
         self._layout_agreed = False  # the ranks checked a layout once: agree on it every step after
         self._broadcast_done = False
         self._regathering = False  # step() gathers the averages backward wrote into p.grad
+        #: step() gathers a compression step's buckets, whose exchanges it runs next, on this thread
+        self._gathering_for_inline = False
         #: a compression step's gradients' norms at the end of backward (step() sees whether the
         #: loop changed them: a GradScaler unscales in place without a version bump)
         self._backward_norms: torch.Tensor | None = None
@@ -308,8 +312,12 @@ class Stepping:
             checked = self._buckets
         else:
             checked = self._buckets[done:]
-            for b in checked:
-                self._gather_bucket(b)
+            self._gathering_for_inline = not full
+            try:
+                for b in checked:
+                    self._gather_bucket(b)
+            finally:
+                self._gathering_for_inline = False
         nonfinite = launcher.nonfinite or not self._gathered_finite(checked)
         verdict = self._agreement.step(step, self._stage_code(), hyperparameter_hash(self.param_groups),
                                        touched and not full, nonfinite, self._step_statistics(step), self.comm_device)
@@ -342,6 +350,21 @@ class Stepping:
         self._end_step(step)
         ddp.forget(self)  # a DDP wrapper is found at its first forward, before the first step
         return True
+
+    def leaves_gradients_in_place(self, bucket: Bucket) -> bool:
+        """Whether this gather of a compression step may leave the bucket's gradients in ``p.grad``
+        for the exchange's compression to read there (the layout's ``gather_local``): ``step()``
+        gathers it and runs its exchange next, on this thread (no loop code and no other thread
+        between: the gradients read are the ones summed and checked), and the kernels can read
+        every gradient where it lies. The gather's copy (two streams of the bucket's bytes) is
+        then not made; anywhere else it is."""
+        return (self._gathering_for_inline and self._reads_gradients_in_place(self.global_step + 1)
+                and kernels.readable_in_place([p.grad for p in bucket.params]))
+
+    def _reads_gradients_in_place(self, step: int) -> bool:
+        """Whether compression step ``step``'s exchange starts with a pass that can read the
+        gradients where they lie (the algorithm's: the preconditioned local momentum's)."""
+        return False
 
     def _gathered_finite(self, buckets: list[Bucket]) -> bool:
         """Whether every element of the buckets' gathered gradients is finite (one reduction)."""

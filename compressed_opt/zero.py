@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import torch
 
+from compressed_opt import cuda as kernels
 from compressed_opt.comm import chunk_numel, expand_result_rows
 
 from . import scaling
@@ -232,14 +233,53 @@ class Sharded(Layout):
 
     # --- compression stage: every rank updates its whole replica ----------------------------------
     def gather_local(self, opt, bucket, grad):
-        """The local momentum, formed from ``p.grad`` directly (:meth:`form_local_momentum`)."""
-        opt.observe_local_gradient(bucket)
+        """The local momentum, formed from ``p.grad`` directly (:meth:`form_local_momentum`); with
+        the preconditioned exchange from the kept rows, where the step lets the gradients be read
+        where they lie (``opt.leaves_gradients_in_place``), as a pass the exchange's compression
+        runs instead (:class:`compressed_opt.cuda.zero_passes.ZeroLocalMomentum`, kept for
+        :meth:`local_momentum_pass`; only the gradients' sums are taken now)."""
         beta1 = opt.param_groups[bucket.group_index]["betas"][0]
         preconditioner = opt.exchange_preconditioner(bucket)
         factors = opt.exchange_factors(bucket) if preconditioner is not None else None
-        self.form_local_momentum(opt, bucket, grad, beta1, keep_previous=opt.keeps_previous_momentum,
-                                 row_scales=opt.exchange_scales(bucket), preconditioner=preconditioner,
-                                 factors=None if factors is None else (opt.kept_exchange_factors(bucket), factors))
+        args = dict(keep_previous=opt.keeps_previous_momentum, row_scales=opt.exchange_scales(bucket),
+                    preconditioner=preconditioner,
+                    factors=None if factors is None else (opt.kept_exchange_factors(bucket), factors))
+        bucket.derived.pop("local_momentum_pass", None)
+        if (preconditioner is not None and not args["keep_previous"] and args["row_scales"] is None
+                and "exp_avg" not in bucket.flats and opt.leaves_gradients_in_place(bucket)):
+            opt.observe_in_place(bucket, grad)
+            bucket.derived["local_momentum_pass"] = self._momentum_pass(opt, bucket, grad, beta1, args)
+            return
+        opt.observe_local_gradient(bucket)
+        self.form_local_momentum(opt, bucket, grad, beta1, **args)
+
+    def _momentum_pass(self, opt, bucket, x, beta1, args) -> kernels.zero_passes.ZeroLocalMomentum:
+        """:meth:`form_local_momentum` (from the kept rows) and :meth:`local_momentum_`, not run yet."""
+        kept, new = args["factors"] or (None, None)
+        n_layers, alpha = len(bucket.params), 1 - beta1
+        keep = [beta1] * n_layers if new is None else [beta1 * n / k for n, k in zip(new, kept or [1.0] * n_layers)]
+        gain = [alpha] * n_layers if new is None else [alpha * n for n in new]
+
+        def compose():
+            self.form_local_momentum(opt, bucket, x, beta1, **args)
+            self.local_momentum_(opt, bucket, x, beta1)
+
+        return kernels.zero_passes.ZeroLocalMomentum(
+            x, self._kept_rows(opt, bucket, x), args["preconditioner"], keep, gain, opt.exchange_bounds(bucket),
+            bucket.segments, [p.grad for p in bucket.params], compose)
+
+    def _kept_rows(self, opt, bucket, buffer) -> kernels.CompressedResult:
+        """The kept rows (the last exchange's result), as a compressed result of the bucket."""
+        world = opt.backend.world_size
+        return kernels.CompressedResult(bucket.flats["momentum_rows"].view(world, -1),
+                                        chunk_numel(bucket.numel, world), opt.scale_block, buffer)
+
+    def local_momentum_pass(self, opt, bucket, x, beta1):
+        """The pass :meth:`gather_local` kept, else :meth:`local_momentum_` now (``None``)."""
+        pending = bucket.derived.pop("local_momentum_pass", None)
+        if pending is None:
+            self.local_momentum_(opt, bucket, x, beta1)
+        return pending
 
     def form_local_momentum(self, opt, bucket: Bucket, x: torch.Tensor, beta1: float, keep_previous: bool = False,
                             row_scales: list[float] | None = None, preconditioner: torch.Tensor | None = None,
@@ -309,9 +349,12 @@ class Sharded(Layout):
         flat = getattr(self, "_flat", None)
         if flat is None or flat.backend is not opt.backend:  # (its plans: agreed once per size, as the optimizer's)
             flat = self._flat = FlatAveraging(opt.backend, opt.scale_block)
-        rows = yield bucket, x, flat, pending, True  # (this exchange's own rows: several may share one plan's buffers)
+        # (this exchange's own rows: several may share one plan's buffers); keep_result: not
+        # decompressed into x, the step reads the kept rows (step_preconditioned_)
+        rows = yield bucket, x, flat, pending, not keep_result
         shard(bucket, "momentum_rows", rows.numel(), torch.uint8).copy_(rows.reshape(-1))
         bucket.flats.pop("exp_avg", None)
+        bucket.derived["result_in_rows"] = keep_result
 
     def keep_momentum(self, opt, bucket, m):
         pass  # the exchange kept its 1-bit rows (32x smaller than m)
@@ -327,8 +370,20 @@ class Sharded(Layout):
         bucket.flats.pop("frozen_denominator", None)
 
     def step_preconditioned_(self, opt, bucket, y, decay, alpha, step):
-        self._direction_from_exchange_(opt, bucket, y)
+        """From the kept rows in one native pass where it can run (fp32 parameters, no masters:
+        :func:`compressed_opt.cuda.zero_passes.rows_descend_`), else the composition below."""
         factors = opt.update_factors(bucket)  # f_l / s_l
+        result, in_rows = self._kept_rows(opt, bucket, y), bucket.derived.pop("result_in_rows", False)
+        if bucket.low_precision or not kernels.zero_passes.rows_descend_(
+                result, opt.exchange_preconditioner(bucket), opt.param_groups[bucket.group_index]["eps"],
+                [opt.state[p]["scaling_coeff"] for p in bucket.params], factors or [1.0] * len(bucket.params),
+                bucket.params, bucket.segments, decay, alpha):
+            if in_rows:
+                result.expand_()
+            self._step_preconditioned_composed(opt, bucket, y, decay, alpha, step, factors)
+
+    def _step_preconditioned_composed(self, opt, bucket, y, decay, alpha, step, factors):
+        self._direction_from_exchange_(opt, bucket, y)
         if factors is not None:
             scaling.scale_(bucket.views(y), factors)
         descend_(bucket.params, bucket.views(y), decay, alpha)

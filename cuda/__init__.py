@@ -26,6 +26,7 @@ passes around them (the gather of the gradients with their per-segment sums of s
 update's preconditioning and its inverse); :mod:`~compressed_opt.cuda.update` the preconditioned
 exchange's last pass (the momentum and the update, from the result's rows),
 :mod:`~compressed_opt.cuda.lamb_passes` 1-bit LAMB's two compression-step passes,
+:mod:`~compressed_opt.cuda.zero_passes` ZeRO's two (the preconditioned exchange),
 :mod:`~compressed_opt.cuda.local_steps` 0/1 Adam's phase-B passes (a local step, a
 synchronisation's work before and after its exchange).
 
@@ -51,9 +52,9 @@ import warnings
 
 import torch
 
-from . import lamb_passes, reference
+from . import lamb_passes, reference, zero_passes
 from .segmented import (Lerp, LerpScaleClamp, ScaleClamp, Segments, descend_scaled_, divide_where_nonzero_, gather_,
-                        lerp_scale_clamp_, scale_clamp_, segment_sumsq)
+                        lerp_scale_clamp_, readable_in_place, scale_clamp_, segment_sumsq)
 from .local_steps import (ZeroOneSyncBefore, signed_denominator, zero_one_local_step_, zero_one_passes_serve,
                           zero_one_sync_after_, zero_one_sync_before_)
 from .addresses import addressable as plain_memory
@@ -77,6 +78,7 @@ __all__ = [
     "gather_",
     "lerp_scale_clamp_",
     "LerpScaleClamp",
+    "readable_in_place",
     "Lerp",
     "ScaleClamp",
     "scale_clamp_",
@@ -86,6 +88,7 @@ __all__ = [
     "CompressedResult",
     "divide_descend_",
     "lamb_passes",
+    "zero_passes",
     "signed_denominator",
     "zero_one_passes_serve",
     "zero_one_local_step_",

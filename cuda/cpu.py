@@ -1,6 +1,6 @@
 """Native CPU path of the compression kernels and the passes around them: ``onebit_cpu.c``,
-``segmented_cpu.c``, ``lamb_cpu.c`` and ``zero_one_cpu.c`` (``onebit_cpu.h``: what they share), compiled
-into one library at first use.
+``segmented_cpu.c``, ``lamb_cpu.c``, ``zero_one_cpu.c`` and ``zero_cpu.c`` (``onebit_cpu.h``: what they
+share), compiled into one library at first use.
 
 The C sources are compiled with the system C compiler (``$CC``, else ``cc``), keyed by the sources,
 the flags and the CPU, and loaded with ctypes. ``-march=native`` is tried first (AVX2 for the
@@ -35,7 +35,7 @@ from pathlib import Path
 
 #: the library's sources, compiled together (onebit_cpu.h: what they share)
 SOURCES = tuple(Path(__file__).with_name(name) for name in
-                ("onebit_cpu.c", "segmented_cpu.c", "lamb_cpu.c", "zero_one_cpu.c"))
+                ("onebit_cpu.c", "segmented_cpu.c", "lamb_cpu.c", "zero_one_cpu.c", "zero_cpu.c"))
 HEADER = Path(__file__).with_name("onebit_cpu.h")
 _FLAG_SETS = (["-O3", "-march=native"], ["-O3"])
 
@@ -247,6 +247,13 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.co_lerp_scale_clamp.restype = None
     lib.co_lerp_scale_clamp_compress_rows.argtypes = [p, p, f32, p, p, p, p, i64, p, p, i64, i64, i64, i64, i64]
     lib.co_lerp_scale_clamp_compress_rows.restype = None
+    lib.co_lerp_scale_clamp_compress_sources.argtypes = [p, p, p, f32, p, p, p, p, i64, p, p, i64, i64, i64, i64,
+                                                         i64]
+    lib.co_lerp_scale_clamp_compress_sources.restype = None
+    lib.co_zero_momentum_compress_rows.argtypes = [p, p, p, p, p, p, p, i64, p, p, i64, i64, i64, i64]
+    lib.co_zero_momentum_compress_rows.restype = None
+    lib.co_zero_rows_descend.argtypes = [p, i64, i64, i64, p, f32, p, p, p, i64, p, f32, ctypes.c_int, f32]
+    lib.co_zero_rows_descend.restype = None
     lib.co_scale_clamp_compress_rows.argtypes = [p, p, p, p, i64, p, p, i64, i64, i64, i64, i64]
     lib.co_scale_clamp_compress_rows.restype = None
     lib.co_lerp_compress_rows.argtypes = [p, p, f32, i64, p, p, i64, i64, i64, i64, i64]

@@ -110,6 +110,7 @@ static void subtract_decompressed(float *error, float scale, int64_t n) {
  */
 struct co_lsc {
     const float *x, *m, *r;
+    const int64_t *srcs; /* NULL: x's segment s is x + off[s]; else the floats at address srcs[s] */
     float w;
     const double *bounds, *scales; /* scales == NULL: c_s = 1 */
     const int64_t *off;
@@ -129,11 +130,12 @@ static void lsc_compensate(struct co_lsc *p, int64_t lo, int64_t len, float *res
     while (k < end) {
         while (s < p->nseg && p->off[s + 1] <= k) ++s;
         float *restrict e = error + (k - lo);
-        const float *restrict xs = p->x + k;
         if (s >= p->nseg) { /* past the segments: x as it is */
+            const float *restrict xs = p->x + k;
             for (int64_t i = 0; i < end - k; ++i) e[i] = xs[i] + e[i];
             break;
         }
+        const float *restrict xs = p->srcs ? (const float *)(intptr_t)p->srcs[s] + (k - p->off[s]) : p->x + k;
         const int64_t stop = p->off[s + 1] < end ? p->off[s + 1] : end, n = stop - k;
         if (!p->r) {
             const float *restrict ms = p->m + k;
@@ -234,7 +236,21 @@ void co_lerp_scale_clamp_compress_rows(const float *x, const float *m, float w, 
                                       const double *scales, const int64_t *off, int64_t nseg, float *error,
                                       uint8_t *rows, int64_t row_stride, int64_t world, int64_t chunk, int64_t block,
                                       int64_t n) {
-    struct co_lsc pass = {x, m, r, w, bounds, scales, off, nseg, 0};
+    struct co_lsc pass = {x, m, r, NULL, w, bounds, scales, off, nseg, 0};
+    compress_each_row(NULL, error, rows, row_stride, world, chunk, block, n, lsc_compensate_any, &pass);
+}
+
+/*
+ * co_lerp_scale_clamp_compress_rows with x's segment s read where it lies, the floats at address
+ * srcs[s] (each parameter's gradient, non-NULL for every non-empty segment), not gathered into a
+ * flat buffer first: bit for bit co_gather(srcs, x, off, nseg) then that pass (elements past
+ * off[nseg] are x's own), and the gather's two streams (read, write) are never moved.
+ */
+void co_lerp_scale_clamp_compress_sources(const int64_t *srcs, const float *x, const float *m, float w,
+                                          const float *r, const double *bounds, const double *scales,
+                                          const int64_t *off, int64_t nseg, float *error, uint8_t *rows,
+                                          int64_t row_stride, int64_t world, int64_t chunk, int64_t block, int64_t n) {
+    struct co_lsc pass = {x, m, r, srcs, w, bounds, scales, off, nseg, 0};
     compress_each_row(NULL, error, rows, row_stride, world, chunk, block, n, lsc_compensate_any, &pass);
 }
 

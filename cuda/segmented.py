@@ -14,10 +14,12 @@ operation and per segment:
 ``lerp_scale_clamp_(x, m, weight, r, bounds, segments, scales=None)``
     ``x <- clamp(c_s * r * lerp(m, x, weight), -b_s, b_s)`` element-wise, ``b_s = bounds[s]``,
     ``c_s = scales[s]`` (1 without ``scales``).
-``LerpScaleClamp(x, m, weight, r, bounds, segments, scales=None)``
+``LerpScaleClamp(x, m, weight, r, bounds, segments, scales=None, sources=None)``
     the same pass on ``x``, not run yet: its ``compress_rows_(x, error, rows, chunk, block)`` runs
     it fused with the compression of ``x`` (the kernels' worker side) where it can, one pass over
     memory that never writes ``x``, bit for bit as the two in turn; ``apply_()`` runs it alone.
+    With ``sources`` (one tensor per segment: the gradients), ``x`` is ``gather_(sources, x,
+    segments)`` not run yet either: the fused pass reads each source where it lies.
     ``ScaleClamp(x, r, bounds, segments)``: the same for ``scale_clamp_``; ``Lerp(x, m, weight)``
     for ``torch.lerp(m, x, weight, out=x)`` (where the C pass is checked to round as it does).
 ``scale_clamp_(x, r, bounds, segments)``
@@ -192,21 +194,36 @@ def lerp_scale_clamp_(x: torch.Tensor, m: torch.Tensor, weight: float, r: torch.
     _clamp_segments_(x, b.tolist(), segments)
 
 
+def readable_in_place(sources: list) -> bool:
+    """Whether :class:`LerpScaleClamp`'s fused pass reads ``sources`` where they lie: every one a
+    tensor (none ``None``) of contiguous fp32 CPU memory, and the C library here and allowed."""
+    return (all(s is not None for s in sources) and plain_cpu_floats(sources) and _library_allowed()
+            and cpu.library() is not None)
+
+
 class LerpScaleClamp:
     """``lerp_scale_clamp_(x, m, weight, r, bounds, segments, scales)``, not run yet: a pass whose
     result only a compression reads (the local momentum of the preconditioned exchange) runs inside
     that compression (:meth:`compress_rows_`) and never travels to memory; anywhere else, the caller
     runs it alone first (:meth:`apply_`). The arguments are kept, not copied: they must not change
-    before the pass runs."""
+    before the pass runs. ``sources`` (one tensor of each segment's size per segment, none
+    ``None``): ``x``'s segments are these tensors, not gathered yet (:func:`gather_` first, where
+    the fused pass cannot read them where they lie: :meth:`apply_`)."""
+
+    sources = None
 
     def __init__(self, x: torch.Tensor, m: torch.Tensor, weight: float, r: torch.Tensor, bounds,
-                 segments: Segments, scales=None):
+                 segments: Segments, scales=None, sources: list | None = None):
         _check(segments, x, m, r)
+        if sources is not None and (len(sources) != len(segments) or any(s is None for s in sources)):
+            raise ValueError(f"one source tensor per segment is needed ({len(segments)})")
         self.x, self.m, self.weight, self.r = x, m, float(weight), r
-        self.bounds, self.segments, self.scales = bounds, segments, scales
+        self.bounds, self.segments, self.scales, self.sources = bounds, segments, scales, sources
 
     def apply_(self) -> None:
-        """Run the pass on its ``x``, alone."""
+        """Run the pass on its ``x``, alone (its sources gathered into ``x`` first)."""
+        if self.sources is not None:
+            gather_(self.sources, self.x, self.segments)
         lerp_scale_clamp_(self.x, self.m, self.weight, self.r, self.bounds, self.segments, self.scales)
 
     def compress_rows_(self, x: torch.Tensor, error: torch.Tensor, rows: torch.Tensor, chunk: int,
@@ -223,9 +240,9 @@ class LerpScaleClamp:
                 or rows.dtype != torch.uint8 or rows.dim() != 2 or rows.stride(1) != 1 or rows.device != x.device):
             return False
         if x.device.type == "cuda":
-            return self._compress_rows_cuda(x, error, rows, chunk, block)
+            return self.sources is None and self._compress_rows_cuda(x, error, rows, chunk, block)
         lib = _native(*(t for t in (x, self.m, self.r, error) if t is not None))
-        if lib is None:
+        if lib is None or (self.sources is not None and not plain_cpu_floats(self.sources)):
             return False
         if self.r is None:  # torch.lerp alone: only where the C pass rounds as it does here
             if not _native_lerp_agrees(lib):
@@ -241,9 +258,14 @@ class LerpScaleClamp:
                                              chunk, block, n)
             return True
         c, cp = (None, None) if self.scales is None else _c_doubles(self.scales, nseg)
-        lib.co_lerp_scale_clamp_compress_rows(
-            x.data_ptr(), self.m.data_ptr(), self.weight, self.r.data_ptr(), bp, cp, self.segments.offsets.data_ptr(),
-            nseg, error.data_ptr(), rows.data_ptr(), rows.stride(0), rows.shape[0], chunk, block, n)
+        args = (x.data_ptr(), self.m.data_ptr(), self.weight, self.r.data_ptr(), bp, cp,
+                self.segments.offsets.data_ptr(), nseg, error.data_ptr(), rows.data_ptr(), rows.stride(0),
+                rows.shape[0], chunk, block, n)
+        if self.sources is None:
+            lib.co_lerp_scale_clamp_compress_rows(*args)
+        else:
+            addresses = source_addresses(self.sources, self.segments.sizes)
+            lib.co_lerp_scale_clamp_compress_sources(addresses.data_ptr(), *args)
         return True
 
     def _compress_rows_cuda(self, x, error, rows, chunk, block) -> bool:

@@ -287,6 +287,48 @@ def test_lerp_scale_clamp_fused_into_compression_is_bit_identical(sizes, past, w
     assert torch.equal(_bits(x2), _bits(x1))
 
 
+@pytest.mark.parametrize("sizes,past,world,block,weight,scaled", FUSED_CASES)
+def test_lerp_scale_clamp_reads_its_sources_where_they_lie(sizes, past, world, block, weight, scaled):
+    """With ``sources`` (the gradients, one tensor per segment), the fused pass reads each where it
+    lies: bit for bit ``gather_`` into ``x`` then the pass then the compression, whatever the flat
+    buffer holds in the segments (NaN here: it is never read there), its elements past the segments
+    its own; ``apply_`` gathers first."""
+    from compressed_opt import cuda as kernels
+
+    if cpu.library() is None:
+        pytest.skip("no C compiler here")
+    g = torch.Generator().manual_seed(7)
+    segs, n, chunk, x = _fusion_input(g, sizes, past, world)
+    sources = [v.clone().view(-1, 1) if v.numel() % 2 else v.clone() for v in segs.split(x)]  # any shape
+    m, r = torch.randn(n, generator=g) * 0.5, torch.rand(n, generator=g) * 4
+    r[::5] = 0.0
+    error = torch.randn(n, generator=g) * 0.1
+    bounds = (torch.rand(len(segs), generator=g) * 2 + 0.05).tolist()
+    scales = (torch.rand(len(segs), generator=g) + 0.5).tolist() if scaled else None
+    _, row_len = kernels.rows_layout(chunk, block)
+
+    x1, e1 = x.clone(), error.clone()
+    rows1 = torch.zeros(world, row_len, dtype=torch.uint8)
+    segmented.lerp_scale_clamp_(x1, m, weight, r, bounds, segs, scales)
+    cpu.compress_rows_(x1, e1, rows1, chunk, block)
+
+    x2, e2 = x.clone(), error.clone()
+    x2[: segs.numel] = float("nan")
+    rows2 = torch.zeros(world, row_len, dtype=torch.uint8)
+    fused = segmented.LerpScaleClamp(x2, m, weight, r, bounds, segs, scales, sources=sources)
+    assert segmented.readable_in_place(sources)
+    assert fused.compress_rows_(x2, e2, rows2, chunk, block)
+    assert torch.equal(_bits(e2), _bits(e1)) and torch.equal(rows2, rows1)
+    assert bool(x2[: segs.numel].isnan().all())  # not written either
+
+    fused.apply_()  # alone: gathered, then the pass
+    assert torch.equal(_bits(x2), _bits(x1))
+    assert not segmented.readable_in_place([*sources[:-1], None])
+    assert not segmented.readable_in_place([sources[0].double(), *sources[1:]])
+    with pytest.raises(ValueError, match="one source tensor per segment"):
+        segmented.LerpScaleClamp(x2, m, weight, r, bounds, segs, scales, sources=sources[:-1])
+
+
 def test_lerp_scale_clamp_pass_falls_back_where_it_cannot_fuse(monkeypatch):
     """Another buffer, or the reference kernels: nothing done, ``False`` (the caller applies the
     pass, then compresses); through ``comm.compressed.compress_pending_`` the result is the same."""

@@ -1,0 +1,115 @@
+/*
+ * CPU kernels of ZeRO's compression step with the preconditioned exchange (compressed_opt.zero,
+ * docs/design.md 2.5): every rank keeps the momentum as the last result's 1-bit rows, R m, and
+ * steps its whole replica of the parameters. Two passes, each bit for bit the PyTorch composition
+ * of compressed_opt.cuda.zero_passes (every operation rounded on its own: CO_EXACT; torch's
+ * addcmul and add-with-alpha are one FMA each in its CPU kernels, fmaf here):
+ *
+ *   the local momentum, inside the worker's compression (co_zero_momentum_compress_rows):
+ *     x = clamp(fma(h_s r, g, t k_s), -b_s, b_s), 0 where r == 0; u = x + error, compressed
+ *     t the kept rows' value (R m times the last exchange factor), g the gradient where it lies;
+ *   the update, from this step's result rows (co_zero_rows_descend):
+ *     q = (y / (r eps + c_s)) f_s, 0 where r == 0;  p <- fma(q, alpha, p d)
+ */
+#include "onebit_cpu.h"
+
+/* The local momentum's pass (see the file's comment), run block by block inside a compression. */
+struct co_zlm {
+    const uint8_t *prev; /* the kept rows, row_stride bytes apart, chunk elements each */
+    int64_t row_stride, chunk, block, n;
+    const float *r;
+    const int64_t *srcs; /* segment s's gradient (0: none, x = t k_s) */
+    const double *keep, *gain, *bounds;
+    const int64_t *off;
+    int64_t nseg, seg;
+};
+
+/* v, or +0 where r == 0 (masked with integer operations: a form compilers vectorize). */
+static inline float zero_where_zero(float v, float r) {
+    uint32_t bits;
+    memcpy(&bits, &v, sizeof bits);
+    bits &= -(uint32_t)(r != 0.0f);
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
+CO_EXACT static void zlm_span(const float *restrict t, const float *restrict r, const float *restrict g,
+                              float *restrict e, int64_t n, float k, float h, float b) {
+    CO_NO_CONTRACT
+    const float nb = -b;
+    if (g) {
+        for (int64_t i = 0; i < n; ++i) /* torch's addcmul: one FMA */
+            e[i] = clamp_to(zero_where_zero(fmaf(h * r[i], g[i], t[i] * k), r[i]), b, nb) + e[i];
+    } else {
+        for (int64_t i = 0; i < n; ++i) e[i] = clamp_to(zero_where_zero(t[i] * k, r[i]), b, nb) + e[i];
+    }
+}
+
+/* error[0, len) <- x + error over the flat buffer's elements [lo, lo + len) (co_compensate). */
+static void zlm_compensate(void *pass, int64_t lo, int64_t len, float *error) {
+    struct co_zlm *p = (struct co_zlm *)pass;
+    float tile[CO_TILE];
+    const int64_t end = lo + len;
+    int64_t s = p->seg;
+    for (int64_t k0 = lo; k0 < end;) {
+        const int64_t stop_tile = k0 + next_tile(p->prev, p->row_stride, p->chunk, p->block, k0, p->n, tile);
+        for (int64_t k = k0; k < stop_tile;) {
+            while (p->off[s + 1] <= k) ++s;
+            const int64_t stop = min64(p->off[s + 1], stop_tile);
+            const float *g = p->srcs[s] ? (const float *)(intptr_t)p->srcs[s] + (k - p->off[s]) : NULL;
+            zlm_span(tile + (k - k0), p->r + k, g, error + (k - lo), stop - k, (float)p->keep[s], (float)p->gain[s],
+                     (float)p->bounds[s]);
+            k = stop;
+        }
+        k0 = stop_tile;
+    }
+    p->seg = s;
+}
+
+/*
+ * The local momentum of the segments [off[s], off[s + 1]) (n = off[nseg] elements, the kept rows
+ * prev of world rows in the compression's geometry) fused into co_compress_rows: reads the rows,
+ * r, each gradient and the error once, writes the error and the rows.
+ */
+void co_zero_momentum_compress_rows(const uint8_t *prev, const float *r, const int64_t *srcs, const double *keep,
+                                    const double *gain, const double *bounds, const int64_t *off, int64_t nseg,
+                                    float *error, uint8_t *rows, int64_t row_stride, int64_t world, int64_t chunk,
+                                    int64_t block) {
+    const int64_t n = off[nseg];
+    struct co_zlm pass = {prev, row_stride, chunk, block, n, r, srcs, keep, gain, bounds, off, nseg, 0};
+    compress_each_row(NULL, error, rows, row_stride, world, chunk, block, n, zlm_compensate, &pass);
+}
+
+CO_EXACT static void zrd_span(const float *restrict y, const float *restrict r, float *restrict p, int64_t n,
+                              float eps, float c, float f, float d, int decayed, float alpha) {
+    CO_NO_CONTRACT
+    if (decayed) {
+        for (int64_t i = 0; i < n; ++i) p[i] = fmaf(zero_where_zero(y[i] / (r[i] * eps + c), r[i]) * f, alpha, p[i] * d);
+    } else {
+        for (int64_t i = 0; i < n; ++i) p[i] = fmaf(zero_where_zero(y[i] / (r[i] * eps + c), r[i]) * f, alpha, p[i]);
+    }
+}
+
+/*
+ * The update from the result's rows (row_stride bytes apart, chunk elements each, one scale per
+ * block), decompressed tile by tile into the stack: each segment's parameter at address dests[s]
+ * (0: an empty one) <- fma(q, alpha, p d) (decayed == 0: p), q as in the file's comment.
+ */
+void co_zero_rows_descend(const uint8_t *rows, int64_t row_stride, int64_t chunk, int64_t block, const float *r,
+                          float eps, const double *coeffs, const double *factors, const int64_t *off, int64_t nseg,
+                          const int64_t *dests, float d, int decayed, float alpha) {
+    const int64_t n = off[nseg];
+    float tile[CO_TILE];
+    int64_t s = 0;
+    for (int64_t k0 = 0; k0 < n;) {
+        const int64_t end = k0 + next_tile(rows, row_stride, chunk, block, k0, n, tile);
+        for (int64_t k = k0; k < end;) {
+            while (off[s + 1] <= k) ++s;
+            const int64_t stop = min64(off[s + 1], end);
+            zrd_span(tile + (k - k0), r + k, (float *)(intptr_t)dests[s] + (k - off[s]), stop - k, eps,
+                     (float)coeffs[s], (float)factors[s], d, decayed, alpha);
+            k = stop;
+        }
+        k0 = end;
+    }
+}

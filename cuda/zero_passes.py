@@ -1,0 +1,173 @@
+"""ZeRO's compression step with the preconditioned exchange in two native passes
+(:mod:`compressed_opt.zero`, docs/design.md 2.5): every rank keeps the momentum as the last
+result's 1-bit rows (``R m`` times the last exchange factor) and steps its whole replica.
+
+``ZeroLocalMomentum(x, prev, r, keep, gain, bounds, segments, sources, compose)``
+    the local momentum ``x = clamp(t k_s + (h_s r) g, -b_s, b_s)`` (0 where ``r == 0``; ``t`` the
+    kept rows' values, ``g`` segment ``s``'s gradient ``sources[s]``, none: ``t k_s``), not run
+    yet, as a pending pass of the exchange (:func:`compressed_opt.comm.compressed.compress_pending_`):
+    its :meth:`~ZeroLocalMomentum.compress_rows_` runs it inside the worker's compression, reading
+    the rows, ``r``, each gradient and the error once (``x`` is never written); its ``apply_`` is
+    ``compose``, the layout's own PyTorch composition into ``x``.
+``rows_descend_(result, r, eps, coeffs, factors, dests, segments, decay, alpha)``
+    the update from the result's rows: ``p <- p decay + alpha q``, ``q = (y / (r eps + c_s)) f_s``
+    (0 where ``r == 0``), ``y`` decompressed tile by tile in cache; ``False``, with nothing done,
+    where the C pass cannot run (the caller decompresses and composes).
+
+Both are bit for bit the composition the layout runs with PyTorch (:func:`compose_momentum_`,
+:func:`compose_descend_`: every operation rounded on its own, torch's add-with-alpha one FMA in its
+vector kernels); a check at first use (:func:`agrees`) compares the two on this machine, tails of
+its vector loops included, and the composition runs wherever they differ.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import cpu, reference
+from .addresses import destination_addresses, plain_cpu_floats, source_addresses
+from .segmented import Segments, _c_doubles, _native
+from .update import CompressedResult
+
+
+def compose_momentum_(x: torch.Tensor, t: torch.Tensor, r: torch.Tensor, keep, gain, bounds, segments: Segments,
+                      sources: list) -> None:
+    """The local momentum's composition (as :mod:`compressed_opt.zero` runs it): ``x`` <- ``t``
+    (the kept rows, decompressed), times ``keep[s]``, plus ``gain[s] r g`` where segment ``s`` has
+    a gradient, 0 where ``r == 0``, clamped to ``+-bounds[s]``."""
+    n = segments.numel
+    x[:n].copy_(t[:n])
+    views = segments.split(x)
+    torch._foreach_mul_(views, list(keep))
+    present = [i for i, g in enumerate(sources) if g is not None]
+    if present:
+        r_views = segments.split(r)
+        torch._foreach_addcmul_([views[i] for i in present], [r_views[i] for i in present],
+                                [sources[i].view(views[i].shape) for i in present], [gain[i] for i in present])
+    x[:n].masked_fill_(r[:n] == 0, 0.0)
+    torch._foreach_clamp_max_(views, list(bounds))
+    torch._foreach_clamp_min_(views, [-b for b in bounds])
+
+
+def compose_descend_(y: torch.Tensor, r: torch.Tensor, eps: float, coeffs, factors, dests: list,
+                     segments: Segments, decay: float, alpha: float) -> None:
+    """The update's composition: ``y`` <- ``(y / (r eps + c_s)) f_s`` (0 where ``r == 0``), then
+    ``p <- p decay + alpha y`` (``y`` overwritten)."""
+    views = segments.split(y)
+    if views:
+        a_inv = torch._foreach_mul(segments.split(r), eps)
+        torch._foreach_add_(a_inv, list(coeffs))
+        torch._foreach_div_(views, a_inv)
+    n = segments.numel
+    y[:n].masked_fill_(r[:n] == 0, 0.0)
+    if views and any(f != 1.0 for f in factors):
+        torch._foreach_mul_(views, list(factors))
+    if dests:
+        if decay != 1.0:
+            torch._foreach_mul_(dests, decay)
+        torch._foreach_add_(dests, [v.view(p.shape) for v, p in zip(views, dests)], alpha=alpha)
+
+
+class ZeroLocalMomentum:
+    """The local momentum, not run yet (see the module doc); the arguments are kept, not copied."""
+
+    def __init__(self, x: torch.Tensor, prev: CompressedResult, r: torch.Tensor, keep, gain, bounds,
+                 segments: Segments, sources: list, compose):
+        self.x, self.prev, self.r, self.segments, self.sources = x, prev, r, segments, sources
+        self.keep, self.gain, self.bounds, self.compose = keep, gain, bounds, compose
+
+    def apply_(self) -> None:
+        """Run the pass alone into ``x`` (the layout's composition)."""
+        self.compose()
+
+    def compress_rows_(self, x: torch.Tensor, error: torch.Tensor, rows: torch.Tensor, chunk: int, block: int) -> bool:
+        """The pass, then ``compress_rows_(x, error, rows, chunk, block)``, in one native pass (``x``
+        read nowhere, not written); ``False``, with nothing done, where it cannot run here."""
+        prev, nseg = self.prev, len(self.segments)
+        if (x.data_ptr() != self.x.data_ptr() or error.numel() != self.segments.numel or chunk != prev.chunk
+                or block != prev.block or tuple(rows.shape) != tuple(prev.rows.shape)
+                or rows.stride() != prev.rows.stride() or not prev.rows.is_cpu or not rows.is_cpu):
+            return False
+        lib = _native(error, self.r)
+        if lib is None or not plain_cpu_floats(self.sources) or not agrees():
+            return False
+        scalars = [_c_doubles(v, nseg) for v in (self.keep, self.gain, self.bounds)]
+        addresses = source_addresses(self.sources, self.segments.sizes)
+        lib.co_zero_momentum_compress_rows(prev.rows.data_ptr(), self.r.data_ptr(), addresses.data_ptr(),
+                                           *(a for _, a in scalars), self.segments.offsets.data_ptr(), nseg,
+                                           error.data_ptr(), rows.data_ptr(), rows.stride(0), rows.shape[0],
+                                           chunk, block)
+        return True
+
+
+def rows_descend_(result: CompressedResult, r: torch.Tensor, eps: float, coeffs, factors, dests: list,
+                  segments: Segments, decay: float, alpha: float) -> bool:
+    """The update from the result's rows in one native pass (see the module doc); ``False``, with
+    nothing done, where it cannot run here."""
+    if not result.rows.is_cpu or result.rows.shape[0] * result.chunk < segments.numel or r.numel() < segments.numel:
+        return False
+    lib = _native(r)
+    addresses = destination_addresses(dests, segments.sizes) if lib is not None else None
+    if addresses is None or not agrees():
+        return False
+    nseg = len(segments)
+    c, f = _c_doubles(coeffs, nseg), _c_doubles(factors, nseg)  # (kept alive through the call)
+    lib.co_zero_rows_descend(result.rows.data_ptr(), result.rows.stride(0), result.chunk, result.block, r.data_ptr(),
+                             float(eps), c[1], f[1], segments.offsets.data_ptr(), nseg, addresses.data_ptr(),
+                             float(decay), decay != 1.0, float(alpha))
+    return True
+
+
+_agreement: list = []  # [whether the C passes gave the compositions' bits on this machine]
+
+
+def agrees() -> bool:
+    """Whether both C passes give their compositions' bits here (checked once per process, at
+    first use: segments of sizes with and without vector tails, ``r == 0``, a missing gradient,
+    values beyond the bounds, decay and none)."""
+    if not _agreement:
+        _agreement.append(False)  # (while checking: the check calls the passes directly)
+        lib = cpu.library()
+        _agreement[0] = lib is not None and _check(lib)
+    return _agreement[0]
+
+
+def _check(lib) -> bool:
+    g = torch.Generator().manual_seed(31)
+    sizes = [7, 1411, 0, 33, 4099, 16, 1]
+    segs = Segments(sizes)
+    n, world, block = segs.numel, 2, 256
+    chunk = -(-n // (32 * world)) * 32
+    _, row_len = reference.rows_layout(chunk, block)
+    prev = torch.zeros(world, row_len, dtype=torch.uint8)
+    reference.compress_rows_(torch.randn(n, generator=g), torch.zeros(n), prev, chunk, block)
+    t = torch.empty(n)
+    reference.decompress_rows_(prev, t, chunk, block)
+    r = torch.rand(n, generator=g) * 3
+    r[::9] = 0.0
+    sources = [torch.randn(k, generator=g) * 2 for k in sizes]
+    sources[3] = None
+    keep, gain = [0.9 * (1 + 0.1 * i) for i in range(len(sizes))], [0.1 * (1 - 0.05 * i) for i in range(len(sizes))]
+    bounds = [0.3 + 0.2 * i for i in range(len(sizes))]
+    coeffs, factors = [1.0 + 0.3 * i for i in range(len(sizes))], [1.0 - 0.01 * i for i in range(len(sizes))]
+    error = torch.randn(n, generator=g) * 0.1
+    x = torch.empty(n)
+    compose_momentum_(x, t, r, keep, gain, bounds, segs, sources)
+    e1, rows1 = error.clone(), torch.zeros(world, row_len, dtype=torch.uint8)
+    cpu.compress_rows_(x, e1, rows1, chunk, block)
+    e2, rows2 = error.clone(), torch.zeros(world, row_len, dtype=torch.uint8)
+    held = [_c_doubles(v, len(sizes)) for v in (keep, gain, bounds, coeffs, factors)]  # (alive through the calls)
+    addresses = source_addresses(sources, sizes)
+    lib.co_zero_momentum_compress_rows(prev.data_ptr(), r.data_ptr(), addresses.data_ptr(),
+                                       *(a for _, a in held[:3]), segs.offsets.data_ptr(), len(sizes),
+                                       e2.data_ptr(), rows2.data_ptr(), rows2.stride(0), world, chunk, block)
+    ok = torch.equal(e1.view(torch.int32), e2.view(torch.int32)) and torch.equal(rows1, rows2)
+    for decay in (1.0, 0.999):
+        params = [torch.randn(k, generator=g) for k in sizes]
+        expected = [p.clone() for p in params]
+        compose_descend_(t.clone(), r, 1e-8, coeffs, factors, expected, segs, decay, -1e-3)
+        dests = destination_addresses(params, sizes)
+        lib.co_zero_rows_descend(prev.data_ptr(), prev.stride(0), chunk, block, r.data_ptr(), 1e-8, held[3][1],
+                                 held[4][1], segs.offsets.data_ptr(), len(sizes), dests.data_ptr(), decay,
+                                 decay != 1.0, -1e-3)
+        ok = ok and all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(params, expected))
+    return ok

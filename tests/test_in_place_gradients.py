@@ -1,0 +1,180 @@
+"""A compression step whose exchange ``step()`` runs reads the gradients where they lie: the
+gather's copy into the bucket's buffer is not made (only their sums, for the finiteness check and
+the variance tracking), and the compression's fused pass reads ``p.grad`` itself. Bit for bit the
+gathered path, step after step, through skipped steps and gradients the pass cannot read."""
+import warnings
+
+import pytest
+import torch
+
+import compressed_opt
+from compressed_opt import cuda as kernels
+from compressed_opt.buckets import Bucket
+from compressed_opt.comm import SingleProcessBackend
+
+pytestmark = pytest.mark.skipif(kernels.cpu.library() is None, reason="no C compiler here")
+
+
+def _model(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(33, 17), (17,), (1,), (0,), (5, 300), (4097,)]
+    return [torch.nn.Parameter(torch.randn(s, generator=g) * 0.1) for s in shapes]
+
+
+def _grads(params, step, plan):
+    g = torch.Generator().manual_seed(1000 + step)
+    for i, p in enumerate(params):
+        p.grad = torch.randn(p.shape, generator=g) * 0.01
+    if plan.get(step) == "nan":
+        params[0].grad[3, 4] = float("nan")
+    elif plan.get(step) == "none":
+        params[1].grad = None  # a parameter without a gradient: gathered as zeros
+    elif plan.get(step) == "strided":
+        params[4].grad = torch.randn(300, 5, generator=g).t()  # not contiguous: gathered
+
+
+def _run(name, in_place, plan, steps=12, **kw):
+    params = _model()
+    opt = getattr(compressed_opt, name)(params, lr=1e-3, freeze_step=3, backend=SingleProcessBackend(),
+                                        bucket_cap_mb=0.01, **kw)
+    if not in_place:
+        opt.leaves_gradients_in_place = lambda bucket: False
+    gathered, now = [], [0]  # the loop's steps whose buckets were gathered
+    original = Bucket.gather_grads
+
+    def spy(self, *a, **k):
+        gathered.append(now[0])
+        return original(self, *a, **k)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # (the skipped step's warning)
+        for step in range(1, steps + 1):
+            now[0] = step
+            _grads(params, step, plan)
+            Bucket.gather_grads = spy
+            try:
+                opt.step()
+            finally:
+                Bucket.gather_grads = original
+    state = [t.clone() for p in params for t in opt.state[p].values() if isinstance(t, torch.Tensor)]
+    return [p.detach().clone() for p in params], state, gathered, opt.nonfinite_steps
+
+
+@pytest.mark.parametrize("name,kw,gathers", [
+    ("OnebitAdam", {}, [7, 9]),
+    ("OnebitAdam", {"variance_tracking": False}, [7, 9]),
+    ("OnebitLamb", {}, [4, 7, 9]),  # (its first compression step measures the live trust ratio on the buffer)
+])
+def test_reading_in_place_is_the_gathered_path_bit_for_bit(name, kw, gathers):
+    plan = {5: "nan", 7: "none", 9: "strided"}
+    fast, slow = _run(name, True, plan, **kw), _run(name, False, plan, **kw)
+    for a, b in zip(fast[0] + fast[1], slow[0] + slow[1]):
+        assert torch.equal(a.view(torch.int32) if a.dtype == torch.float32 else a,
+                           b.view(torch.int32) if b.dtype == torch.float32 else b)
+    assert fast[3] == slow[3] == 1  # the NaN step skipped on both
+    # warmup gathers; in the compression stage only the steps the pass cannot read in place
+    # (a missing gradient, a strided one) gather, where the other path gathers every step
+    compression_gathers = sorted({s for s in fast[2] if s > 3})
+    assert compression_gathers == gathers, fast[2]
+    assert {s for s in slow[2] if s > 3} == set(range(4, 13))
+
+
+def test_the_momentum_exchange_still_gathers():
+    """The paper's exchange forms its local momentum with ``torch.lerp`` on the buffer: gathered."""
+    _, _, gathered, _ = _run("OnebitAdam", True, {}, steps=6, exchange="momentum")
+    assert {s for s in gathered if s > 3} == {4, 5, 6}
+
+
+def _zero_run(rank, world, fused, steps=10, plan=None, backend=None):
+    """ZeRO stage 1, OnebitAdam: the two native passes (``fused``) or the layout's composition;
+    what ran, per step."""
+    from compressed_opt.cuda import zero_passes
+
+    params = _model(rank)
+    kw = {} if backend is None else {"backend": backend}
+    opt = compressed_opt.OnebitAdam(params, lr=1e-3, freeze_step=3, bucket_cap_mb=0.01, zero_stage=1,
+                                    overlap=False, **kw)
+    ran = []
+    compress, descend = zero_passes.ZeroLocalMomentum.compress_rows_, zero_passes.rows_descend_
+
+    def compress_spy(self, *a):
+        done = fused and compress(self, *a)
+        ran.append(("momentum", done))
+        return done
+
+    def descend_spy(*a):
+        done = fused and descend(*a)
+        ran.append(("update", done))
+        return done
+
+    zero_passes.ZeroLocalMomentum.compress_rows_, zero_passes.rows_descend_ = compress_spy, descend_spy
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            for step in range(1, steps + 1):
+                _grads(params, step + 100 * rank, plan or {})
+                opt.step()
+    finally:
+        zero_passes.ZeroLocalMomentum.compress_rows_, zero_passes.rows_descend_ = compress, descend
+    return [p.detach().clone() for p in params], ran, opt.nonfinite_steps
+
+
+def _bits(ts):
+    return [t.view(torch.int32) for t in ts]
+
+
+def test_zero_passes_are_the_composition_bit_for_bit():
+    """ZeRO stage 1's local momentum inside the compression and its update from the kept rows give
+    the layout's PyTorch composition's parameters bit for bit, through a skipped step, a missing
+    gradient (its layer's momentum decays alone) and a strided one (composed that step)."""
+    plan = {5: "nan", 7: "none", 9: "strided"}
+    fused = _zero_run(0, 1, True, plan=plan, backend=SingleProcessBackend())
+    composed = _zero_run(0, 1, False, plan=plan, backend=SingleProcessBackend())
+    assert all(torch.equal(a, b) for a, b in zip(_bits(fused[0]), _bits(composed[0])))
+    assert fused[2] == composed[2] == 1
+    momentum = [done for what, done in fused[1] if what == "momentum"]
+    update = [done for what, done in fused[1] if what == "update"]
+    # 6 compression steps taken (4-10 but the NaN one), each updated natively; the local momentum
+    # natively in 4: not the first (it forms m from the momentum gathered at the freeze), nor the
+    # strided gradient's (composed)
+    assert all(momentum) and all(update) and momentum and len(momentum) * 6 == len(update) * 4, fused[1]
+
+
+def _zero_both(rank, world):
+    return _zero_run(rank, world, True), _zero_run(rank, world, False)
+
+
+@pytest.mark.multiprocess
+def test_zero_passes_on_two_ranks_are_the_composition_bit_for_bit():
+    from distributed import run_ranks
+
+    for fused, composed in run_ranks(_zero_both, 2, timeout=120):
+        assert all(torch.equal(a, b) for a, b in zip(_bits(fused[0]), _bits(composed[0])))
+        assert any(what == "momentum" and done for what, done in fused[1])
+        assert all(done for what, done in fused[1] if what == "update")
+
+
+def test_zero_passes_check_themselves_and_refuse_what_they_cannot_run(monkeypatch):
+    """The check at first use finds the C passes the composition's bits here; other geometry, the
+    reference kernels or a parameter the pass cannot write: nothing done, ``False``."""
+    from compressed_opt.cuda import zero_passes
+    from compressed_opt.cuda.segmented import Segments
+
+    assert zero_passes.agrees()
+    segs = Segments([5, 300])
+    chunk, block = 320, 256
+    _, row_len = kernels.rows_layout(chunk, block)
+    rows, r = torch.zeros(1, row_len, dtype=torch.uint8), torch.rand(305)
+    result = kernels.CompressedResult(rows, chunk, block, torch.zeros(305))
+    params = [torch.ones(5), torch.ones(300)]
+    args = (result, r, 1e-8, [1.0, 2.0], [1.0, 1.0], params, segs, 0.9, -0.1)
+    assert not zero_passes.rows_descend_(result, r, 1e-8, [1.0, 2.0], [1.0, 1.0],
+                                         [params[0], torch.ones(300, dtype=torch.float64)], segs, 0.9, -0.1)
+    pending = zero_passes.ZeroLocalMomentum(torch.zeros(305), result, r, [0.9] * 2, [0.1] * 2, [1.0] * 2, segs,
+                                            [torch.ones(5), torch.ones(300)], compose=lambda: None)
+    error = torch.zeros(305)
+    assert not pending.compress_rows_(torch.zeros(305), error, rows.clone(), chunk, block)  # another buffer
+    assert not pending.compress_rows_(pending.x, error, rows.clone(), chunk, 512)  # another block
+    monkeypatch.setenv("COMPRESSED_OPT_KERNELS", "reference")
+    assert not zero_passes.rows_descend_(*args) and not pending.compress_rows_(pending.x, error, rows, chunk, block)
+    assert all(bool((p == 1).all()) for p in params) and bool((error == 0).all())
