@@ -26,9 +26,9 @@ from .local_shards import LocalShards
 
 
 #: attributes a copy pickled by an older version lacks, with what they start from
-_ADDED_SINCE_PICKLED = {"scale_block": DEFAULT_BLOCK, "_regathering": False, "_gathering_for_inline": False, "_summed_step": dict,
-                        "_warmup_local": dict, "_unit_factor_errors": set, "_announced": set, "_entered": False,
-                        "_path_from_env": False, "_layout_agreed": False,
+_ADDED_SINCE_PICKLED = {"scale_block": DEFAULT_BLOCK, "_regathering": False, "_summed_step": dict,
+                        "_gathering_for_inline": False, "_warmup_local": dict, "_unit_factor_errors": set,
+                        "_announced": set, "_entered": False, "_path_from_env": False, "_layout_agreed": False,
                         "_broadcast_done": False, "_local_shards": functools.partial(LocalShards, "optimizer")}
 
 

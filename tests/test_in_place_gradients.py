@@ -23,7 +23,7 @@ def _model(seed=0):
 
 def _grads(params, step, plan):
     g = torch.Generator().manual_seed(1000 + step)
-    for i, p in enumerate(params):
+    for p in params:
         p.grad = torch.randn(p.shape, generator=g) * 0.01
     if plan.get(step) == "nan":
         params[0].grad[3, 4] = float("nan")
