@@ -4,6 +4,8 @@ they are), made once per call for thousands of tensors (a microsecond or less ea
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
@@ -21,6 +23,16 @@ def plain_cpu_floats(sources: list) -> bool:
     """Whether the C passes may read every source (``None``: none): contiguous fp32 CPU memory."""
     return all(s is None or (addressable(s) and s.is_cpu and s.dtype is torch.float32 and s.is_contiguous())
                for s in sources)
+
+
+def readable_in_place(sources: list) -> bool:
+    """Whether the C passes read every one of ``sources`` where it lies (none ``None``; the fused
+    pass of :class:`~compressed_opt.cuda.LerpScaleClamp` with ``sources``): plain contiguous fp32 CPU
+    memory, and the C library here and allowed (not ``COMPRESSED_OPT_KERNELS=reference``)."""
+    from . import cpu
+
+    return (all(s is not None for s in sources) and plain_cpu_floats(sources)
+            and os.environ.get("COMPRESSED_OPT_KERNELS") != "reference" and cpu.library() is not None)
 
 
 def source_addresses(sources: list, sizes: list[int]) -> torch.Tensor:

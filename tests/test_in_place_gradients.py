@@ -34,11 +34,15 @@ def _grads(params, step, plan):
 
 
 def _run(name, in_place, plan, steps=12, **kw):
+    """``in_place=False``: the gather's copy, and ``m`` read from memory (not formed from the kept rows)."""
+    from compressed_opt.layout import Replicated
+
     params = _model()
-    opt = getattr(compressed_opt, name)(params, lr=1e-3, freeze_step=3, backend=SingleProcessBackend(),
-                                        bucket_cap_mb=0.01, **kw)
+    kw.setdefault("bucket_cap_mb", 0.01)
+    opt = getattr(compressed_opt, name)(params, lr=1e-3, freeze_step=3, backend=SingleProcessBackend(), **kw)
     if not in_place:
         opt.leaves_gradients_in_place = lambda bucket: False
+        opt.layout = type("MomentumRead", (Replicated,), {"_momentum_rows": staticmethod(lambda *a: None)})()
     gathered, now = [], [0]  # the loop's steps whose buckets were gathered
     original = Bucket.gather_grads
 
@@ -51,6 +55,8 @@ def _run(name, in_place, plan, steps=12, **kw):
         for step in range(1, steps + 1):
             now[0] = step
             _grads(params, step, plan)
+            if plan.get(step) == "touch m":  # the user changes the momentum: m is read again
+                opt.state[params[0]]["exp_avg"].mul_(0.5)
             Bucket.gather_grads = spy
             try:
                 opt.step()
@@ -66,7 +72,7 @@ def _run(name, in_place, plan, steps=12, **kw):
     ("OnebitLamb", {}, [4, 7, 9]),  # (its first compression step measures the live trust ratio on the buffer)
 ])
 def test_reading_in_place_is_the_gathered_path_bit_for_bit(name, kw, gathers):
-    plan = {5: "nan", 7: "none", 9: "strided"}
+    plan = {5: "nan", 7: "none", 9: "strided", 11: "touch m"}
     fast, slow = _run(name, True, plan, **kw), _run(name, False, plan, **kw)
     for a, b in zip(fast[0] + fast[1], slow[0] + slow[1]):
         assert torch.equal(a.view(torch.int32) if a.dtype == torch.float32 else a,
@@ -178,3 +184,23 @@ def test_zero_passes_check_themselves_and_refuse_what_they_cannot_run(monkeypatc
     monkeypatch.setenv("COMPRESSED_OPT_KERNELS", "reference")
     assert not zero_passes.rows_descend_(*args) and not pending.compress_rows_(pending.x, error, rows, chunk, block)
     assert all(bool((p == 1).all()) for p in params) and bool((error == 0).all())
+
+
+def test_the_momentum_is_formed_from_the_kept_rows_while_they_made_it(monkeypatch):
+    """OnebitAdam's local momentum forms ``m = y / (s_l R)`` from the last result's kept rows (not
+    read from memory) from the second compression step on, except right after a step that did
+    not keep them or a change of ``exp_avg``."""
+    from compressed_opt.cuda import segmented
+
+    used, original = [], segmented.LerpScaleClamp._from_momentum_rows
+
+    def spy(self, *a):
+        done = original(self, *a)
+        used.append(done)
+        return done
+
+    monkeypatch.setattr(segmented.LerpScaleClamp, "_from_momentum_rows", spy)
+    _run("OnebitAdam", True, {11: "touch m"}, steps=12, bucket_cap_mb=1.0)  # one bucket
+    # steps 5-12 (step 4's first exchange runs the pass alone: m from the warmup, no rows yet);
+    # step 11 reads m again: the loop changed it
+    assert used == [True] * 6 + [False, True], used
