@@ -241,7 +241,15 @@ class ZeroOneAdam(ZeroOneExchange, ZeroOneLocalSteps, tracking.LayerVarianceTrac
         return super()._new_layer_rows(name, bucket)
 
     def _gather(self, bucket, grad, step):
+        if self.frozen and self.leaves_gradients_in_place(bucket):  # (phase B's passes read them there)
+            self.observe_in_place(bucket, grad)
+            bucket.derived["gradients_in_place"] = True
+            return
+        bucket.derived.pop("gradients_in_place", None)
         self.gather_observed(bucket, grad)
+
+    def _reads_gradients_in_place(self, step) -> bool:
+        return self.frozen  # (phase B: its local step or its synchronisation's passes)
 
     def _interval_factors(self, bucket) -> list[float] | None:
         """Phase B: the per-layer factors of this synchronisation interval (set at its first

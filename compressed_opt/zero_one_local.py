@@ -50,29 +50,33 @@ class ZeroOneLocalSteps:
         return denom
 
     def _local_step(self, bucket, group, grad):
-        """A phase-B step of ``bucket``: local, or local and synchronising (:meth:`_syncs_now`)."""
+        """A phase-B step of ``bucket``: local, or local and synchronising (:meth:`_syncs_now`).
+        Where the gather left the gradients in ``p.grad`` (``gradients_in_place``: the step's
+        exchange runs here, ``Stepping.leaves_gradients_in_place``), the C passes read them there;
+        the composition gathers them first."""
         tracked = self._interval_factors(bucket)
         factors = tracked or [1.0] * len(bucket.params)
         lr, wd = float(group["lr"]), group["weight_decay"]
+        sources = [p.grad for p in bucket.params] if bucket.derived.pop("gradients_in_place", False) else None
         if not self._syncs_now():
-            if not self._fused_local_step(bucket, group, grad, factors):
-                self._composed_local_step(bucket, group, grad, factors, None)
+            if not self._fused_local_step(bucket, group, grad, factors, sources):
+                self._composed_local_step(bucket, group, _gathered(bucket, grad, sources), factors, None)
             return
         lr_sums, decays = self._group_lists()
         lr_sum = lr_sums[bucket.group_index] + lr
         decay = decays[bucket.group_index] * (1 - lr * wd)
         sync = (lr_sum, decay, tracked)
-        if not self._fused_sync(bucket, group, grad, factors, sync):
-            self._composed_local_step(bucket, group, grad, factors, sync)
+        if not self._fused_sync(bucket, group, grad, factors, sync, sources):
+            self._composed_local_step(bucket, group, _gathered(bucket, grad, sources), factors, sync)
 
-    def _fused_local_step(self, bucket, group, grad, factors) -> bool:
+    def _fused_local_step(self, bucket, group, grad, factors, sources) -> bool:
         """A local step in one C pass; ``False`` (nothing done) where it does not run here."""
         lr, wd = float(group["lr"]), group["weight_decay"]
         m, acc = bucket.flat("exp_avg"), bucket.flat("momentum_accumulator")
         sden = self._signed_denominator(bucket, group, grad)
         return sden is not None and kernels.zero_one_local_step_(
             bucket.params, grad, m, sden, acc, bucket.segments, 1 - group["betas"][0], lr,
-            1 - lr * wd if wd != 0 else 1.0, [-lr * f for f in factors])
+            1 - lr * wd if wd != 0 else 1.0, [-lr * f for f in factors], sources)
 
     def _signed_denominator(self, bucket, group, grad) -> torch.Tensor | None:
         """The frozen denominator the C passes take, or ``None`` where they do not run (then the
@@ -83,7 +87,7 @@ class ZeroOneLocalSteps:
             return None
         return self._frozen_denominator(bucket, v, group["eps"], signed=True)
 
-    def _fused_sync(self, bucket, group, grad, factors, sync) -> bool:
+    def _fused_sync(self, bucket, group, grad, factors, sync, sources) -> bool:
         """A synchronising step as the C passes: the pass before the exchange inside its compression
         (:class:`~compressed_opt.cuda.ZeroOneSyncBefore`), the pass after it; ``False`` (nothing done)
         where they do not run here."""
@@ -94,12 +98,14 @@ class ZeroOneLocalSteps:
         if sden is None:
             return False
         if lr_sum <= 0:  # nothing moved over the interval: no exchange; p = p_sync
-            kernels.zero_one_sync_before_(bucket.params, grad, m, sden, acc, bucket.segments, weight, lr)
+            kernels.zero_one_sync_before_(bucket.params, grad, m, sden, acc, bucket.segments, weight, lr,
+                                          sources=sources)
             torch._foreach_copy_(bucket.params, bucket.views(anchor))
             acc.zero_()
             return True
         scales, r, bounds, divisors = self.exchange_variant.sync_plan(self, bucket, lr_sum, tracked)
-        pending = kernels.ZeroOneSyncBefore(grad, m, sden, acc, bucket.segments, weight, lr, scales, r, bounds)
+        pending = kernels.ZeroOneSyncBefore(grad, m, sden, acc, bucket.segments, weight, lr, scales, r, bounds,
+                                            sources=sources)
         result = [acc]
 
         def request():  # expand=False: the flat 1-bit exchange leaves y in its rows, the pass after reads them
@@ -146,3 +152,11 @@ class ZeroOneLocalSteps:
         # p = p_sync D - y / (sqrt(v) + eps): the same numbers on every rank (lr_sum == 0: p_sync)
         torch._foreach_copy_(bucket.params, bucket.views(anchor))
         acc.zero_()
+
+
+def _gathered(bucket, grad: torch.Tensor, sources) -> torch.Tensor:
+    """``grad`` holding the bucket's gradients: gathered from ``sources`` where the gather left them
+    in place."""
+    if sources is not None:
+        kernels.gather_(sources, grad, bucket.segments)
+    return grad

@@ -281,17 +281,17 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.co_lamb_rows_variance_maxima.restype = None
     lib.co_lamb_descend.argtypes = [p, p, p, p, i64, p, p]
     lib.co_lamb_descend.restype = None
-    lib.co_zo_local_step.argtypes = [p, p, p, p, p, p, i64, i64, f32, f32, f32, ctypes.c_int, p]
+    lib.co_zo_local_step.argtypes = [p, p, p, p, p, p, p, i64, i64, f32, f32, f32, ctypes.c_int, p]
     lib.co_zo_local_step.restype = None
-    lib.co_zo_sync_before.argtypes = [p, p, p, p, p, i64, i64, f32, f32, p]
+    lib.co_zo_sync_before.argtypes = [p, p, p, p, p, p, i64, i64, f32, f32, p]
     lib.co_zo_sync_before.restype = None
     lib.co_zo_sync_after.argtypes = [p, p, p, p, p, p, p, i64, i64, f32, f32, ctypes.c_int, p, p]
     lib.co_zo_sync_after.restype = None
     lib.co_zo_sync_after_rows.argtypes = [p, p, i64, i64, i64, p, p, p, p, p, p, i64, i64, f32, f32, ctypes.c_int, p,
                                           p]
     lib.co_zo_sync_after_rows.restype = None
-    lib.co_zo_sync_before_compress_rows.argtypes = [p, p, p, p, f32, f32, p, p, p, p, i64, p, p, i64, i64, i64, i64,
-                                                    i64]
+    lib.co_zo_sync_before_compress_rows.argtypes = [p, p, p, p, p, f32, f32, p, p, p, p, i64, p, p, i64, i64, i64,
+                                                    i64, i64]
     lib.co_zo_sync_before_compress_rows.restype = None
     return lib
 

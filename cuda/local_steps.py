@@ -45,8 +45,8 @@ from __future__ import annotations
 
 import torch
 
-from .addresses import destination_addresses
-from .segmented import Segments, _c_doubles, _check, _native, scale_clamp_
+from .addresses import destination_addresses, readable_in_place, source_addresses
+from .segmented import Segments, _c_doubles, _check, _native, gather_, scale_clamp_
 from .update import CompressedResult
 
 
@@ -72,39 +72,58 @@ def signed_denominator(v: torch.Tensor, denom: torch.Tensor) -> torch.Tensor:
     return denom
 
 
+def _sources(sources, segments: Segments):
+    """``(what keeps them alive, their addresses)`` of the gradients a pass reads where they lie
+    (``sources``: one tensor per segment, or ``None``: the flat ``g``), or ``None`` where the C
+    passes cannot read them (the caller gathers them into ``g``)."""
+    if sources is None:
+        return (None, None)
+    if not readable_in_place(sources):
+        return None
+    addresses = source_addresses(sources, segments.sizes)
+    return addresses, addresses.data_ptr()
+
+
 def zero_one_local_step_(params: list, g: torch.Tensor, m: torch.Tensor, sden: torch.Tensor, acc: torch.Tensor,
-                         segments: Segments, weight: float, lr: float, decay: float, steps) -> bool:
+                         segments: Segments, weight: float, lr: float, decay: float, steps, sources=None) -> bool:
     """A phase-B local step in one pass (see the module doc): ``m``, ``acc`` and the parameters.
-    ``steps[s]`` is ``-lr f_s`` (the step's scalar of segment ``s``)."""
+    ``steps[s]`` is ``-lr f_s`` (the step's scalar of segment ``s``). ``sources``: the gradients
+    where they lie, one per segment, in place of ``g``'s segments (not gathered into it)."""
     n = _flat_buffers(segments, g, m, sden, acc)
     lib = _native(g, m, sden, acc)
     dests = destination_addresses(params, segments.sizes)
-    if lib is None or dests is None:
+    srcs = _sources(sources, segments)
+    if lib is None or dests is None or srcs is None:
         return False
     c, cp = _c_doubles(steps, len(segments))
-    lib.co_zo_local_step(dests.data_ptr(), g.data_ptr(), m.data_ptr(), sden.data_ptr(), acc.data_ptr(),
+    lib.co_zo_local_step(dests.data_ptr(), g.data_ptr(), srcs[1], m.data_ptr(), sden.data_ptr(), acc.data_ptr(),
                          segments.offsets.data_ptr(), len(segments), n, float(weight), float(lr), float(decay),
                          decay != 1.0, cp)
     return True
 
 
 def zero_one_sync_before_(params: list, g: torch.Tensor, m: torch.Tensor, sden: torch.Tensor, acc: torch.Tensor,
-                          segments: Segments, weight: float, lr: float, scales=None) -> bool:
+                          segments: Segments, weight: float, lr: float, scales=None, sources=None) -> bool:
     """A synchronising step's pass before its exchange (see the module doc): ``m``, and ``acc``
     becomes what the exchange averages. ``scales``: per segment (``None``: none). ``params`` are
-    only checked: ``False`` (nothing done) where :func:`zero_one_sync_after_` could not write them."""
+    only checked: ``False`` (nothing done) where :func:`zero_one_sync_after_` could not write them.
+    ``sources``: as for :func:`zero_one_local_step_`."""
     _flat_buffers(segments, g, m, sden, acc)
     lib = _native(g, m, sden, acc)
-    if destination_addresses(params, segments.sizes) is None or lib is None:
+    if destination_addresses(params, segments.sizes) is None or lib is None or _sources(sources, segments) is None:
         return False
-    _sync_before(lib, g, m, sden, acc, segments, weight, lr, scales)
+    _sync_before(lib, g, m, sden, acc, segments, weight, lr, scales, sources)
     return True
 
 
-def _sync_before(lib, g, m, sden, acc, segments: Segments, weight: float, lr: float, scales) -> None:
+def _sync_before(lib, g, m, sden, acc, segments: Segments, weight: float, lr: float, scales, sources=None) -> None:
     c, cp = (None, None) if scales is None else _c_doubles(scales, len(segments))
-    lib.co_zo_sync_before(g.data_ptr(), m.data_ptr(), sden.data_ptr(), acc.data_ptr(), segments.offsets.data_ptr(),
-                          len(segments), acc.numel(), float(weight), float(lr), cp)
+    srcs = _sources(sources, segments)
+    if srcs is None:  # (not readable where they lie: gathered)
+        gather_(sources, g, segments)
+        srcs = (None, None)
+    lib.co_zo_sync_before(g.data_ptr(), srcs[1], m.data_ptr(), sden.data_ptr(), acc.data_ptr(),
+                          segments.offsets.data_ptr(), len(segments), acc.numel(), float(weight), float(lr), cp)
 
 
 def zero_one_sync_after_(params: list, y, sden: torch.Tensor, m: torch.Tensor, anchor: torch.Tensor,
@@ -151,12 +170,13 @@ class ZeroOneSyncBefore:
     kept, not copied."""
 
     def __init__(self, g: torch.Tensor, m: torch.Tensor, sden: torch.Tensor, acc: torch.Tensor, segments: Segments,
-                 weight: float, lr: float, scales=None, r: torch.Tensor | None = None, bounds=None):
+                 weight: float, lr: float, scales=None, r: torch.Tensor | None = None, bounds=None, sources=None):
         _flat_buffers(segments, g, m, sden, acc, *(() if r is None else (r,)))
         if (r is None) != (bounds is None):
             raise ValueError("r and bounds go together")
         self.g, self.m, self.sden, self.acc, self.segments = g, m, sden, acc, segments
         self.weight, self.lr, self.scales, self.r, self.bounds = float(weight), float(lr), scales, r, bounds
+        self.sources = sources  # (the gradients where they lie, in place of g's segments)
 
     def apply_(self) -> None:
         """The passes on ``acc``, alone (the C passes, or where they cannot run, which the caller
@@ -164,7 +184,8 @@ class ZeroOneSyncBefore:
         lib = _native(self.g, self.m, self.sden, self.acc)
         if lib is None:
             raise RuntimeError("0/1 Adam's pass before the exchange cannot run here")
-        _sync_before(lib, self.g, self.m, self.sden, self.acc, self.segments, self.weight, self.lr, self.scales)
+        _sync_before(lib, self.g, self.m, self.sden, self.acc, self.segments, self.weight, self.lr, self.scales,
+                     self.sources)
         if self.r is not None:
             scale_clamp_(self.acc, self.r, self.bounds, self.segments)
 
@@ -177,13 +198,14 @@ class ZeroOneSyncBefore:
                 or rows.dtype != torch.uint8 or rows.dim() != 2 or rows.stride(1) != 1 or not rows.is_cpu):
             return False
         lib = _native(x, self.g, self.m, self.sden, error, *(() if self.r is None else (self.r,)))
-        if lib is None:
+        srcs = _sources(self.sources, self.segments)
+        if lib is None or srcs is None:
             return False
         nseg = len(self.segments)
         c, cp = (None, None) if self.scales is None else _c_doubles(self.scales, nseg)
         b, bp = (None, None) if self.bounds is None else _c_doubles(self.bounds, nseg)
         lib.co_zo_sync_before_compress_rows(
-            self.g.data_ptr(), self.m.data_ptr(), self.sden.data_ptr(), x.data_ptr(), self.weight, self.lr, cp,
+            self.g.data_ptr(), srcs[1], self.m.data_ptr(), self.sden.data_ptr(), x.data_ptr(), self.weight, self.lr, cp,
             None if self.r is None else self.r.data_ptr(), bp, self.segments.offsets.data_ptr(), nseg,
             error.data_ptr(), rows.data_ptr(), rows.stride(0), rows.shape[0], chunk, block, n)
         return True

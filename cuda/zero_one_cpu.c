@@ -8,7 +8,9 @@
  * written). sden is the frozen denominator sqrt(v) + eps as PyTorch made it, its sign bit set
  * where v == 0: den = |sden|, and a negative sden marks a coordinate without variance (m and the
  * exchanged y are 0 there), one stream for both. (PyTorch's sqrt is not the correctly rounded
- * sqrtf on every build, MKL's is not: the passes take PyTorch's.)
+ * sqrtf on every build, MKL's is not: the passes take PyTorch's.) The gradient g is the flat
+ * buffer g, or with srcs (non-NULL) segment s's at address srcs[s] (each parameter's own gradient,
+ * read where it lies: no gather into g first; elements past the segments are g's).
  *
  * Rounding: each operation is rounded on its own, in the order of the PyTorch composition
  * (compressed_opt/zero_one_local.py), so that the results are that composition's bit for bit; no
@@ -41,8 +43,8 @@ static inline __attribute__((always_inline)) float zo_where_variance(float x, fl
  *   p <- p * decay (when decayed);  p <- p + (c_s * m) / den      (c_s = -lr f_s)
  * Elements past off[nseg] (up to n) get m and acc only.
  */
-CO_EXACT void co_zo_local_step(const int64_t *dests, const float *g, float *m, const float *sden, float *acc,
-                              const int64_t *off, int64_t nseg, int64_t n, float w, float lr, float decay,
+CO_EXACT void co_zo_local_step(const int64_t *dests, const float *g, const int64_t *srcs, float *m, const float *sden,
+                              float *acc, const int64_t *off, int64_t nseg, int64_t n, float w, float lr, float decay,
                               int decayed, const double *steps) {
     CO_NO_CONTRACT
     const int small = w < 0.5f && w > -0.5f;
@@ -52,7 +54,8 @@ CO_EXACT void co_zo_local_step(const int64_t *dests, const float *g, float *m, c
         if (hi <= lo) continue;
         float *restrict p = s < nseg ? (float *)(intptr_t)dests[s] : NULL;
         const float c = s < nseg ? (float)steps[s] : 0.0f;
-        const float *restrict gs = g + lo, *restrict ds = sden + lo;
+        const float *restrict gs = srcs && s < nseg ? (const float *)(intptr_t)srcs[s] : g + lo;
+        const float *restrict ds = sden + lo;
         float *restrict ms = m + lo, *restrict as = acc + lo;
         const int64_t len = hi - lo;
         if (!p) {
@@ -90,8 +93,8 @@ CO_EXACT void co_zo_local_step(const int64_t *dests, const float *g, float *m, c
  * acc then holds what the exchange averages (sum lr m, each layer times its coefficient). Elements
  * past off[nseg] (up to n): as in a segment without scale.
  */
-CO_EXACT void co_zo_sync_before(const float *g, float *m, const float *sden, float *acc, const int64_t *off,
-                               int64_t nseg, int64_t n, float w, float lr, const double *scales) {
+CO_EXACT void co_zo_sync_before(const float *g, const int64_t *srcs, float *m, const float *sden, float *acc,
+                               const int64_t *off, int64_t nseg, int64_t n, float w, float lr, const double *scales) {
     CO_NO_CONTRACT
     const int small = w < 0.5f && w > -0.5f;
     const float coeff = small ? w : w - 1.0f;
@@ -100,7 +103,8 @@ CO_EXACT void co_zo_sync_before(const float *g, float *m, const float *sden, flo
         if (hi <= lo) continue;
         const int scaled = scales && s < nseg;
         const float c = scaled ? (float)scales[s] : 1.0f;
-        const float *restrict gs = g + lo, *restrict ds = sden + lo;
+        const float *restrict gs = srcs && s < nseg ? (const float *)(intptr_t)srcs[s] : g + lo;
+        const float *restrict ds = sden + lo;
         float *restrict ms = m + lo, *restrict as = acc + lo;
         const int64_t len = hi - lo;
         if (scaled) {
@@ -256,6 +260,7 @@ void co_zo_sync_after_rows(const int64_t *dests, const uint8_t *rows, int64_t ro
  */
 struct zo_before {
     const float *g, *sden, *acc, *r;
+    const int64_t *srcs; /* NULL: segment s's g at g + off[s]; else at srcs[s] */
     float *m;
     float coeff, lr;
     int small;
@@ -300,7 +305,8 @@ static void zo_before_compensate(struct zo_before *p, int64_t lo, int64_t len, f
         const int in = s < p->nseg;
         const int64_t stop = in && p->off[s + 1] < end ? p->off[s + 1] : end;
         const int kind = in ? (p->scales ? 1 : 0) | (p->r ? 2 : 0) : 0;
-        zo_before_segment(p->g + k, p->m + k, p->sden + k, p->acc + k, (p->r ? p->r : p->sden) + k, error + (k - lo),
+        const float *gs = p->srcs && in ? (const float *)(intptr_t)p->srcs[s] + (k - p->off[s]) : p->g + k;
+        zo_before_segment(gs, p->m + k, p->sden + k, p->acc + k, (p->r ? p->r : p->sden) + k, error + (k - lo),
                           stop - k, p->coeff, p->small, p->lr, in && p->scales ? (float)p->scales[s] : 1.0f,
                           in && p->r ? (float)p->bounds[s] : 0.0f, kind);
         k = stop;
@@ -312,11 +318,11 @@ static void zo_before_compensate_any(void *pass, int64_t lo, int64_t len, float 
     zo_before_compensate((struct zo_before *)pass, lo, len, error);
 }
 
-void co_zo_sync_before_compress_rows(const float *g, float *m, const float *sden, const float *acc, float w, float lr,
-                                     const double *scales, const float *r, const double *bounds, const int64_t *off,
-                                     int64_t nseg, float *error, uint8_t *rows, int64_t row_stride, int64_t world,
-                                     int64_t chunk, int64_t block, int64_t n) {
+void co_zo_sync_before_compress_rows(const float *g, const int64_t *srcs, float *m, const float *sden, const float *acc,
+                                     float w, float lr, const double *scales, const float *r, const double *bounds,
+                                     const int64_t *off, int64_t nseg, float *error, uint8_t *rows, int64_t row_stride,
+                                     int64_t world, int64_t chunk, int64_t block, int64_t n) {
     const int small = w < 0.5f && w > -0.5f;
-    struct zo_before pass = {g, sden, acc, r, m, small ? w : w - 1.0f, lr, small, scales, bounds, off, nseg, 0};
+    struct zo_before pass = {g, sden, acc, r, srcs, m, small ? w : w - 1.0f, lr, small, scales, bounds, off, nseg, 0};
     compress_each_row(NULL, error, rows, row_stride, world, chunk, block, n, zo_before_compensate_any, &pass);
 }

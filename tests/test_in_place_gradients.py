@@ -39,7 +39,8 @@ def _run(name, in_place, plan, steps=12, **kw):
 
     params = _model()
     kw.setdefault("bucket_cap_mb", 0.01)
-    opt = getattr(compressed_opt, name)(params, lr=1e-3, freeze_step=3, backend=SingleProcessBackend(), **kw)
+    kw["var_freeze_step" if name == "ZeroOneAdam" else "freeze_step"] = 3
+    opt = getattr(compressed_opt, name)(params, lr=1e-3, backend=SingleProcessBackend(), **kw)
     if not in_place:
         opt.leaves_gradients_in_place = lambda bucket: False
         opt.layout = type("MomentumRead", (Replicated,), {"_momentum_rows": staticmethod(lambda *a: None)})()
@@ -70,6 +71,8 @@ def _run(name, in_place, plan, steps=12, **kw):
     ("OnebitAdam", {}, [7, 9]),
     ("OnebitAdam", {"variance_tracking": False}, [7, 9]),
     ("OnebitLamb", {}, [4, 7, 9]),  # (its first compression step measures the live trust ratio on the buffer)
+    ("ZeroOneAdam", {}, [7, 9]),  # phase B: every step synchronises (its default schedule)
+    ("ZeroOneAdam", {"local_step_scaler": 1}, [7, 9]),  # local steps between synchronisations
 ])
 def test_reading_in_place_is_the_gathered_path_bit_for_bit(name, kw, gathers):
     plan = {5: "nan", 7: "none", 9: "strided", 11: "touch m"}
@@ -204,3 +207,28 @@ def test_the_momentum_is_formed_from_the_kept_rows_while_they_made_it(monkeypatc
     # steps 5-12 (step 4's first exchange runs the pass alone: m from the warmup, no rows yet);
     # step 11 reads m again: the loop changed it
     assert used == [True] * 6 + [False, True], used
+
+
+@pytest.mark.parametrize("kw,pass_name", [({}, "co_zo_sync_before_compress_rows"),
+                                          ({"local_step_scaler": 1}, "co_zo_local_step")])
+def test_zero_one_adams_passes_read_the_gradients_where_they_lie(monkeypatch, kw, pass_name):
+    """0/1 Adam's phase-B passes (a synchronisation's pass inside the compression, a local step)
+    are given each gradient's address (``srcs``), never the flat buffer's gathered copy."""
+    from compressed_opt.cuda import cpu
+
+    lib, seen = cpu.library(), []
+
+    class Spy:
+        def __getattr__(self, name):
+            f = getattr(lib, name)
+            if name != pass_name:
+                return f
+
+            def call(*a):
+                seen.append(a[2 if name == "co_zo_local_step" else 1] is not None)
+                return f(*a)
+            return call
+
+    monkeypatch.setattr(cpu, "library", lambda *a, **k: Spy())
+    _run("ZeroOneAdam", True, {}, **kw)
+    assert seen and all(seen), seen
