@@ -270,23 +270,17 @@ class Replicated(Layout):
         return bucket.flat("exp_avg_sq")  # v stays where it is; v_f is made from it when first needed
 
     def gather_local(self, opt, bucket, grad):
-        """Into ``grad``, or (where the step allows it: ``opt.leaves_gradients_in_place``) left in
+        """Into ``grad``, or (where the step allows it: ``opt.leave_gradients_in_place``) left in
         ``p.grad`` and only summed: the local momentum's pass then reads them there, and whatever
         reads ``grad`` first gathers them (:meth:`_gradients_left`)."""
-        if opt.leaves_gradients_in_place(bucket):
-            opt.observe_in_place(bucket, grad)
-            bucket.derived["gradients_in_place"] = True
-        else:
-            bucket.derived.pop("gradients_in_place", None)
+        if not opt.leave_gradients_in_place(bucket, grad):
             opt.gather_observed(bucket, grad)
 
     @staticmethod
     def _gradients_left(bucket) -> list | None:
         """The gradients :meth:`gather_local` left in ``p.grad`` this step (``None``: it gathered
         them into the buffer), taken once: the caller reads them there, or gathers them."""
-        if not bucket.derived.pop("gradients_in_place", False):
-            return None
-        return [p.grad for p in bucket.params]
+        return bucket.derived.pop("gradients_in_place", None)
 
     def local_momentum_(self, opt, bucket, x, beta1):
         sources = self._gradients_left(bucket)

@@ -351,15 +351,24 @@ class Stepping:
         ddp.forget(self)  # a DDP wrapper is found at its first forward, before the first step
         return True
 
-    def leaves_gradients_in_place(self, bucket: Bucket) -> bool:
-        """Whether this gather of a compression step may leave the bucket's gradients in ``p.grad``
-        for the exchange's compression to read there (the layout's ``gather_local``): ``step()``
-        gathers it and runs its exchange next, on this thread (no loop code and no other thread
-        between: the gradients read are the ones summed and checked), and the kernels can read
-        every gradient where it lies. The gather's copy (two streams of the bucket's bytes) is
-        then not made; anywhere else it is."""
-        return (self._gathering_for_inline and self._reads_gradients_in_place(self.global_step + 1)
-                and kernels.readable_in_place([p.grad for p in bucket.params]))
+    def leave_gradients_in_place(self, bucket: Bucket, grad) -> bool:
+        """A compression step's gather that leaves the bucket's gradients in ``p.grad`` for the
+        exchange's passes to read there (the gather's copy, two streams of the bucket's bytes, is
+        not made), where it may: ``step()`` gathers the bucket and runs its exchange next, on this
+        thread (no loop code and no other thread between: the gradients read are the ones summed
+        and checked), the algorithm's passes read them (:meth:`_reads_gradients_in_place`) and the
+        kernels can. Then only their sums are taken (``observe_in_place``), they are kept as
+        ``bucket.derived["gradients_in_place"]`` (:class:`compressed_opt.cuda.Sources`, for this
+        step's passes to take), and ``True``; else nothing is done, ``False`` (the caller gathers)."""
+        bucket.derived.pop("gradients_in_place", None)
+        if not (self._gathering_for_inline and self._reads_gradients_in_place(self.global_step + 1)):
+            return False
+        sources = kernels.Sources.of([p.grad for p in bucket.params], bucket.segments.sizes)
+        if sources is None:
+            return False
+        self.observe_in_place(bucket, grad, sources)
+        bucket.derived["gradients_in_place"] = sources
+        return True
 
     def _reads_gradients_in_place(self, step: int) -> bool:
         """Whether compression step ``step``'s exchange starts with a pass that can read the

@@ -247,13 +247,13 @@ class LayerVarianceTracking:
         self._summed_buffers[bucket.index] = (grad.data_ptr(), grad._version)
         self._summed_step[bucket.index] = self.global_step + 1
 
-    def observe_in_place(self, bucket, grad: torch.Tensor) -> None:
-        """A compression step's gather that leaves the bucket's gradients in ``p.grad`` (the
-        exchange's compression reads them there; ``grad`` is not written): their per-layer sums of
+    def observe_in_place(self, bucket, grad: torch.Tensor, sources: list) -> None:
+        """A compression step's gather that leaves the bucket's gradients (``sources``) in ``p.grad``
+        (the exchange's passes read them there; ``grad`` is not written): their per-layer sums of
         ``g_i^2`` only, as :meth:`gather_observed` sums them, for the step's finiteness check and
         (with tracking) its statistics."""
         out = self._local_sums_buffer(bucket, grad.device)
-        sumsq_each([p.grad for p in bucket.params], bucket.segments, out)
+        sumsq_each(sources, bucket.segments, out)
         self._summed_buffers[bucket.index] = (grad.data_ptr(), grad._version)
         if self.variance_tracking:
             self._summed_step[bucket.index] = self.global_step + 1

@@ -235,7 +235,7 @@ class Sharded(Layout):
     def gather_local(self, opt, bucket, grad):
         """The local momentum, formed from ``p.grad`` directly (:meth:`form_local_momentum`); with
         the preconditioned exchange from the kept rows, where the step lets the gradients be read
-        where they lie (``opt.leaves_gradients_in_place``), as a pass the exchange's compression
+        where they lie (``opt.leave_gradients_in_place``), as a pass the exchange's compression
         runs instead (:class:`compressed_opt.cuda.zero_passes.ZeroLocalMomentum`, kept for
         :meth:`local_momentum_pass`; only the gradients' sums are taken now)."""
         beta1 = opt.param_groups[bucket.group_index]["betas"][0]
@@ -246,8 +246,7 @@ class Sharded(Layout):
                     factors=None if factors is None else (opt.kept_exchange_factors(bucket), factors))
         bucket.derived.pop("local_momentum_pass", None)
         if (preconditioner is not None and not args["keep_previous"] and args["row_scales"] is None
-                and "exp_avg" not in bucket.flats and opt.leaves_gradients_in_place(bucket)):
-            opt.observe_in_place(bucket, grad)
+                and "exp_avg" not in bucket.flats and opt.leave_gradients_in_place(bucket, grad)):
             bucket.derived["local_momentum_pass"] = self._momentum_pass(opt, bucket, grad, beta1, args)
             return
         opt.observe_local_gradient(bucket)
@@ -266,7 +265,7 @@ class Sharded(Layout):
 
         return kernels.zero_passes.ZeroLocalMomentum(
             x, self._kept_rows(opt, bucket, x), args["preconditioner"], keep, gain, opt.exchange_bounds(bucket),
-            bucket.segments, [p.grad for p in bucket.params], compose)
+            bucket.segments, bucket.derived.pop("gradients_in_place"), compose)
 
     def _kept_rows(self, opt, bucket, buffer) -> kernels.CompressedResult:
         """The kept rows (the last exchange's result), as a compressed result of the bucket."""

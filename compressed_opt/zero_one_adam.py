@@ -241,12 +241,8 @@ class ZeroOneAdam(ZeroOneExchange, ZeroOneLocalSteps, tracking.LayerVarianceTrac
         return super()._new_layer_rows(name, bucket)
 
     def _gather(self, bucket, grad, step):
-        if self.frozen and self.leaves_gradients_in_place(bucket):  # (phase B's passes read them there)
-            self.observe_in_place(bucket, grad)
-            bucket.derived["gradients_in_place"] = True
-            return
-        bucket.derived.pop("gradients_in_place", None)
-        self.gather_observed(bucket, grad)
+        if not self.leave_gradients_in_place(bucket, grad):  # (phase B's passes read them where they lie)
+            self.gather_observed(bucket, grad)
 
     def _reads_gradients_in_place(self, step) -> bool:
         return self.frozen  # (phase B: its local step or its synchronisation's passes)

@@ -21,6 +21,8 @@ def addressable(t: torch.Tensor) -> bool:
 
 def plain_cpu_floats(sources: list) -> bool:
     """Whether the C passes may read every source (``None``: none): contiguous fp32 CPU memory."""
+    if isinstance(sources, Sources):
+        return True
     return all(s is None or (addressable(s) and s.is_cpu and s.dtype is torch.float32 and s.is_contiguous())
                for s in sources)
 
@@ -31,12 +33,16 @@ def readable_in_place(sources: list) -> bool:
     memory, and the C library here and allowed (not ``COMPRESSED_OPT_KERNELS=reference``)."""
     from . import cpu
 
+    if isinstance(sources, Sources):
+        return True
     return (all(s is not None for s in sources) and plain_cpu_floats(sources)
             and os.environ.get("COMPRESSED_OPT_KERNELS") != "reference" and cpu.library() is not None)
 
 
 def source_addresses(sources: list, sizes: list[int]) -> torch.Tensor:
     """Each source's address (0 for ``None`` or an empty one), checked against its segment's size."""
+    if isinstance(sources, Sources):
+        return sources.addresses
     for src, n in zip(sources, sizes):
         if src is not None and src.numel() != n:
             raise ValueError(f"a source of {src.numel()} elements for a segment of {n}")
@@ -61,3 +67,19 @@ def destination_addresses(dests: list, sizes: list[int]) -> torch.Tensor | None:
             return None
         out.append(ptr)
     return torch.tensor(out, dtype=torch.int64)
+
+
+class Sources(list):
+    """Tensors the C passes read where they lie, one per segment (a bucket's gradients), checked
+    once (:func:`readable_in_place`) with their addresses made once (:attr:`addresses`), for the
+    passes of one step: :func:`plain_cpu_floats`, :func:`readable_in_place` and
+    :func:`source_addresses` take them as they are. They must not change before those passes ran."""
+
+    @classmethod
+    def of(cls, tensors: list, sizes: list[int]) -> Sources | None:
+        """``tensors`` as :class:`Sources`, or ``None`` where a C pass cannot read them all."""
+        if not readable_in_place(tensors):
+            return None
+        out = cls(tensors)
+        out.addresses = source_addresses(tensors, sizes)
+        return out

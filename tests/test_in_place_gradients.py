@@ -42,7 +42,7 @@ def _run(name, in_place, plan, steps=12, **kw):
     kw["var_freeze_step" if name == "ZeroOneAdam" else "freeze_step"] = 3
     opt = getattr(compressed_opt, name)(params, lr=1e-3, backend=SingleProcessBackend(), **kw)
     if not in_place:
-        opt.leaves_gradients_in_place = lambda bucket: False
+        opt.leave_gradients_in_place = lambda bucket, grad: False
         opt.layout = type("MomentumRead", (Replicated,), {"_momentum_rows": staticmethod(lambda *a: None)})()
     gathered, now = [], [0]  # the loop's steps whose buckets were gathered
     original = Bucket.gather_grads
