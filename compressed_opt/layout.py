@@ -305,21 +305,8 @@ class Replicated(Layout):
             if sources is not None:
                 kernels.gather_(sources, x, bucket.segments)
             return kernels.Lerp(x, m, 1 - beta1)
-        held = self._momentum_rows(opt, bucket, m, r, x)
         return kernels.LerpScaleClamp(x, m, 1 - beta1, r, opt.exchange_bounds(bucket), bucket.segments,
-                                      opt.exchange_factors(bucket), sources=sources, momentum_rows=held,
-                                      momentum_divisors=held and opt.kept_exchange_factors(bucket))
-
-    @staticmethod
-    def _momentum_rows(opt, bucket, m, r, x):
-        """The kept rows of the last exchange's result, while ``m`` (``exp_avg``) and ``R`` are as the
-        update that formed ``m = y / (s_l R)`` from them left them (:meth:`step_preconditioned_`; a
-        change of ``m`` through PyTorch bumps its version), else ``None``: the local momentum's pass
-        may form ``m`` from them instead of reading it."""
-        mark, rows = bucket.derived.pop("momentum_of_rows", None), bucket.derived.get("result_rows")
-        if rows is None or mark != (m.data_ptr(), m._version, r.data_ptr()):
-            return None
-        return kernels.CompressedResult(rows, chunk_numel(bucket.numel, rows.shape[0]), opt.scale_block, x)
+                                      opt.exchange_factors(bucket), sources=sources)
 
     def exchange(self, opt, bucket, x, pending=None, keep_result=False):
         """With ``keep_result``, a flat 1-bit exchange leaves ``x`` as it is and its result rows are
@@ -372,11 +359,7 @@ class Replicated(Layout):
         pass over memory (no direction buffer written)."""
         factors = opt.update_factors(bucket) or [1.0] * len(bucket.params)
         descend = kernels.Descend(bucket.params, bucket.flats["direction_factor"], decay, [alpha * f for f in factors])
-        result, m = self.exchanged(opt, bucket, y), bucket.flat("exp_avg")
-        opt.momentum_from_exchange(bucket, result, out=m, descend=descend)
-        if isinstance(result, kernels.CompressedResult):  # (kept until the next exchange: _momentum_rows)
-            r = opt.exchange_preconditioner(bucket)
-            bucket.derived["momentum_of_rows"] = (m.data_ptr(), m._version, r.data_ptr())
+        opt.momentum_from_exchange(bucket, self.exchanged(opt, bucket, y), out=bucket.flat("exp_avg"), descend=descend)
 
     def update_masters(self, opt, bucket, step, decay, delta, alpha=1.0):
         pass  # the parameters are the truth

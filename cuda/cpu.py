@@ -250,9 +250,6 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.co_lerp_scale_clamp_compress_sources.argtypes = [p, p, p, f32, p, p, p, p, i64, p, p, i64, i64, i64, i64,
                                                          i64]
     lib.co_lerp_scale_clamp_compress_sources.restype = None
-    lib.co_lerp_scale_clamp_compress_momentum_rows.argtypes = [p, i64, p, p, p, f32, p, p, p, p, i64, p, p, i64, i64,
-                                                               i64, i64, i64]
-    lib.co_lerp_scale_clamp_compress_momentum_rows.restype = None
     lib.co_zero_momentum_compress_rows.argtypes = [p, p, p, p, p, p, p, i64, p, p, i64, i64, i64, i64]
     lib.co_zero_momentum_compress_rows.restype = None
     lib.co_zero_rows_descend.argtypes = [p, i64, i64, i64, p, f32, p, p, p, i64, p, f32, ctypes.c_int, f32]

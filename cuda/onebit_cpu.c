@@ -170,54 +170,6 @@ static void lsc_compensate_any(void *pass, int64_t lo, int64_t len, float *error
 }
 
 /*
- * lsc_compensate with m not read from memory but formed from the rows of the exchange result it
- * was made from, m = (y / r) / v_s (0 where r == 0; v_s = divisors[s], none: no division): the
- * preconditioned exchange's m = y / (s_l R), as co_rows_divide_descend forms it. The rows are in
- * the compression's geometry (a block's elements lie in one tile of them), every element is in a
- * segment, and segment s's x is at srcs[s] (or x + off[s] without srcs).
- */
-struct co_lsc_rows {
-    struct co_lsc base;
-    const uint8_t *rows; /* world rows, row_stride bytes apart, chunk elements each, n in all */
-    int64_t row_stride, chunk, block, n;
-    const double *divisors;
-};
-
-static inline void lsc_rows_span(const float *restrict xs, const float *restrict ys, const float *restrict rs,
-                                 float *restrict e, int64_t n, int small, float w, float wc, int divided, float v,
-                                 float c, float b) {
-    const float nb = -b;
-    for (int64_t i = 0; i < n; ++i) {
-        float m = quotient_or_zero(ys[i], rs[i]);
-        if (divided) m = m / v;
-        e[i] = (small ? lsc_small(xs[i], m, w, rs[i], c, b, nb) : lsc_large(xs[i], m, wc, rs[i], c, b, nb)) + e[i];
-    }
-}
-
-static void lsc_rows_compensate(void *pass, int64_t lo, int64_t len, float *error) {
-    struct co_lsc_rows *q = (struct co_lsc_rows *)pass;
-    struct co_lsc *p = &q->base;
-    const int small = p->w < 0.5f && p->w > -0.5f;
-    float tile[CO_TILE];
-    const int64_t end = lo + len;
-    int64_t s = p->seg;
-    for (int64_t k0 = lo; k0 < end;) {
-        const int64_t stop_tile = k0 + next_tile(q->rows, q->row_stride, q->chunk, q->block, k0, q->n, tile);
-        for (int64_t k = k0; k < stop_tile;) {
-            while (p->off[s + 1] <= k) ++s;
-            const int64_t stop = min64(p->off[s + 1], stop_tile);
-            const float *xs = p->srcs ? (const float *)(intptr_t)p->srcs[s] + (k - p->off[s]) : p->x + k;
-            lsc_rows_span(xs, tile + (k - k0), p->r + k, error + (k - lo), stop - k, small, p->w, 1.0f - p->w,
-                          q->divisors != NULL, q->divisors ? (float)q->divisors[s] : 1.0f,
-                          p->scales ? (float)p->scales[s] : 1.0f, (float)p->bounds[s]);
-            k = stop;
-        }
-        k0 = stop_tile;
-    }
-    p->seg = s;
-}
-
-/*
  * Compress one block of count valid elements (of len) held in error (u after compensate, or to
  * be compensated with xb): pack its bits into bits, its scale sqrt(sum(u^2) / count) into scale
  * (4 bytes), and subtract the decompressed values while the block is in cache. With compensate
@@ -300,23 +252,6 @@ void co_lerp_scale_clamp_compress_sources(const int64_t *srcs, const float *x, c
                                           int64_t row_stride, int64_t world, int64_t chunk, int64_t block, int64_t n) {
     struct co_lsc pass = {x, m, r, srcs, w, bounds, scales, off, nseg, 0};
     compress_each_row(NULL, error, rows, row_stride, world, chunk, block, n, lsc_compensate_any, &pass);
-}
-
-/*
- * co_lerp_scale_clamp_compress_sources (srcs == NULL: co_lerp_scale_clamp_compress_rows) with m
- * formed from mrows (mrow_stride bytes apart, in the compression's chunk and block) and mdiv as
- * lsc_rows_compensate does, bit for bit co_decompress_rows of mrows, co_divide_where_nonzero's
- * division by r (and by mdiv per segment), then that pass: m is never read from memory. n must
- * be off[nseg].
- */
-void co_lerp_scale_clamp_compress_momentum_rows(const uint8_t *mrows, int64_t mrow_stride, const double *mdiv,
-                                                const int64_t *srcs, const float *x, float w, const float *r,
-                                                const double *bounds, const double *scales, const int64_t *off,
-                                                int64_t nseg, float *error, uint8_t *rows, int64_t row_stride,
-                                                int64_t world, int64_t chunk, int64_t block, int64_t n) {
-    struct co_lsc_rows pass = {{x, NULL, r, srcs, w, bounds, scales, off, nseg, 0}, mrows, mrow_stride, chunk, block, n,
-                               mdiv};
-    compress_each_row(NULL, error, rows, row_stride, world, chunk, block, n, lsc_rows_compensate, &pass);
 }
 
 /* x[0, m_n) <- lerp(m, x, w) (torch.lerp's formulas, as this compiler contracts them), then

@@ -131,26 +131,4 @@ static inline int64_t next_tile(const uint8_t *rows, int64_t row_stride, int64_t
     return len;
 }
 
-/* dst[0, len) <- src[0, len) with non-temporal stores where dst is 32-byte aligned (AVX2): a buffer
- * a pass only writes is not read for ownership first (the caller fences: co_store_fence); else
- * memcpy. */
-static inline void store_streaming(float *dst, const float *src, int64_t len) {
-#ifdef CO_AVX2
-    if (((uintptr_t)dst & 31u) == 0) {
-        int64_t i = 0;
-        for (; i + 8 <= len; i += 8) _mm256_stream_ps(dst + i, _mm256_loadu_ps(src + i));
-        for (; i < len; ++i) dst[i] = src[i];
-        return;
-    }
-#endif
-    memcpy(dst, src, (size_t)len * sizeof(float));
-}
-
-/* After non-temporal stores: they are ordered before what the caller does next. */
-static inline void co_store_fence(void) {
-#ifdef CO_AVX2
-    _mm_sfence();
-#endif
-}
-
 #endif

@@ -200,21 +200,17 @@ class LerpScaleClamp:
     that compression (:meth:`compress_rows_`) and never travels to memory; anywhere else, the caller
     runs it alone first (:meth:`apply_`). The arguments are kept, not copied: they must not change
     before the pass runs. ``sources`` (one tensor per segment): ``x``'s segments, not gathered yet
-    (:meth:`apply_` gathers them first). ``momentum_rows`` (a ``CompressedResult``): ``m`` was made
-    from it as ``(y / r) / momentum_divisors[s]`` (0 where ``r == 0``), bit for bit, and the fused
-    pass forms ``m`` so instead of reading it."""
+    (:meth:`apply_` gathers them first)."""
 
-    sources = momentum_rows = momentum_divisors = None
+    sources = None
 
     def __init__(self, x: torch.Tensor, m: torch.Tensor, weight: float, r: torch.Tensor, bounds,
-                 segments: Segments, scales=None, sources: list | None = None, momentum_rows=None,
-                 momentum_divisors=None):
+                 segments: Segments, scales=None, sources: list | None = None):
         _check(segments, x, m, r)
         if sources is not None and (len(sources) != len(segments) or any(s is None for s in sources)):
             raise ValueError(f"one source tensor per segment is needed ({len(segments)})")
         self.x, self.m, self.weight, self.r = x, m, float(weight), r
         self.bounds, self.segments, self.scales, self.sources = bounds, segments, scales, sources
-        self.momentum_rows, self.momentum_divisors = momentum_rows, momentum_divisors
 
     def apply_(self) -> None:
         """Run the pass on its ``x``, alone (its sources gathered into ``x`` first)."""
@@ -254,8 +250,6 @@ class LerpScaleClamp:
                                              chunk, block, n)
             return True
         c, cp = (None, None) if self.scales is None else _c_doubles(self.scales, nseg)
-        if self._from_momentum_rows(lib, x, error, rows, chunk, block, bp, cp):
-            return True
         args = (x.data_ptr(), self.m.data_ptr(), self.weight, self.r.data_ptr(), bp, cp,
                 self.segments.offsets.data_ptr(), nseg, error.data_ptr(), rows.data_ptr(), rows.stride(0),
                 rows.shape[0], chunk, block, n)
@@ -264,21 +258,6 @@ class LerpScaleClamp:
         else:
             addresses = source_addresses(self.sources, self.segments.sizes)
             lib.co_lerp_scale_clamp_compress_sources(addresses.data_ptr(), *args)
-        return True
-
-    def _from_momentum_rows(self, lib, x, error, rows, chunk, block, bp, cp) -> bool:
-        """The fused pass with ``m`` formed from :attr:`momentum_rows` (in the compression's
-        geometry, every element in a segment), where it can run; ``False``, nothing done, else."""
-        held, n, nseg = self.momentum_rows, error.numel(), len(self.segments)
-        if (held is None or n != self.segments.numel or held.chunk != chunk or held.block != block
-                or held.rows.shape[0] != rows.shape[0] or not held.rows.is_cpu):
-            return False
-        v, vp = (None, None) if self.momentum_divisors is None else _c_doubles(self.momentum_divisors, nseg)
-        addresses = None if self.sources is None else source_addresses(self.sources, self.segments.sizes)
-        lib.co_lerp_scale_clamp_compress_momentum_rows(
-            held.rows.data_ptr(), held.rows.stride(0), vp, None if addresses is None else addresses.data_ptr(),
-            x.data_ptr(), self.weight, self.r.data_ptr(), bp, cp, self.segments.offsets.data_ptr(), nseg,
-            error.data_ptr(), rows.data_ptr(), rows.stride(0), rows.shape[0], chunk, block, n)
         return True
 
     def _compress_rows_cuda(self, x, error, rows, chunk, block) -> bool:

@@ -220,14 +220,13 @@ void co_divide_descend(const float *y, const float *r, float *q, const double *d
  * co_decompress_rows(rows, row_stride, nrows, chunk, block, y, off[nseg]) then co_divide_descend(y,
  * r, q, divisors, off, nseg, dests, a, d, decayed, scales), bit for bit, without y in memory: y is
  * decompressed tile by tile (at most CO_TILE elements of one block of one row) into the stack and
- * consumed there (reads r, a, each destination and the rows; writes the destinations, and q without
- * reading it for ownership: formed in the stack, streamed out).
+ * consumed there (reads r, a, each destination and the rows; writes q and the destinations).
  */
 void co_rows_divide_descend(const uint8_t *rows, int64_t row_stride, int64_t chunk, int64_t block, const float *r,
                             float *q, const double *divisors, const int64_t *off, int64_t nseg, const int64_t *dests,
                             const float *a, float d, int decayed, const double *scales) {
     const int64_t n = off[nseg];
-    float tile[CO_TILE], qtile[CO_TILE]; /* q is formed in the stack and streamed out: only written */
+    float tile[CO_TILE];
     int64_t s = 0;
     for (int64_t k0 = 0; k0 < n;) {
         const int64_t len = next_tile(rows, row_stride, chunk, block, k0, n, tile);
@@ -235,13 +234,10 @@ void co_rows_divide_descend(const uint8_t *rows, int64_t row_stride, int64_t chu
         for (int64_t k = k0; k < end;) {
             while (off[s + 1] <= k) ++s;
             const int64_t stop = min64(off[s + 1], end), lo = off[s];
-            divide_descend_span(tile + (k - k0), r + k, qtile + (k - k0), (float *)(intptr_t)dests[s] + (k - lo), a + k,
-                                stop - k, divisors != NULL, divisors ? (float)divisors[s] : 1.0f, (float)scales[s], d,
-                                decayed);
+            divide_descend_span(tile + (k - k0), r + k, q + k, (float *)(intptr_t)dests[s] + (k - lo), a + k, stop - k,
+                                divisors != NULL, divisors ? (float)divisors[s] : 1.0f, (float)scales[s], d, decayed);
             k = stop;
         }
-        store_streaming(q + k0, qtile, len);
         k0 = end;
     }
-    co_store_fence();
 }

@@ -34,16 +34,13 @@ def _grads(params, step, plan):
 
 
 def _run(name, in_place, plan, steps=12, **kw):
-    """``in_place=False``: the gather's copy, and ``m`` read from memory (not formed from the kept rows)."""
-    from compressed_opt.layout import Replicated
-
+    """``in_place=False``: the gather's copy."""
     params = _model()
     kw.setdefault("bucket_cap_mb", 0.01)
     kw["var_freeze_step" if name == "ZeroOneAdam" else "freeze_step"] = 3
     opt = getattr(compressed_opt, name)(params, lr=1e-3, backend=SingleProcessBackend(), **kw)
     if not in_place:
         opt.leave_gradients_in_place = lambda bucket, grad: False
-        opt.layout = type("MomentumRead", (Replicated,), {"_momentum_rows": staticmethod(lambda *a: None)})()
     gathered, now = [], [0]  # the loop's steps whose buckets were gathered
     original = Bucket.gather_grads
 
@@ -56,7 +53,7 @@ def _run(name, in_place, plan, steps=12, **kw):
         for step in range(1, steps + 1):
             now[0] = step
             _grads(params, step, plan)
-            if plan.get(step) == "touch m":  # the user changes the momentum: m is read again
+            if plan.get(step) == "touch m":  # the loop changes the momentum between steps
                 opt.state[params[0]]["exp_avg"].mul_(0.5)
             Bucket.gather_grads = spy
             try:
@@ -187,26 +184,6 @@ def test_zero_passes_check_themselves_and_refuse_what_they_cannot_run(monkeypatc
     monkeypatch.setenv("COMPRESSED_OPT_KERNELS", "reference")
     assert not zero_passes.rows_descend_(*args) and not pending.compress_rows_(pending.x, error, rows, chunk, block)
     assert all(bool((p == 1).all()) for p in params) and bool((error == 0).all())
-
-
-def test_the_momentum_is_formed_from_the_kept_rows_while_they_made_it(monkeypatch):
-    """OnebitAdam's local momentum forms ``m = y / (s_l R)`` from the last result's kept rows (not
-    read from memory) from the second compression step on, except right after a step that did
-    not keep them or a change of ``exp_avg``."""
-    from compressed_opt.cuda import segmented
-
-    used, original = [], segmented.LerpScaleClamp._from_momentum_rows
-
-    def spy(self, *a):
-        done = original(self, *a)
-        used.append(done)
-        return done
-
-    monkeypatch.setattr(segmented.LerpScaleClamp, "_from_momentum_rows", spy)
-    _run("OnebitAdam", True, {11: "touch m"}, steps=12, bucket_cap_mb=1.0)  # one bucket
-    # steps 5-12 (step 4's first exchange runs the pass alone: m from the warmup, no rows yet);
-    # step 11 reads m again: the loop changed it
-    assert used == [True] * 6 + [False, True], used
 
 
 @pytest.mark.parametrize("kw,pass_name", [({}, "co_zo_sync_before_compress_rows"),

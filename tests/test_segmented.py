@@ -329,42 +329,6 @@ def test_lerp_scale_clamp_reads_its_sources_where_they_lie(sizes, past, world, b
         segmented.LerpScaleClamp(x2, m, weight, r, bounds, segs, scales, sources=sources[:-1])
 
 
-@pytest.mark.parametrize("sizes,past,world,block,weight,scaled", FUSED_CASES)
-@pytest.mark.parametrize("divided", [False, True])
-def test_the_fused_pass_forms_m_from_the_rows_it_was_made_from(sizes, past, world, block, weight, scaled, divided):
-    """``momentum_rows``: ``m`` formed from the rows of the result it was made from, ``(y / r) / v_s``
-    (0 where ``r == 0``), gives what the pass reading ``m`` gives, bit for bit, with and without
-    sources (elements past the segments: ``m`` read, as without rows)."""
-    from compressed_opt import cuda as kernels
-
-    if cpu.library() is None:
-        pytest.skip("no C compiler here")
-    g = torch.Generator().manual_seed(11)
-    segs, n, chunk, x = _fusion_input(g, sizes, past, world)
-    _, row_len = kernels.rows_layout(chunk, block)
-    held = torch.zeros(world, row_len, dtype=torch.uint8)
-    cpu.compress_rows_(torch.randn(n, generator=g), torch.zeros(n), held, chunk, block)
-    r = torch.rand(n, generator=g) * 4
-    r[::5] = 0.0
-    divisors = (torch.rand(len(segs), generator=g) + 0.5).tolist() if divided else None
-    m = torch.empty(n)
-    cpu.decompress_rows_(held, m, chunk, block)
-    segmented.divide_where_nonzero_(m, r, m, None, *((segs, divisors) if divided else ()))
-    error = torch.randn(n, generator=g) * 0.1
-    bounds = (torch.rand(len(segs), generator=g) * 2 + 0.05).tolist()
-    scales = (torch.rand(len(segs), generator=g) + 0.5).tolist() if scaled else None
-    sources = [v.clone() for v in segs.split(x)]
-    for srcs in (None, sources):
-        out = []
-        for rows in (None, kernels.CompressedResult(held, chunk, block, x)):
-            e, got = error.clone(), torch.zeros(world, row_len, dtype=torch.uint8)
-            fused = segmented.LerpScaleClamp(x, m, weight, r, bounds, segs, scales, sources=srcs, momentum_rows=rows,
-                                             momentum_divisors=divisors)
-            assert fused.compress_rows_(x, e, got, chunk, block)
-            out.append((_bits(e), got))
-        assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
-
-
 def test_lerp_scale_clamp_pass_falls_back_where_it_cannot_fuse(monkeypatch):
     """Another buffer, or the reference kernels: nothing done, ``False`` (the caller applies the
     pass, then compresses); through ``comm.compressed.compress_pending_`` the result is the same."""
