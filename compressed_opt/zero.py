@@ -62,6 +62,7 @@ from .buckets import Bucket
 from .buffers import SAVED, SCRATCH, Buffer
 from .layout import Layout, Replicated
 from .moments import descend_, frozen_denominator_of
+from .reductions import maxima
 
 #: the sharded layout's bucket buffers (over the optimizer's own: compressed_opt.buffers.overlay)
 BUFFERS = {
@@ -233,11 +234,9 @@ class Sharded(Layout):
 
     # --- compression stage: every rank updates its whole replica ----------------------------------
     def gather_local(self, opt, bucket, grad):
-        """The local momentum, formed from ``p.grad`` directly (:meth:`form_local_momentum`); with
-        the preconditioned exchange from the kept rows, where the step lets the gradients be read
-        where they lie (``opt.leave_gradients_in_place``), as a pass the exchange's compression
-        runs instead (:class:`compressed_opt.cuda.zero_passes.ZeroLocalMomentum`, kept for
-        :meth:`local_momentum_pass`; only the gradients' sums are taken now)."""
+        """The local momentum, formed from ``p.grad`` directly (:meth:`form_local_momentum`), or (the
+        preconditioned exchange, from the kept rows, ``opt.leave_gradients_in_place``) kept for the
+        exchange's compression to run (:class:`~compressed_opt.cuda.zero_passes.ZeroLocalMomentum`)."""
         beta1 = opt.param_groups[bucket.group_index]["betas"][0]
         preconditioner = opt.exchange_preconditioner(bucket)
         factors = opt.exchange_factors(bucket) if preconditioner is not None else None
@@ -369,8 +368,7 @@ class Sharded(Layout):
         bucket.flats.pop("frozen_denominator", None)
 
     def step_preconditioned_(self, opt, bucket, y, decay, alpha, step):
-        """From the kept rows in one native pass where it can run (fp32 parameters, no masters:
-        :func:`compressed_opt.cuda.zero_passes.rows_descend_`), else the composition below."""
+        """From the kept rows in one native pass (fp32 parameters: ``zero_passes.rows_descend_``), or composed."""
         factors = opt.update_factors(bucket)  # f_l / s_l
         result, in_rows = self._kept_rows(opt, bucket, y), bucket.derived.pop("result_in_rows", False)
         if bucket.low_precision or not kernels.zero_passes.rows_descend_(
@@ -450,10 +448,17 @@ class Sharded(Layout):
         return torch.index_select(values, 0, ids, out=out)
 
     def layer_maxima(self, opt, bucket, values):
-        """Per layer, the maximum over every rank's chunk (one all-gather of a float per layer)."""
-        ids, n_layers = self.layer_ids(opt, bucket), len(bucket.params)
-        partial = torch.zeros(n_layers, dtype=torch.float32, device=bucket.device)
-        partial.scatter_reduce_(0, ids, values, "amax")
+        """Per layer, the maximum over every rank's chunk (``values`` >= 0; one all-gather of them)."""
+        lo, hi, _ = self.own_range(opt, bucket)
+        index, views = [], []
+        for i, (start, p) in enumerate(zip(bucket.offsets, bucket.params)):
+            a, b = max(start, lo), min(start + p.numel(), hi)
+            if a < b:
+                index.append(i)
+                views.append(values[a - lo : b - lo])
+        partial = torch.zeros(len(bucket.params), dtype=torch.float32, device=bucket.device)
+        if views:
+            partial[index] = torch.stack(maxima(views)).clamp_(min=0.0)
         found = self._gather(opt, partial).amax(dim=0).tolist()
         return [f if p.numel() else 1.0 for p, f in zip(bucket.params, found)]
 
