@@ -35,8 +35,14 @@ class Bucket:
     _views: dict = field(default_factory=dict, repr=False, compare=False)
     _own: tuple | None = field(default=None, repr=False, compare=False)  # ((flats, version), their keys)
     #: values an optimizer derives from the bucket's buffers and keeps while they last (keyed by
-    #: what they were made from; runtime only, never saved)
+    #: what they were made from; runtime only, never saved); keys that start with "step." hold one
+    #: step's values (its gradients left in place, a pass not run yet) and go at its end
     derived: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def forget_step(self) -> None:
+        """Drop this step's values from :attr:`derived` (no reference to its gradients stays)."""
+        for key in [k for k in self.derived if k.startswith("step.")]:
+            del self.derived[key]
 
     @functools.cached_property
     def low_precision(self) -> bool:

@@ -280,7 +280,7 @@ class Replicated(Layout):
     def _gradients_left(bucket) -> list | None:
         """The gradients :meth:`gather_local` left in ``p.grad`` this step (``None``: it gathered
         them into the buffer), taken once: the caller reads them there, or gathers them."""
-        return bucket.derived.pop("gradients_in_place", None)
+        return bucket.derived.pop("step.gradients_in_place", None)
 
     def local_momentum_(self, opt, bucket, x, beta1):
         sources = self._gradients_left(bucket)

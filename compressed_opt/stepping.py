@@ -273,6 +273,8 @@ class Stepping:
             self._backward_norms = None
             self._launcher.reset()
             self._traffic.end_step(stage)
+            for b in self._buckets or ():  # (taken, skipped or failed: none of its gradients stay referenced)
+                b.forget_step()
         if took:
             self._announce(stage)
         return loss
@@ -358,16 +360,16 @@ class Stepping:
         thread (no loop code and no other thread between: the gradients read are the ones summed
         and checked), the algorithm's passes read them (:meth:`_reads_gradients_in_place`) and the
         kernels can. Then only their sums are taken (``observe_in_place``), they are kept as
-        ``bucket.derived["gradients_in_place"]`` (:class:`compressed_opt.cuda.Sources`, for this
+        ``bucket.derived["step.gradients_in_place"]`` (:class:`compressed_opt.cuda.Sources`, for this
         step's passes to take), and ``True``; else nothing is done, ``False`` (the caller gathers)."""
-        bucket.derived.pop("gradients_in_place", None)
+        bucket.derived.pop("step.gradients_in_place", None)
         if not (self._gathering_for_inline and self._reads_gradients_in_place(self.global_step + 1)):
             return False
         sources = kernels.Sources.of([p.grad for p in bucket.params], bucket.segments.sizes)
         if sources is None:
             return False
         self.observe_in_place(bucket, grad, sources)
-        bucket.derived["gradients_in_place"] = sources
+        bucket.derived["step.gradients_in_place"] = sources
         return True
 
     def _reads_gradients_in_place(self, step: int) -> bool:

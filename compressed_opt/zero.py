@@ -243,10 +243,10 @@ class Sharded(Layout):
         args = dict(keep_previous=opt.keeps_previous_momentum, row_scales=opt.exchange_scales(bucket),
                     preconditioner=preconditioner,
                     factors=None if factors is None else (opt.kept_exchange_factors(bucket), factors))
-        bucket.derived.pop("local_momentum_pass", None)
+        bucket.derived.pop("step.local_momentum_pass", None)
         if (preconditioner is not None and not args["keep_previous"] and args["row_scales"] is None
                 and "exp_avg" not in bucket.flats and opt.leave_gradients_in_place(bucket, grad)):
-            bucket.derived["local_momentum_pass"] = self._momentum_pass(opt, bucket, grad, beta1, args)
+            bucket.derived["step.local_momentum_pass"] = self._momentum_pass(opt, bucket, grad, beta1, args)
             return
         opt.observe_local_gradient(bucket)
         self.form_local_momentum(opt, bucket, grad, beta1, **args)
@@ -264,7 +264,7 @@ class Sharded(Layout):
 
         return kernels.zero_passes.ZeroLocalMomentum(
             x, self._kept_rows(opt, bucket, x), args["preconditioner"], keep, gain, opt.exchange_bounds(bucket),
-            bucket.segments, bucket.derived.pop("gradients_in_place"), compose)
+            bucket.segments, bucket.derived.pop("step.gradients_in_place"), compose)
 
     def _kept_rows(self, opt, bucket, buffer) -> kernels.CompressedResult:
         """The kept rows (the last exchange's result), as a compressed result of the bucket."""
@@ -274,7 +274,7 @@ class Sharded(Layout):
 
     def local_momentum_pass(self, opt, bucket, x, beta1):
         """The pass :meth:`gather_local` kept, else :meth:`local_momentum_` now (``None``)."""
-        pending = bucket.derived.pop("local_momentum_pass", None)
+        pending = bucket.derived.pop("step.local_momentum_pass", None)
         if pending is None:
             self.local_momentum_(opt, bucket, x, beta1)
         return pending

@@ -51,13 +51,13 @@ class ZeroOneLocalSteps:
 
     def _local_step(self, bucket, group, grad):
         """A phase-B step of ``bucket``: local, or local and synchronising (:meth:`_syncs_now`).
-        Where the gather left the gradients in ``p.grad`` (``gradients_in_place``: the step's
+        Where the gather left the gradients in ``p.grad`` (``step.gradients_in_place``: the step's
         exchange runs here, ``Stepping.leave_gradients_in_place``), the C passes read them there;
         the composition gathers them first."""
         tracked = self._interval_factors(bucket)
         factors = tracked or [1.0] * len(bucket.params)
         lr, wd = float(group["lr"]), group["weight_decay"]
-        sources = bucket.derived.pop("gradients_in_place", None)
+        sources = bucket.derived.pop("step.gradients_in_place", None)
         if not self._syncs_now():
             if not self._fused_local_step(bucket, group, grad, factors, sources):
                 self._composed_local_step(bucket, group, _gathered(bucket, grad, sources), factors, None)

@@ -209,3 +209,24 @@ def test_zero_one_adams_passes_read_the_gradients_where_they_lie(monkeypatch, kw
     monkeypatch.setattr(cpu, "library", lambda *a, **k: Spy())
     _run("ZeroOneAdam", True, {}, **kw)
     assert seen and all(seen), seen
+
+
+@pytest.mark.parametrize("name,kw", [("OnebitAdam", {}), ("OnebitAdam", {"zero_stage": 1}), ("ZeroOneAdam", {})])
+def test_no_gradient_stays_referenced_after_a_skipped_step(name, kw):
+    """A step skipped for a non-finite gradient after its gather left the gradients in place (and
+    ZeRO made its pass from them) keeps no reference to them: the loop's ``zero_grad`` frees them."""
+    import weakref
+
+    params = _model()
+    kw["var_freeze_step" if name == "ZeroOneAdam" else "freeze_step"] = 2
+    opt = getattr(compressed_opt, name)(params, lr=1e-3, backend=SingleProcessBackend(), bucket_cap_mb=0.01, **kw)
+    for step in range(1, 6):
+        _grads(params, step, {5: "nan"})
+        refs = [weakref.ref(p.grad) for p in params]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            opt.step()
+    assert opt.nonfinite_steps == 1
+    assert not any(k.startswith("step.") for b in opt.buckets for k in b.derived)
+    opt.zero_grad()
+    assert all(r() is None for r in refs)
