@@ -150,8 +150,7 @@ CO_EXACT void co_lamb_rows_variance_maxima(const uint8_t *rows, int64_t row_stri
         const int64_t len = next_tile(rows, row_stride, chunk, block, k0, n, tile);
         const int64_t end = k0 + len;
         for (int64_t i = k0; i < end;) {
-            while (off[s + 1] <= i) ++s;
-            const int64_t stop = min64(off[s + 1], end);
+            const int64_t stop = segment_piece(off, nseg, &s, i, end);
             const float best = lamb_span(tile + (i - k0), r ? r + i : NULL, divisors != NULL,
                                          divisors ? (float)divisors[s] : 1.0f, m + i, v + i, denom + i, stop - i, &k);
             maxima[s] = best > maxima[s] ? best : maxima[s];

@@ -128,15 +128,14 @@ static void lsc_compensate(struct co_lsc *p, int64_t lo, int64_t len, float *res
     const int64_t end = lo + len;
     int64_t k = lo, s = p->seg;
     while (k < end) {
-        while (s < p->nseg && p->off[s + 1] <= k) ++s;
+        const int64_t stop = segment_piece(p->off, p->nseg, &s, k, end), n = stop - k;
         float *restrict e = error + (k - lo);
         if (s >= p->nseg) { /* past the segments: x as it is */
             const float *restrict xs = p->x + k;
-            for (int64_t i = 0; i < end - k; ++i) e[i] = xs[i] + e[i];
+            for (int64_t i = 0; i < n; ++i) e[i] = xs[i] + e[i];
             break;
         }
         const float *restrict xs = p->srcs ? (const float *)(intptr_t)p->srcs[s] + (k - p->off[s]) : p->x + k;
-        const int64_t stop = p->off[s + 1] < end ? p->off[s + 1] : end, n = stop - k;
         if (!p->r) {
             const float *restrict ms = p->m + k;
             if (small) {

@@ -56,6 +56,16 @@ static inline int64_t valid_in(int64_t n, int64_t lo, int64_t len) { return n <=
  * co_zo_sync_after_rows: next_tile). */
 #define CO_TILE 256
 
+/*
+ * The segment of element k and where its piece of [k, end) stops: *s advances (segments come in
+ * order, off[nseg] ends the last) to the segment holding k, or to nseg past the segments, whose
+ * piece runs to end. Every pass that walks a flat buffer's segments in pieces cuts them so.
+ */
+static inline int64_t segment_piece(const int64_t *off, int64_t nseg, int64_t *s, int64_t k, int64_t end) {
+    while (*s < nseg && off[*s + 1] <= k) ++*s;
+    return *s < nseg ? min64(off[*s + 1], end) : end;
+}
+
 static inline float load_scale(const uint8_t *p) {
     float s;
     memcpy(&s, p, sizeof s);

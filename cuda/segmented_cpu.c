@@ -232,8 +232,7 @@ void co_rows_divide_descend(const uint8_t *rows, int64_t row_stride, int64_t chu
         const int64_t len = next_tile(rows, row_stride, chunk, block, k0, n, tile);
         const int64_t end = k0 + len;
         for (int64_t k = k0; k < end;) {
-            while (off[s + 1] <= k) ++s;
-            const int64_t stop = min64(off[s + 1], end), lo = off[s];
+            const int64_t stop = segment_piece(off, nseg, &s, k, end), lo = off[s];
             divide_descend_span(tile + (k - k0), r + k, q + k, (float *)(intptr_t)dests[s] + (k - lo), a + k, stop - k,
                                 divisors != NULL, divisors ? (float)divisors[s] : 1.0f, (float)scales[s], d, decayed);
             k = stop;

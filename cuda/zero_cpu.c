@@ -54,8 +54,7 @@ static void zlm_compensate(void *pass, int64_t lo, int64_t len, float *error) {
     for (int64_t k0 = lo; k0 < end;) {
         const int64_t stop_tile = k0 + next_tile(p->prev, p->row_stride, p->chunk, p->block, k0, p->n, tile);
         for (int64_t k = k0; k < stop_tile;) {
-            while (p->off[s + 1] <= k) ++s;
-            const int64_t stop = min64(p->off[s + 1], stop_tile);
+            const int64_t stop = segment_piece(p->off, p->nseg, &s, k, stop_tile);
             const float *g = p->srcs[s] ? (const float *)(intptr_t)p->srcs[s] + (k - p->off[s]) : NULL;
             zlm_span(tile + (k - k0), p->r + k, g, error + (k - lo), stop - k, (float)p->keep[s], (float)p->gain[s],
                      (float)p->bounds[s]);
@@ -104,8 +103,7 @@ void co_zero_rows_descend(const uint8_t *rows, int64_t row_stride, int64_t chunk
     for (int64_t k0 = 0; k0 < n;) {
         const int64_t end = k0 + next_tile(rows, row_stride, chunk, block, k0, n, tile);
         for (int64_t k = k0; k < end;) {
-            while (off[s + 1] <= k) ++s;
-            const int64_t stop = min64(off[s + 1], end);
+            const int64_t stop = segment_piece(off, nseg, &s, k, end);
             zrd_span(tile + (k - k0), r + k, (float *)(intptr_t)dests[s] + (k - off[s]), stop - k, eps,
                      (float)coeffs[s], (float)factors[s], d, decayed, alpha);
             k = stop;

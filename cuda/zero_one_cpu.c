@@ -231,9 +231,8 @@ void co_zo_sync_after_rows(const int64_t *dests, const uint8_t *rows, int64_t ro
         const int64_t len = next_tile(rows, row_stride, chunk, block, k0, n, tile);
         const int64_t end = k0 + len;
         for (int64_t k = k0; k < end;) {
-            while (s < nseg && off[s + 1] <= k) ++s; /* (s == nseg: the elements past the segments) */
-            const int in = s < nseg;
-            const int64_t stop = in ? min64(off[s + 1], end) : end;
+            const int64_t stop = segment_piece(off, nseg, &s, k, end);
+            const int in = s < nseg; /* (else: the elements past the segments) */
             float *p = in ? (float *)(intptr_t)dests[s] : NULL;
             const int divided = divisors && in;
             const float d = divided ? (float)divisors[s] : 1.0f, c = in ? (float)steps[s] : 0.0f;
@@ -301,9 +300,8 @@ static void zo_before_compensate(struct zo_before *p, int64_t lo, int64_t len, f
     const int64_t end = lo + len;
     int64_t k = lo, s = p->seg;
     while (k < end) {
-        while (s < p->nseg && p->off[s + 1] <= k) ++s;
+        const int64_t stop = segment_piece(p->off, p->nseg, &s, k, end);
         const int in = s < p->nseg;
-        const int64_t stop = in && p->off[s + 1] < end ? p->off[s + 1] : end;
         const int kind = in ? (p->scales ? 1 : 0) | (p->r ? 2 : 0) : 0;
         const float *gs = p->srcs && in ? (const float *)(intptr_t)p->srcs[s] + (k - p->off[s]) : p->g + k;
         zo_before_segment(gs, p->m + k, p->sden + k, p->acc + k, (p->r ? p->r : p->sden) + k, error + (k - lo),
