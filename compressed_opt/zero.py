@@ -61,7 +61,7 @@ from .averaging import FlatAveraging
 from .buckets import Bucket
 from .buffers import SAVED, SCRATCH, Buffer
 from .layout import Layout, Replicated
-from .moments import descend_, frozen_denominator_of
+from .moments import frozen_denominator_of
 from .reductions import maxima
 
 #: the sharded layout's bucket buffers (over the optimizer's own: compressed_opt.buffers.overlay)
@@ -352,7 +352,7 @@ class Sharded(Layout):
         rows = yield bucket, x, flat, pending, not keep_result
         shard(bucket, "momentum_rows", rows.numel(), torch.uint8).copy_(rows.reshape(-1))
         bucket.flats.pop("exp_avg", None)
-        bucket.derived["result_in_rows"] = keep_result
+        bucket.derived["step.result_in_rows"] = keep_result
 
     def keep_momentum(self, opt, bucket, m):
         pass  # the exchange kept its 1-bit rows (32x smaller than m)
@@ -369,36 +369,18 @@ class Sharded(Layout):
 
     def step_preconditioned_(self, opt, bucket, y, decay, alpha, step):
         """From the kept rows in one native pass (fp32 parameters: ``zero_passes.rows_descend_``), or composed."""
-        factors = opt.update_factors(bucket)  # f_l / s_l
-        result, in_rows = self._kept_rows(opt, bucket, y), bucket.derived.pop("result_in_rows", False)
-        if bucket.low_precision or not kernels.zero_passes.rows_descend_(
-                result, opt.exchange_preconditioner(bucket), opt.param_groups[bucket.group_index]["eps"],
-                [opt.state[p]["scaling_coeff"] for p in bucket.params], factors or [1.0] * len(bucket.params),
-                bucket.params, bucket.segments, decay, alpha):
+        # p <- p decay + alpha (m / (sqrt(v_f) + eps)) f_l / s_l, where m / (sqrt(v_f) + eps) = y / (c_l + eps R)
+        # (0 where v_f == 0), made for this step from R = c_l / sqrt(v_f) (the replicated layout keeps A)
+        factors = opt.update_factors(bucket) or [1.0] * len(bucket.params)  # f_l / s_l
+        result, in_rows = self._kept_rows(opt, bucket, y), bucket.derived.pop("step.result_in_rows", False)
+        args = (opt.exchange_preconditioner(bucket), opt.param_groups[bucket.group_index]["eps"],
+                [opt.state[p]["scaling_coeff"] for p in bucket.params], factors, bucket.params, bucket.segments,
+                decay, alpha)
+        if bucket.low_precision or not kernels.zero_passes.rows_descend_(result, *args):
             if in_rows:
                 result.expand_()
-            self._step_preconditioned_composed(opt, bucket, y, decay, alpha, step, factors)
-
-    def _step_preconditioned_composed(self, opt, bucket, y, decay, alpha, step, factors):
-        self._direction_from_exchange_(opt, bucket, y)
-        if factors is not None:
-            scaling.scale_(bucket.views(y), factors)
-        descend_(bucket.params, bucket.views(y), decay, alpha)
-        self.update_masters(opt, bucket, step, decay, y, alpha)
-
-    def _direction_from_exchange_(self, opt, bucket: Bucket, y: torch.Tensor) -> None:
-        """``y`` (the exchanged ``R m``) <- ``m / (sqrt(v_f) + eps) = A y`` with ``A = 1 / (c_l +
-        eps R)`` (0 where ``v_f == 0``), made for this step from ``R = c_l / sqrt(v_f)`` (the
-        replicated layout keeps ``A`` instead)."""
-        r = opt.exchange_preconditioner(bucket)
-        views = bucket.views(y)
-        if views:
-            a_inv = torch._foreach_mul(bucket.views(r), opt.param_groups[bucket.group_index]["eps"])
-            torch._foreach_add_(a_inv, [opt.state[p]["scaling_coeff"] for p in bucket.params])
-            torch._foreach_div_(views, a_inv)
-        idx = opt.no_variance_indices(bucket)
-        if idx.numel():
-            y.index_fill_(0, idx, 0.0)
+            kernels.zero_passes.compose_descend_(y, *args, zero_index=opt.no_variance_indices(bucket))
+            self.update_masters(opt, bucket, step, decay, y, alpha)
 
     def update_masters(self, opt, bucket, step, decay, delta, alpha=1.0):
         """Low-precision parameters: every rank applied the update to its parameters (as

@@ -49,16 +49,20 @@ def compose_momentum_(x: torch.Tensor, t: torch.Tensor, r: torch.Tensor, keep, g
 
 
 def compose_descend_(y: torch.Tensor, r: torch.Tensor, eps: float, coeffs, factors, dests: list,
-                     segments: Segments, decay: float, alpha: float) -> None:
-    """The update's composition: ``y`` <- ``(y / (r eps + c_s)) f_s`` (0 where ``r == 0``), then
-    ``p <- p decay + alpha y`` (``y`` overwritten)."""
+                     segments: Segments, decay: float, alpha: float, zero_index: torch.Tensor | None = None) -> None:
+    """The update's composition (the layout's, :mod:`compressed_opt.zero`): ``y`` <- ``(y / (r eps +
+    c_s)) f_s`` (0 where ``r == 0``; ``zero_index``: those indices, known), then ``p <- p decay +
+    alpha y`` (``y`` overwritten: the direction)."""
     views = segments.split(y)
     if views:
         a_inv = torch._foreach_mul(segments.split(r), eps)
         torch._foreach_add_(a_inv, list(coeffs))
         torch._foreach_div_(views, a_inv)
     n = segments.numel
-    y[:n].masked_fill_(r[:n] == 0, 0.0)
+    if zero_index is None:
+        y[:n].masked_fill_(r[:n] == 0, 0.0)
+    elif zero_index.numel():
+        y.index_fill_(0, zero_index, 0.0)
     if views and any(f != 1.0 for f in factors):
         torch._foreach_mul_(views, list(factors))
     if dests:
