@@ -39,9 +39,10 @@ class ExchangeVariant:
 
     #: the ``exchange=`` argument that chooses it, and the name checkpoints record
     name = ""
-    #: whether its update reads the exchange's result through the layout's ``exchanged`` (which may
-    #: give it as 1-bit rows, never decompressed into memory), not from the exchanged buffer
-    reads_compressed_result = False
+    def reads_compressed_result(self, opt) -> bool:
+        """Whether its update reads the exchange's result through the layout's ``exchanged`` (which
+        may give it as 1-bit rows, never decompressed into memory), not from the exchanged buffer."""
+        return False
     #: whether the local momentum is exchanged as ``s_l R m_i``, bounded (a fused pass the
     #: compression runs: :class:`compressed_opt.cuda.LerpScaleClamp`)
     preconditioned = False
@@ -63,8 +64,10 @@ class AdamPreconditioned(ExchangeVariant):
     ``bound_exchanged_``, applied by the layout in the pass that forms ``m_i``)."""
 
     name = "preconditioned"
-    reads_compressed_result = True  # (the layout's step_preconditioned_)
     preconditioned = True
+
+    def reads_compressed_result(self, opt) -> bool:
+        return True  # (the layout's step_preconditioned_)
 
     def preconditioner(self, opt, bucket) -> torch.Tensor:
         """``R = c_l / sqrt(v_f)`` per element (0 where ``v_f == 0``), made at the first compressed
@@ -153,14 +156,28 @@ class AdamMomentum(ExchangeVariant):
         if coeffs is not None:
             scaling.unscale_(bucket.views(out), coeffs)
 
+    def reads_compressed_result(self, opt) -> bool:
+        """The whole momentum on this rank: its update reads the result's rows where the layout
+        keeps them (:meth:`update_`); sharded, from the exchanged buffer."""
+        return not opt.layout.sharded
+
     def update_(self, opt, bucket, y, decay: float, alpha: float, step: int) -> None:
         """``m <- y``; ``p <- decay p + alpha f_l m / (sqrt(v_f) + eps)`` (``f_l``: the layers'
-        tracking factors, ``opt.update_factors``)."""
+        tracking factors, ``opt.update_factors``). From the result's rows in one native pass where
+        the layout kept them and the pass can run (``kernels.rows_keep_descend_``: ``m`` the
+        layout's whole momentum, bit for bit this composition), else composed here."""
         layout = opt.layout
+        factors = opt.update_factors(bucket)
+        result = layout.exchanged(opt, bucket, y)
+        if isinstance(result, kernels.CompressedResult):
+            m = layout.previous_momentum(opt, bucket)  # (whole: the layout kept the rows)
+            if kernels.rows_keep_descend_(result, opt.frozen_denominator(bucket), m, factors, bucket.params,
+                                          bucket.segments, decay, alpha):
+                return
+            result.expand_()  # into y
         layout.keep_momentum(opt, bucket, y)
         direction = y  # m / (sqrt(v_f) + eps), in place
         torch.div(y, opt.frozen_denominator(bucket), out=direction)
-        factors = opt.update_factors(bucket)
         if factors is not None:
             scaling.scale_(bucket.views(direction[: bucket.numel]), factors)
         descend_(bucket.params, bucket.views(direction), decay, alpha)

@@ -302,9 +302,7 @@ class Replicated(Layout):
         r = opt.exchange_preconditioner(bucket)
         sources = self._gradients_left(bucket)
         if r is None:
-            if sources is not None:
-                kernels.gather_(sources, x, bucket.segments)
-            return kernels.Lerp(x, m, 1 - beta1)
+            return kernels.Lerp(x, m, 1 - beta1, sources=sources, segments=bucket.segments)
         return kernels.LerpScaleClamp(x, m, 1 - beta1, r, opt.exchange_bounds(bucket), bucket.segments,
                                       opt.exchange_factors(bucket), sources=sources)
 

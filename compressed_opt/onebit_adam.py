@@ -378,6 +378,9 @@ class OnebitAdam(_FreezingAdam):
         super().__init__(params, defaults, freeze_step, backend, bucket_cap_mb, overlap, accumulation_steps,
                          zero_stage, master_resync_interval, exchange, variance_tracking, hierarchy, path, scale_block)
 
+    def _reads_gradients_in_place(self, step) -> bool:
+        return True  # either exchange's local momentum is a pass inside the compression (LerpScaleClamp, Lerp)
+
     def _bucket_communicate(self, bucket, group, grad, step):
         """Compression stage: local momentum ``m_i = b1 m + (1 - b1) g_i`` into ``grad`` (as
         ``R m_i``, bounded, for the preconditioned exchange), then its compressed average over the
@@ -387,7 +390,7 @@ class OnebitAdam(_FreezingAdam):
         can (:meth:`~compressed_opt.layout.Layout.local_momentum_pass`): nothing reads it before."""
         pending = self.layout.local_momentum_pass(self, bucket, grad, group["betas"][0])
         yield from self.layout.exchange(self, bucket, grad, pending,
-                                        keep_result=self.exchange_variant.reads_compressed_result)
+                                        keep_result=self.exchange_variant.reads_compressed_result(self))
 
     def _bucket_step(self, bucket, group, grad, step, averaged):
         beta1, beta2 = group["betas"]

@@ -60,7 +60,7 @@ from .local_steps import (ZeroOneSyncBefore, signed_denominator, zero_one_local_
 from .addresses import addressable as plain_memory
 from .addresses import Sources, readable_in_place
 from .sumsq import sumsq_each
-from .update import CompressedResult, Descend, divide_descend_
+from .update import CompressedResult, Descend, divide_descend_, rows_keep_descend_
 
 __all__ = [
     "compress_rows_",
@@ -89,6 +89,7 @@ __all__ = [
     "Descend",
     "CompressedResult",
     "divide_descend_",
+    "rows_keep_descend_",
     "lamb_passes",
     "zero_passes",
     "signed_denominator",

@@ -258,6 +258,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.co_scale_clamp_compress_rows.restype = None
     lib.co_lerp_compress_rows.argtypes = [p, p, f32, i64, p, p, i64, i64, i64, i64, i64]
     lib.co_lerp_compress_rows.restype = None
+    lib.co_lerp_compress_sources.argtypes = [p, p, p, f32, p, i64, p, p, i64, i64, i64, i64, i64]
+    lib.co_lerp_compress_sources.restype = None
     lib.co_scale_clamp.argtypes = [p, p, p, p, i64]
     lib.co_scale_clamp.restype = None
     lib.co_gather.argtypes = [p, p, p, i64, f32, ctypes.c_int, p]
@@ -272,6 +274,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.co_divide_descend.restype = None
     lib.co_rows_divide_descend.argtypes = [p, i64, i64, i64, p, p, p, p, i64, p, p, f32, ctypes.c_int, p]
     lib.co_rows_divide_descend.restype = None
+    lib.co_rows_keep_descend.argtypes = [p, i64, i64, i64, p, p, p, p, i64, p, f32, ctypes.c_int, f32]
+    lib.co_rows_keep_descend.restype = None
     lib.co_lamb_variance_maxima.argtypes = [p, p, p, p, p, p, p, i64, f32, f32, f32, f32, f32, p]
     lib.co_lamb_variance_maxima.restype = None
     lib.co_lamb_rows_variance_maxima.argtypes = [p, i64, i64, i64, p, p, p, p, p, p, i64, f32, f32, f32, f32, f32, p]

@@ -128,6 +128,22 @@ CO_EXACT void co_lamb_variance_maxima(const float *y, const float *r, const doub
     }
 }
 
+/* co_lamb_rows_variance_maxima's arguments, for its spans (walk_result_rows). */
+struct lamb_rows_maxima {
+    const float *r, *denom;
+    const double *divisors;
+    float *m, *v, *maxima;
+    const struct lamb_scalars *k;
+};
+
+CO_EXACT static void lamb_rows_maxima_span(void *pass, const float *y, int64_t i, int64_t stop, int64_t s) {
+    const struct lamb_rows_maxima *p = (const struct lamb_rows_maxima *)pass;
+    const float best = lamb_span(y, p->r ? p->r + i : NULL, p->divisors != NULL,
+                                 p->divisors ? (float)p->divisors[s] : 1.0f, p->m + i, p->v + i, p->denom + i,
+                                 stop - i, p->k);
+    p->maxima[s] = best > p->maxima[s] ? best : p->maxima[s];
+}
+
 /*
  * co_decompress_rows(rows, row_stride, nrows, chunk, block, y, off[nseg]) then
  * co_lamb_variance_maxima(y, ...), bit for bit, without y in memory: y is decompressed tile by tile
@@ -136,28 +152,14 @@ CO_EXACT void co_lamb_variance_maxima(const float *y, const float *r, const doub
  * maximum is the max of its pieces' (one per tile it meets): max is exact and f is never NaN, so
  * how the elements fall into tiles and vector lanes changes nothing.
  */
-CO_EXACT void co_lamb_rows_variance_maxima(const uint8_t *rows, int64_t row_stride, int64_t chunk, int64_t block,
-                                             const float *r, const double *divisors, float *m, float *v,
-                                             const float *denom, const int64_t *off, int64_t nseg, float b1, float b2,
-                                             float scale, float bc2_sqrt, float eps, float *maxima) {
-    CO_NO_CONTRACT
+void co_lamb_rows_variance_maxima(const uint8_t *rows, int64_t row_stride, int64_t chunk, int64_t block,
+                                  const float *r, const double *divisors, float *m, float *v, const float *denom,
+                                  const int64_t *off, int64_t nseg, float b1, float b2, float scale, float bc2_sqrt,
+                                  float eps, float *maxima) {
     const struct lamb_scalars k = {-b1, b2, scale, bc2_sqrt, eps};
-    const int64_t n = off[nseg];
     for (int64_t s = 0; s < nseg; ++s) maxima[s] = off[s + 1] > off[s] ? -INFINITY : 1.0f;
-    float tile[CO_TILE];
-    int64_t s = 0;
-    for (int64_t k0 = 0; k0 < n;) {
-        const int64_t len = next_tile(rows, row_stride, chunk, block, k0, n, tile);
-        const int64_t end = k0 + len;
-        for (int64_t i = k0; i < end;) {
-            const int64_t stop = segment_piece(off, nseg, &s, i, end);
-            const float best = lamb_span(tile + (i - k0), r ? r + i : NULL, divisors != NULL,
-                                         divisors ? (float)divisors[s] : 1.0f, m + i, v + i, denom + i, stop - i, &k);
-            maxima[s] = best > maxima[s] ? best : maxima[s];
-            i = stop;
-        }
-        k0 = end;
-    }
+    struct lamb_rows_maxima pass = {r, denom, divisors, m, v, maxima, &k};
+    walk_result_rows(rows, row_stride, chunk, block, off, nseg, lamb_rows_maxima_span, &pass);
 }
 
 /*

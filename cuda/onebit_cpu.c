@@ -263,6 +263,16 @@ void co_lerp_compress_rows(const float *x, const float *m, float w, int64_t m_n,
                                       n);
 }
 
+/* co_lerp_compress_rows with x's segment s read where it lies, the floats at address srcs[s] (the
+ * gradients: co_gather(srcs, x, off, nseg) then co_lerp_compress_rows(x, m, w, n, ...), bit for
+ * bit; elements past off[nseg] are x's own, not lerped: the caller has none there). */
+void co_lerp_compress_sources(const int64_t *srcs, const float *x, const float *m, float w, const int64_t *off,
+                              int64_t nseg, float *error, uint8_t *rows, int64_t row_stride, int64_t world,
+                              int64_t chunk, int64_t block, int64_t n) {
+    struct co_lsc pass = {x, m, NULL, srcs, w, NULL, NULL, off, nseg, 0};
+    compress_each_row(NULL, error, rows, row_stride, world, chunk, block, n, lsc_compensate_any, &pass);
+}
+
 /* co_scale_clamp(x, r, bounds, off, nseg) then co_compress_rows(x, error, ...), bit for bit, in one
  * pass over memory as co_lerp_scale_clamp_compress_rows (x only read). */
 void co_scale_clamp_compress_rows(const float *x, const float *r, const double *bounds, const int64_t *off,
@@ -362,5 +372,21 @@ void co_decompress_rows(const uint8_t *rows, int64_t row_stride, int64_t nrows, 
             const int64_t lo = b * block, count = min64(valid - lo, block);
             expand_signs(bits + lo / 8, load_scale(row + 4 * b), out + r * chunk + lo, count);
         }
+    }
+}
+
+CO_INTERNAL void walk_result_rows(const uint8_t *rows, int64_t row_stride, int64_t chunk, int64_t block,
+                                  const int64_t *off, int64_t nseg, co_result_span span, void *pass) {
+    const int64_t n = off[nseg];
+    float tile[CO_TILE];
+    int64_t s = 0;
+    for (int64_t k0 = 0; k0 < n;) {
+        const int64_t end = k0 + next_tile(rows, row_stride, chunk, block, k0, n, tile);
+        for (int64_t k = k0; k < end;) {
+            const int64_t stop = segment_piece(off, nseg, &s, k, end);
+            span(pass, tile + (k - k0), k, stop, s);
+            k = stop;
+        }
+        k0 = end;
     }
 }

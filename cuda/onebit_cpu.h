@@ -141,4 +141,15 @@ static inline int64_t next_tile(const uint8_t *rows, int64_t row_stride, int64_t
     return len;
 }
 
+/*
+ * A result's rows (row_stride bytes apart, chunk elements each, one scale per block) walked over its
+ * first off[nseg] elements tile by tile (next_tile: decompressed into the stack), each tile cut at
+ * the segments' ends: span(pass, y, k, stop, s) for each piece [k, stop) of segment s, y its
+ * values. The passes that read an exchange's result from its rows walk it so (onebit_cpu.c).
+ */
+typedef void (*co_result_span)(void *pass, const float *y, int64_t k, int64_t stop, int64_t s);
+
+CO_INTERNAL void walk_result_rows(const uint8_t *rows, int64_t row_stride, int64_t chunk, int64_t block,
+                                  const int64_t *off, int64_t nseg, co_result_span span, void *pass);
+
 #endif

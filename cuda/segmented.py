@@ -239,8 +239,13 @@ class LerpScaleClamp:
         if self.r is None:  # torch.lerp alone: only where the C pass rounds as it does here
             if not _native_lerp_agrees(lib):
                 return False
-            lib.co_lerp_compress_rows(x.data_ptr(), self.m.data_ptr(), self.weight, self.m.numel(), error.data_ptr(),
-                                      rows.data_ptr(), rows.stride(0), rows.shape[0], chunk, block, n)
+            tail = (error.data_ptr(), rows.data_ptr(), rows.stride(0), rows.shape[0], chunk, block, n)
+            if self.sources is None:
+                lib.co_lerp_compress_rows(x.data_ptr(), self.m.data_ptr(), self.weight, self.m.numel(), *tail)
+            else:
+                addresses = source_addresses(self.sources, self.segments.sizes)
+                lib.co_lerp_compress_sources(addresses.data_ptr(), x.data_ptr(), self.m.data_ptr(), self.weight,
+                                             self.segments.offsets.data_ptr(), len(self.segments), *tail)
             return True
         nseg = len(self.segments)
         b, bp = _c_doubles(self.bounds, nseg)
@@ -309,15 +314,24 @@ class Lerp(LerpScaleClamp):
     a compression to run (:meth:`compress_rows_`), or the caller first (:meth:`apply_`), as
     :class:`LerpScaleClamp`; ``x`` and ``m`` flat, of one size. torch.lerp's rounding is
     PyTorch's (its vector kernels contract each formula into one FMA on CPUs that have it): the
-    fused pass runs only where a check at first use found it the same bit for bit."""
+    fused pass runs only where a check at first use found it the same bit for bit. ``sources``
+    (one tensor per segment of ``segments``, which cover ``x``): ``x``'s segments, not gathered yet
+    (the fused pass reads them where they lie; :meth:`apply_` gathers them first)."""
 
-    def __init__(self, x: torch.Tensor, m: torch.Tensor, weight: float):
+    def __init__(self, x: torch.Tensor, m: torch.Tensor, weight: float, sources: list | None = None,
+                 segments: Segments | None = None):
         if x.dim() != 1 or x.shape != m.shape:
             raise ValueError(f"x and m must be flat buffers of one size, got {tuple(x.shape)} and {tuple(m.shape)}")
+        if sources is not None and (segments is None or segments.numel != x.numel() or len(sources) != len(segments)
+                                    or any(s is None for s in sources)):
+            raise ValueError(f"sources need segments that cover x ({x.numel()} elements) and one tensor per segment")
         self.x, self.m, self.weight, self.r = x, m, float(weight), None
-        self.bounds, self.segments, self.scales = None, Segments([x.numel()]), None
+        self.bounds, self.scales, self.sources = None, None, sources
+        self.segments = segments if sources is not None else Segments([x.numel()])
 
     def apply_(self) -> None:
+        if self.sources is not None:
+            gather_(self.sources, self.x, self.segments)
         torch.lerp(self.m, self.x, self.weight, out=self.x)
 
 

@@ -216,6 +216,23 @@ void co_divide_descend(const float *y, const float *r, float *q, const double *d
     }
 }
 
+/* co_rows_divide_descend's arguments, for its spans (walk_result_rows). */
+struct rows_divide_descend {
+    const float *r, *a;
+    float *q;
+    const double *divisors, *scales;
+    const int64_t *off, *dests;
+    float d;
+    int decayed;
+};
+
+static void rows_divide_descend_span(void *pass, const float *y, int64_t k, int64_t stop, int64_t s) {
+    const struct rows_divide_descend *p = (const struct rows_divide_descend *)pass;
+    divide_descend_span(y, p->r + k, p->q + k, (float *)(intptr_t)p->dests[s] + (k - p->off[s]), p->a + k, stop - k,
+                        p->divisors != NULL, p->divisors ? (float)p->divisors[s] : 1.0f, (float)p->scales[s], p->d,
+                        p->decayed);
+}
+
 /*
  * co_decompress_rows(rows, row_stride, nrows, chunk, block, y, off[nseg]) then co_divide_descend(y,
  * r, q, divisors, off, nseg, dests, a, d, decayed, scales), bit for bit, without y in memory: y is
@@ -225,18 +242,54 @@ void co_divide_descend(const float *y, const float *r, float *q, const double *d
 void co_rows_divide_descend(const uint8_t *rows, int64_t row_stride, int64_t chunk, int64_t block, const float *r,
                             float *q, const double *divisors, const int64_t *off, int64_t nseg, const int64_t *dests,
                             const float *a, float d, int decayed, const double *scales) {
-    const int64_t n = off[nseg];
-    float tile[CO_TILE];
-    int64_t s = 0;
-    for (int64_t k0 = 0; k0 < n;) {
-        const int64_t len = next_tile(rows, row_stride, chunk, block, k0, n, tile);
-        const int64_t end = k0 + len;
-        for (int64_t k = k0; k < end;) {
-            const int64_t stop = segment_piece(off, nseg, &s, k, end), lo = off[s];
-            divide_descend_span(tile + (k - k0), r + k, q + k, (float *)(intptr_t)dests[s] + (k - lo), a + k, stop - k,
-                                divisors != NULL, divisors ? (float)divisors[s] : 1.0f, (float)scales[s], d, decayed);
-            k = stop;
+    struct rows_divide_descend pass = {r, a, q, divisors, scales, off, dests, d, decayed};
+    walk_result_rows(rows, row_stride, chunk, block, off, nseg, rows_divide_descend_span, &pass);
+}
+
+/* The momentum exchange's update, one span: m <- y; p <- fma((y / den) f, alpha, p d) (decayed == 0:
+ * p), each operation rounded on its own but torch's add-with-alpha, one FMA in its CPU kernels. */
+CO_EXACT static void keep_descend_span(const float *restrict y, const float *restrict den, float *restrict m,
+                                       float *restrict p, int64_t n, float f, float d, int decayed, float alpha) {
+    CO_NO_CONTRACT
+    if (decayed) {
+        for (int64_t i = 0; i < n; ++i) {
+            m[i] = y[i];
+            p[i] = fmaf((y[i] / den[i]) * f, alpha, p[i] * d);
         }
-        k0 = end;
+    } else {
+        for (int64_t i = 0; i < n; ++i) {
+            m[i] = y[i];
+            p[i] = fmaf((y[i] / den[i]) * f, alpha, p[i]);
+        }
     }
+}
+
+/* co_rows_keep_descend's arguments, for its spans (walk_result_rows). */
+struct rows_keep_descend {
+    const float *den;
+    float *m;
+    const double *factors;
+    const int64_t *off, *dests;
+    float d, alpha;
+    int decayed;
+};
+
+static void rows_keep_descend_span(void *pass, const float *y, int64_t k, int64_t stop, int64_t s) {
+    const struct rows_keep_descend *p = (const struct rows_keep_descend *)pass;
+    keep_descend_span(y, p->den + k, p->m + k, (float *)(intptr_t)p->dests[s] + (k - p->off[s]), stop - k,
+                      (float)p->factors[s], p->d, p->decayed, p->alpha);
+}
+
+/*
+ * The momentum exchange's update from the result's rows (compressed_opt.cuda.update): over the
+ * off[nseg] elements, y decompressed tile by tile into the stack, m <- y and segment s's parameter
+ * (at address dests[s], non-NULL for every non-empty segment) <- p d + alpha (y / den) f_s, bit for
+ * bit the decompression then m.copy_(y), torch.div(y, den), the factors' torch._foreach_mul_ and
+ * compressed_opt.moments.descend_. Reads the rows, den and each parameter; writes m and the parameters.
+ */
+void co_rows_keep_descend(const uint8_t *rows, int64_t row_stride, int64_t chunk, int64_t block, const float *den,
+                          float *m, const double *factors, const int64_t *off, int64_t nseg, const int64_t *dests,
+                          float d, int decayed, float alpha) {
+    struct rows_keep_descend pass = {den, m, factors, off, dests, d, alpha, decayed};
+    walk_result_rows(rows, row_stride, chunk, block, off, nseg, rows_keep_descend_span, &pass);
 }

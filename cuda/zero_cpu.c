@@ -89,6 +89,21 @@ CO_EXACT static void zrd_span(const float *restrict y, const float *restrict r, 
     }
 }
 
+/* co_zero_rows_descend's arguments, for its spans (walk_result_rows). */
+struct zero_rows_descend {
+    const float *r;
+    const double *coeffs, *factors;
+    const int64_t *off, *dests;
+    float eps, d, alpha;
+    int decayed;
+};
+
+static void zero_rows_descend_span(void *pass, const float *y, int64_t k, int64_t stop, int64_t s) {
+    const struct zero_rows_descend *p = (const struct zero_rows_descend *)pass;
+    zrd_span(y, p->r + k, (float *)(intptr_t)p->dests[s] + (k - p->off[s]), stop - k, p->eps, (float)p->coeffs[s],
+             (float)p->factors[s], p->d, p->decayed, p->alpha);
+}
+
 /*
  * The update from the result's rows (row_stride bytes apart, chunk elements each, one scale per
  * block), decompressed tile by tile into the stack: each segment's parameter at address dests[s]
@@ -97,17 +112,6 @@ CO_EXACT static void zrd_span(const float *restrict y, const float *restrict r, 
 void co_zero_rows_descend(const uint8_t *rows, int64_t row_stride, int64_t chunk, int64_t block, const float *r,
                           float eps, const double *coeffs, const double *factors, const int64_t *off, int64_t nseg,
                           const int64_t *dests, float d, int decayed, float alpha) {
-    const int64_t n = off[nseg];
-    float tile[CO_TILE];
-    int64_t s = 0;
-    for (int64_t k0 = 0; k0 < n;) {
-        const int64_t end = k0 + next_tile(rows, row_stride, chunk, block, k0, n, tile);
-        for (int64_t k = k0; k < end;) {
-            const int64_t stop = segment_piece(off, nseg, &s, k, end);
-            zrd_span(tile + (k - k0), r + k, (float *)(intptr_t)dests[s] + (k - off[s]), stop - k, eps,
-                     (float)coeffs[s], (float)factors[s], d, decayed, alpha);
-            k = stop;
-        }
-        k0 = end;
-    }
+    struct zero_rows_descend pass = {r, coeffs, factors, off, dests, eps, d, alpha, decayed};
+    walk_result_rows(rows, row_stride, chunk, block, off, nseg, zero_rows_descend_span, &pass);
 }

@@ -67,6 +67,8 @@ def _run(name, in_place, plan, steps=12, **kw):
 @pytest.mark.parametrize("name,kw,gathers", [
     ("OnebitAdam", {}, [7, 9]),
     ("OnebitAdam", {"variance_tracking": False}, [7, 9]),
+    ("OnebitAdam", {"exchange": "momentum"}, [7, 9]),  # (torch.lerp's pass inside the compression)
+    ("OnebitAdam", {"exchange": "momentum", "variance_tracking": False}, [7, 9]),
     ("OnebitLamb", {}, [4, 7, 9]),  # (its first compression step measures the live trust ratio on the buffer)
     ("ZeroOneAdam", {}, [7, 9]),  # phase B: every step synchronises (its default schedule)
     ("ZeroOneAdam", {"local_step_scaler": 1}, [7, 9]),  # local steps between synchronisations
@@ -85,9 +87,10 @@ def test_reading_in_place_is_the_gathered_path_bit_for_bit(name, kw, gathers):
     assert {s for s in slow[2] if s > 3} == set(range(4, 13))
 
 
-def test_the_momentum_exchange_still_gathers():
-    """The paper's exchange forms its local momentum with ``torch.lerp`` on the buffer: gathered."""
-    _, _, gathered, _ = _run("OnebitAdam", True, {}, steps=6, exchange="momentum")
+def test_lambs_momentum_exchange_still_gathers():
+    """1-bit LAMB's paper exchange scales its local momentum by the layers' coefficients on the
+    buffer (no pass inside the compression reads the gradients): gathered, every step."""
+    _, _, gathered, _ = _run("OnebitLamb", True, {}, steps=6, exchange="momentum")
     assert {s for s in gathered if s > 3} == {4, 5, 6}
 
 

@@ -1,10 +1,12 @@
-"""The preconditioned exchange's last pass (compressed_opt.cuda.update): the momentum taken back
-from the exchanged average and the update, in one pass, bit for bit as the two passes in turn."""
+"""The exchanges' last passes (compressed_opt.cuda.update): the preconditioned exchange's momentum
+taken back from the exchanged average and the update, in one pass, bit for bit as the two passes in
+turn; the momentum exchange's update from the result's rows, bit for bit its PyTorch composition."""
 import pytest
 import torch
 
 from compressed_opt.cuda import (CompressedResult, Descend, Segments, compress_rows_, cpu, decompress_rows_,
-                                 descend_scaled_, divide_descend_, divide_where_nonzero_, rows_layout)
+                                 descend_scaled_, divide_descend_, divide_where_nonzero_, rows_keep_descend_,
+                                 rows_layout, update)
 
 CASES = [  # (segment sizes, elements past the segments)
     ([5, 0, 17, 1, 64, 3], 4),
@@ -144,3 +146,94 @@ def test_a_compressed_result_without_the_c_pass_is_decompressed_into_its_buffer(
         torch.testing.assert_close(p, q, rtol=2e-7, atol=1e-7)
     with pytest.raises(ValueError, match="rows of"):
         CompressedResult(rows[:, :10].contiguous(), chunk, block, torch.empty(n))
+
+
+def _result(g, n, world, block):
+    chunk = -(-max(-(-n // world), 1) // 32) * 32
+    rows = torch.zeros(world, rows_layout(chunk, block)[1], dtype=torch.uint8)
+    compress_rows_(torch.randn(n, generator=g), torch.zeros(n), rows, chunk, block)
+    y = torch.empty(n)
+    decompress_rows_(rows, y, chunk, block)
+    return CompressedResult(rows, chunk, block, torch.empty(n)), y
+
+
+@pytest.mark.parametrize("sizes,past", CASES)
+@pytest.mark.parametrize("world,block", [(1, 256), (3, 512)])
+@pytest.mark.parametrize("decay,factored", [(1.0, False), (0.999, True), (0.99, False)])
+def test_the_momentum_exchanges_update_from_the_rows_is_its_composition(sizes, past, world, block, decay, factored):
+    """``m <- y`` and ``p <- p decay + alpha (y / den) f_l``, from the rows tile by tile: the
+    decompression then the composition (``compose_keep_descend_``) bit for bit, ``den == inf``
+    (``v_f == 0``) included; ``m``'s elements past the segments are not written."""
+    assert cpu.library() is not None and update.keep_descend_agrees()
+    g = torch.Generator().manual_seed(world * 5 + len(sizes))
+    segs, _, _, a, params, out = _inputs(g, sizes, past)
+    n = segs.numel
+    result, y = _result(g, n, world, block)
+    den = a + 1e-8
+    den[::9] = float("inf")
+    factors = [1.0 + 0.1 * (i % 5) - 0.2 for i in range(len(sizes))] if factored else None
+    fused_p, fused_m = [p.clone() for p in params], out.clone()
+    assert rows_keep_descend_(result, den, fused_m, factors, fused_p, segs, decay, -1e-3)
+    composed_p, composed_m = [p.clone() for p in params], out.clone()
+    update.compose_keep_descend_(y, den, composed_m, factors, composed_p, segs, decay, -1e-3)
+    assert torch.equal(fused_m.view(torch.int32), composed_m.view(torch.int32))
+    assert all(torch.equal(f, c) for f, c in zip(_bits(fused_p), _bits(composed_p)))
+    assert torch.all(fused_m[n:] == 7.0)
+
+
+def test_the_momentum_exchanges_update_refuses_what_it_cannot_run(monkeypatch):
+    """``False``, with nothing written, for a parameter it cannot address (not contiguous), a
+    denominator of another dtype, rows too short, or where the check at first use failed."""
+    g = torch.Generator().manual_seed(3)
+    segs, _, _, a, params, out = _inputs(g, [300, 45], 0)
+    result, _ = _result(g, segs.numel, 2, 256)
+    before = [p.clone() for p in params] + [out.clone()]
+
+    def refused(*args):
+        assert not rows_keep_descend_(*args)
+        assert all(torch.equal(x, y) for x, y in zip(params + [out], before))
+
+    strided = [params[0], torch.randn(45, 2, generator=g).t()[0]]
+    refused(result, a, out, None, strided, segs, 1.0, -1e-3)
+    refused(result, a.double(), out, None, params, segs, 1.0, -1e-3)
+    refused(CompressedResult(result.rows[:1], result.chunk, result.block, result.buffer), a, out, None, params, segs,
+            1.0, -1e-3)  # (one row of 192 elements for 345)
+    monkeypatch.setattr(update, "_keep_descend", [False])
+    refused(result, a, out, None, params, segs, 1.0, -1e-3)
+
+
+def _momentum_run(native: bool, monkeypatch) -> tuple[list, int]:
+    import compressed_opt
+    from compressed_opt import cuda as kernels
+    from compressed_opt.comm import SingleProcessBackend
+
+    monkeypatch.setattr(update, "_keep_descend", [] if native else [False])
+    ran, original = [], kernels.rows_keep_descend_
+
+    def counted(*args):
+        ran.append(original(*args))
+        return ran[-1]
+
+    monkeypatch.setattr(kernels, "rows_keep_descend_", counted)
+    g = torch.Generator().manual_seed(5)
+    params = [torch.nn.Parameter(torch.randn(s, generator=g) * 0.1) for s in ((33, 17), (17,), (0,), (4097,))]
+    opt = compressed_opt.OnebitAdam(params, lr=1e-3, freeze_step=3, exchange="momentum", bucket_cap_mb=0.01,
+                                    backend=SingleProcessBackend())
+    for _ in range(10):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g) * 0.01
+        opt.step()
+    state = [t for p in params for t in opt.state[p].values() if isinstance(t, torch.Tensor)]
+    return [t.detach().clone() for t in params + state], (sum(ran), len(ran))
+
+
+def test_onebit_adams_momentum_exchange_steps_as_its_composition(monkeypatch):
+    """OnebitAdam with the paper's exchange (weight decay, variance tracking: its defaults) steps
+    through the pass from the kept rows, and to the bit as where the check at first use failed
+    and the update is composed."""
+    fused, ran = _momentum_run(True, monkeypatch)
+    composed, ran_composed = _momentum_run(False, monkeypatch)
+    assert ran[0] == ran[1] >= 7 and ran_composed[0] == 0  # (every bucket of the 7 compression steps)
+    for a, b in zip(fused, composed):
+        assert torch.equal(a.view(torch.int32) if a.dtype == torch.float32 else a,
+                           b.view(torch.int32) if b.dtype == torch.float32 else b)
