@@ -98,7 +98,7 @@ import torch
 from compressed_opt import cuda as kernels
 from compressed_opt.comm import DEFAULT_BLOCK
 
-from . import exchange_variant, scaling
+from . import exchange_variant, scaling, zero_lamb
 from .buffers import SAVED, STATE, Buffer
 from .onebit_adam import DEFAULT_FREEZE_STEP, _FreezingAdam
 from .optimizer import common_args
@@ -271,16 +271,12 @@ class OnebitLamb(_FreezingAdam):
 
     # --- compression stage -----------------------------------------------------------------------
     def _bucket_communicate(self, bucket, group, grad, step):
-        """Compression stage, as soon as the bucket's gradients are ready: the local momentum
-        ``b1 m + (1 - b1) g_i`` into the gradient buffer (``m`` keeps ``m_{t-1}``, needed to
-        reconstruct the gradient), as the exchange variant carries it (``R m_i``, bounded, or
-        ``c_l m_i``), compressed-allreduced, and (sharded) ``m_t`` taken back from the average; with
-        the whole state the step takes it (:meth:`_compressed_step`). Where nothing
-        reads the local momentum before the exchange (preconditioned, a step that does not measure
-        the live ratio), its pass runs inside the exchange's compression where it can
-        (:meth:`~compressed_opt.layout.Layout.local_momentum_pass`). Where the step's native passes
-        will read the result (:meth:`_fused_passes_ready`), a flat 1-bit exchange leaves it in its
-        rows (``keep_result``; the first pass decompresses them in cache) and ``grad`` as it was."""
+        """Compression stage: the local momentum ``b1 m + (1 - b1) g_i`` into the gradient buffer
+        (the layout keeps ``m_{t-1}``), as the exchange variant carries it (``R m_i``, bounded, or
+        ``c_l m_i``), compressed-allreduced; :meth:`_compressed_step` takes ``m_t`` back. Where nothing
+        reads the local momentum first (preconditioned, not measuring the live ratio), its pass runs
+        inside the compression where it can (``layout.local_momentum_pass``); where the step's native
+        passes read the result (:meth:`_fused_passes_ready`), it stays in its 1-bit rows."""
         coeffs = self.exchange_scales(bucket)  # (None when preconditioned: c_l is inside R)
         pending = None
         if coeffs is None and not self._measures_live_ratio(step):
@@ -291,27 +287,21 @@ class OnebitLamb(_FreezingAdam):
                 scaling.scale_(bucket.views(grad), coeffs)
             if self._measures_live_ratio(step):
                 self._observe_local_direction(bucket, group, grad, step)
-        # whole state, where the native passes will read it: the result may stay in its 1-bit rows
-        keep = not self.layout.sharded and self._fused_passes_ready(bucket, grad)
+        keep = self._fused_passes_ready(bucket, grad, step)
         yield from self.layout.exchange(self, bucket, grad, pending, keep_result=keep)
-        if self.layout.sharded:  # (whole state: the step forms m_t, in its first native pass where it can)
-            self.momentum_from_exchange(bucket, grad, out=grad)  # m_t = y / R, or y / c_l
 
     def _compressed_step(self, bucket, group, momentum, step):
-        """``momentum`` holds ``m_t`` (the compressed average; sharded) or the exchange's ``y``
-        (whole state, or its rows: ``layout.exchanged``; ``m_t`` is formed here, by the two native passes of
-        :meth:`_fused_compressed_step` where they run); the layout still holds ``m_{t-1}``
-        (:meth:`~compressed_opt.layout.Layout.previous_momentum`). This composition in PyTorch runs
-        elsewhere (other devices, ZeRO, ``COMPRESSED_OPT_KERNELS=reference``)."""
-        if not self.layout.sharded:
-            y = self.layout.exchanged(self, bucket, momentum)  # (the result's rows, or momentum)
-            if self._fused_passes_ready(bucket, y):
-                self._fused_compressed_step(bucket, group, y, step)
-                return
-            if isinstance(y, kernels.CompressedResult):
-                y.expand_()  # into momentum
-            self.momentum_from_exchange(bucket, momentum, out=momentum)
+        """``momentum`` holds the exchange's ``y`` (or its rows: ``layout.exchanged``; ``m_t`` is
+        formed here, by the two native passes of :meth:`_fused_compressed_step` where they run); the
+        layout still holds ``m_{t-1}`` (:meth:`~compressed_opt.layout.Layout.previous_momentum`). This
+        composition in PyTorch runs elsewhere (other devices, ``COMPRESSED_OPT_KERNELS=reference``)."""
         layout = self.layout
+        y = layout.exchanged(self, bucket, momentum)  # (the result's rows, or momentum)
+        if self._fused_passes_ready(bucket, y, step):
+            return self._fused_compressed_step(bucket, group, y, step)
+        if isinstance(y, kernels.CompressedResult):
+            y.expand_()  # into momentum
+        self.momentum_from_exchange(bucket, momentum, out=momentum)
         denom = self.frozen_denominator(bucket)  # sqrt(v_f) + eps, inf where v_f == 0
         params = bucket.params
         beta1, beta2 = group["betas"]
@@ -348,12 +338,15 @@ class OnebitLamb(_FreezingAdam):
         torch._foreach_add_(params, views)
         layout.update_masters(self, bucket, step, decays, update)
 
-    def _fused_passes_ready(self, bucket, y) -> bool:
+    def _fused_passes_ready(self, bucket, y, step) -> bool:
         """Whether this compression step runs as the two native passes of
         :mod:`compressed_opt.cuda.lamb_passes` (the whole state on this rank, where the previous
         momentum's buffer is the kept one): no exchange factors, and the exchanged ``y`` (the bucket's
         buffer, or the result's CPU rows and that buffer), the buffers and the parameters contiguous
-        fp32 CPU tensors (:func:`~compressed_opt.cuda.lamb_passes.ready`)."""
+        fp32 CPU tensors (:func:`~compressed_opt.cuda.lamb_passes.ready`). Sharded: those of
+        :mod:`compressed_opt.zero_lamb` (from the result's rows)."""
+        if self.layout.sharded:  # (its result is in the kept rows, whether or not decompressed into y)
+            return not self._measures_live_ratio(step) and zero_lamb.ready(self, bucket)
         if self._applied_exchange_factors(bucket) is not None:
             return False
         r, _ = self.exchange_variant.momentum_divisors(self, bucket)
@@ -370,25 +363,32 @@ class OnebitLamb(_FreezingAdam):
         each parameter's memory. A step that measures the live ratio also writes the direction ``m_t /
         (sqrt(v_f) + eps)`` into ``y``'s buffer for its norms (nothing reads ``y`` after the first
         pass). ``m``, ``v_fresh`` and the parameters are the composition's bit for bit given the same
-        coefficients; the maxima are within ``2^-20`` of its (docs/design.md 2.4.2)."""
-        params, passes = bucket.params, kernels.lamb_passes
-        denom = self.frozen_denominator(bucket)  # sqrt(v_f) + eps, inf where v_f == 0
+        coefficients; the maxima are within ``2^-20`` of its (docs/design.md 2.4.2). Sharded: the
+        passes of :mod:`compressed_opt.zero_lamb` (never a measuring step)."""
+        params, passes, sharded = bucket.params, kernels.lamb_passes, self.layout.sharded
         beta1, beta2 = group["betas"]
         lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]
         bc1, bc2_sqrt = bias_corrections(beta1, beta2, step, group["bias_correction"])
-        m = self.layout.previous_momentum(self, bucket)  # m_{t-1}; m_t after the first pass
-        r, divisors = self.exchange_variant.momentum_divisors(self, bucket)
-        maxima = passes.variance_maxima_(y, r, divisors, m, self.layout.state(self, bucket, "exp_avg_sq_fresh"),
-                                         denom, bucket.segments, beta1, beta2, bc2_sqrt, eps)
+        if sharded:
+            maxima = zero_lamb.variance_maxima_(self, bucket, beta1, beta2, bc2_sqrt, eps)
+        else:
+            denom = self.frozen_denominator(bucket)  # sqrt(v_f) + eps, inf where v_f == 0
+            m = self.layout.previous_momentum(self, bucket)  # m_{t-1}; m_t after the first pass
+            r, divisors = self.exchange_variant.momentum_divisors(self, bucket)
+            maxima = passes.variance_maxima_(y, r, divisors, m, self.layout.state(self, bucket, "exp_avg_sq_fresh"),
+                                             denom, bucket.segments, beta1, beta2, bc2_sqrt, eps)
         coeffs = self._compression_coeffs(params, group, self._local_shards.whole_layer_maxima(params, maxima))
+        buffer = y.buffer if isinstance(y, kernels.CompressedResult) else y  # (free after the first pass)
         if self.trust_ratio == "live":
             measure = self._measures_live_ratio(step)
-            buffer = y.buffer if isinstance(y, kernels.CompressedResult) else y  # (free after the first pass)
             update = torch.div(m, denom, out=buffer) if measure else None  # (read only when measuring)
             coeffs = self._live_coeffs(bucket, group, coeffs, measure, update, bc1)
         decays = [1.0 - lr * c * wd for c in coeffs] if wd != 0 else None
-        passes.descend_(params, m, denom, bucket.segments, decays, [-lr * c / bc1 for c in coeffs])
-        # (stage 0: no fp32 masters to update)
+        alphas = [-lr * c / bc1 for c in coeffs]
+        if sharded:  # (fp32 parameters: no masters to update)
+            zero_lamb.descend_(self, bucket, buffer, decays, alphas)
+        else:
+            passes.descend_(params, m, denom, bucket.segments, decays, alphas)
 
     # --- the live trust ratio (trust_ratio="live") -------------------------------------------------
     def _reads_gradients_in_place(self, step) -> bool:

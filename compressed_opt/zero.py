@@ -244,8 +244,9 @@ class Sharded(Layout):
                     preconditioner=preconditioner,
                     factors=None if factors is None else (opt.kept_exchange_factors(bucket), factors))
         bucket.derived.pop("step.local_momentum_pass", None)
-        if (preconditioner is not None and not args["keep_previous"] and args["row_scales"] is None
-                and "exp_avg" not in bucket.flats and opt.leave_gradients_in_place(bucket, grad)):
+        if (preconditioner is not None and args["row_scales"] is None and "exp_avg" not in bucket.flats
+                and (not args["keep_previous"] or self._previous_from_rows(opt, bucket, preconditioner))
+                and opt.leave_gradients_in_place(bucket, grad)):
             bucket.derived["step.local_momentum_pass"] = self._momentum_pass(opt, bucket, grad, beta1, args)
             return
         opt.observe_local_gradient(bucket)
@@ -265,6 +266,13 @@ class Sharded(Layout):
         return kernels.zero_passes.ZeroLocalMomentum(
             x, self._kept_rows(opt, bucket, x), args["preconditioner"], keep, gain, opt.exchange_bounds(bucket),
             bucket.segments, bucket.derived.pop("step.gradients_in_place"), compose)
+
+    def _previous_from_rows(self, opt, bucket, r) -> bool:
+        """This rank's chunk of ``m_{t-1} = (R m) / R`` from the kept rows (``momentum_prev_shard``,
+        as :meth:`form_local_momentum` keeps it), natively; ``False`` where that cannot run."""
+        lo, hi, c = self.own_range(opt, bucket)
+        out = shard(bucket, "momentum_prev_shard", c)
+        return kernels.zero_passes.previous_momentum_(self._kept_rows(opt, bucket, out), r, lo, hi, out)
 
     def _kept_rows(self, opt, bucket, buffer) -> kernels.CompressedResult:
         """The kept rows (the last exchange's result), as a compressed result of the bucket."""
@@ -354,6 +362,10 @@ class Sharded(Layout):
         bucket.flats.pop("exp_avg", None)
         bucket.derived["step.result_in_rows"] = keep_result
 
+    def exchanged(self, opt, bucket, x):
+        """The kept rows, where this step's exchange left its result in them (``keep_result``)."""
+        return self._kept_rows(opt, bucket, x) if bucket.derived.pop("step.result_in_rows", False) else x
+
     def keep_momentum(self, opt, bucket, m):
         pass  # the exchange kept its 1-bit rows (32x smaller than m)
 
@@ -441,8 +453,13 @@ class Sharded(Layout):
         partial = torch.zeros(len(bucket.params), dtype=torch.float32, device=bucket.device)
         if views:
             partial[index] = torch.stack(maxima(views)).clamp_(min=0.0)
-        found = self._gather(opt, partial).amax(dim=0).tolist()
-        return [f if p.numel() else 1.0 for p, f in zip(bucket.params, found)]
+        return self.maxima_over_ranks(opt, bucket, partial)
+
+    def maxima_over_ranks(self, opt, bucket, partial) -> list[float]:
+        """Per layer, the maximum of every rank's ``partial`` (fp32, >= 0; 0 for a layer outside
+        the rank's chunk): one all-gather; 1.0 for an empty layer."""
+        found = self._gather(opt, torch.as_tensor(partial, dtype=torch.float32, device=bucket.device)).amax(dim=0)
+        return [f if p.numel() else 1.0 for p, f in zip(bucket.params, found.tolist())]
 
     def sum_over_ranks(self, opt, values: list[float]) -> list[float]:
         """Each of ``values`` summed over the ranks (fp64, in rank order: the same on every rank)."""

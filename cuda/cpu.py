@@ -254,6 +254,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.co_zero_momentum_compress_rows.restype = None
     lib.co_zero_rows_descend.argtypes = [p, i64, i64, i64, p, f32, p, p, p, i64, p, f32, ctypes.c_int, f32]
     lib.co_zero_rows_descend.restype = None
+    lib.co_rows_quotient_finite.argtypes = [p, i64, i64, i64, p, i64, i64, p]
+    lib.co_rows_quotient_finite.restype = None
+    lib.co_zero_lamb_rows_descend.argtypes = [p, i64, i64, i64, p, f32, p, p, i64, p, p, p]
+    lib.co_zero_lamb_rows_descend.restype = None
     lib.co_scale_clamp_compress_rows.argtypes = [p, p, p, p, i64, p, p, i64, i64, i64, i64, i64]
     lib.co_scale_clamp_compress_rows.restype = None
     lib.co_lerp_compress_rows.argtypes = [p, p, f32, i64, p, p, i64, i64, i64, i64, i64]

@@ -10,6 +10,7 @@
  *     t the kept rows' value (R m times the last exchange factor), g the gradient where it lies;
  *   the update, from this step's result rows (co_zero_rows_descend):
  *     q = (y / (r eps + c_s)) f_s, 0 where r == 0;  p <- fma(q, alpha, p d)
+ * and 1-bit LAMB's (below): its previous momentum from the kept rows, its update from the result's.
  */
 #include "onebit_cpu.h"
 
@@ -114,4 +115,71 @@ void co_zero_rows_descend(const uint8_t *rows, int64_t row_stride, int64_t chunk
                           const int64_t *dests, float d, int decayed, float alpha) {
     struct zero_rows_descend pass = {r, coeffs, factors, off, dests, eps, d, alpha, decayed};
     walk_result_rows(rows, row_stride, chunk, block, off, nseg, zero_rows_descend_span, &pass);
+}
+
+/*
+ * 1-bit LAMB under ZeRO (compressed_opt.zero_lamb): from the kept rows and R, the previous momentum
+ * of this rank's chunk, and the update of the whole replica; every operation rounded on its own,
+ * as the composition of compressed_opt.cuda.zero_passes rounds it.
+ */
+
+/* out[k - lo] <- y_k / r[k], 0 where that is not finite (torch's nan_to_num), for k in [lo, hi):
+ * y the values of the rows (row_stride bytes apart, chunk elements each, one scale per block); lo a
+ * multiple of 8 (a whole byte of bits: a chunk's start is). */
+CO_EXACT void co_rows_quotient_finite(const uint8_t *rows, int64_t row_stride, int64_t chunk, int64_t block,
+                                      const float *r, int64_t lo, int64_t hi, float *out) {
+    CO_NO_CONTRACT
+    float tile[CO_TILE];
+    for (int64_t k0 = lo; k0 < hi;) {
+        const int64_t len = next_tile(rows, row_stride, chunk, block, k0, hi, tile);
+        const float *restrict rs = r + k0;
+        float *restrict o = out + (k0 - lo);
+        for (int64_t i = 0; i < len; ++i) {
+            const float q = tile[i] / rs[i];
+            o[i] = isfinite(q) ? q : 0.0f;
+        }
+        k0 += len;
+    }
+}
+
+/* One span of co_zero_lamb_rows_descend: p <- p d + ((y / r) / ((1 / r) c + eps)) a (decayed == 0: p + ...),
+ * y / r 0 where r == 0. */
+CO_EXACT static void zld_span(const float *restrict y, const float *restrict r, float *restrict p, int64_t n, float c,
+                              float eps, float a, float d, int decayed) {
+    CO_NO_CONTRACT
+    if (decayed) {
+        for (int64_t i = 0; i < n; ++i) {
+            const float u = (quotient_or_zero(y[i], r[i]) / ((1.0f / r[i]) * c + eps)) * a;
+            p[i] = p[i] * d + u;
+        }
+    } else {
+        for (int64_t i = 0; i < n; ++i) p[i] = p[i] + (quotient_or_zero(y[i], r[i]) / ((1.0f / r[i]) * c + eps)) * a;
+    }
+}
+
+/* co_zero_lamb_rows_descend's arguments, for its spans (walk_result_rows). */
+struct zero_lamb_descend {
+    const float *r;
+    const double *coeffs, *alphas, *decays;
+    const int64_t *off, *dests;
+    float eps;
+};
+
+static void zero_lamb_descend_span(void *pass, const float *y, int64_t k, int64_t stop, int64_t s) {
+    const struct zero_lamb_descend *p = (const struct zero_lamb_descend *)pass;
+    zld_span(y, p->r + k, (float *)(intptr_t)p->dests[s] + (k - p->off[s]), stop - k, (float)p->coeffs[s], p->eps,
+             (float)p->alphas[s], p->decays ? (float)p->decays[s] : 1.0f, p->decays != NULL);
+}
+
+/*
+ * 1-bit LAMB's update of the whole replica from the result's rows, decompressed tile by tile: segment
+ * s's parameter (address dests[s], 0: an empty one) <- p decays[s] + (m / denom) alphas[s] (decays ==
+ * NULL: p + ...), m = y / r (0 where r == 0) the momentum, denom = (1 / r) coeffs[s] + eps the frozen
+ * denominator sqrt(v_f) + eps made from R = c_s / sqrt(v_f) (inf where r == 0).
+ */
+void co_zero_lamb_rows_descend(const uint8_t *rows, int64_t row_stride, int64_t chunk, int64_t block, const float *r,
+                               float eps, const double *coeffs, const int64_t *off, int64_t nseg, const int64_t *dests,
+                               const double *decays, const double *alphas) {
+    struct zero_lamb_descend pass = {r, coeffs, alphas, decays, off, dests, eps};
+    walk_result_rows(rows, row_stride, chunk, block, off, nseg, zero_lamb_descend_span, &pass);
 }

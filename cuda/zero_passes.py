@@ -1,6 +1,6 @@
-"""ZeRO's compression step with the preconditioned exchange in two native passes
-(:mod:`compressed_opt.zero`, docs/design.md 2.5): every rank keeps the momentum as the last
-result's 1-bit rows (``R m`` times the last exchange factor) and steps its whole replica.
+"""ZeRO's compression step with the preconditioned exchange in native passes
+(:mod:`compressed_opt.zero`, docs/design.md 2.5; 1-bit LAMB's: 2.4.2): every rank keeps the momentum
+as the last result's 1-bit rows (``R m`` times the last exchange factor) and steps its whole replica.
 
 ``ZeroLocalMomentum(x, prev, r, keep, gain, bounds, segments, sources, compose)``
     the local momentum ``x = clamp(t k_s + (h_s r) g, -b_s, b_s)`` (0 where ``r == 0``; ``t`` the
@@ -14,8 +14,17 @@ result's 1-bit rows (``R m`` times the last exchange factor) and steps its whole
     (0 where ``r == 0``), ``y`` decompressed tile by tile in cache; ``False``, with nothing done,
     where the C pass cannot run (the caller decompresses and composes).
 
-Both are bit for bit the composition the layout runs with PyTorch (:func:`compose_momentum_`,
-:func:`compose_descend_`: every operation rounded on its own, torch's add-with-alpha one FMA in its
+``previous_momentum_(prev, r, lo, hi, out)``
+    1-bit LAMB's previous momentum of this rank's chunk ``[lo, hi)``, ``m = t / r`` (0 where not
+    finite: ``nan_to_num``) from the kept rows ``prev``, into ``out``; ``False`` where it cannot run.
+``lamb_rows_descend_(result, r, eps, coeffs, dests, segments, decays, alphas)``
+    1-bit LAMB's update of the whole replica from the result's rows: ``p <- p decay_s + (m / denom)
+    alpha_s``, ``m = y / r`` (0 where ``r == 0``), ``denom = (1 / r) c_s + eps`` (``sqrt(v_f) + eps``
+    made from ``R = c_s / sqrt(v_f)``); ``False`` where it cannot run.
+
+All are bit for bit the composition the layout runs with PyTorch (:func:`compose_momentum_`,
+:func:`compose_descend_`, :func:`compose_previous_momentum_`, :func:`compose_lamb_descend_`: every
+operation rounded on its own, torch's add-with-alpha one FMA in its
 vector kernels); a check at first use (:func:`agrees`) compares the two on this machine, tails of
 its vector loops included, and the composition runs wherever they differ.
 """
@@ -121,6 +130,67 @@ def rows_descend_(result: CompressedResult, r: torch.Tensor, eps: float, coeffs,
     return True
 
 
+def compose_previous_momentum_(t: torch.Tensor, r: torch.Tensor, lo: int, hi: int, out: torch.Tensor) -> None:
+    """:func:`previous_momentum_` composed (as :mod:`compressed_opt.zero` forms it), from the kept
+    rows' values ``t`` (whole)."""
+    torch.div(t[lo:hi], r[lo:hi], out=out[: hi - lo]).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def previous_momentum_(prev: CompressedResult, r: torch.Tensor, lo: int, hi: int, out: torch.Tensor) -> bool:
+    """``out[:hi - lo]`` <- ``t / r`` over ``[lo, hi)`` (0 where not finite), ``t`` the values of
+    the kept rows ``prev``, in one native pass (``lo`` a multiple of 8: a whole byte of bits, as a
+    chunk's start is); ``False``, with nothing done, where it cannot run."""
+    if (not prev.rows.is_cpu or prev.rows.shape[0] * prev.chunk < hi or r.numel() < hi or out.numel() < hi - lo
+            or not 0 <= lo <= hi or lo % 8):
+        return False
+    lib = _native(r, out)
+    if lib is None or not agrees():
+        return False
+    lib.co_rows_quotient_finite(prev.rows.data_ptr(), prev.rows.stride(0), prev.chunk, prev.block, r.data_ptr(),
+                                lo, hi, out.data_ptr())
+    return True
+
+
+def compose_lamb_descend_(y: torch.Tensor, r: torch.Tensor, eps: float, coeffs, dests: list, segments: Segments,
+                          decays, alphas, zero_index: torch.Tensor | None = None) -> None:
+    """:func:`lamb_rows_descend_` composed (as 1-bit LAMB's step composes it under ZeRO) from the
+    decompressed ``y`` (overwritten: ``m``, then the direction's step)."""
+    n = segments.numel
+    torch.div(y[:n], r[:n], out=y[:n])  # m = y / R, 0 where R == 0 (the momentum from the exchange)
+    if zero_index is None:
+        y[:n].masked_fill_(r[:n] == 0, 0.0)
+    elif zero_index.numel():
+        y.index_fill_(0, zero_index, 0.0)
+    denom = torch.reciprocal(r[:n])  # sqrt(v_f) + eps, made from R = c_l / sqrt(v_f)
+    torch._foreach_mul_(segments.split(denom), list(coeffs))
+    denom.add_(eps)
+    torch.div(y[:n], denom, out=y[:n])
+    views = [v.view(p.shape) for v, p in zip(segments.split(y), dests)]
+    if decays is not None:
+        torch._foreach_mul_(dests, list(decays))
+    torch._foreach_mul_(views, list(alphas))
+    torch._foreach_add_(dests, views)
+
+
+def lamb_rows_descend_(result: CompressedResult, r: torch.Tensor, eps: float, coeffs, dests: list,
+                       segments: Segments, decays, alphas) -> bool:
+    """1-bit LAMB's update from the result's rows in one native pass (the module doc); ``False``,
+    with nothing done, where it cannot run here."""
+    if not result.rows.is_cpu or result.rows.shape[0] * result.chunk < segments.numel or r.numel() < segments.numel:
+        return False
+    lib = _native(r)
+    addresses = destination_addresses(dests, segments.sizes) if lib is not None else None
+    if addresses is None or not agrees():
+        return False
+    nseg = len(segments)
+    c, a = _c_doubles(coeffs, nseg), _c_doubles(alphas, nseg)  # (kept alive through the call)
+    d = (None, None) if decays is None else _c_doubles(decays, nseg)
+    lib.co_zero_lamb_rows_descend(result.rows.data_ptr(), result.rows.stride(0), result.chunk, result.block,
+                                  r.data_ptr(), float(eps), c[1], segments.offsets.data_ptr(), nseg,
+                                  addresses.data_ptr(), d[1], a[1])
+    return True
+
+
 _agreement: list = []  # [whether the C passes gave the compositions' bits on this machine]
 
 
@@ -173,5 +243,30 @@ def _check(lib) -> bool:
         lib.co_zero_rows_descend(prev.data_ptr(), prev.stride(0), chunk, block, r.data_ptr(), 1e-8, held[3][1],
                                  held[4][1], segs.offsets.data_ptr(), len(sizes), dests.data_ptr(), decay,
                                  decay != 1.0, -1e-3)
+        ok = ok and all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(params, expected))
+    return ok and _check_lamb(lib, g, segs, prev, t, r, world, chunk, block)
+
+
+def _check_lamb(lib, g, segs: Segments, prev: torch.Tensor, t: torch.Tensor, r: torch.Tensor, world: int, chunk: int,
+                block: int) -> bool:
+    """1-bit LAMB's two passes against their compositions (see :func:`agrees`)."""
+    sizes, n = segs.sizes, segs.numel
+    ok = True
+    for lo, hi in ((0, n), (chunk, n), (8, chunk + 3)):
+        out, expected = torch.full((n + 2,), 3.0), torch.full((n + 2,), 3.0)
+        lib.co_rows_quotient_finite(prev.data_ptr(), prev.stride(0), chunk, block, r.data_ptr(), lo, hi, out.data_ptr())
+        compose_previous_momentum_(t, r, lo, hi, expected)
+        ok = ok and torch.equal(out.view(torch.int32), expected.view(torch.int32))
+    coeffs = [0.5 + 0.25 * i for i in range(len(sizes))]
+    alphas = [-1e-3 * (1 + 0.1 * i) for i in range(len(sizes))]
+    for decays in (None, [1.0 - 1e-4 * (i + 1) for i in range(len(sizes))]):
+        params = [torch.randn(k, generator=g) for k in sizes]
+        expected = [p.clone() for p in params]
+        compose_lamb_descend_(t.clone(), r, 1e-8, coeffs, expected, segs, decays, alphas)
+        held = [_c_doubles(v, len(sizes)) for v in (coeffs, alphas, decays or [1.0] * len(sizes))]
+        dests = destination_addresses(params, sizes)
+        lib.co_zero_lamb_rows_descend(prev.data_ptr(), prev.stride(0), chunk, block, r.data_ptr(), 1e-8, held[0][1],
+                                      segs.offsets.data_ptr(), len(sizes), dests.data_ptr(),
+                                      None if decays is None else held[2][1], held[1][1])
         ok = ok and all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(params, expected))
     return ok

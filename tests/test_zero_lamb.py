@@ -1,0 +1,107 @@
+"""1-bit LAMB under ZeRO in native passes (compressed_opt.zero_lamb): they run on the compression
+steps that do not measure the live trust ratio; the fresh variance is the composition's bit for
+bit and the parameters follow the composition's within what the maxima's bound allows, on one
+rank and on two; the passes check themselves and refuse what they cannot run."""
+import warnings
+
+import pytest
+import torch
+
+import compressed_opt
+from compressed_opt import cuda as kernels
+from compressed_opt.comm import SingleProcessBackend
+from compressed_opt.cuda import zero_passes
+
+pytestmark = pytest.mark.skipif(kernels.cpu.library() is None, reason="no C compiler here")
+
+
+def _run(rank, world, native, steps=16, backend=None, plan=()):
+    """OnebitLamb, ZeRO stage 1, freeze at 3 (the live ratio measured at steps 4 and 14): the
+    parameters, each bucket's fresh variance chunk, and which steps' updates ran natively."""
+    g = torch.Generator().manual_seed(rank)
+    params = [torch.nn.Parameter(torch.randn(s, generator=g) * 0.1) for s in ((33, 17), (17,), (0,), (5, 300), (4097,))]
+    kw = {} if backend is None else {"backend": backend}
+    opt = compressed_opt.OnebitLamb(params, lr=1e-3, freeze_step=3, bucket_cap_mb=0.01, zero_stage=1, overlap=False,
+                                    **kw)
+    saved, ran, now = list(zero_passes._agreement), [], [0]
+    descend = zero_passes.lamb_rows_descend_
+
+    def spy(*args):
+        ran.append((now[0], descend(*args)))
+        return ran[-1][1]
+
+    zero_passes._agreement[:] = [] if native else [False]
+    zero_passes.lamb_rows_descend_ = spy
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            for step in range(1, steps + 1):
+                now[0] = step
+                gen = torch.Generator().manual_seed(1000 * rank + step)
+                for p in params:
+                    p.grad = torch.randn(p.shape, generator=gen) * 0.01
+                if step in plan:
+                    params[0].grad[3, 4] = float("nan")
+                opt.step()
+    finally:
+        zero_passes._agreement[:] = saved
+        zero_passes.lamb_rows_descend_ = descend
+    fresh = [opt.layout.state(opt, b, "exp_avg_sq_fresh").clone() for b in opt._buckets]
+    return [p.detach().clone() for p in params], fresh, sorted({s for s, done in ran if done}), opt.nonfinite_steps
+
+
+def _compare(native, composed):
+    for a, b in zip(native[1], composed[1]):  # (the momentum does not depend on the parameters here)
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+    for a, b in zip(native[0], composed[0]):  # (coefficients within 2^-20 of each other: ~1e-9 apart)
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-7)
+
+
+def test_the_native_passes_run_and_follow_the_composition():
+    native = _run(0, 1, True, backend=SingleProcessBackend(), plan=(7,))
+    composed = _run(0, 1, False, backend=SingleProcessBackend(), plan=(7,))
+    _compare(native, composed)
+    assert native[3] == composed[3] == 1  # the NaN step skipped on both
+    # every compression step but the skipped one (loop step 7) and those that measure the live
+    # ratio (the optimizer's steps 4 and 14: the loop's 4 and, after the skipped step, 15)
+    assert native[2] == [5, 6, 8, 9, 10, 11, 12, 13, 14, 16] and composed[2] == []
+
+
+def _both(rank, world):
+    return _run(rank, world, True), _run(rank, world, False)
+
+
+@pytest.mark.multiprocess
+def test_the_native_passes_on_two_ranks_follow_the_composition():
+    """Each rank's chunk of the variance from its own row of the result, the maxima over both."""
+    from distributed import run_ranks
+
+    results = run_ranks(_both, 2, timeout=120)
+    for native, composed in results:
+        _compare(native, composed)
+        assert native[2] == [5, 6, 7, 8, 9, 10, 11, 12, 13, 15, 16]
+    assert all(torch.equal(a, b) for a, b in zip(results[0][0][0], results[1][0][0]))  # replicas agree
+
+
+def test_the_lamb_passes_check_themselves_and_refuse_what_they_cannot_run(monkeypatch):
+    """The check at first use finds them the compositions' bits here; a parameter they cannot
+    write, rows too short, an unaligned chunk or the reference kernels: nothing done, ``False``."""
+    from compressed_opt.cuda.segmented import Segments
+
+    assert zero_passes.agrees()
+    segs, chunk, block = Segments([5, 300]), 320, 256
+    rows = torch.zeros(1, kernels.rows_layout(chunk, block)[1], dtype=torch.uint8)
+    kernels.compress_rows_(torch.randn(305), torch.zeros(305), rows, chunk, block)
+    result, r = kernels.CompressedResult(rows, chunk, block, torch.zeros(305)), torch.rand(305) + 0.5
+    params, out = [torch.ones(5), torch.ones(300)], torch.full((305,), 3.0)
+    args = (r, 1e-8, [1.0, 2.0], params, segs, None, [-0.1, -0.1])
+    assert not zero_passes.lamb_rows_descend_(result, r, 1e-8, [1.0, 2.0], [params[0], torch.ones(600)[::2]],
+                                              segs, None, [-0.1, -0.1])
+    short = kernels.CompressedResult(torch.zeros(1, kernels.rows_layout(64, 256)[1], dtype=torch.uint8), 64, 256, out)
+    assert not zero_passes.lamb_rows_descend_(short, *args)
+    assert not zero_passes.previous_momentum_(result, r, 4, 100, out)  # (not a whole byte of bits)
+    assert not zero_passes.previous_momentum_(result, r, 0, 400, out)  # (past the rows)
+    monkeypatch.setenv("COMPRESSED_OPT_KERNELS", "reference")
+    assert not zero_passes.lamb_rows_descend_(result, *args) and not zero_passes.previous_momentum_(result, r, 0, 305,
+                                                                                                     out)
+    assert all(bool((p == 1).all()) for p in params) and bool((out == 3.0).all())
