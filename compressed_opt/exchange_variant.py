@@ -157,20 +157,19 @@ class AdamMomentum(ExchangeVariant):
             scaling.unscale_(bucket.views(out), coeffs)
 
     def reads_compressed_result(self, opt) -> bool:
-        """The whole momentum on this rank: its update reads the result's rows where the layout
-        keeps them (:meth:`update_`); sharded, from the exchanged buffer."""
-        return not opt.layout.sharded
+        return True  # (update_: from the result's rows where the layout kept them)
 
     def update_(self, opt, bucket, y, decay: float, alpha: float, step: int) -> None:
         """``m <- y``; ``p <- decay p + alpha f_l m / (sqrt(v_f) + eps)`` (``f_l``: the layers'
         tracking factors, ``opt.update_factors``). From the result's rows in one native pass where
         the layout kept them and the pass can run (``kernels.rows_keep_descend_``: ``m`` the
-        layout's whole momentum, bit for bit this composition), else composed here."""
+        layout's whole momentum, none sharded, whose momentum is the rows; bit for bit this
+        composition), else composed here."""
         layout = opt.layout
         factors = opt.update_factors(bucket)
         result = layout.exchanged(opt, bucket, y)
         if isinstance(result, kernels.CompressedResult):
-            m = layout.previous_momentum(opt, bucket)  # (whole: the layout kept the rows)
+            m = None if layout.sharded else layout.previous_momentum(opt, bucket)
             if kernels.rows_keep_descend_(result, opt.frozen_denominator(bucket), m, factors, bucket.params,
                                           bucket.segments, decay, alpha):
                 return

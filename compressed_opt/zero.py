@@ -234,9 +234,9 @@ class Sharded(Layout):
 
     # --- compression stage: every rank updates its whole replica ----------------------------------
     def gather_local(self, opt, bucket, grad):
-        """The local momentum, formed from ``p.grad`` directly (:meth:`form_local_momentum`), or (the
-        preconditioned exchange, from the kept rows, ``opt.leave_gradients_in_place``) kept for the
-        exchange's compression to run (:class:`~compressed_opt.cuda.zero_passes.ZeroLocalMomentum`)."""
+        """The local momentum, formed from ``p.grad`` directly (:meth:`form_local_momentum`), or (from
+        the kept rows, unscaled, ``opt.leave_gradients_in_place``) kept for the exchange's compression
+        to run (:class:`~compressed_opt.cuda.zero_passes.ZeroLocalMomentum`)."""
         beta1 = opt.param_groups[bucket.group_index]["betas"][0]
         preconditioner = opt.exchange_preconditioner(bucket)
         factors = opt.exchange_factors(bucket) if preconditioner is not None else None
@@ -244,7 +244,7 @@ class Sharded(Layout):
                     preconditioner=preconditioner,
                     factors=None if factors is None else (opt.kept_exchange_factors(bucket), factors))
         bucket.derived.pop("step.local_momentum_pass", None)
-        if (preconditioner is not None and args["row_scales"] is None and "exp_avg" not in bucket.flats
+        if (args["row_scales"] is None and "exp_avg" not in bucket.flats
                 and (not args["keep_previous"] or self._previous_from_rows(opt, bucket, preconditioner))
                 and opt.leave_gradients_in_place(bucket, grad)):
             bucket.derived["step.local_momentum_pass"] = self._momentum_pass(opt, bucket, grad, beta1, args)
@@ -263,8 +263,9 @@ class Sharded(Layout):
             self.form_local_momentum(opt, bucket, x, beta1, **args)
             self.local_momentum_(opt, bucket, x, beta1)
 
+        r = args["preconditioner"]  # (None: the momentum exchange, neither zeroed nor bounded)
         return kernels.zero_passes.ZeroLocalMomentum(
-            x, self._kept_rows(opt, bucket, x), args["preconditioner"], keep, gain, opt.exchange_bounds(bucket),
+            x, self._kept_rows(opt, bucket, x), r, keep, gain, None if r is None else opt.exchange_bounds(bucket),
             bucket.segments, bucket.derived.pop("step.gradients_in_place"), compose)
 
     def _previous_from_rows(self, opt, bucket, r) -> bool:

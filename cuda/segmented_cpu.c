@@ -246,12 +246,15 @@ void co_rows_divide_descend(const uint8_t *rows, int64_t row_stride, int64_t chu
     walk_result_rows(rows, row_stride, chunk, block, off, nseg, rows_divide_descend_span, &pass);
 }
 
-/* The momentum exchange's update, one span: m <- y; p <- fma((y / den) f, alpha, p d) (decayed == 0:
- * p), each operation rounded on its own but torch's add-with-alpha, one FMA in its CPU kernels. */
+/* The momentum exchange's update, one span: m <- y (m == NULL: not kept); p <- fma((y / den) f, alpha,
+ * p d) (decayed == 0: p), each operation rounded on its own but torch's add-with-alpha, one FMA in its
+ * CPU kernels. */
 CO_EXACT static void keep_descend_span(const float *restrict y, const float *restrict den, float *restrict m,
                                        float *restrict p, int64_t n, float f, float d, int decayed, float alpha) {
     CO_NO_CONTRACT
-    if (decayed) {
+    if (!m) {
+        for (int64_t i = 0; i < n; ++i) p[i] = fmaf((y[i] / den[i]) * f, alpha, decayed ? p[i] * d : p[i]);
+    } else if (decayed) {
         for (int64_t i = 0; i < n; ++i) {
             m[i] = y[i];
             p[i] = fmaf((y[i] / den[i]) * f, alpha, p[i] * d);
@@ -276,13 +279,14 @@ struct rows_keep_descend {
 
 static void rows_keep_descend_span(void *pass, const float *y, int64_t k, int64_t stop, int64_t s) {
     const struct rows_keep_descend *p = (const struct rows_keep_descend *)pass;
-    keep_descend_span(y, p->den + k, p->m + k, (float *)(intptr_t)p->dests[s] + (k - p->off[s]), stop - k,
+    keep_descend_span(y, p->den + k, p->m ? p->m + k : NULL, (float *)(intptr_t)p->dests[s] + (k - p->off[s]), stop - k,
                       (float)p->factors[s], p->d, p->decayed, p->alpha);
 }
 
 /*
  * The momentum exchange's update from the result's rows (compressed_opt.cuda.update): over the
- * off[nseg] elements, y decompressed tile by tile into the stack, m <- y and segment s's parameter
+ * off[nseg] elements, y decompressed tile by tile into the stack, m <- y (m == NULL: ZeRO, whose
+ * momentum is the kept rows) and segment s's parameter
  * (at address dests[s], non-NULL for every non-empty segment) <- p d + alpha (y / den) f_s, bit for
  * bit the decompression then m.copy_(y), torch.div(y, den), the factors' torch._foreach_mul_ and
  * compressed_opt.moments.descend_. Reads the rows, den and each parameter; writes m and the parameters.

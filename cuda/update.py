@@ -11,8 +11,9 @@ the update it makes, in one pass over memory (docs/design.md 2.3.1).
     one pass: ``m <- y`` and ``dests[s] <- dests[s] * decay + alpha (y / den) f_s`` (``factors``
     ``None``: 1), ``y`` decompressed tile by tile in cache; bit for bit the decompression then
     :func:`compose_keep_descend_` (PyTorch's operations, its add-with-alpha one FMA on CPUs: checked
-    once per process, :func:`keep_descend_agrees`). ``False``, with nothing done, where the C pass
-    cannot run (the caller decompresses and composes).
+    once per process, :func:`keep_descend_agrees`; ``m`` ``None`` under ZeRO, whose momentum is the
+    rows). ``False``, with nothing done, where the C pass cannot run (the caller decompresses and
+    composes).
 
 ``y`` may also be a :class:`CompressedResult`, the 1-bit rows a compressed allreduce's result
 travelled as: the C pass then decompresses them tile by tile into the stack (``y`` never travels to
@@ -108,20 +109,23 @@ def divide_descend_(y, r: torch.Tensor, out: torch.Tensor, segments: Segments, d
         lib.co_divide_descend(y.data_ptr(), r.data_ptr(), out.data_ptr(), vp, *tail)
 
 
-def rows_keep_descend_(result: CompressedResult, den: torch.Tensor, m: torch.Tensor, factors, dests: list,
+def rows_keep_descend_(result: CompressedResult, den: torch.Tensor, m: torch.Tensor | None, factors, dests: list,
                        segments: Segments, decay: float, alpha: float) -> bool:
-    """The momentum exchange's update from the result's rows in one native pass (the module doc);
-    ``False``, with nothing done, where it cannot run here."""
+    """The momentum exchange's update from the result's rows in one native pass (the module doc;
+    ``m`` ``None``: not kept, ZeRO's momentum is the rows); ``False``, with nothing done, where it
+    cannot run here."""
     n = segments.numel
     if not result.rows.is_cpu or result.rows.shape[0] * result.chunk < n or len(dests) != len(segments):
         return False
-    lib = _native(den, m) if den.numel() >= n and m.numel() >= n and den.dim() == m.dim() == 1 else None
+    flats = (den,) if m is None else (den, m)
+    lib = _native(*flats) if all(t.numel() >= n and t.dim() == 1 for t in flats) else None
     addresses = destination_addresses(dests, segments.sizes) if lib is not None else None
     if addresses is None or not keep_descend_agrees():
         return False
     f = _c_doubles([1.0] * len(segments) if factors is None else factors, len(segments))  # (alive through the call)
     lib.co_rows_keep_descend(result.rows.data_ptr(), result.rows.stride(0), result.chunk, result.block,
-                             den.data_ptr(), m.data_ptr(), f[1], segments.offsets.data_ptr(), len(segments),
+                             den.data_ptr(), None if m is None else m.data_ptr(), f[1], segments.offsets.data_ptr(),
+                             len(segments),
                              addresses.data_ptr(), float(decay), decay != 1.0, float(alpha))
     return True
 
@@ -131,7 +135,8 @@ def compose_keep_descend_(y: torch.Tensor, den: torch.Tensor, m: torch.Tensor, f
     """:func:`rows_keep_descend_` composed in PyTorch from the decompressed ``y`` (overwritten: the
     direction), as the momentum exchange's update composes it: the oracle of the check."""
     n = segments.numel
-    m[:n].copy_(y[:n])
+    if m is not None:
+        m[:n].copy_(y[:n])
     torch.div(y[:n], den[:n], out=y[:n])
     views = segments.split(y)
     if factors is not None and views:
@@ -166,15 +171,17 @@ def _keep_descend_check(lib) -> bool:
     den = torch.rand(n, generator=g) * 1e-2 + 1e-8
     den[::11] = float("inf")
     ok = True
-    for decay, factors in ((1.0, None), (0.999, [1.0 - 0.03 * i for i in range(len(sizes))])):
+    for decay, factors, kept in ((1.0, None, True), (0.999, [1.0 - 0.03 * i for i in range(len(sizes))], True),
+                                 (0.999, None, False)):
         params = [torch.randn(k, generator=g) for k in sizes]
         expected = [p.clone() for p in params]
-        m, m_expected, y = torch.empty(n), torch.empty(n), torch.empty(n)
+        m, m_expected, y = torch.zeros(n), torch.zeros(n), torch.empty(n)
         reference.decompress_rows_(rows, y, chunk, block)
-        compose_keep_descend_(y, den, m_expected, factors, expected, segments, decay, -1e-3)
+        compose_keep_descend_(y, den, m_expected if kept else None, factors, expected, segments, decay, -1e-3)
         f = _c_doubles([1.0] * len(sizes) if factors is None else factors, len(sizes))  # (alive through the call)
         dests = destination_addresses(params, sizes)
-        lib.co_rows_keep_descend(rows.data_ptr(), rows.stride(0), chunk, block, den.data_ptr(), m.data_ptr(), f[1],
+        lib.co_rows_keep_descend(rows.data_ptr(), rows.stride(0), chunk, block, den.data_ptr(),
+                                 m.data_ptr() if kept else None, f[1],
                                  segments.offsets.data_ptr(), len(sizes), dests.data_ptr(), decay, decay != 1.0, -1e-3)
         ok = ok and torch.equal(m.view(torch.int32), m_expected.view(torch.int32)) and all(
             torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(params, expected))

@@ -7,7 +7,8 @@
  *
  *   the local momentum, inside the worker's compression (co_zero_momentum_compress_rows):
  *     x = clamp(fma(h_s r, g, t k_s), -b_s, b_s), 0 where r == 0; u = x + error, compressed
- *     t the kept rows' value (R m times the last exchange factor), g the gradient where it lies;
+ *     t the kept rows' value (R m times the last exchange factor), g the gradient where it lies
+ *     (the momentum exchange, r == NULL: x = fma(h_s, g, t k_s), t = m);
  *   the update, from this step's result rows (co_zero_rows_descend):
  *     q = (y / (r eps + c_s)) f_s, 0 where r == 0;  p <- fma(q, alpha, p d)
  * and 1-bit LAMB's (below): its previous momentum from the kept rows, its update from the result's.
@@ -38,7 +39,13 @@ CO_EXACT static void zlm_span(const float *restrict t, const float *restrict r, 
                               float *restrict e, int64_t n, float k, float h, float b) {
     CO_NO_CONTRACT
     const float nb = -b;
-    if (g) {
+    if (!r) { /* the momentum exchange: fma(h, g, t k), neither zeroed nor bounded */
+        if (g) {
+            for (int64_t i = 0; i < n; ++i) e[i] = fmaf(h, g[i], t[i] * k) + e[i];
+        } else {
+            for (int64_t i = 0; i < n; ++i) e[i] = t[i] * k + e[i];
+        }
+    } else if (g) {
         for (int64_t i = 0; i < n; ++i) /* torch's addcmul: one FMA */
             e[i] = clamp_to(zero_where_zero(fmaf(h * r[i], g[i], t[i] * k), r[i]), b, nb) + e[i];
     } else {
@@ -57,8 +64,8 @@ static void zlm_compensate(void *pass, int64_t lo, int64_t len, float *error) {
         for (int64_t k = k0; k < stop_tile;) {
             const int64_t stop = segment_piece(p->off, p->nseg, &s, k, stop_tile);
             const float *g = p->srcs[s] ? (const float *)(intptr_t)p->srcs[s] + (k - p->off[s]) : NULL;
-            zlm_span(tile + (k - k0), p->r + k, g, error + (k - lo), stop - k, (float)p->keep[s], (float)p->gain[s],
-                     (float)p->bounds[s]);
+            zlm_span(tile + (k - k0), p->r ? p->r + k : NULL, g, error + (k - lo), stop - k, (float)p->keep[s],
+                     (float)p->gain[s], p->bounds ? (float)p->bounds[s] : 0.0f);
             k = stop;
         }
         k0 = stop_tile;

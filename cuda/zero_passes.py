@@ -42,12 +42,18 @@ def compose_momentum_(x: torch.Tensor, t: torch.Tensor, r: torch.Tensor, keep, g
                       sources: list) -> None:
     """The local momentum's composition (as :mod:`compressed_opt.zero` runs it): ``x`` <- ``t``
     (the kept rows, decompressed), times ``keep[s]``, plus ``gain[s] r g`` where segment ``s`` has
-    a gradient, 0 where ``r == 0``, clamped to ``+-bounds[s]``."""
+    a gradient, 0 where ``r == 0``, clamped to ``+-bounds[s]``; ``r`` ``None`` (the momentum
+    exchange): ``t keep[s] + gain g``, one ``gain`` for every segment, neither zeroed nor clamped."""
     n = segments.numel
     x[:n].copy_(t[:n])
     views = segments.split(x)
     torch._foreach_mul_(views, list(keep))
     present = [i for i, g in enumerate(sources) if g is not None]
+    if r is None:  # the momentum exchange (as the layout: one gain for every layer)
+        if present:
+            torch._foreach_add_([views[i] for i in present], [sources[i].view(views[i].shape) for i in present],
+                                alpha=gain[present[0]])
+        return
     if present:
         r_views = segments.split(r)
         torch._foreach_addcmul_([views[i] for i in present], [r_views[i] for i in present],
@@ -100,13 +106,14 @@ class ZeroLocalMomentum:
                 or block != prev.block or tuple(rows.shape) != tuple(prev.rows.shape)
                 or rows.stride() != prev.rows.stride() or not prev.rows.is_cpu or not rows.is_cpu):
             return False
-        lib = _native(error, self.r)
+        lib = _native(error, *(() if self.r is None else (self.r,)))
         if lib is None or not plain_cpu_floats(self.sources) or not agrees():
             return False
-        scalars = [_c_doubles(v, nseg) for v in (self.keep, self.gain, self.bounds)]
+        scalars = [(None, None) if v is None else _c_doubles(v, nseg) for v in (self.keep, self.gain, self.bounds)]
         addresses = source_addresses(self.sources, self.segments.sizes)
-        lib.co_zero_momentum_compress_rows(prev.rows.data_ptr(), self.r.data_ptr(), addresses.data_ptr(),
-                                           *(a for _, a in scalars), self.segments.offsets.data_ptr(), nseg,
+        lib.co_zero_momentum_compress_rows(prev.rows.data_ptr(), None if self.r is None else self.r.data_ptr(),
+                                           addresses.data_ptr(), *(a for _, a in scalars),
+                                           self.segments.offsets.data_ptr(), nseg,
                                            error.data_ptr(), rows.data_ptr(), rows.stride(0), rows.shape[0],
                                            chunk, block)
         return True
@@ -235,6 +242,15 @@ def _check(lib) -> bool:
                                        *(a for _, a in held[:3]), segs.offsets.data_ptr(), len(sizes),
                                        e2.data_ptr(), rows2.data_ptr(), rows2.stride(0), world, chunk, block)
     ok = torch.equal(e1.view(torch.int32), e2.view(torch.int32)) and torch.equal(rows1, rows2)
+    # the momentum exchange's: no r, no bounds, one gain
+    compose_momentum_(x, t, None, keep, [0.1] * len(sizes), None, segs, sources)
+    e1, e3, rows3 = error.clone(), error.clone(), torch.zeros(world, row_len, dtype=torch.uint8)
+    cpu.compress_rows_(x, e1, rows1, chunk, block)
+    one_gain = _c_doubles([0.1] * len(sizes), len(sizes))  # (alive through the call)
+    lib.co_zero_momentum_compress_rows(prev.data_ptr(), None, addresses.data_ptr(), held[0][1], one_gain[1], None,
+                                       segs.offsets.data_ptr(), len(sizes), e3.data_ptr(), rows3.data_ptr(),
+                                       rows3.stride(0), world, chunk, block)
+    ok = ok and torch.equal(e1.view(torch.int32), e3.view(torch.int32)) and torch.equal(rows1, rows3)
     for decay in (1.0, 0.999):
         params = [torch.randn(k, generator=g) for k in sizes]
         expected = [p.clone() for p in params]

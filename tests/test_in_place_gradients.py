@@ -94,7 +94,7 @@ def test_lambs_momentum_exchange_still_gathers():
     assert {s for s in gathered if s > 3} == {4, 5, 6}
 
 
-def _zero_run(rank, world, fused, steps=10, plan=None, backend=None):
+def _zero_run(rank, world, fused, steps=10, plan=None, backend=None, exchange="preconditioned"):
     """ZeRO stage 1, OnebitAdam: the two native passes (``fused``) or the layout's composition;
     what ran, per step."""
     from compressed_opt.cuda import zero_passes
@@ -102,9 +102,11 @@ def _zero_run(rank, world, fused, steps=10, plan=None, backend=None):
     params = _model(rank)
     kw = {} if backend is None else {"backend": backend}
     opt = compressed_opt.OnebitAdam(params, lr=1e-3, freeze_step=3, bucket_cap_mb=0.01, zero_stage=1,
-                                    overlap=False, **kw)
+                                    overlap=False, exchange=exchange, **kw)
     ran = []
-    compress, descend = zero_passes.ZeroLocalMomentum.compress_rows_, zero_passes.rows_descend_
+    # (the update: the preconditioned exchange's from the rows and R, the momentum exchange's from the rows)
+    home, name = (zero_passes, "rows_descend_") if exchange == "preconditioned" else (kernels, "rows_keep_descend_")
+    compress, descend = zero_passes.ZeroLocalMomentum.compress_rows_, getattr(home, name)
 
     def compress_spy(self, *a):
         done = fused and compress(self, *a)
@@ -116,7 +118,8 @@ def _zero_run(rank, world, fused, steps=10, plan=None, backend=None):
         ran.append(("update", done))
         return done
 
-    zero_passes.ZeroLocalMomentum.compress_rows_, zero_passes.rows_descend_ = compress_spy, descend_spy
+    zero_passes.ZeroLocalMomentum.compress_rows_ = compress_spy
+    setattr(home, name, descend_spy)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
@@ -124,7 +127,8 @@ def _zero_run(rank, world, fused, steps=10, plan=None, backend=None):
                 _grads(params, step + 100 * rank, plan or {})
                 opt.step()
     finally:
-        zero_passes.ZeroLocalMomentum.compress_rows_, zero_passes.rows_descend_ = compress, descend
+        zero_passes.ZeroLocalMomentum.compress_rows_ = compress
+        setattr(home, name, descend)
     return [p.detach().clone() for p in params], ran, opt.nonfinite_steps
 
 
@@ -132,13 +136,14 @@ def _bits(ts):
     return [t.view(torch.int32) for t in ts]
 
 
-def test_zero_passes_are_the_composition_bit_for_bit():
+@pytest.mark.parametrize("exchange", ["preconditioned", "momentum"])
+def test_zero_passes_are_the_composition_bit_for_bit(exchange):
     """ZeRO stage 1's local momentum inside the compression and its update from the kept rows give
     the layout's PyTorch composition's parameters bit for bit, through a skipped step, a missing
     gradient (its layer's momentum decays alone) and a strided one (composed that step)."""
     plan = {5: "nan", 7: "none", 9: "strided"}
-    fused = _zero_run(0, 1, True, plan=plan, backend=SingleProcessBackend())
-    composed = _zero_run(0, 1, False, plan=plan, backend=SingleProcessBackend())
+    fused = _zero_run(0, 1, True, plan=plan, backend=SingleProcessBackend(), exchange=exchange)
+    composed = _zero_run(0, 1, False, plan=plan, backend=SingleProcessBackend(), exchange=exchange)
     assert all(torch.equal(a, b) for a, b in zip(_bits(fused[0]), _bits(composed[0])))
     assert fused[2] == composed[2] == 1
     momentum = [done for what, done in fused[1] if what == "momentum"]
@@ -149,15 +154,16 @@ def test_zero_passes_are_the_composition_bit_for_bit():
     assert all(momentum) and all(update) and momentum and len(momentum) * 6 == len(update) * 4, fused[1]
 
 
-def _zero_both(rank, world):
-    return _zero_run(rank, world, True), _zero_run(rank, world, False)
+def _zero_both(rank, world, exchange):
+    return _zero_run(rank, world, True, exchange=exchange), _zero_run(rank, world, False, exchange=exchange)
 
 
 @pytest.mark.multiprocess
-def test_zero_passes_on_two_ranks_are_the_composition_bit_for_bit():
+@pytest.mark.parametrize("exchange", ["preconditioned", "momentum"])
+def test_zero_passes_on_two_ranks_are_the_composition_bit_for_bit(exchange):
     from distributed import run_ranks
 
-    for fused, composed in run_ranks(_zero_both, 2, timeout=120):
+    for fused, composed in run_ranks(_zero_both, 2, exchange, timeout=120):
         assert all(torch.equal(a, b) for a, b in zip(_bits(fused[0]), _bits(composed[0])))
         assert any(what == "momentum" and done for what, done in fused[1])
         assert all(done for what, done in fused[1] if what == "update")

@@ -159,11 +159,12 @@ def _result(g, n, world, block):
 
 @pytest.mark.parametrize("sizes,past", CASES)
 @pytest.mark.parametrize("world,block", [(1, 256), (3, 512)])
-@pytest.mark.parametrize("decay,factored", [(1.0, False), (0.999, True), (0.99, False)])
-def test_the_momentum_exchanges_update_from_the_rows_is_its_composition(sizes, past, world, block, decay, factored):
-    """``m <- y`` and ``p <- p decay + alpha (y / den) f_l``, from the rows tile by tile: the
-    decompression then the composition (``compose_keep_descend_``) bit for bit, ``den == inf``
-    (``v_f == 0``) included; ``m``'s elements past the segments are not written."""
+@pytest.mark.parametrize("decay,factored,kept", [(1.0, False, True), (0.999, True, True), (0.99, False, False)])
+def test_the_momentum_exchanges_update_from_the_rows_is_its_composition(sizes, past, world, block, decay, factored,
+                                                                         kept):
+    """``m <- y`` (not under ZeRO: ``kept``) and ``p <- p decay + alpha (y / den) f_l``, from the rows
+    tile by tile: the decompression then the composition (``compose_keep_descend_``) bit for bit,
+    ``den == inf`` (``v_f == 0``) included; ``m``'s elements past the segments are not written."""
     assert cpu.library() is not None and update.keep_descend_agrees()
     g = torch.Generator().manual_seed(world * 5 + len(sizes))
     segs, _, _, a, params, out = _inputs(g, sizes, past)
@@ -173,9 +174,9 @@ def test_the_momentum_exchanges_update_from_the_rows_is_its_composition(sizes, p
     den[::9] = float("inf")
     factors = [1.0 + 0.1 * (i % 5) - 0.2 for i in range(len(sizes))] if factored else None
     fused_p, fused_m = [p.clone() for p in params], out.clone()
-    assert rows_keep_descend_(result, den, fused_m, factors, fused_p, segs, decay, -1e-3)
+    assert rows_keep_descend_(result, den, fused_m if kept else None, factors, fused_p, segs, decay, -1e-3)
     composed_p, composed_m = [p.clone() for p in params], out.clone()
-    update.compose_keep_descend_(y, den, composed_m, factors, composed_p, segs, decay, -1e-3)
+    update.compose_keep_descend_(y, den, composed_m if kept else None, factors, composed_p, segs, decay, -1e-3)
     assert torch.equal(fused_m.view(torch.int32), composed_m.view(torch.int32))
     assert all(torch.equal(f, c) for f, c in zip(_bits(fused_p), _bits(composed_p)))
     assert torch.all(fused_m[n:] == 7.0)
