@@ -160,14 +160,24 @@ def keep_descend_agrees() -> bool:
     return _keep_descend[0]
 
 
-def _keep_descend_check(lib) -> bool:
-    g = torch.Generator().manual_seed(37)
-    sizes = [7, 1411, 0, 33, 4099, 16, 1]
-    segments = Segments(sizes)
+def check_case(seed: int) -> tuple:
+    """The case the checks at first use run the passes from a result's rows on: ``(generator,
+    segments, chunk, block, rows, y)``, segments of sizes with and without vector tails and an empty
+    one, the rows of 2 chunks (blocks of 256) compressed from random values, ``y`` their values."""
+    g = torch.Generator().manual_seed(seed)
+    segments = Segments([7, 1411, 0, 33, 4099, 16, 1])
     n, world, block = segments.numel, 2, 256
     chunk = -(-n // (32 * world)) * 32
     rows = torch.zeros(world, reference.rows_layout(chunk, block)[1], dtype=torch.uint8)
     reference.compress_rows_(torch.randn(n, generator=g), torch.zeros(n), rows, chunk, block)
+    y = torch.empty(n)
+    reference.decompress_rows_(rows, y, chunk, block)
+    return g, segments, chunk, block, rows, y
+
+
+def _keep_descend_check(lib) -> bool:
+    g, segments, chunk, block, rows, t = check_case(37)
+    sizes, n = segments.sizes, segments.numel
     den = torch.rand(n, generator=g) * 1e-2 + 1e-8
     den[::11] = float("inf")
     ok = True
@@ -175,8 +185,7 @@ def _keep_descend_check(lib) -> bool:
                                  (0.999, None, False)):
         params = [torch.randn(k, generator=g) for k in sizes]
         expected = [p.clone() for p in params]
-        m, m_expected, y = torch.zeros(n), torch.zeros(n), torch.empty(n)
-        reference.decompress_rows_(rows, y, chunk, block)
+        m, m_expected, y = torch.zeros(n), torch.zeros(n), t.clone()
         compose_keep_descend_(y, den, m_expected if kept else None, factors, expected, segments, decay, -1e-3)
         f = _c_doubles([1.0] * len(sizes) if factors is None else factors, len(sizes))  # (alive through the call)
         dests = destination_addresses(params, sizes)

@@ -32,10 +32,10 @@ from __future__ import annotations
 
 import torch
 
-from . import cpu, reference
+from . import cpu
 from .addresses import destination_addresses, plain_cpu_floats, source_addresses
 from .segmented import Segments, _c_doubles, _native
-from .update import CompressedResult
+from .update import CompressedResult, check_case
 
 
 def compose_momentum_(x: torch.Tensor, t: torch.Tensor, r: torch.Tensor, keep, gain, bounds, segments: Segments,
@@ -119,15 +119,25 @@ class ZeroLocalMomentum:
         return True
 
 
+def _update_targets(result: CompressedResult, r: torch.Tensor, dests: list, segments: Segments) -> tuple:
+    """``(library, the parameters' addresses)`` for an update pass from the result's rows and ``r``,
+    or ``(None, None)`` where it cannot run (rows short or not on the CPU, ``r`` or a parameter the
+    C cannot take, the check at first use failed)."""
+    if not result.rows.is_cpu or result.rows.shape[0] * result.chunk < segments.numel or r.numel() < segments.numel:
+        return None, None
+    lib = _native(r)
+    addresses = destination_addresses(dests, segments.sizes) if lib is not None else None
+    if addresses is None or not agrees():
+        return None, None
+    return lib, addresses
+
+
 def rows_descend_(result: CompressedResult, r: torch.Tensor, eps: float, coeffs, factors, dests: list,
                   segments: Segments, decay: float, alpha: float) -> bool:
     """The update from the result's rows in one native pass (see the module doc); ``False``, with
     nothing done, where it cannot run here."""
-    if not result.rows.is_cpu or result.rows.shape[0] * result.chunk < segments.numel or r.numel() < segments.numel:
-        return False
-    lib = _native(r)
-    addresses = destination_addresses(dests, segments.sizes) if lib is not None else None
-    if addresses is None or not agrees():
+    lib, addresses = _update_targets(result, r, dests, segments)
+    if lib is None:
         return False
     nseg = len(segments)
     c, f = _c_doubles(coeffs, nseg), _c_doubles(factors, nseg)  # (kept alive through the call)
@@ -183,11 +193,8 @@ def lamb_rows_descend_(result: CompressedResult, r: torch.Tensor, eps: float, co
                        segments: Segments, decays, alphas) -> bool:
     """1-bit LAMB's update from the result's rows in one native pass (the module doc); ``False``,
     with nothing done, where it cannot run here."""
-    if not result.rows.is_cpu or result.rows.shape[0] * result.chunk < segments.numel or r.numel() < segments.numel:
-        return False
-    lib = _native(r)
-    addresses = destination_addresses(dests, segments.sizes) if lib is not None else None
-    if addresses is None or not agrees():
+    lib, addresses = _update_targets(result, r, dests, segments)
+    if lib is None:
         return False
     nseg = len(segments)
     c, a = _c_doubles(coeffs, nseg), _c_doubles(alphas, nseg)  # (kept alive through the call)
@@ -213,16 +220,8 @@ def agrees() -> bool:
 
 
 def _check(lib) -> bool:
-    g = torch.Generator().manual_seed(31)
-    sizes = [7, 1411, 0, 33, 4099, 16, 1]
-    segs = Segments(sizes)
-    n, world, block = segs.numel, 2, 256
-    chunk = -(-n // (32 * world)) * 32
-    _, row_len = reference.rows_layout(chunk, block)
-    prev = torch.zeros(world, row_len, dtype=torch.uint8)
-    reference.compress_rows_(torch.randn(n, generator=g), torch.zeros(n), prev, chunk, block)
-    t = torch.empty(n)
-    reference.decompress_rows_(prev, t, chunk, block)
+    g, segs, chunk, block, prev, t = check_case(31)
+    sizes, n, (world, row_len) = segs.sizes, segs.numel, prev.shape
     r = torch.rand(n, generator=g) * 3
     r[::9] = 0.0
     sources = [torch.randn(k, generator=g) * 2 for k in sizes]
