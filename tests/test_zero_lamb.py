@@ -105,3 +105,38 @@ def test_the_lamb_passes_check_themselves_and_refuse_what_they_cannot_run(monkey
     assert not zero_passes.lamb_rows_descend_(result, *args) and not zero_passes.previous_momentum_(result, r, 0, 305,
                                                                                                      out)
     assert all(bool((p == 1).all()) for p in params) and bool((out == 3.0).all())
+
+
+def _tiny(rank, world):
+    """A bucket of 40 elements on 3 ranks: chunks of 32, so rank 2 holds none of it."""
+    out = []
+    for native in (True, False):
+        g = torch.Generator().manual_seed(rank)
+        params = [torch.nn.Parameter(torch.randn(s, generator=g) * 0.1) for s in ((7, 5), (5,))]
+        opt = compressed_opt.OnebitLamb(params, lr=1e-3, freeze_step=3, zero_stage=1, overlap=False)
+        saved, ran, descend = list(zero_passes._agreement), [], zero_passes.lamb_rows_descend_
+        zero_passes._agreement[:] = [] if native else [False]
+        zero_passes.lamb_rows_descend_ = lambda *args: ran.append(descend(*args)) or ran[-1]
+        try:
+            for step in range(1, 12):
+                gen = torch.Generator().manual_seed(1000 * rank + step)
+                for p in params:
+                    p.grad = torch.randn(p.shape, generator=gen) * 0.01
+                opt.step()
+        finally:
+            zero_passes._agreement[:] = saved
+            zero_passes.lamb_rows_descend_ = descend
+        out.append(([p.detach().clone() for p in params], sum(ran)))
+    return out
+
+
+@pytest.mark.multiprocess
+def test_a_rank_that_holds_no_element_of_a_bucket_steps_with_the_others():
+    from distributed import run_ranks
+
+    results = run_ranks(_tiny, 3, timeout=120)
+    for (native, ran), (composed, ran_composed) in results:
+        assert ran == 7 and ran_composed == 0  # steps 5-11 (4, the first compression step, measures)
+        for a, b in zip(native, composed):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-7)
+    assert all(torch.equal(a, b) for r in results[1:] for a, b in zip(results[0][0][0], r[0][0]))
