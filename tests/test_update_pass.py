@@ -238,3 +238,23 @@ def test_onebit_adams_momentum_exchange_steps_as_its_composition(monkeypatch):
     for a, b in zip(fused, composed):
         assert torch.equal(a.view(torch.int32) if a.dtype == torch.float32 else a,
                            b.view(torch.int32) if b.dtype == torch.float32 else b)
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1])
+def test_the_momentum_exchange_resumes_bit_for_bit(zero_stage):
+    """A checkpoint saved in the compression stage of the momentum exchange (its update from the
+    rows, its local momentum from ``p.grad``) and loaded into a new model and optimizer: the run
+    ends where the uninterrupted one does, to the bit."""
+    import compressed_opt
+    from compressed_opt.comm import SingleProcessBackend
+    from optim_tasks import mlp, resume_diff
+    from test_onebit_adam import gaussian_batches
+
+    def fresh():
+        model = mlp()
+        opt = compressed_opt.OnebitAdam(model.parameters(), lr=1e-3, freeze_step=3, exchange="momentum",
+                                        zero_stage=zero_stage, overlap=False, bucket_cap_mb=0.01,
+                                        backend=SingleProcessBackend())
+        return model, model, opt
+
+    assert resume_diff(fresh, list(gaussian_batches(0, 1, 10)), 6) == 0.0
