@@ -296,8 +296,8 @@ class OnebitLamb(_FreezingAdam):
         layout still holds ``m_{t-1}`` (:meth:`~compressed_opt.layout.Layout.previous_momentum`). This
         composition in PyTorch runs elsewhere (other devices, ``COMPRESSED_OPT_KERNELS=reference``)."""
         layout = self.layout
-        y = layout.exchanged(self, bucket, momentum)  # (the result's rows, or momentum)
-        if self._fused_passes_ready(bucket, y, step):
+        y = layout.exchanged(self, bucket, momentum)  # (the result's rows, or momentum; sharded: kept where ready)
+        if isinstance(y, kernels.CompressedResult) if layout.sharded else self._fused_passes_ready(bucket, y, step):
             return self._fused_compressed_step(bucket, group, y, step)
         if isinstance(y, kernels.CompressedResult):
             y.expand_()  # into momentum
