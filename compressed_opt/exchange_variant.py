@@ -39,13 +39,14 @@ class ExchangeVariant:
 
     #: the ``exchange=`` argument that chooses it, and the name checkpoints record
     name = ""
+    #: whether the local momentum is exchanged as ``s_l R m_i``, bounded (a fused pass the
+    #: compression runs: :class:`compressed_opt.cuda.LerpScaleClamp`)
+    preconditioned = False
+
     def reads_compressed_result(self, opt) -> bool:
         """Whether its update reads the exchange's result through the layout's ``exchanged`` (which
         may give it as 1-bit rows, never decompressed into memory), not from the exchanged buffer."""
         return False
-    #: whether the local momentum is exchanged as ``s_l R m_i``, bounded (a fused pass the
-    #: compression runs: :class:`compressed_opt.cuda.LerpScaleClamp`)
-    preconditioned = False
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(exchange={self.name!r})"

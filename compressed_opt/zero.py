@@ -270,10 +270,10 @@ class Sharded(Layout):
 
     def _previous_from_rows(self, opt, bucket, r) -> bool:
         """This rank's chunk of ``m_{t-1} = (R m) / R`` from the kept rows (``momentum_prev_shard``,
-        as :meth:`form_local_momentum` keeps it), natively; ``False`` where that cannot run."""
+        as :meth:`form_local_momentum` keeps it), natively; ``False`` where that cannot run (no ``R``)."""
         lo, hi, c = self.own_range(opt, bucket)
-        out = shard(bucket, "momentum_prev_shard", c)
-        return kernels.zero_passes.previous_momentum_(self._kept_rows(opt, bucket, out), r, lo, hi, out)
+        out, passes = shard(bucket, "momentum_prev_shard", c), kernels.zero_passes
+        return r is not None and passes.previous_momentum_(self._kept_rows(opt, bucket, out), r, lo, hi, out)
 
     def _kept_rows(self, opt, bucket, buffer) -> kernels.CompressedResult:
         """The kept rows (the last exchange's result), as a compressed result of the bucket."""
