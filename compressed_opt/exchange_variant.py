@@ -164,13 +164,13 @@ class AdamMomentum(ExchangeVariant):
         """``m <- y``; ``p <- decay p + alpha f_l m / (sqrt(v_f) + eps)`` (``f_l``: the layers'
         tracking factors, ``opt.update_factors``). From the result's rows in one native pass where
         the layout kept them and the pass can run (``kernels.rows_keep_descend_``: ``m`` the
-        layout's whole momentum, none sharded, whose momentum is the rows; bit for bit this
+        layout's whole momentum, none under ZeRO, whose momentum is the rows; bit for bit this
         composition), else composed here."""
         layout = opt.layout
         factors = opt.update_factors(bucket)
         result = layout.exchanged(opt, bucket, y)
         if isinstance(result, kernels.CompressedResult):
-            m = None if layout.sharded else layout.previous_momentum(opt, bucket)
+            m = layout.whole_momentum(opt, bucket)
             if kernels.rows_keep_descend_(result, opt.frozen_denominator(bucket), m, factors, bucket.params,
                                           bucket.segments, decay, alpha):
                 return

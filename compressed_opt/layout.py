@@ -185,6 +185,11 @@ class Layout:
         :meth:`keep_momentum`), to consume in place."""
         raise NotImplementedError
 
+    def whole_momentum(self, opt, bucket: Bucket) -> torch.Tensor | None:
+        """The bucket's whole fp32 momentum, for a pass that writes it in place of
+        :meth:`keep_momentum`; ``None`` where the layout keeps none (ZeRO: the exchange's rows)."""
+        return None
+
     def layer_maxima(self, opt, bucket: Bucket, values: torch.Tensor) -> list[float]:
         """Per layer, the maximum of ``values`` (this rank's part of a per-element quantity, >= 0)
         over every rank's part, the same on every rank; 1.0 for an empty layer."""
@@ -330,6 +335,9 @@ class Replicated(Layout):
         bucket.flat("exp_avg").copy_(m)
 
     def previous_momentum(self, opt, bucket):
+        return bucket.flat("exp_avg")
+
+    def whole_momentum(self, opt, bucket):
         return bucket.flat("exp_avg")
 
     def layer_maxima(self, opt, bucket, values):

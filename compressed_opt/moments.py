@@ -74,6 +74,15 @@ def frozen_denominator_of(v: torch.Tensor, group: dict, freeze_step: int) -> tor
     return torch.sqrt(v).div_(bc2_sqrt).add_(group["eps"]).masked_fill_(v == 0, float("inf"))
 
 
+def preconditioned_denominator(r: torch.Tensor, split, coeffs: list[float], eps: float) -> torch.Tensor:
+    """``sqrt(v_f) + eps`` made from ``R = c_l / sqrt(v_f)`` (ZeRO keeps only ``R``): ``(1 / R) c_l +
+    eps``, ``inf`` where ``R == 0``; ``split`` gives a flat tensor's per-layer views."""
+    denom = torch.reciprocal(r)
+    if any(c != 1.0 for c in coeffs):
+        torch._foreach_mul_(split(denom), list(coeffs))
+    return denom.add_(eps)
+
+
 def descend_(params: list[torch.Tensor], directions: list[torch.Tensor], decay: float, alpha: float) -> None:
     """``p = p decay + alpha d`` for each parameter and its direction (no multiplication where
     ``decay`` is 1: no weight decay)."""

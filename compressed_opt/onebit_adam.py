@@ -53,7 +53,7 @@ from . import variance_tracking as tracking
 from .buffers import DERIVED, STATE, Buffer
 from .freeze import VarianceStabilityRule, resolve_rule, restore_rule
 from .moments import (COMPRESSED_STEP_BOUND, bias_corrections, denominator_, frozen_denominator_of,
-                      momentum_, variance_)
+                      momentum_, preconditioned_denominator, variance_)
 from .optimizer import CompressedOptimizer, common_args
 from .validation import check_adam_group, check_step_count
 
@@ -159,9 +159,8 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
         denom = bucket.flats.get("frozen_denominator")
         r = bucket.flats.get("preconditioner")
         if denom is None and r is not None:  # (sharded: only R = c_l / sqrt(v_f) is kept) made for one step
-            denom = torch.reciprocal(r)
-            scaling.scale_(bucket.views(denom), [self.state[p]["scaling_coeff"] for p in bucket.params])
-            return denom.add_(self.param_groups[bucket.group_index]["eps"])
+            return preconditioned_denominator(r, bucket.views, [self.state[p]["scaling_coeff"] for p in bucket.params],
+                                              self.param_groups[bucket.group_index]["eps"])
         if denom is None:
             group = self.param_groups[bucket.group_index]
             denom = frozen_denominator_of(bucket.flat("exp_avg_sq"), group, self.freeze_step)

@@ -30,6 +30,7 @@ from compressed_opt import cuda as kernels
 from compressed_opt.comm import chunk_numel
 
 from .buckets import Bucket
+from .moments import preconditioned_denominator
 
 
 def ready(opt, bucket: Bucket) -> bool:
@@ -66,9 +67,8 @@ def _denominator_chunk(opt, bucket: Bucket, r: torch.Tensor, segments: kernels.S
     key = (r.data_ptr(), r.numel(), r._version, float(eps), tuple(coeffs))
     cached = bucket.derived.get("lamb_denominator_chunk")
     if cached is None or cached[0] != key:
-        denom = torch.reciprocal(r)
-        torch._foreach_mul_(segments.split(denom), coeffs)
-        cached = bucket.derived["lamb_denominator_chunk"] = (key, denom.add_(eps))
+        cached = (key, preconditioned_denominator(r, segments.split, coeffs, eps))
+        bucket.derived["lamb_denominator_chunk"] = cached
     return cached[1]
 
 

@@ -73,17 +73,21 @@ def compose_descend_(y: torch.Tensor, r: torch.Tensor, eps: float, coeffs, facto
         a_inv = torch._foreach_mul(segments.split(r), eps)
         torch._foreach_add_(a_inv, list(coeffs))
         torch._foreach_div_(views, a_inv)
-    n = segments.numel
-    if zero_index is None:
-        y[:n].masked_fill_(r[:n] == 0, 0.0)
-    elif zero_index.numel():
-        y.index_fill_(0, zero_index, 0.0)
+    _zero_where_no_variance(y, r, segments.numel, zero_index)
     if views and any(f != 1.0 for f in factors):
         torch._foreach_mul_(views, list(factors))
     if dests:
         if decay != 1.0:
             torch._foreach_mul_(dests, decay)
         torch._foreach_add_(dests, [v.view(p.shape) for v, p in zip(views, dests)], alpha=alpha)
+
+
+def _zero_where_no_variance(y: torch.Tensor, r: torch.Tensor, n: int, zero_index: torch.Tensor | None) -> None:
+    """``y[:n]`` <- 0 where ``r == 0`` (``v_f == 0``; ``zero_index``: those indices, known)."""
+    if zero_index is None:
+        y[:n].masked_fill_(r[:n] == 0, 0.0)
+    elif zero_index.numel():
+        y.index_fill_(0, zero_index, 0.0)
 
 
 class ZeroLocalMomentum:
@@ -174,10 +178,7 @@ def compose_lamb_descend_(y: torch.Tensor, r: torch.Tensor, eps: float, coeffs, 
     decompressed ``y`` (overwritten: ``m``, then the direction's step)."""
     n = segments.numel
     torch.div(y[:n], r[:n], out=y[:n])  # m = y / R, 0 where R == 0 (the momentum from the exchange)
-    if zero_index is None:
-        y[:n].masked_fill_(r[:n] == 0, 0.0)
-    elif zero_index.numel():
-        y.index_fill_(0, zero_index, 0.0)
+    _zero_where_no_variance(y, r, n, zero_index)
     denom = torch.reciprocal(r[:n])  # sqrt(v_f) + eps, made from R = c_l / sqrt(v_f)
     torch._foreach_mul_(segments.split(denom), list(coeffs))
     denom.add_(eps)
