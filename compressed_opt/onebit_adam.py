@@ -50,6 +50,7 @@ from compressed_opt.comm import DEFAULT_BLOCK
 
 from . import exchange_variant, scaling, zero
 from . import variance_tracking as tracking
+from .buckets import param_states
 from .buffers import DERIVED, STATE, Buffer
 from .freeze import VarianceStabilityRule, resolve_rule, restore_rule
 from .moments import (COMPRESSED_STEP_BOUND, bias_corrections, denominator_, frozen_denominator_of,
@@ -206,7 +207,7 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
         cached = bucket.derived.get("exchange_bounds")
         if cached is None or cached[0][0] is not key[0] or cached[0][1] != betas:
             k = self._bound_constant(betas)
-            cached = (key, [k * self.state[p]["scaling_coeff"] for p in bucket.params])
+            cached = (key, [k * st["scaling_coeff"] for st in param_states(self.state, bucket)])
             bucket.derived["exchange_bounds"] = cached
         return cached[1]
 
@@ -245,7 +246,7 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
     def kept_exchange_factors(self, bucket) -> list[float]:
         """The ``s_l`` of the last exchange, whose result a sharded layout keeps as 1-bit rows (1
         for a checkpoint of format 2, or before any tracked exchange)."""
-        return [self.state[p].get("exchange_factor", 1.0) for p in bucket.params]
+        return [st.get("exchange_factor", 1.0) for st in param_states(self.state, bucket)]
 
     def update_factors(self, bucket) -> list[float] | None:
         """Per layer, what the exchanged ``y`` is multiplied by in the update on top of ``A``:
@@ -262,8 +263,8 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
         sharded layout's rows are in its units; checkpoints carry it)."""
         s = self._applied_exchange_factors(bucket)
         if s is not None:
-            for p, v in zip(bucket.params, s):
-                self.state[p]["exchange_factor"] = v
+            for st, v in zip(param_states(self.state, bucket), s):
+                st["exchange_factor"] = v
 
     def no_variance_indices(self, bucket) -> torch.Tensor:
         """Indices of the bucket's elements with ``v_f == 0`` (usually none): ``m = y / R`` is

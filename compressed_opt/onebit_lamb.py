@@ -99,6 +99,7 @@ from compressed_opt import cuda as kernels
 from compressed_opt.comm import DEFAULT_BLOCK
 
 from . import exchange_variant, scaling, zero_lamb
+from .buckets import param_states
 from .buffers import SAVED, STATE, Buffer
 from .onebit_adam import DEFAULT_FREEZE_STEP, _FreezingAdam
 from .optimizer import common_args
@@ -405,7 +406,7 @@ class OnebitLamb(_FreezingAdam):
         exchange variant's ``local_direction_sq``)."""
         beta1, beta2 = group["betas"]
         bc1, _ = bias_corrections(beta1, beta2, step, group["bias_correction"])
-        scales = [1.0 / (self.state[p]["scaling_coeff"] * bc1) for p in bucket.params]
+        scales = [1.0 / (st["scaling_coeff"] * bc1) for st in param_states(self.state, bucket)]
         self._local_direction_sq[bucket.index] = self.exchange_variant.local_direction_sq(
             self, bucket, x, scales, group["weight_decay"])
 
@@ -439,18 +440,16 @@ class OnebitLamb(_FreezingAdam):
         further than ``K`` times LAMB's step from where it is. Both are measured when ``measure``
         and kept in ``state[p]`` (``trust_ratio_live``, ``trust_ratio_cap``: checkpointed) in
         between."""
-        params = bucket.params
+        params, states = bucket.params, param_states(self.state, bucket)
         if measure:
             p_norm, d_norm = self._local_shards.whole_layer_norms(
                 params, [norms(params), self._step_direction_norms(bucket, group, update, bc1)])
             u_norm = p_norm.new_tensor(self._direction_norms[bucket.index])
             caps = [COMPRESSED_STEP_BOUND * r for r in _trust_ratios(p_norm, d_norm, group)]
-            for p, live, cap in zip(params, _trust_ratios(p_norm, u_norm, group, where_zero=0.0), caps):
-                self.state[p]["trust_ratio_live"] = live
-                self.state[p]["trust_ratio_cap"] = cap
+            for st, live, cap in zip(states, _trust_ratios(p_norm, u_norm, group, where_zero=0.0), caps):
+                st["trust_ratio_live"], st["trust_ratio_cap"] = live, cap
         coeffs = []
-        for p, r_factor in zip(params, frozen):
-            st = self.state[p]
+        for st, r_factor in zip(states, frozen):
             coeff = max(st.get("trust_ratio_live", 0.0), st["trust_ratio_frozen"], r_factor)
             st["lamb_coeff"] = coeff = min(coeff, st.get("trust_ratio_cap", math.inf))
             coeffs.append(coeff)

@@ -33,7 +33,7 @@ from compressed_opt.comm import DEFAULT_BLOCK, resolve_backend
 
 from . import agreement, averaging, ddp, traffic
 from .agreement import RankAgreement
-from .buckets import Bucket, build_buckets
+from .buckets import Bucket, build_buckets, trained_ids
 from .buffers import SAVED, SCRATCH, STATE, Buffer, names, overlay
 from .exchanges import Exchanges, exchange_groups
 from .layout import Layout, Replicated
@@ -243,7 +243,7 @@ class CompressedOptimizer(Stepping, Reporting, Persistence, Optimizer):
         return self._buckets
 
     def _ensure_buckets(self) -> None:
-        key = tuple(tuple(id(p) for p in g["params"] if p.requires_grad) for g in self.param_groups)
+        key = tuple(trained_ids(g["params"]) for g in self.param_groups)
         if self._buckets is not None and key == self._layout_key:
             return
         rebuilt = self._buckets is not None

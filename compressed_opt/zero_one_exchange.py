@@ -20,6 +20,7 @@ import torch
 from compressed_opt import cuda as kernels
 
 from . import scaling
+from .buckets import param_states
 from .exchange_variant import ExchangeVariant
 from .moments import COMPRESSED_STEP_BOUND, PRECONDITIONED_GRADIENT_BOUND, variance_
 
@@ -118,8 +119,8 @@ class ZeroOneExchange:
             return [PRECONDITIONED_GRADIENT_BOUND] * len(bucket.params)
         k = COMPRESSED_STEP_BOUND * lr_sum
         if factors is None:
-            return [k * self.state[p]["scaling_coeff"] for p in bucket.params]
-        return [k * self.state[p]["scaling_coeff"] / f for p, f in zip(bucket.params, factors)]
+            return [k * st["scaling_coeff"] for st in param_states(self.state, bucket)]
+        return [k * st["scaling_coeff"] / f for st, f in zip(param_states(self.state, bucket), factors)]
 
     def _refresh_preconditioner(self, bucket, old: torch.Tensor) -> None:
         """After a refresh (``v`` changed; ``old``: the ``R`` before it): the new ``R``, and the

@@ -50,23 +50,33 @@ def source_addresses(sources: list, sizes: list[int]) -> torch.Tensor:
                         dtype=torch.int64)
 
 
+def _plain_addresses(tensors: list, sizes: list[int], what: str) -> list[int] | None:
+    """Each tensor's address (0 for an empty one), in one walk that checks each as it goes (five
+    attribute reads a tensor, the least a step pays per tensor), or ``None`` where one is not a
+    plain contiguous fp32 CPU tensor with storage (``None`` included). Raises ``ValueError`` where
+    their number or a size is not the segments' (``what``: the tensors, for the message)."""
+    if len(tensors) != len(sizes):
+        raise ValueError(f"one {what} per segment is needed ({len(sizes)}), got {len(tensors)}")
+    f32, plain, out = torch.float32, _PLAIN_TYPES, []
+    append = out.append
+    for t, n in zip(tensors, sizes):
+        if type(t) not in plain or t.dtype is not f32 or not t.is_cpu or not t.is_contiguous():
+            return None
+        if t.numel() != n:
+            raise ValueError(f"a {what} of {t.numel()} elements for a segment of {n}")
+        ptr = t.data_ptr() if n else 0
+        if n and not ptr:
+            return None
+        append(ptr)
+    return out
+
+
 def destination_addresses(dests: list, sizes: list[int]) -> torch.Tensor | None:
     """Each destination's address (0 for an empty one; int64), or ``None`` where one is not a plain
     contiguous fp32 CPU tensor with storage (a C pass cannot write it). Raises ``ValueError`` where
     their number or a size is not the segments'."""
-    if len(dests) != len(sizes):
-        raise ValueError(f"one destination per segment is needed ({len(sizes)}), got {len(dests)}")
-    f32, out = torch.float32, []
-    for p, n in zip(dests, sizes):
-        if p.numel() != n:
-            raise ValueError(f"a destination of {p.numel()} elements for a segment of {n}")
-        if type(p) not in _PLAIN_TYPES or p.dtype is not f32 or not p.is_cpu or not p.is_contiguous():
-            return None
-        ptr = p.data_ptr() if n else 0
-        if n and not ptr:
-            return None
-        out.append(ptr)
-    return torch.tensor(out, dtype=torch.int64)
+    out = _plain_addresses(dests, sizes, "destination")
+    return None if out is None else torch.tensor(out, dtype=torch.int64)
 
 
 class Sources(list):
@@ -77,9 +87,15 @@ class Sources(list):
 
     @classmethod
     def of(cls, tensors: list, sizes: list[int]) -> Sources | None:
-        """``tensors`` as :class:`Sources`, or ``None`` where a C pass cannot read them all."""
-        if not readable_in_place(tensors):
+        """``tensors`` as :class:`Sources`, or ``None`` where a C pass cannot read them all (as
+        :func:`readable_in_place`; checked and addressed in one walk)."""
+        from . import cpu
+
+        if os.environ.get("COMPRESSED_OPT_KERNELS") == "reference" or cpu.library() is None:
+            return None
+        addresses = _plain_addresses(tensors, sizes, "source")
+        if addresses is None:
             return None
         out = cls(tensors)
-        out.addresses = source_addresses(tensors, sizes)
+        out.addresses = torch.tensor(addresses, dtype=torch.int64)
         return out

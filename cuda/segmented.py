@@ -41,7 +41,7 @@ on CUDA tensors, each bit for bit its device's pass then the compression.
 """
 from __future__ import annotations
 
-import ctypes
+import array
 import os
 import warnings
 
@@ -113,14 +113,15 @@ def _doubles(values, n: int) -> torch.Tensor:
 
 def _c_doubles(values, n: int) -> tuple[object, int]:
     """``values`` (a tensor or a sequence of ``n`` numbers) as ``n`` C doubles for the C library:
-    ``(what keeps them alive, their address)`` (a list in a ctypes array: a fifth of a tensor's cost)."""
+    ``(what keeps them alive, their address)`` (a list in an ``array.array``: a sixth of a ctypes
+    array's cost, a thirtieth of a tensor's)."""
     if isinstance(values, torch.Tensor):
         t = _doubles(values, n)
         return t, t.data_ptr()
     if len(values) != n:
         raise ValueError(f"one value per segment is needed ({n}), got shape ({len(values)},)")
-    array = (ctypes.c_double * n)(*values)
-    return array, ctypes.addressof(array)
+    doubles = array.array("d", values)
+    return doubles, doubles.buffer_info()[0]
 
 
 def gather_(sources: list, out: torch.Tensor, segments: Segments, scale: float | None = None,
