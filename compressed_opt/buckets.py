@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from compressed_opt.comm import chunk_numel
-from compressed_opt.cuda import Segments, gather_
+from compressed_opt.cuda import Destinations, Segments, gather_
 
 from .buffers import BucketBuffers
 
@@ -39,6 +39,16 @@ class Bucket:
     #: what they were made from; runtime only, never saved); keys that start with "step." hold one
     #: step's values (its gradients left in place, a pass not run yet) and go at its end
     derived: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def step_destinations(self) -> list[torch.Tensor]:
+        """The parameters for this step's C passes: checked and addressed once per step
+        (:class:`~compressed_opt.cuda.Destinations`, kept in :attr:`derived` until the step ends), or
+        the plain list where a C pass cannot write them (the passes then decline, and the caller
+        composes). Only within ``step()``: no loop code runs between its passes."""
+        dests = self.derived.get("step.destinations")
+        if dests is None:
+            dests = self.derived["step.destinations"] = Destinations.of(self.params, self.segments.sizes) or self.params
+        return dests
 
     def forget_step(self) -> None:
         """Drop this step's values from :attr:`derived` (no reference to its gradients stays)."""

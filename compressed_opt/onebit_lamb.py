@@ -298,7 +298,8 @@ class OnebitLamb(_FreezingAdam):
         composition in PyTorch runs elsewhere (other devices, ``COMPRESSED_OPT_KERNELS=reference``)."""
         layout = self.layout
         y = layout.exchanged(self, bucket, momentum)  # (the result's rows, or momentum; sharded: kept where ready)
-        if isinstance(y, kernels.CompressedResult) if layout.sharded else self._fused_passes_ready(bucket, y, step):
+        if (isinstance(y, kernels.CompressedResult) if layout.sharded
+                else self._fused_passes_ready(bucket, y, step, bucket.step_destinations())):
             return self._fused_compressed_step(bucket, group, y, step)
         if isinstance(y, kernels.CompressedResult):
             y.expand_()  # into momentum
@@ -339,13 +340,13 @@ class OnebitLamb(_FreezingAdam):
         torch._foreach_add_(params, views)
         layout.update_masters(self, bucket, step, decays, update)
 
-    def _fused_passes_ready(self, bucket, y, step) -> bool:
+    def _fused_passes_ready(self, bucket, y, step, params=None) -> bool:
         """Whether this compression step runs as the two native passes of
         :mod:`compressed_opt.cuda.lamb_passes` (the whole state on this rank, where the previous
         momentum's buffer is the kept one): no exchange factors, and the exchanged ``y`` (the bucket's
-        buffer, or the result's CPU rows and that buffer), the buffers and the parameters contiguous
-        fp32 CPU tensors (:func:`~compressed_opt.cuda.lamb_passes.ready`). Sharded: those of
-        :mod:`compressed_opt.zero_lamb` (from the result's rows)."""
+        buffer, or the result's CPU rows and that buffer), the buffers and the parameters (``params``,
+        as this step's passes take them) contiguous fp32 CPU tensors (``lamb_passes.ready``). Sharded:
+        those of :mod:`compressed_opt.zero_lamb` (from the result's rows)."""
         if self.layout.sharded:  # (its result is in the kept rows, whether or not decompressed into y)
             return not self._measures_live_ratio(step) and zero_lamb.ready(self, bucket)
         if self._applied_exchange_factors(bucket) is not None:
@@ -353,7 +354,7 @@ class OnebitLamb(_FreezingAdam):
         r, _ = self.exchange_variant.momentum_divisors(self, bucket)
         tensors = [y, r, self.layout.previous_momentum(self, bucket),
                    self.layout.state(self, bucket, "exp_avg_sq_fresh"), self.frozen_denominator(bucket)]
-        return kernels.lamb_passes.ready(tensors, bucket.params, bucket.segments)
+        return kernels.lamb_passes.ready(tensors, bucket.params if params is None else params, bucket.segments)
 
     def _fused_compressed_step(self, bucket, group, y, step):
         """:meth:`_compressed_step`'s math in two native passes over the bucket, from the exchange's
@@ -389,7 +390,7 @@ class OnebitLamb(_FreezingAdam):
         if sharded:  # (fp32 parameters: no masters to update)
             zero_lamb.descend_(self, bucket, buffer, decays, alphas)
         else:
-            passes.descend_(params, m, denom, bucket.segments, decays, alphas)
+            passes.descend_(bucket.step_destinations(), m, denom, bucket.segments, decays, alphas)
 
     # --- the live trust ratio (trust_ratio="live") -------------------------------------------------
     def _reads_gradients_in_place(self, step) -> bool:

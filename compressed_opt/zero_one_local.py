@@ -75,7 +75,7 @@ class ZeroOneLocalSteps:
         m, acc = bucket.flat("exp_avg"), bucket.flat("momentum_accumulator")
         sden = self._signed_denominator(bucket, group, grad)
         return sden is not None and kernels.zero_one_local_step_(
-            bucket.params, grad, m, sden, acc, bucket.segments, 1 - group["betas"][0], lr,
+            bucket.step_destinations(), grad, m, sden, acc, bucket.segments, 1 - group["betas"][0], lr,
             1 - lr * wd if wd != 0 else 1.0, [-lr * f for f in factors], sources)
 
     def _signed_denominator(self, bucket, group, grad) -> torch.Tensor | None:
@@ -83,7 +83,7 @@ class ZeroOneLocalSteps:
         unsigned one stays, or is made, for the composition)."""
         v = bucket.flat("exp_avg_sq")
         buffers = [bucket.flat(n) for n in ("exp_avg", "momentum_accumulator", "sync_params")]
-        if not kernels.zero_one_passes_serve(bucket.params, bucket.segments, grad, v, *buffers):
+        if not kernels.zero_one_passes_serve(bucket.step_destinations(), bucket.segments, grad, v, *buffers):
             return None
         return self._frozen_denominator(bucket, v, group["eps"], signed=True)
 
@@ -98,7 +98,7 @@ class ZeroOneLocalSteps:
         if sden is None:
             return False
         if lr_sum <= 0:  # nothing moved over the interval: no exchange; p = p_sync
-            kernels.zero_one_sync_before_(bucket.params, grad, m, sden, acc, bucket.segments, weight, lr,
+            kernels.zero_one_sync_before_(bucket.step_destinations(), grad, m, sden, acc, bucket.segments, weight, lr,
                                           sources=sources)
             torch._foreach_copy_(bucket.params, bucket.views(anchor))
             acc.zero_()
@@ -116,8 +116,8 @@ class ZeroOneLocalSteps:
 
         self.exchanges.run([request()])
         # (the rows are views of the exchange's buffers, valid until the next exchange: read right now)
-        kernels.zero_one_sync_after_(bucket.params, result[0], sden, m, anchor, bucket.segments, lr_sum, decay,
-                                     [-f for f in factors], r, divisors)
+        kernels.zero_one_sync_after_(bucket.step_destinations(), result[0], sden, m, anchor, bucket.segments, lr_sum,
+                                     decay, [-f for f in factors], r, divisors)
         return True
 
     def _composed_local_step(self, bucket, group, grad, factors, sync):

@@ -58,7 +58,7 @@ from .segmented import (Lerp, LerpScaleClamp, ScaleClamp, Segments, descend_scal
 from .local_steps import (ZeroOneSyncBefore, signed_denominator, zero_one_local_step_, zero_one_passes_serve,
                           zero_one_sync_after_, zero_one_sync_before_)
 from .addresses import addressable as plain_memory
-from .addresses import Sources, readable_in_place
+from .addresses import Destinations, Sources, readable_in_place
 from .sumsq import sumsq_each
 from .update import CompressedResult, Descend, divide_descend_, rows_keep_descend_
 
@@ -80,6 +80,7 @@ __all__ = [
     "lerp_scale_clamp_",
     "LerpScaleClamp",
     "readable_in_place",
+    "Destinations",
     "Sources",
     "Lerp",
     "ScaleClamp",

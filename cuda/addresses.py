@@ -74,7 +74,11 @@ def _plain_addresses(tensors: list, sizes: list[int], what: str) -> list[int] | 
 def destination_addresses(dests: list, sizes: list[int]) -> torch.Tensor | None:
     """Each destination's address (0 for an empty one; int64), or ``None`` where one is not a plain
     contiguous fp32 CPU tensor with storage (a C pass cannot write it). Raises ``ValueError`` where
-    their number or a size is not the segments'."""
+    their number or a size is not the segments'. :class:`Destinations` give the addresses they hold."""
+    if isinstance(dests, Destinations):
+        if len(dests) != len(sizes):
+            raise ValueError(f"one destination per segment is needed ({len(sizes)}), got {len(dests)}")
+        return dests.addresses
     out = _plain_addresses(dests, sizes, "destination")
     return None if out is None else torch.tensor(out, dtype=torch.int64)
 
@@ -98,4 +102,22 @@ class Sources(list):
             return None
         out = cls(tensors)
         out.addresses = torch.tensor(addresses, dtype=torch.int64)
+        return out
+
+
+class Destinations(list):
+    """Tensors the C passes write through their own memory, one per segment (a bucket's
+    parameters), checked once with their addresses made once (:attr:`addresses`), for the passes of
+    one step (a step that asks whether its passes can run, then runs them, walks its parameters
+    once): :func:`destination_addresses` takes them as they are. They must not change before those
+    passes ran."""
+
+    @classmethod
+    def of(cls, tensors: list, sizes: list[int]) -> Destinations | None:
+        """``tensors`` as :class:`Destinations`, or ``None`` where a C pass cannot write them all."""
+        addresses = destination_addresses(tensors, sizes)
+        if addresses is None:
+            return None
+        out = cls(tensors)
+        out.addresses = addresses
         return out

@@ -117,7 +117,7 @@ def descend_(params: list, m: torch.Tensor, denom: torch.Tensor, segments: Segme
     :func:`ready`."""
     _check(segments, m, denom)
     nseg = len(segments)
-    addresses = torch.tensor([p.data_ptr() if p.numel() else 0 for p in params], dtype=torch.int64)  # (ready())
+    addresses = destination_addresses(params, segments.sizes)  # (ready() checked them: Destinations, as a rule)
     a, ap = _c_doubles(alphas, nseg)
     d, dp = (None, None) if decays is None else _c_doubles(decays, nseg)
     cpu.library().co_lamb_descend(addresses.data_ptr(), m.data_ptr(), denom.data_ptr(), segments.offsets.data_ptr(),

@@ -112,3 +112,84 @@ def test_an_optimizers_buckets_hold_only_declared_buffers():
     assert {"exp_avg_shard", "momentum_rows", "exp_avg_sq_fresh_shard"} <= set(sharded.saved_bucket_buffers)
     assert sharded.declared["layer_ids"].role == SCRATCH and sharded.declared["layer_ids"].dtype == torch.int64
     assert type(sharded).saved_bucket_buffers == ("worker_error", "server_error")  # the class keeps its own
+
+
+def test_step_destinations_are_checked_once_per_step_and_dropped_at_its_end():
+    from compressed_opt.cuda.addresses import Destinations, destination_addresses
+
+    model, bucket = _bucket()
+    dests = bucket.step_destinations()
+    assert isinstance(dests, Destinations) and list(dests) == bucket.params
+    assert bucket.step_destinations() is dests  # (the same step: not walked again)
+    assert destination_addresses(dests, bucket.segments.sizes) is dests.addresses
+    assert dests.addresses.tolist() == [p.data_ptr() for p in bucket.params]
+    with pytest.raises(ValueError, match="one destination per segment"):
+        destination_addresses(dests, bucket.segments.sizes[:-1])
+    bucket.forget_step()
+    with torch.no_grad():
+        model[0].weight.data = model[0].weight.data.t().contiguous().t()  # (between steps: not contiguous now)
+    plain = bucket.step_destinations()
+    assert not isinstance(plain, Destinations) and plain is bucket.params  # a C pass cannot write it
+    assert destination_addresses(plain, bucket.segments.sizes) is None
+
+
+def test_addresses_are_checked_as_they_are_walked():
+    from compressed_opt.cuda.addresses import Destinations, Sources, destination_addresses
+
+    ts = [torch.zeros(3), torch.zeros(0), torch.zeros(5)]
+    assert destination_addresses(ts, [3, 0, 5]).tolist() == [ts[0].data_ptr(), 0, ts[2].data_ptr()]
+    assert Sources.of(ts, [3, 0, 5]).addresses.tolist() == [ts[0].data_ptr(), 0, ts[2].data_ptr()]
+    with pytest.raises(ValueError, match="a destination of 5 elements for a segment of 4"):
+        destination_addresses(ts, [3, 0, 4])
+    with pytest.raises(ValueError, match="a source of 5 elements for a segment of 4"):
+        Sources.of(ts, [3, 0, 4])
+    for bad in (torch.zeros(3, dtype=torch.float64), torch.zeros(6)[::2], None):
+        assert Destinations.of([ts[0], bad], [3, 3]) is None and Sources.of([ts[0], bad], [3, 3]) is None
+
+
+def test_trained_ids_are_the_parameters_that_require_a_gradient():
+    from compressed_opt.buckets import trained_ids
+
+    params = [nn.Parameter(torch.zeros(2)) for _ in range(4)]
+    assert trained_ids(params) == tuple(id(p) for p in params)
+    params[2].requires_grad_(False)
+    assert trained_ids(params) == (id(params[0]), id(params[1]), id(params[3]))
+    assert trained_ids([]) == ()
+
+
+def test_param_states_follow_the_optimizers_state_mapping():
+    """The per-layer scalars a step writes land in the state a checkpoint saves, also after
+    ``load_state_dict`` made a new mapping: a run resumed from its own state in the compression
+    stage saves what the uninterrupted run saves, bit for bit."""
+    from collections import defaultdict
+
+    import compressed_opt
+    from compressed_opt.buckets import param_states
+    from compressed_opt.comm import SingleProcessBackend
+
+    _, bucket = _bucket()
+    first, second = defaultdict(dict), defaultdict(dict)
+    states = param_states(first, bucket)
+    assert param_states(first, bucket) is states and all(st is first[p] for st, p in zip(states, bucket.params))
+    assert all(st is second[p] for st, p in zip(param_states(second, bucket), bucket.params))  # (another mapping)
+
+    def run(reload_at=None):
+        g = torch.Generator().manual_seed(0)
+        params = [nn.Parameter(torch.randn(s, generator=g)) for s in [(7, 5), (5,), (300,)]]
+        opt = compressed_opt.OnebitAdam(params, lr=1e-3, freeze_step=3, backend=SingleProcessBackend())
+        for step in range(1, 10):
+            for i, p in enumerate(params):  # (growing gradients: the tracking factors move every step)
+                p.grad = torch.randn(p.shape, generator=g) * 0.01 * step ** (i + 1)
+            opt.step()
+            if step == reload_at:
+                opt.load_state_dict(opt.state_dict())
+        return opt.state_dict()["state"]
+
+    a, b = run(), run(reload_at=5)
+    factors = [s["exchange_factor"] for s in a.values()]
+    assert len(set(factors)) > 1, factors
+    for sa, sb in zip(a.values(), b.values()):
+        assert sa.keys() == sb.keys()
+        for k in sa:
+            va, vb = sa[k], sb[k]
+            assert torch.equal(va, vb) if isinstance(va, torch.Tensor) else va == vb, k

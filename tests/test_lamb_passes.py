@@ -281,11 +281,11 @@ def test_rows_the_step_cannot_pass_are_decompressed_for_the_composition(monkeypa
     original = OnebitLamb._fused_passes_ready
     expanded = []
 
-    def not_from_rows(self, bucket, y, step):
+    def not_from_rows(self, bucket, y, step, params=None):
         if isinstance(y, CompressedResult):
             expanded.append(1)
             return False
-        return original(self, bucket, y, step)
+        return original(self, bucket, y, step, params)
 
     with monkeypatch.context() as patch:
         patch.setattr(OnebitLamb, "_fused_passes_ready", not_from_rows)
