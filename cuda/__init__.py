@@ -53,14 +53,14 @@ import warnings
 import torch
 
 from . import lamb_passes, reference, zero_passes
-from .segmented import (Lerp, LerpScaleClamp, ScaleClamp, Segments, descend_scaled_, divide_where_nonzero_, gather_,
+from .segmented import (Lerp, LerpScaleClamp, ScaleClamp, Segments, divide_where_nonzero_, gather_,
                         lerp_scale_clamp_, scale_clamp_, segment_sumsq)
 from .local_steps import (ZeroOneSyncBefore, signed_denominator, zero_one_local_step_, zero_one_passes_serve,
                           zero_one_sync_after_, zero_one_sync_before_)
 from .addresses import addressable as plain_memory
 from .addresses import Destinations, Sources, readable_in_place
 from .sumsq import sumsq_each
-from .update import CompressedResult, Descend, divide_descend_, rows_keep_descend_
+from .update import CompressedResult, Descend, descend_scaled_, divide_descend_, rows_keep_descend_
 
 __all__ = [
     "compress_rows_",

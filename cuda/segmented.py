@@ -27,15 +27,14 @@ operation and per segment:
 ``divide_where_nonzero_(y, r, out, zero_index=None, segments=None, divisors=None)``
     ``out <- y / r``, 0 where ``r == 0`` (``out`` may be ``y``); with ``segments`` and
     ``divisors``, then divided by ``divisors[s]`` on segment ``s``.
-``descend_scaled_(dests, y, a, segments, decay, scales)``
-    ``dests[s] <- dests[s] * decay + c_s * y * a`` over segment ``s`` (``c_s = scales[s]``): an
-    update written into each parameter's own memory, in one pass where PyTorch takes two.
+``descend_scaled_(dests, y, a, segments, decay, scales)`` (:mod:`compressed_opt.cuda.update`, with
+    the update's other passes) writes ``dests[s] * decay + c_s * y * a`` into each parameter.
 
 CPU tensors run ``segmented_cpu.c`` (one pass, no per-segment call); other devices, and CPUs where
 no C compiler exists (or ``COMPRESSED_OPT_KERNELS=reference``), compose the same math from
 PyTorch's fused multi-tensor ops (``torch._foreach_*``), which on CUDA launch a few kernels per
 pass whatever the number of segments. Both compute in fp32 like PyTorch (the sums in float64);
-they may differ in the last bit (the C pass can contract ``a + w * b`` into one FMA).
+bit for bit, or checked at first use to be (each pass says which).
 :class:`LerpScaleClamp`'s compression runs ``onebit_cpu.c`` on CPU tensors and ``onebit.cu`` (CuPy)
 on CUDA tensors, each bit for bit its device's pass then the compression.
 """
@@ -49,7 +48,7 @@ import torch
 
 from . import cpu, reference
 from .addresses import addressable
-from .addresses import destination_addresses, plain_cpu_floats, source_addresses
+from .addresses import plain_cpu_floats, source_addresses
 
 
 class Segments:
@@ -465,29 +464,3 @@ def divide_where_nonzero_(y: torch.Tensor, r: torch.Tensor, out: torch.Tensor,
         views = segments.split(out)
         if views:
             torch._foreach_div_(views, [float(v) for v in d.to(torch.float32).tolist()])
-
-
-def descend_scaled_(dests: list, y: torch.Tensor, a: torch.Tensor, segments: Segments, decay: float,
-                    scales) -> None:
-    """``dests[s] <- dests[s] * decay + (scales[s] * y) * a`` over segment ``s`` of the flat ``y``
-    and ``a`` (``dests``: one tensor per segment, of its size, e.g. a bucket's parameters; no
-    multiplication where ``decay`` is 1). The native pass reads and writes each destination once;
-    elsewhere ``torch._foreach_mul_`` then ``torch._foreach_addcmul_`` (the same math, which may
-    differ in the last bit where the C compiler contracts the addition into an FMA)."""
-    if len(dests) != len(segments):
-        raise ValueError(f"one destination per segment is needed ({len(segments)}), got {len(dests)}")
-    _check(segments, y, a)
-    c, cp = _c_doubles(scales, len(segments))
-    lib = _native(y, a)
-    addresses = destination_addresses(dests, segments.sizes) if lib is not None else None
-    if addresses is not None:
-        lib.co_descend_scaled(addresses.data_ptr(), y.data_ptr(), a.data_ptr(), segments.offsets.data_ptr(),
-                              len(segments), float(decay), decay != 1.0, cp)
-        return
-    if not dests:
-        return
-    if decay != 1.0:
-        torch._foreach_mul_(dests, decay)
-    shapes = [p.shape for p in dests]
-    torch._foreach_addcmul_(dests, [v.view(s) for v, s in zip(segments.split(y), shapes)],
-                            [v.view(s) for v, s in zip(segments.split(a), shapes)], list(scales))

@@ -138,10 +138,14 @@ void co_divide_where_nonzero_segments(float *y, const float *r, float *q, const 
     }
 }
 
-/* One element of co_descend_scaled (and co_divide_descend: the compiler forms both alike). */
-static inline float descend_decayed(float p, float d, float c, float y, float a) { return p * d + (c * y) * a; }
+/* One element of co_descend_scaled (and co_divide_descend, co_rows_divide_descend): torch's
+ * p.mul_(d) then addcmul_(c y, a), which rounds p d and c y on their own and adds (c y) a to p d in
+ * one FMA, written out: "p d + (c y) a" lets the compiler contract either product, element by
+ * element as it vectorizes, and the native update then differed from the composition (and from a
+ * rank that composes) in the last bit. segmented.descend_agrees() checks it at first use. */
+static inline float descend_decayed(float p, float d, float c, float y, float a) { return fmaf(c * y, a, p * d); }
 
-static inline float descend_plain(float p, float c, float y, float a) { return p + (c * y) * a; }
+static inline float descend_plain(float p, float c, float y, float a) { return fmaf(c * y, a, p); }
 
 /*
  * p_s <- p_s d + (c_s y) a over segment s, written through the segment's own pointer dests[s]

@@ -19,11 +19,13 @@ the update it makes, in one pass over memory (docs/design.md 2.3.1).
 travelled as: the C pass then decompresses them tile by tile into the stack (``y`` never travels to
 memory), where the other passes decompress them into the result's buffer first.
 
-It is :func:`~compressed_opt.cuda.segmented.divide_where_nonzero_` then
-:func:`~compressed_opt.cuda.segmented.descend_scaled_`, bit for bit: on contiguous fp32 CPU tensors
-``segmented_cpu.c`` runs both in one loop (``y``, ``r``, ``a`` and each destination read once; the C
-library forms each element with the same inline functions as the two passes), elsewhere the two
-passes run in turn.
+It is :func:`~compressed_opt.cuda.segmented.divide_where_nonzero_` then :func:`descend_scaled_`,
+bit for bit: on contiguous fp32 CPU tensors ``segmented_cpu.c`` runs both in one loop (``y``, ``r``,
+``a`` and each destination read once; the C library forms each element with the same inline
+functions as the two passes), elsewhere the two passes run in turn. ``descend_scaled_``'s native
+element is ``fma(c y, a, p d)``, PyTorch's ``mul_`` then ``addcmul_`` as they round on CPUs with FMA;
+:func:`descend_agrees` checks it at first use, and where it differs both update passes compose, so a
+rank whose parameters the C pass cannot write (or that has no compiler) keeps the others' bits.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ import torch
 
 from . import cpu, reference
 from .addresses import destination_addresses
-from .segmented import Segments, _c_doubles, _check, _native, descend_scaled_, divide_where_nonzero_
+from .segmented import Segments, _c_doubles, _check, _native, divide_where_nonzero_
 
 
 class CompressedResult:
@@ -57,6 +59,66 @@ class CompressedResult:
 
         decompress_rows_(self.rows, self.buffer, self.chunk, self.block)
         return self.buffer
+
+
+def descend_scaled_(dests: list, y: torch.Tensor, a: torch.Tensor, segments: Segments, decay: float,
+                    scales) -> None:
+    """``dests[s] <- dests[s] * decay + (scales[s] * y) * a`` over segment ``s`` of the flat ``y``
+    and ``a`` (``dests``: one tensor per segment, of its size, e.g. a bucket's parameters; no
+    multiplication where ``decay`` is 1): ``torch._foreach_mul_`` then ``torch._foreach_addcmul_``,
+    or the native pass that reads and writes each destination once, where it gives their bits here
+    (:func:`descend_agrees`)."""
+    if len(dests) != len(segments):
+        raise ValueError(f"one destination per segment is needed ({len(segments)}), got {len(dests)}")
+    _check(segments, y, a)
+    lib = _native(y, a)
+    addresses = destination_addresses(dests, segments.sizes) if lib is not None and descend_agrees() else None
+    if addresses is None:
+        _compose_descend_scaled(dests, y, a, segments, decay, scales)
+        return
+    c, cp = _c_doubles(scales, len(segments))
+    lib.co_descend_scaled(addresses.data_ptr(), y.data_ptr(), a.data_ptr(), segments.offsets.data_ptr(),
+                          len(segments), float(decay), decay != 1.0, cp)
+
+
+def _compose_descend_scaled(dests: list, y: torch.Tensor, a: torch.Tensor, segments: Segments, decay: float,
+                            scales) -> None:
+    if not dests:
+        return
+    if decay != 1.0:
+        torch._foreach_mul_(dests, decay)
+    shapes = [p.shape for p in dests]
+    torch._foreach_addcmul_(dests, [v.view(s) for v, s in zip(segments.split(y), shapes)],
+                            [v.view(s) for v, s in zip(segments.split(a), shapes)], list(scales))
+
+
+_descend: list = []  # [whether co_descend_scaled gave the composition's bits here]
+
+
+def descend_agrees() -> bool:
+    """Whether the C library's update element (``co_descend_scaled``'s; ``co_divide_descend`` and
+    ``co_rows_divide_descend`` form it alike: ``fma(c y, a, p d)``) gives the composition's bits on
+    this machine (torch's ``addcmul`` one FMA where the CPU has one), checked once per process at
+    first use (with and without decay, segments with and without vector tails, an empty one). Where
+    it does not, the update composes: every rank then computes the same bits, whichever path it takes."""
+    if not _descend:
+        lib, agree = cpu.library(), True
+        g = torch.Generator().manual_seed(31)
+        segments = Segments([7, 1411, 0, 4099, 16])
+        y, a = torch.randn(segments.numel, generator=g), torch.rand(segments.numel, generator=g)
+        scales = [0.5, -2.0, 1.0, 3e-3, 7.0]
+        for decay in (1.0, 0.999):
+            mine = [torch.randn(n, generator=g) for n in segments.sizes]
+            theirs = [p.clone() for p in mine]
+            _compose_descend_scaled(theirs, y, a, segments, decay, scales)
+            if lib is not None:
+                dests, c = destination_addresses(mine, segments.sizes), _c_doubles(scales, len(segments))  # (alive)
+                lib.co_descend_scaled(dests.data_ptr(), y.data_ptr(), a.data_ptr(), segments.offsets.data_ptr(),
+                                      len(segments), decay, decay != 1.0, c[1])
+            agree = agree and lib is not None and all(
+                torch.equal(p.view(torch.int32), q.view(torch.int32)) for p, q in zip(mine, theirs))
+        _descend.append(agree)
+    return _descend[0]
 
 
 class Descend:
@@ -89,7 +151,8 @@ def divide_descend_(y, r: torch.Tensor, out: torch.Tensor, segments: Segments, d
         lib = _native(r, out, descend.a) if y.rows.is_cpu else None
     else:
         lib = _native(y, r, out, descend.a) if out.data_ptr() != y.data_ptr() else None
-    addresses = destination_addresses(descend.dests, segments.sizes) if lib is not None else None
+    addresses = (destination_addresses(descend.dests, segments.sizes) if lib is not None and descend_agrees()
+                 else None)
     if addresses is None:
         if compressed:
             y = y.expand_()
