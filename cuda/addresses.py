@@ -60,10 +60,12 @@ def _plain_addresses(tensors: list, sizes: list[int], what: str) -> list[int] | 
     f32, plain, out = torch.float32, _PLAIN_TYPES, []
     append = out.append
     for t, n in zip(tensors, sizes):
-        if type(t) not in plain or t.dtype is not f32 or not t.is_cpu or not t.is_contiguous():
+        if type(t) not in plain:
             return None
         if t.numel() != n:
             raise ValueError(f"a {what} of {t.numel()} elements for a segment of {n}")
+        if t.dtype is not f32 or not t.is_cpu or not t.is_contiguous():
+            return None
         ptr = t.data_ptr() if n else 0
         if n and not ptr:
             return None

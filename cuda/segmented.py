@@ -33,8 +33,9 @@ operation and per segment:
 CPU tensors run ``segmented_cpu.c`` (one pass, no per-segment call); other devices, and CPUs where
 no C compiler exists (or ``COMPRESSED_OPT_KERNELS=reference``), compose the same math from
 PyTorch's fused multi-tensor ops (``torch._foreach_*``), which on CUDA launch a few kernels per
-pass whatever the number of segments. Both compute in fp32 like PyTorch (the sums in float64);
-bit for bit, or checked at first use to be (each pass says which).
+pass whatever the number of segments. Both compute in fp32 like PyTorch (the sums in float64); they
+may differ in the last bit where the C pass contracts ``a + w * b`` into one FMA, except where a pass
+says it is bit for bit its composition (the update's, checked at first use: cuda/update.py).
 :class:`LerpScaleClamp`'s compression runs ``onebit_cpu.c`` on CPU tensors and ``onebit.cu`` (CuPy)
 on CUDA tensors, each bit for bit its device's pass then the compression.
 """

@@ -71,12 +71,12 @@ def descend_scaled_(dests: list, y: torch.Tensor, a: torch.Tensor, segments: Seg
     if len(dests) != len(segments):
         raise ValueError(f"one destination per segment is needed ({len(segments)}), got {len(dests)}")
     _check(segments, y, a)
+    c, cp = _c_doubles(scales, len(segments))  # (checks their number on either path)
     lib = _native(y, a)
     addresses = destination_addresses(dests, segments.sizes) if lib is not None and descend_agrees() else None
     if addresses is None:
         _compose_descend_scaled(dests, y, a, segments, decay, scales)
         return
-    c, cp = _c_doubles(scales, len(segments))
     lib.co_descend_scaled(addresses.data_ptr(), y.data_ptr(), a.data_ptr(), segments.offsets.data_ptr(),
                           len(segments), float(decay), decay != 1.0, cp)
 

@@ -193,3 +193,10 @@ def test_param_states_follow_the_optimizers_state_mapping():
         for k in sa:
             va, vb = sa[k], sb[k]
             assert torch.equal(va, vb) if isinstance(va, torch.Tensor) else va == vb, k
+
+
+def test_a_destination_of_the_wrong_size_is_refused_whatever_its_layout():
+    from compressed_opt.cuda.addresses import destination_addresses
+
+    with pytest.raises(ValueError, match="a destination of 6 elements for a segment of 3"):
+        destination_addresses([torch.zeros(12)[::2]], [3])  # (not contiguous, and not the segment's size)
