@@ -288,3 +288,33 @@ def test_the_momentum_exchange_resumes_bit_for_bit(zero_stage):
         return model, model, opt
 
     assert resume_diff(fresh, list(gaussian_batches(0, 1, 10)), 6) == 0.0
+
+
+def _one_rank_composes(rank, world):
+    """OnebitAdam with its defaults on 2 Gloo ranks; on rank 1 a parameter turns non-contiguous at
+    step 6 (the same values), so from there its update composes in PyTorch where rank 0's runs the
+    C pass. The replicas, bit for bit."""
+    import compressed_opt
+
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=g) * 0.1) for s in [(33, 17), (17,), (5, 300), (4097,)]]
+    opt = compressed_opt.OnebitAdam(params, lr=1e-3, freeze_step=3)
+    g = torch.Generator().manual_seed(100 + rank)  # (each rank its own gradients)
+    for step in range(1, 11):
+        if rank == 1 and step == 6:
+            with torch.no_grad():
+                params[2].data = params[2].data.t().contiguous().t()
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g) * 0.01
+        opt.step()
+    assert opt.compressing and params[2].is_contiguous() == (rank == 0)
+    opt.close()
+    return [p.detach().contiguous().view(torch.int32) for p in params]
+
+
+@pytest.mark.multiprocess
+def test_a_rank_whose_update_composes_keeps_the_others_bits():
+    from distributed import run_ranks
+
+    p0, p1 = run_ranks(_one_rank_composes, 2, timeout=120)
+    assert all(torch.equal(a, b) for a, b in zip(p0, p1))
