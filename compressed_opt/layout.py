@@ -17,7 +17,7 @@ warmup ``m``, ``v``     whole buckets (``state[p]`` views)   chunk ``j``; update
 gradient average        all-reduce                           all-reduce (1); reduce-scatter (2)
 compression momentum    ``exp_avg`` (fp32)                   the last exchange's 1-bit rows
 local momentum          formed before the exchange           formed while gathering ``p.grad``
-preconditioned update   keeps ``A``, one fused pass          ``A y`` by a division, per step
+preconditioned update   keeps ``m``; ``A y`` by a division   ``A y`` by a division (the same pass)
 bf16/fp16 parameters    updated in place                     and an fp32 master chunk, resynchronised
 ======================  ===================================  ==========================================
 
@@ -40,8 +40,7 @@ import torch
 from compressed_opt import cuda as kernels
 from compressed_opt.comm import chunk_numel
 
-from . import scaling
-from .buckets import Bucket
+from .buckets import Bucket, param_states
 from .moments import descend_
 from .reductions import maxima, norms
 
@@ -350,21 +349,19 @@ class Replicated(Layout):
         return raw
 
     def keep_exchange_factors(self, opt, bucket, root, denom, coeffs):
-        """Unless the optimizer still divides by ``sqrt(v_f) + eps`` itself, ``A = sqrt(v_f) /
-        (sqrt(v_f) + eps) / c_l`` (0 where ``v_f == 0``) takes the denominator's place: the
-        direction ``m / (sqrt(v_f) + eps)`` is ``A y``."""
-        if opt.keeps_denominator:
-            return
-        a = torch.div(root, denom).nan_to_num_(nan=0.0)
-        scaling.unscale_(bucket.views(a), coeffs)
-        bucket.flats["direction_factor"] = a
-        bucket.flats.pop("frozen_denominator", None)
+        """Only ``R`` is kept, unless the optimizer still divides by ``sqrt(v_f) + eps`` itself: the
+        direction ``m / (sqrt(v_f) + eps)`` is ``A y``, ``A = 1 / (c_l + eps R)`` (0 where ``v_f ==
+        0``), formed by a division in the update's pass (:meth:`step_preconditioned_`), as ZeRO forms it."""
+        if not opt.keeps_denominator:
+            bucket.flats.pop("frozen_denominator", None)
 
     def step_preconditioned_(self, opt, bucket, y, decay, alpha, step):
-        """``m = y / (s_l R)`` into ``exp_avg`` and ``p <- p decay + alpha (f_l / s_l) A y``, in one
-        pass over memory (no direction buffer written)."""
+        """``m = y / (s_l R)`` into ``exp_avg`` and ``p <- p decay + alpha (f_l / s_l) y / (c_l + eps
+        R)``, in one pass over memory (no direction buffer written; ZeRO's update, the momentum beside it)."""
         factors = opt.update_factors(bucket) or [1.0] * len(bucket.params)
-        descend = kernels.Descend(bucket.params, bucket.flats["direction_factor"], decay, [alpha * f for f in factors])
+        coeffs = [st["scaling_coeff"] for st in param_states(opt.state, bucket)]
+        descend = kernels.Descend(bucket.params, opt.param_groups[bucket.group_index]["eps"], coeffs, factors, decay,
+                                  alpha)
         opt.momentum_from_exchange(bucket, self.exchanged(opt, bucket, y), out=bucket.flat("exp_avg"), descend=descend)
 
     def update_masters(self, opt, bucket, step, decay, delta, alpha=1.0):

@@ -73,7 +73,6 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
         "exp_avg_sq": Buffer(STATE),  # v (frozen: v_f)
         "frozen_denominator": Buffer(DERIVED),  # sqrt(v_f) + eps
         "preconditioner": Buffer(DERIVED),  # R = c_l / sqrt(v_f), the preconditioned exchange's factor
-        "direction_factor": Buffer(DERIVED),  # A = sqrt(v_f) / (sqrt(v_f) + eps) / c_l
         "no_variance": Buffer(DERIVED, torch.int64),  # the indices where v_f == 0
     }
     #: whether the compression stage needs this rank's chunk of the previous momentum (a sharded
@@ -83,7 +82,7 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
     #: the exchange variants it takes (``exchange=``), :mod:`compressed_opt.exchange_variant`
     EXCHANGES = exchange_variant.ADAM
     #: whether the compression stage still divides by ``sqrt(v_f) + eps`` itself (1-bit LAMB's
-    #: factor does), or needs only the exchange's factors ``R`` and ``A``
+    #: factor does), or needs only the exchange's factor ``R``
     keeps_denominator = False
 
     def __init__(self, params, defaults, freeze_step, backend, bucket_cap_mb, overlap=True, accumulation_steps=1,

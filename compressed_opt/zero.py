@@ -58,7 +58,7 @@ from compressed_opt.comm import chunk_numel, expand_result_rows
 
 from . import scaling
 from .averaging import FlatAveraging
-from .buckets import Bucket
+from .buckets import Bucket, param_states
 from .buffers import SAVED, SCRATCH, Buffer
 from .layout import Layout, Replicated
 from .moments import frozen_denominator_of
@@ -383,12 +383,12 @@ class Sharded(Layout):
     def step_preconditioned_(self, opt, bucket, y, decay, alpha, step):
         """From the kept rows in one native pass (fp32 parameters: ``zero_passes.rows_descend_``), or composed."""
         # p <- p decay + alpha (m / (sqrt(v_f) + eps)) f_l / s_l, where m / (sqrt(v_f) + eps) = y / (c_l + eps R)
-        # (0 where v_f == 0), made for this step from R = c_l / sqrt(v_f) (the replicated layout keeps A)
+        # (0 where v_f == 0), made for this step from R = c_l / sqrt(v_f), as the replicated layout makes it
         factors = opt.update_factors(bucket) or [1.0] * len(bucket.params)  # f_l / s_l
         result, in_rows = self._kept_rows(opt, bucket, y), bucket.derived.pop("step.result_in_rows", False)
-        args = (opt.exchange_preconditioner(bucket), opt.param_groups[bucket.group_index]["eps"],
-                [opt.state[p]["scaling_coeff"] for p in bucket.params], factors, bucket.params, bucket.segments,
-                decay, alpha)
+        coeffs = [st["scaling_coeff"] for st in param_states(opt.state, bucket)]
+        args = (opt.exchange_preconditioner(bucket), opt.param_groups[bucket.group_index]["eps"], coeffs, factors,
+                bucket.params, bucket.segments, decay, alpha)
         if bucket.low_precision or not kernels.zero_passes.rows_descend_(result, *args):
             if in_rows:
                 result.expand_()

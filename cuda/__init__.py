@@ -60,7 +60,7 @@ from .local_steps import (ZeroOneSyncBefore, signed_denominator, zero_one_local_
 from .addresses import addressable as plain_memory
 from .addresses import Destinations, Sources, readable_in_place
 from .sumsq import sumsq_each
-from .update import CompressedResult, Descend, descend_scaled_, divide_descend_, rows_keep_descend_
+from .update import CompressedResult, Descend, divide_descend_, rows_keep_descend_
 
 __all__ = [
     "compress_rows_",
@@ -86,7 +86,6 @@ __all__ = [
     "ScaleClamp",
     "scale_clamp_",
     "divide_where_nonzero_",
-    "descend_scaled_",
     "Descend",
     "CompressedResult",
     "divide_descend_",

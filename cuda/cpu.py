@@ -254,6 +254,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.co_zero_momentum_compress_rows.restype = None
     lib.co_zero_rows_descend.argtypes = [p, i64, i64, i64, p, f32, p, p, p, i64, p, f32, ctypes.c_int, f32]
     lib.co_zero_rows_descend.restype = None
+    lib.co_rows_divide_zero_descend.argtypes = [p, i64, i64, i64, p, f32, p, p, p, i64, p, f32, ctypes.c_int, f32, p, p]
+    lib.co_rows_divide_zero_descend.restype = None
+    lib.co_divide_zero_descend.argtypes = [p, p, f32, p, p, p, i64, p, f32, ctypes.c_int, f32, p, p]
+    lib.co_divide_zero_descend.restype = None
     lib.co_rows_quotient_finite.argtypes = [p, i64, i64, i64, p, i64, i64, p]
     lib.co_rows_quotient_finite.restype = None
     lib.co_zero_lamb_rows_descend.argtypes = [p, i64, i64, i64, p, f32, p, p, i64, p, p, p]
@@ -272,12 +276,6 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.co_divide_where_nonzero.restype = None
     lib.co_divide_where_nonzero_segments.argtypes = [p, p, p, p, p, i64]
     lib.co_divide_where_nonzero_segments.restype = None
-    lib.co_descend_scaled.argtypes = [p, p, p, p, i64, f32, ctypes.c_int, p]
-    lib.co_descend_scaled.restype = None
-    lib.co_divide_descend.argtypes = [p, p, p, p, p, i64, p, p, f32, ctypes.c_int, p]
-    lib.co_divide_descend.restype = None
-    lib.co_rows_divide_descend.argtypes = [p, i64, i64, i64, p, p, p, p, i64, p, p, f32, ctypes.c_int, p]
-    lib.co_rows_divide_descend.restype = None
     lib.co_rows_keep_descend.argtypes = [p, i64, i64, i64, p, p, p, p, i64, p, f32, ctypes.c_int, f32]
     lib.co_rows_keep_descend.restype = None
     lib.co_lamb_variance_maxima.argtypes = [p, p, p, p, p, p, p, i64, f32, f32, f32, f32, f32, p]

@@ -148,7 +148,7 @@ CO_EXACT static void lamb_rows_maxima_span(void *pass, const float *y, int64_t i
  * co_decompress_rows(rows, row_stride, nrows, chunk, block, y, off[nseg]) then
  * co_lamb_variance_maxima(y, ...), bit for bit, without y in memory: y is decompressed tile by tile
  * (at most CO_TILE elements of one block of one row) into the stack and consumed there, as
- * co_rows_divide_descend does (reads the rows, r, m, v and denom; writes m and v). A segment's
+ * co_rows_divide_zero_descend does (reads the rows, r, m, v and denom; writes m and v). A segment's
  * maximum is the max of its pieces' (one per tile it meets): max is exact and f is never NaN, so
  * how the elements fall into tiles and vector lanes changes nothing.
  */

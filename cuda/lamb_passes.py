@@ -21,7 +21,7 @@ coeff_l wd``). ``g``, the variance ratio and the direction ``m / denom`` never t
 
 ``y`` may also be a :class:`~compressed_opt.cuda.update.CompressedResult`, the 1-bit rows the
 compressed allreduce's result travelled as (OnebitLamb's stage 0, as OnebitAdam's update): pass 1
-then decompresses them tile by tile into the stack, as ``co_rows_divide_descend`` does, and ``y``
+then decompresses them tile by tile into the stack, as ``co_rows_divide_zero_descend`` does, and ``y``
 never travels to memory (the same bits as decompressing it first: the same operations per element,
 and a maximum does not depend on the order it is taken in).
 

@@ -52,7 +52,7 @@ static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 static inline int64_t valid_in(int64_t n, int64_t lo, int64_t len) { return n <= lo ? 0 : min64(n - lo, len); }
 
 /* Elements of a result's rows decompressed at once into a stack tile (1 KiB: in L1) by the passes
- * that read the rows in place of the result (co_rows_divide_descend, co_lamb_rows_variance_maxima,
+ * that read the rows in place of the result (co_rows_divide_zero_descend, co_lamb_rows_variance_maxima,
  * co_zo_sync_after_rows: next_tile). */
 #define CO_TILE 256
 

@@ -27,15 +27,13 @@ operation and per segment:
 ``divide_where_nonzero_(y, r, out, zero_index=None, segments=None, divisors=None)``
     ``out <- y / r``, 0 where ``r == 0`` (``out`` may be ``y``); with ``segments`` and
     ``divisors``, then divided by ``divisors[s]`` on segment ``s``.
-``descend_scaled_(dests, y, a, segments, decay, scales)`` (:mod:`compressed_opt.cuda.update`, with
-    the update's other passes) writes ``dests[s] * decay + c_s * y * a`` into each parameter.
 
 CPU tensors run ``segmented_cpu.c`` (one pass, no per-segment call); other devices, and CPUs where
 no C compiler exists (or ``COMPRESSED_OPT_KERNELS=reference``), compose the same math from
 PyTorch's fused multi-tensor ops (``torch._foreach_*``), which on CUDA launch a few kernels per
 pass whatever the number of segments. Both compute in fp32 like PyTorch (the sums in float64); they
-may differ in the last bit where the C pass contracts ``a + w * b`` into one FMA, except where a pass
-says it is bit for bit its composition (the update's, checked at first use: cuda/update.py).
+may differ in the last bit where the C pass contracts ``a + w * b`` into one FMA. (The updates of
+:mod:`compressed_opt.cuda.update` are bit for bit their compositions, checked at first use.)
 :class:`LerpScaleClamp`'s compression runs ``onebit_cpu.c`` on CPU tensors and ``onebit.cu`` (CuPy)
 on CUDA tensors, each bit for bit its device's pass then the compression.
 """

@@ -3,8 +3,10 @@ the update it makes, in one pass over memory (docs/design.md 2.3.1).
 
 ``divide_descend_(y, r, out, segments, divisors, descend, zero_index=None)``
     ``out <- y / r`` (0 where ``r == 0``), divided by ``divisors[s]`` on segment ``s`` (none:
-    ``None``), then ``descend`` (a :class:`Descend`, ``dests[s] <- dests[s] * decay +
-    (scales[s] * y) * a``) with the same ``y``.
+    ``None``): the momentum; and ``descend`` (a :class:`Descend`) with the same ``y``: ``dests[s] <-
+    dests[s] * decay + alpha q``, ``q = (y / (r eps + c_s)) f_s`` (0 where ``r == 0``), Adam's
+    direction ``m / (sqrt(v_f) + eps)`` made from ``y`` and ``R = c_l / sqrt(v_f)`` alone, as ZeRO's
+    update makes it (:func:`~compressed_opt.cuda.zero_passes.rows_descend_`, the same element).
 
 ``rows_keep_descend_(result, den, m, factors, dests, segments, decay, alpha)``
     the momentum exchange's update from the result's 1-bit rows (a :class:`CompressedResult`), in
@@ -19,13 +21,13 @@ the update it makes, in one pass over memory (docs/design.md 2.3.1).
 travelled as: the C pass then decompresses them tile by tile into the stack (``y`` never travels to
 memory), where the other passes decompress them into the result's buffer first.
 
-It is :func:`~compressed_opt.cuda.segmented.divide_where_nonzero_` then :func:`descend_scaled_`,
-bit for bit: on contiguous fp32 CPU tensors ``segmented_cpu.c`` runs both in one loop (``y``, ``r``,
-``a`` and each destination read once; the C library forms each element with the same inline
-functions as the two passes), elsewhere the two passes run in turn. ``descend_scaled_``'s native
-element is ``fma(c y, a, p d)``, PyTorch's ``mul_`` then ``addcmul_`` as they round on CPUs with FMA;
-:func:`descend_agrees` checks it at first use, and where it differs both update passes compose, so a
-rank whose parameters the C pass cannot write (or that has no compiler) keeps the others' bits.
+It is :func:`~compressed_opt.cuda.segmented.divide_where_nonzero_` then :func:`compose_descend_`, bit
+for bit: on contiguous fp32 CPU tensors ``zero_cpu.c`` runs both in one loop (``y``, ``r`` and each
+destination read once, ``y`` from the result's rows where it travelled as them; every operation
+rounded on its own, torch's add-with-alpha one FMA, as PyTorch's CPU kernels round them; the element
+of ZeRO's update; checked at first use, :func:`divide_descend_agrees`), elsewhere the two passes run in
+turn.
+So a rank whose parameters the C pass cannot write (or that has no compiler) keeps the others' bits.
 """
 from __future__ import annotations
 
@@ -61,115 +63,119 @@ class CompressedResult:
         return self.buffer
 
 
-def descend_scaled_(dests: list, y: torch.Tensor, a: torch.Tensor, segments: Segments, decay: float,
-                    scales) -> None:
-    """``dests[s] <- dests[s] * decay + (scales[s] * y) * a`` over segment ``s`` of the flat ``y``
-    and ``a`` (``dests``: one tensor per segment, of its size, e.g. a bucket's parameters; no
-    multiplication where ``decay`` is 1): ``torch._foreach_mul_`` then ``torch._foreach_addcmul_``,
-    or the native pass that reads and writes each destination once, where it gives their bits here
-    (:func:`descend_agrees`)."""
-    if len(dests) != len(segments):
-        raise ValueError(f"one destination per segment is needed ({len(segments)}), got {len(dests)}")
-    _check(segments, y, a)
-    c, cp = _c_doubles(scales, len(segments))  # (checks their number on either path)
-    lib = _native(y, a)
-    addresses = destination_addresses(dests, segments.sizes) if lib is not None and descend_agrees() else None
-    if addresses is None:
-        _compose_descend_scaled(dests, y, a, segments, decay, scales)
-        return
-    lib.co_descend_scaled(addresses.data_ptr(), y.data_ptr(), a.data_ptr(), segments.offsets.data_ptr(),
-                          len(segments), float(decay), decay != 1.0, cp)
-
-
-def _compose_descend_scaled(dests: list, y: torch.Tensor, a: torch.Tensor, segments: Segments, decay: float,
-                            scales) -> None:
-    if not dests:
-        return
-    if decay != 1.0:
-        torch._foreach_mul_(dests, decay)
-    shapes = [p.shape for p in dests]
-    torch._foreach_addcmul_(dests, [v.view(s) for v, s in zip(segments.split(y), shapes)],
-                            [v.view(s) for v, s in zip(segments.split(a), shapes)], list(scales))
-
-
-_descend: list = []  # [whether co_descend_scaled gave the composition's bits here]
-
-
-def descend_agrees() -> bool:
-    """Whether the C library's update element (``co_descend_scaled``'s; ``co_divide_descend`` and
-    ``co_rows_divide_descend`` form it alike: ``fma(c y, a, p d)``) gives the composition's bits on
-    this machine (torch's ``addcmul`` one FMA where the CPU has one), checked once per process at
-    first use (with and without decay, segments with and without vector tails, an empty one). Where
-    it does not, the update composes: every rank then computes the same bits, whichever path it takes."""
-    if not _descend:
-        lib, agree = cpu.library(), True
-        g = torch.Generator().manual_seed(31)
-        segments = Segments([7, 1411, 0, 4099, 16])
-        y, a = torch.randn(segments.numel, generator=g), torch.rand(segments.numel, generator=g)
-        scales = [0.5, -2.0, 1.0, 3e-3, 7.0]
-        for decay in (1.0, 0.999):
-            mine = [torch.randn(n, generator=g) for n in segments.sizes]
-            theirs = [p.clone() for p in mine]
-            _compose_descend_scaled(theirs, y, a, segments, decay, scales)
-            if lib is not None:
-                dests, c = destination_addresses(mine, segments.sizes), _c_doubles(scales, len(segments))  # (alive)
-                lib.co_descend_scaled(dests.data_ptr(), y.data_ptr(), a.data_ptr(), segments.offsets.data_ptr(),
-                                      len(segments), decay, decay != 1.0, c[1])
-            agree = agree and lib is not None and all(
-                torch.equal(p.view(torch.int32), q.view(torch.int32)) for p, q in zip(mine, theirs))
-        _descend.append(agree)
-    return _descend[0]
-
-
 class Descend:
-    """``descend_scaled_(dests, y, a, segments, decay, scales)``'s arguments but ``y`` and
-    ``segments``: an update to run with the ``y`` of another pass (:func:`divide_descend_`)."""
+    """The preconditioned update's arguments but ``y``, ``r`` and ``segments`` (:func:`divide_descend_`):
+    ``dests[s] <- dests[s] * decay + alpha (y / (r eps + c_s)) f_s`` (0 where ``r == 0``; ``c_s =
+    coeffs[s]``, ``f_s = factors[s]``, one per segment)."""
 
-    def __init__(self, dests: list, a: torch.Tensor, decay: float, scales):
-        self.dests, self.a, self.decay, self.scales = dests, a, float(decay), scales
+    def __init__(self, dests: list, eps: float, coeffs, factors, decay: float, alpha: float):
+        self.dests, self.eps, self.coeffs, self.factors = dests, float(eps), coeffs, factors
+        self.decay, self.alpha = float(decay), float(alpha)
 
-    def apply_(self, y: torch.Tensor, segments: Segments) -> None:
-        descend_scaled_(self.dests, y, self.a, segments, self.decay, self.scales)
+
+def compose_descend_(y: torch.Tensor, r: torch.Tensor, eps: float, coeffs, factors, dests: list,
+                     segments: Segments, decay: float, alpha: float, zero_index: torch.Tensor | None = None) -> None:
+    """The update's composition (the layouts', and the oracle of the native passes): ``y`` <- ``(y /
+    (r eps + c_s)) f_s`` (0 where ``r == 0``; ``zero_index``: those indices, known), then ``p <- p
+    decay + alpha y`` (``y`` overwritten: the direction)."""
+    views = segments.split(y)
+    if views:
+        a_inv = torch._foreach_mul(segments.split(r), eps)
+        torch._foreach_add_(a_inv, list(coeffs))
+        torch._foreach_div_(views, a_inv)
+    zero_where_no_variance(y, r, segments.numel, zero_index)
+    if views and any(f != 1.0 for f in factors):
+        torch._foreach_mul_(views, list(factors))
+    if dests:
+        if decay != 1.0:
+            torch._foreach_mul_(dests, decay)
+        torch._foreach_add_(dests, [v.view(p.shape) for v, p in zip(views, dests)], alpha=alpha)
+
+
+def zero_where_no_variance(y: torch.Tensor, r: torch.Tensor, n: int, zero_index: torch.Tensor | None) -> None:
+    """``y[:n]`` <- 0 where ``r == 0`` (``v_f == 0``; ``zero_index``: those indices, known)."""
+    if zero_index is None:
+        y[:n].masked_fill_(r[:n] == 0, 0.0)
+    elif zero_index.numel():
+        y.index_fill_(0, zero_index, 0.0)
 
 
 def divide_descend_(y, r: torch.Tensor, out: torch.Tensor, segments: Segments, divisors, descend: Descend,
                     zero_index: torch.Tensor | None = None) -> None:
     """``out <- y / r`` (0 where ``r == 0``; then ``/ divisors[s]`` on segment ``s`` unless
-    ``divisors`` is ``None``) and ``descend.dests[s] <- dests[s] * decay + (scales[s] * y) * a``,
-    over the segments' elements of the flat ``y``, ``r``, ``out`` and ``descend.a`` (``out`` not
-    ``y``). ``y``: a flat tensor, or a :class:`CompressedResult` (decompressed into its buffer
-    first where the C pass cannot run).
-    ``zero_index``: as for :func:`divide_where_nonzero_` (the two passes' mask)."""
+    ``divisors`` is ``None``) and ``descend`` (the module doc), over the segments' elements of the
+    flat ``y``, ``r`` and ``out`` (``out`` not ``y``; ``y`` overwritten where the two passes run).
+    ``y``: a flat tensor, or a :class:`CompressedResult` (decompressed into its buffer first where
+    the C pass cannot run). ``zero_index``: as for :func:`divide_where_nonzero_` (the mask)."""
     if len(descend.dests) != len(segments):
         raise ValueError(f"one destination per segment is needed ({len(segments)}), got {len(descend.dests)}")
     compressed = isinstance(y, CompressedResult)
-    _check(segments, r, out, descend.a, *(() if compressed else (y,)))
+    _check(segments, r, out, *(() if compressed else (y,)))
     if compressed and y.rows.shape[0] * y.chunk < segments.numel:
         raise ValueError(f"{y.rows.shape[0]} rows of {y.chunk} elements for {segments.numel} elements")
-    n = segments.numel
+    n, nseg = segments.numel, len(segments)
+    c, f = _c_doubles(descend.coeffs, nseg), _c_doubles(descend.factors, nseg)  # (their number checked; alive)
+    v = None if divisors is None else _c_doubles(divisors, nseg)
     if compressed:
-        lib = _native(r, out, descend.a) if y.rows.is_cpu else None
+        lib = _native(r, out) if y.rows.is_cpu else None
     else:
-        lib = _native(y, r, out, descend.a) if out.data_ptr() != y.data_ptr() else None
-    addresses = (destination_addresses(descend.dests, segments.sizes) if lib is not None and descend_agrees()
-                 else None)
+        lib = _native(y, r, out) if out.data_ptr() != y.data_ptr() else None
+    ready = lib is not None and divide_descend_agrees()
+    addresses = destination_addresses(descend.dests, segments.sizes) if ready else None
     if addresses is None:
         if compressed:
             y = y.expand_()
         with_divisors = () if divisors is None else (segments, divisors)
         divide_where_nonzero_(y[:n], r[:n], out[:n], zero_index, *with_divisors)
-        descend.apply_(y, segments)
+        compose_descend_(y, r, descend.eps, descend.coeffs, descend.factors, descend.dests, segments, descend.decay,
+                         descend.alpha, zero_index)
         return
-    nseg = len(segments)
-    v, vp = (None, None) if divisors is None else _c_doubles(divisors, nseg)
-    c, cp = _c_doubles(descend.scales, nseg)
-    tail = (segments.offsets.data_ptr(), nseg, addresses.data_ptr(), descend.a.data_ptr(), descend.decay,
-            descend.decay != 1.0, cp)
+    tail = (descend.eps, c[1], f[1], segments.offsets.data_ptr(), nseg, addresses.data_ptr(), descend.decay,
+            descend.decay != 1.0, descend.alpha, out.data_ptr(), None if v is None else v[1])
     if compressed:
-        lib.co_rows_divide_descend(y.rows.data_ptr(), y.rows.stride(0), y.chunk, y.block, r.data_ptr(), out.data_ptr(),
-                                   vp, *tail)
+        lib.co_rows_divide_zero_descend(y.rows.data_ptr(), y.rows.stride(0), y.chunk, y.block, r.data_ptr(), *tail)
     else:
-        lib.co_divide_descend(y.data_ptr(), r.data_ptr(), out.data_ptr(), vp, *tail)
+        lib.co_divide_zero_descend(y.data_ptr(), r.data_ptr(), *tail)
+
+
+_divide_descend: list = []  # [whether the stage-0 update passes gave the composition's bits here]
+
+
+def divide_descend_agrees() -> bool:
+    """Whether the native passes of :func:`divide_descend_` (from the rows and from a flat ``y``)
+    give the two passes' bits on this machine, checked once per process at first use: segments
+    with and without vector tails, an empty one, ``r == 0``, with and without decay and divisors."""
+    if not _divide_descend:
+        lib = cpu.library()
+        _divide_descend.append(lib is not None and _divide_descend_check(lib))
+    return _divide_descend[0]
+
+
+def _divide_descend_check(lib) -> bool:
+    g, segs, chunk, block, rows, t = check_case(41)
+    sizes, n, ok = segs.sizes, segs.numel, True
+    r = torch.rand(n, generator=g) * 3
+    r[::9] = 0.0
+    coeffs = _c_doubles([1.0 + 0.3 * i for i in range(len(sizes))], len(sizes))  # (alive through the calls)
+    factors = _c_doubles([1.0 - 0.01 * i for i in range(len(sizes))], len(sizes))
+    for decay, divisors in ((1.0, None), (0.999, [1.0 + 0.05 * i for i in range(len(sizes))])):
+        params = [torch.randn(k, generator=g) for k in sizes]
+        expected, m_expected, y = [p.clone() for p in params], torch.full((n + 3,), 7.0), t.clone()
+        divide_where_nonzero_(y, r, m_expected[:n], None, *(() if divisors is None else (segs, divisors)))
+        compose_descend_(y, r, 1e-3, coeffs[0], factors[0], expected, segs, decay, -1e-3)
+        v = None if divisors is None else _c_doubles(divisors, len(sizes))
+        for flat in (False, True):
+            mine, m = [p.clone() for p in params], torch.full((n + 3,), 7.0)
+            dests = destination_addresses(mine, sizes)
+            tail = (1e-3, coeffs[1], factors[1], segs.offsets.data_ptr(), len(sizes), dests.data_ptr(), decay,
+                    decay != 1.0, -1e-3, m.data_ptr(), None if v is None else v[1])
+            if flat:
+                lib.co_divide_zero_descend(t.data_ptr(), r.data_ptr(), *tail)
+            else:
+                lib.co_rows_divide_zero_descend(rows.data_ptr(), rows.stride(0), chunk, block, r.data_ptr(), *tail)
+            ok = ok and torch.equal(m.view(torch.int32), m_expected.view(torch.int32)) and all(
+                torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(mine, expected))
+    return ok
 
 
 def rows_keep_descend_(result: CompressedResult, den: torch.Tensor, m: torch.Tensor | None, factors, dests: list,

@@ -88,8 +88,25 @@ void co_zero_momentum_compress_rows(const uint8_t *prev, const float *r, const i
 }
 
 CO_EXACT static void zrd_span(const float *restrict y, const float *restrict r, float *restrict p, int64_t n,
-                              float eps, float c, float f, float d, int decayed, float alpha) {
+                              float eps, float c, float f, float d, int decayed, float alpha, float *restrict m,
+                              float v) {
     CO_NO_CONTRACT
+    if (m) { /* stage 0 keeps the momentum beside: m = (y / r) / v, 0 where r == 0 (v = 1: none) */
+        if (decayed) {
+            for (int64_t i = 0; i < n; ++i) {
+                const float yi = y[i], ri = r[i];
+                m[i] = quotient_or_zero(yi, ri) / v;
+                p[i] = fmaf(zero_where_zero(yi / (ri * eps + c), ri) * f, alpha, p[i] * d);
+            }
+        } else {
+            for (int64_t i = 0; i < n; ++i) {
+                const float yi = y[i], ri = r[i];
+                m[i] = quotient_or_zero(yi, ri) / v;
+                p[i] = fmaf(zero_where_zero(yi / (ri * eps + c), ri) * f, alpha, p[i]);
+            }
+        }
+        return;
+    }
     if (decayed) {
         for (int64_t i = 0; i < n; ++i) p[i] = fmaf(zero_where_zero(y[i] / (r[i] * eps + c), r[i]) * f, alpha, p[i] * d);
     } else {
@@ -97,19 +114,22 @@ CO_EXACT static void zrd_span(const float *restrict y, const float *restrict r, 
     }
 }
 
-/* co_zero_rows_descend's arguments, for its spans (walk_result_rows). */
+/* co_zero_rows_descend's arguments, for its spans (walk_result_rows); m == NULL: no momentum kept. */
 struct zero_rows_descend {
     const float *r;
     const double *coeffs, *factors;
     const int64_t *off, *dests;
     float eps, d, alpha;
     int decayed;
+    float *m;
+    const double *divisors;
 };
 
 static void zero_rows_descend_span(void *pass, const float *y, int64_t k, int64_t stop, int64_t s) {
     const struct zero_rows_descend *p = (const struct zero_rows_descend *)pass;
     zrd_span(y, p->r + k, (float *)(intptr_t)p->dests[s] + (k - p->off[s]), stop - k, p->eps, (float)p->coeffs[s],
-             (float)p->factors[s], p->d, p->decayed, p->alpha);
+             (float)p->factors[s], p->d, p->decayed, p->alpha, p->m ? p->m + k : NULL,
+             p->divisors ? (float)p->divisors[s] : 1.0f);
 }
 
 /*
@@ -120,8 +140,31 @@ static void zero_rows_descend_span(void *pass, const float *y, int64_t k, int64_
 void co_zero_rows_descend(const uint8_t *rows, int64_t row_stride, int64_t chunk, int64_t block, const float *r,
                           float eps, const double *coeffs, const double *factors, const int64_t *off, int64_t nseg,
                           const int64_t *dests, float d, int decayed, float alpha) {
-    struct zero_rows_descend pass = {r, coeffs, factors, off, dests, eps, d, alpha, decayed};
+    struct zero_rows_descend pass = {r, coeffs, factors, off, dests, eps, d, alpha, decayed, NULL, NULL};
     walk_result_rows(rows, row_stride, chunk, block, off, nseg, zero_rows_descend_span, &pass);
+}
+
+/*
+ * The preconditioned exchange's last pass in stage 0 (compressed_opt.cuda.update.divide_descend_):
+ * co_zero_rows_descend's update, and the momentum m = (y / r) / divisors[s] (0 where r == 0;
+ * divisors == NULL: none) written into m beside it, y read once: from the result's rows
+ * (co_rows_divide_zero_descend, y decompressed tile by tile into the stack) or a flat y
+ * (co_divide_zero_descend). Only the segments' elements of m are written.
+ */
+void co_rows_divide_zero_descend(const uint8_t *rows, int64_t row_stride, int64_t chunk, int64_t block,
+                                 const float *r, float eps, const double *coeffs, const double *factors,
+                                 const int64_t *off, int64_t nseg, const int64_t *dests, float d, int decayed,
+                                 float alpha, float *m, const double *divisors) {
+    struct zero_rows_descend pass = {r, coeffs, factors, off, dests, eps, d, alpha, decayed, m, divisors};
+    walk_result_rows(rows, row_stride, chunk, block, off, nseg, zero_rows_descend_span, &pass);
+}
+
+void co_divide_zero_descend(const float *y, const float *r, float eps, const double *coeffs, const double *factors,
+                            const int64_t *off, int64_t nseg, const int64_t *dests, float d, int decayed, float alpha,
+                            float *m, const double *divisors) {
+    struct zero_rows_descend pass = {r, coeffs, factors, off, dests, eps, d, alpha, decayed, m, divisors};
+    for (int64_t s = 0; s < nseg; ++s)
+        if (off[s + 1] > off[s]) zero_rows_descend_span(&pass, y + off[s], off[s], off[s + 1], s);
 }
 
 /*

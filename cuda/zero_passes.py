@@ -35,7 +35,8 @@ import torch
 from . import cpu
 from .addresses import destination_addresses, plain_cpu_floats, source_addresses
 from .segmented import Segments, _c_doubles, _native
-from .update import CompressedResult, check_case
+from .update import CompressedResult, check_case, compose_descend_
+from .update import zero_where_no_variance as _zero_where_no_variance
 
 
 def compose_momentum_(x: torch.Tensor, t: torch.Tensor, r: torch.Tensor, keep, gain, bounds, segments: Segments,
@@ -61,33 +62,6 @@ def compose_momentum_(x: torch.Tensor, t: torch.Tensor, r: torch.Tensor, keep, g
     x[:n].masked_fill_(r[:n] == 0, 0.0)
     torch._foreach_clamp_max_(views, list(bounds))
     torch._foreach_clamp_min_(views, [-b for b in bounds])
-
-
-def compose_descend_(y: torch.Tensor, r: torch.Tensor, eps: float, coeffs, factors, dests: list,
-                     segments: Segments, decay: float, alpha: float, zero_index: torch.Tensor | None = None) -> None:
-    """The update's composition (the layout's, :mod:`compressed_opt.zero`): ``y`` <- ``(y / (r eps +
-    c_s)) f_s`` (0 where ``r == 0``; ``zero_index``: those indices, known), then ``p <- p decay +
-    alpha y`` (``y`` overwritten: the direction)."""
-    views = segments.split(y)
-    if views:
-        a_inv = torch._foreach_mul(segments.split(r), eps)
-        torch._foreach_add_(a_inv, list(coeffs))
-        torch._foreach_div_(views, a_inv)
-    _zero_where_no_variance(y, r, segments.numel, zero_index)
-    if views and any(f != 1.0 for f in factors):
-        torch._foreach_mul_(views, list(factors))
-    if dests:
-        if decay != 1.0:
-            torch._foreach_mul_(dests, decay)
-        torch._foreach_add_(dests, [v.view(p.shape) for v, p in zip(views, dests)], alpha=alpha)
-
-
-def _zero_where_no_variance(y: torch.Tensor, r: torch.Tensor, n: int, zero_index: torch.Tensor | None) -> None:
-    """``y[:n]`` <- 0 where ``r == 0`` (``v_f == 0``; ``zero_index``: those indices, known)."""
-    if zero_index is None:
-        y[:n].masked_fill_(r[:n] == 0, 0.0)
-    elif zero_index.numel():
-        y.index_fill_(0, zero_index, 0.0)
 
 
 class ZeroLocalMomentum:

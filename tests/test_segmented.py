@@ -3,7 +3,7 @@ composition and against the math written out per segment."""
 import pytest
 import torch
 
-from compressed_opt.cuda import cpu, segmented, update
+from compressed_opt.cuda import cpu, segmented
 from compressed_opt.cuda.segmented import Segments
 
 PATHS = ["native", "reference"]
@@ -190,33 +190,6 @@ def test_bad_input_is_refused():
         segmented.divide_where_nonzero_(torch.zeros(8), torch.ones(7), torch.zeros(8))
     with pytest.raises(ValueError, match="non-negative"):
         Segments([3, -1])
-
-
-@pytest.mark.parametrize("decay", [1.0, 0.999])
-def test_descend_scaled_matches_the_foreach_composition(decay, monkeypatch):
-    """The native pass writes each parameter once: ``p <- p decay + (c_s y) a``, as
-    ``_foreach_mul_`` then ``_foreach_addcmul_`` compute it, bit for bit (its check at first use
-    agrees here), an empty parameter skipped; the wrong number of destinations is refused."""
-    torch.manual_seed(0)
-    shapes = [(3, 5), (0,), (7,), (2, 2, 2)]
-    segments = Segments([int(torch.Size(s).numel()) for s in shapes])
-    y, a = torch.randn(segments.numel + 3), torch.rand(segments.numel + 3)
-    scales = [0.5, 2.0, -1e-3, 3.0]
-    params = [torch.randn(s) for s in shapes]
-    native = [p.clone() for p in params]
-    update.descend_scaled_(native, y, a, segments, decay, scales)
-    assert cpu.library() is not None  # (the native pass ran above)
-    monkeypatch.setenv("COMPRESSED_OPT_KERNELS", "reference")
-    composed = [p.clone() for p in params]
-    update.descend_scaled_(composed, y, a, segments, decay, scales)
-    assert update.descend_agrees()
-    for p, n, c, s, yy, aa in zip(params, native, composed, scales, segments.split(y), segments.split(a)):
-        assert torch.equal(_bits(n), _bits(c))
-        want = (p.reshape(-1) * decay if decay != 1.0 else p.reshape(-1)) + (s * yy) * aa
-        torch.testing.assert_close(n.reshape(-1), want, rtol=2e-7, atol=1e-7)
-        assert n.shape == p.shape
-    with pytest.raises(ValueError, match="one destination per segment"):
-        update.descend_scaled_(native[:2], y, a, segments, decay, scales)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

@@ -1,12 +1,12 @@
 """The exchanges' last passes (compressed_opt.cuda.update): the preconditioned exchange's momentum
-taken back from the exchanged average and the update, in one pass, bit for bit as the two passes in
-turn; the momentum exchange's update from the result's rows, bit for bit its PyTorch composition."""
+taken back from the exchanged average and the update (``A y`` formed from ``R`` by a division, as ZeRO
+forms it), in one pass, bit for bit as the two passes in turn; the momentum exchange's update from
+the result's rows, bit for bit its PyTorch composition."""
 import pytest
 import torch
 
 from compressed_opt.cuda import (CompressedResult, Descend, Segments, compress_rows_, cpu, decompress_rows_,
-                                 descend_scaled_, divide_descend_, divide_where_nonzero_, rows_keep_descend_,
-                                 rows_layout, update)
+                                 divide_descend_, divide_where_nonzero_, rows_keep_descend_, rows_layout, update)
 
 CASES = [  # (segment sizes, elements past the segments)
     ([5, 0, 17, 1, 64, 3], 4),
@@ -33,24 +33,38 @@ def _bits(ts):
     return [t.view(torch.int32).clone() for t in ts]
 
 
+def _descend(dests, decay, scale=1.0):
+    """The update of ``dests`` with a coefficient and a factor per segment (``eps`` 1e-3: its term
+    matters), ``alpha`` ``-1e-3 scale``."""
+    k = len(dests)
+    return Descend(dests, 1e-3, [0.5 + 0.25 * i for i in range(k)], [1.0 - 0.01 * i for i in range(k)], decay,
+                   -1e-3 * scale)
+
+
+def _compose(y, r, out, segs, divisors, descend, zero_index=None):
+    """The two passes in turn (PyTorch's ops), on a copy of ``y``."""
+    y, n = y.clone(), segs.numel
+    divide_where_nonzero_(y[:n], r[:n], out[:n], zero_index, *(() if divisors is None else (segs, divisors)))
+    update.compose_descend_(y, r, descend.eps, descend.coeffs, descend.factors, descend.dests, segs, descend.decay,
+                            descend.alpha, zero_index)
+
+
 @pytest.mark.parametrize("sizes,past", CASES)
 @pytest.mark.parametrize("decay", [1.0, 0.999])
 @pytest.mark.parametrize("divided", [False, True])
 def test_divide_descend_is_the_two_passes_bit_for_bit(sizes, past, decay, divided):
     assert cpu.library() is not None  # (the native pass is what this compares)
     g = torch.Generator().manual_seed(len(sizes) + past)
-    segs, y, r, a, params, out = _inputs(g, sizes, past)
+    segs, y, r, _, params, out = _inputs(g, sizes, past)
     divisors = [0.5 + 0.25 * (i % 5) for i in range(len(sizes))] if divided else None
-    scales = [(-1e-3 if i % 2 else 2.5) for i in range(len(sizes))]
     y0 = y.clone()
 
     fused_p, fused_m = [p.clone() for p in params], out.clone()
-    divide_descend_(y, r, fused_m, segs, divisors, Descend(fused_p, a, decay, scales))
+    divide_descend_(y, r, fused_m, segs, divisors, _descend(fused_p, decay))
 
     two_p, two_m = [p.clone() for p in params], out.clone()
     n = segs.numel
-    divide_where_nonzero_(y[:n], r[:n], two_m[:n], None, *((segs, divisors) if divided else ()))
-    descend_scaled_(two_p, y, a, segs, decay, scales)
+    _compose(y, r, two_m, segs, divisors, _descend(two_p, decay))
 
     assert torch.equal(y.view(torch.int32), y0.view(torch.int32))  # y is only read
     assert torch.equal(fused_m.view(torch.int32), two_m.view(torch.int32))
@@ -65,25 +79,25 @@ def test_divide_descend_is_the_two_passes_bit_for_bit(sizes, past, decay, divide
 
 def test_divide_descend_falls_back_to_the_two_passes(monkeypatch):
     """Where the C pass cannot run (the reference kernels forced; a destination not contiguous):
-    the same results from the two passes in turn, bit for bit (the update element is torch's
-    addcmul, one FMA: ``update.descend_agrees`` here), so a rank that composes keeps its replica
-    equal to the others'."""
+    the same results from the two passes in turn, bit for bit (every operation rounded as PyTorch
+    rounds it, its add-with-alpha one FMA: checked at first use, and agreeing here), so a rank that composes
+    keeps its replica equal to the others'."""
     g = torch.Generator().manual_seed(3)
-    segs, y, r, a, params, out = _inputs(g, [6, 0, 9], 2)
-    scales, divisors = [0.5, 1.0, -2.0], [2.0, 1.0, 0.5]
+    segs, y, r, _, params, out = _inputs(g, [6, 0, 9], 2)
+    divisors = [2.0, 1.0, 0.5]
     native_p, native_m = [p.clone() for p in params], out.clone()
-    divide_descend_(y, r, native_m, segs, divisors, Descend(native_p, a, 0.9, scales))
+    divide_descend_(y.clone(), r, native_m, segs, divisors, _descend(native_p, 0.9))
     monkeypatch.setenv("COMPRESSED_OPT_KERNELS", "reference")
     ref_p, ref_m = [p.clone() for p in params], out.clone()
-    divide_descend_(y, r, ref_m, segs, divisors, Descend(ref_p, a, 0.9, scales))
-    assert update.descend_agrees()
+    divide_descend_(y.clone(), r, ref_m, segs, divisors, _descend(ref_p, 0.9))
+    assert update.divide_descend_agrees()
     assert torch.equal(*_bits([ref_m, native_m]))
     assert all(torch.equal(p, q) for p, q in zip(_bits(ref_p), _bits(native_p)))
     monkeypatch.delenv("COMPRESSED_OPT_KERNELS")
     strided = [torch.randn(2 * p.numel(), generator=g)[::2] for p in params]
     expect = [p.contiguous() for p in strided]
-    divide_descend_(y, r, out.clone(), segs, None, Descend(strided, a, 0.99, scales))  # (composed: strided)
-    divide_descend_(y, r, out.clone(), segs, None, Descend(expect, a, 0.99, scales))  # (the C pass)
+    divide_descend_(y.clone(), r, out.clone(), segs, None, _descend(strided, 0.99))  # (composed: strided)
+    divide_descend_(y.clone(), r, out.clone(), segs, None, _descend(expect, 0.99))  # (the C pass)
     assert all(torch.equal(p, q) for p, q in zip(_bits(strided), _bits(expect)))
 
 
@@ -117,13 +131,15 @@ def test_a_parameter_the_c_passes_cannot_write_changes_no_bit(name, kw):
 
 def test_divide_descend_refuses_bad_input():
     g = torch.Generator().manual_seed(4)
-    segs, y, r, a, params, out = _inputs(g, [6, 3], 0)
+    segs, y, r, _, params, out = _inputs(g, [6, 3], 0)
     with pytest.raises(ValueError, match="one destination per segment"):
-        divide_descend_(y, r, out, segs, None, Descend(params[:1], a, 1.0, [1.0, 1.0]))
+        divide_descend_(y, r, out, segs, None, _descend(params[:1], 1.0))
     with pytest.raises(ValueError, match="a destination of 4 elements"):
-        divide_descend_(y, r, out, segs, None, Descend([params[0], torch.zeros(4)], a, 1.0, [1.0, 1.0]))
+        divide_descend_(y, r, out, segs, None, _descend([params[0], torch.zeros(4)], 1.0))
     with pytest.raises(ValueError, match="flat buffer"):
-        divide_descend_(y[:4], r, out, segs, None, Descend(params, a, 1.0, [1.0, 1.0]))
+        divide_descend_(y[:4], r, out, segs, None, _descend(params, 1.0))
+    with pytest.raises(ValueError, match="one value per segment"):
+        divide_descend_(y, r, out, segs, None, Descend(params, 1e-8, [1.0], [1.0, 1.0], 1.0, -1e-3))
 
 
 @pytest.mark.parametrize("sizes,past", CASES)
@@ -134,46 +150,44 @@ def test_the_pass_from_the_compressed_rows_is_decompression_then_the_pass(sizes,
     (tiles across segments, blocks and chunks) and gives what decompression then the pass give,
     bit for bit; the other path (the reference kernels) decompresses into the scratch buffer."""
     g = torch.Generator().manual_seed(world * 7 + len(sizes))
-    segs, _, r, a, params, out = _inputs(g, sizes, past)
+    segs, _, r, _, params, out = _inputs(g, sizes, past)
     n = segs.numel
     chunk = -(-max(-(-n // world), 1) // 32) * 32
     rows = torch.zeros(world, rows_layout(chunk, block)[1], dtype=torch.uint8)
     compress_rows_(torch.randn(n, generator=g), torch.zeros(n), rows, chunk, block)
     result = CompressedResult(rows, chunk, block, torch.empty(n))
     divisors = [1.5 - 0.125 * (i % 4) for i in range(len(sizes))] if divided else None
-    scales = [0.25 * (i + 1) for i in range(len(sizes))]
 
     fused_p, fused_m = [p.clone() for p in params], out.clone()
-    divide_descend_(result, r, fused_m, segs, divisors, Descend(fused_p, a, 0.99, scales))
+    divide_descend_(result, r, fused_m, segs, divisors, _descend(fused_p, 0.99))
 
     y = torch.empty(n)
     decompress_rows_(rows, y, chunk, block)
     two_p, two_m = [p.clone() for p in params], out.clone()
-    divide_descend_(y, r, two_m, segs, divisors, Descend(two_p, a, 0.99, scales))
+    divide_descend_(y, r, two_m, segs, divisors, _descend(two_p, 0.99))
     assert torch.equal(fused_m.view(torch.int32), two_m.view(torch.int32))
     assert all(torch.equal(f, t) for f, t in zip(_bits(fused_p), _bits(two_p)))
 
 
 def test_a_compressed_result_without_the_c_pass_is_decompressed_into_its_buffer(monkeypatch):
     g = torch.Generator().manual_seed(11)
-    segs, _, r, a, params, out = _inputs(g, [300, 0, 45], 3)
+    segs, _, r, _, params, out = _inputs(g, [300, 0, 45], 3)
     n, chunk, block = segs.numel, 352, 256
     rows = torch.zeros(1, rows_layout(chunk, block)[1], dtype=torch.uint8)
     compress_rows_(torch.randn(n, generator=g), torch.zeros(n), rows, chunk, block)
     native_p, native_m, untouched = [p.clone() for p in params], out.clone(), torch.full((n + 5,), 3.0)
-    divide_descend_(CompressedResult(rows, chunk, block, untouched), r, native_m, segs, None,
-                    Descend(native_p, a, 1.0, [1.0] * 3))
+    divide_descend_(CompressedResult(rows, chunk, block, untouched), r, native_m, segs, None, _descend(native_p, 1.0))
     assert torch.all(untouched == 3.0)  # (the C pass decompressed nothing into the buffer)
     monkeypatch.setenv("COMPRESSED_OPT_KERNELS", "reference")
-    ref_p, ref_m, buffer = [p.clone() for p in params], out.clone(), torch.empty(n)
-    divide_descend_(CompressedResult(rows, chunk, block, buffer), r, ref_m, segs, None,
-                    Descend(ref_p, a, 1.0, [1.0] * 3))
-    y = torch.empty(n)
-    decompress_rows_(rows, y, chunk, block)
-    assert torch.equal(buffer, y)
-    torch.testing.assert_close(ref_m, native_m, rtol=2e-7, atol=0)
-    for p, q in zip(ref_p, native_p):
-        torch.testing.assert_close(p, q, rtol=2e-7, atol=1e-7)
+    ref_p, ref_m, buffer = [p.clone() for p in params], out.clone(), torch.full((n,), 3.0)
+    divide_descend_(CompressedResult(rows, chunk, block, buffer), r, ref_m, segs, None, _descend(ref_p, 1.0))
+    direction = torch.empty(n)
+    decompress_rows_(rows, direction, chunk, block)
+    d = _descend([p.clone() for p in params], 1.0)
+    update.compose_descend_(direction, r, d.eps, d.coeffs, d.factors, d.dests, segs, d.decay, d.alpha)
+    assert torch.equal(buffer, direction)  # (decompressed into the buffer, the direction written over it)
+    assert torch.equal(*_bits([ref_m, native_m]))
+    assert all(torch.equal(p, q) for p, q in zip(_bits(ref_p), _bits(native_p)))
     with pytest.raises(ValueError, match="rows of"):
         CompressedResult(rows[:, :10].contiguous(), chunk, block, torch.empty(n))
 
