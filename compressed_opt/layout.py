@@ -24,7 +24,7 @@ bf16/fp16 parameters    updated in place                     and an fp32 master 
 Every method takes the optimizer (the layout keeps nothing of its own, so copies and pickles of
 the optimizer carry it as it is) and, where it concerns one bucket, the bucket. The optimizer is
 reached through public names only (the layout protocol; docs/design.md 3.5): the preconditioned
-exchange's ``exchange_preconditioner``, ``exchange_bounds``, ``exchange_factors``,
+exchange's ``exchange_preconditioner``, ``exchange_coefficients``, ``exchange_bounds``, ``exchange_factors``,
 ``update_factors``, ``momentum_from_exchange``, ``no_variance_indices``, ``bound_exchanged_``,
 ``exchange_scales`` and ``kept_exchange_factors``; ``keeps_denominator`` and
 ``keeps_previous_momentum``; the variance tracking's ``gather_observed`` and
@@ -40,7 +40,7 @@ import torch
 from compressed_opt import cuda as kernels
 from compressed_opt.comm import chunk_numel
 
-from .buckets import Bucket, param_states
+from .buckets import Bucket
 from .moments import descend_
 from .reductions import maxima, norms
 
@@ -359,9 +359,8 @@ class Replicated(Layout):
         """``m = y / (s_l R)`` into ``exp_avg`` and ``p <- p decay + alpha (f_l / s_l) y / (c_l + eps
         R)``, in one pass over memory (no direction buffer written; ZeRO's update, the momentum beside it)."""
         factors = opt.update_factors(bucket) or [1.0] * len(bucket.params)
-        coeffs = [st["scaling_coeff"] for st in param_states(opt.state, bucket)]
-        descend = kernels.Descend(bucket.params, opt.param_groups[bucket.group_index]["eps"], coeffs, factors, decay,
-                                  alpha)
+        descend = kernels.Descend(bucket.params, opt.param_groups[bucket.group_index]["eps"],
+                                  opt.exchange_coefficients(bucket), factors, decay, alpha)
         opt.momentum_from_exchange(bucket, self.exchanged(opt, bucket, y), out=bucket.flat("exp_avg"), descend=descend)
 
     def update_masters(self, opt, bucket, step, decay, delta, alpha=1.0):

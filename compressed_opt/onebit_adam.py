@@ -159,7 +159,7 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
         denom = bucket.flats.get("frozen_denominator")
         r = bucket.flats.get("preconditioner")
         if denom is None and r is not None:  # (sharded: only R = c_l / sqrt(v_f) is kept) made for one step
-            return preconditioned_denominator(r, bucket.views, [self.state[p]["scaling_coeff"] for p in bucket.params],
+            return preconditioned_denominator(r, bucket.views, self.exchange_coefficients(bucket),
                                               self.param_groups[bucket.group_index]["eps"])
         if denom is None:
             group = self.param_groups[bucket.group_index]
@@ -206,8 +206,18 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
         cached = bucket.derived.get("exchange_bounds")
         if cached is None or cached[0][0] is not key[0] or cached[0][1] != betas:
             k = self._bound_constant(betas)
-            cached = (key, [k * st["scaling_coeff"] for st in param_states(self.state, bucket)])
+            cached = (key, [k * c for c in self.exchange_coefficients(bucket)])
             bucket.derived["exchange_bounds"] = cached
+        return cached[1]
+
+    def exchange_coefficients(self, bucket) -> list[float]:
+        """Per layer, the preconditioned exchange's ``c_l`` (``state[p]["scaling_coeff"]``, set with
+        ``R``): read from the state once per preconditioner, not every step."""
+        r = self.exchange_preconditioner(bucket)
+        cached = bucket.derived.get("exchange_coefficients")
+        if cached is None or cached[0] is not r:
+            cached = bucket.derived["exchange_coefficients"] = (r, [st["scaling_coeff"] for st in
+                                                                    param_states(self.state, bucket)])
         return cached[1]
 
     def bound_exchanged_(self, bucket, x: torch.Tensor) -> None:

@@ -58,7 +58,7 @@ from compressed_opt.comm import chunk_numel, expand_result_rows
 
 from . import scaling
 from .averaging import FlatAveraging
-from .buckets import Bucket, param_states
+from .buckets import Bucket
 from .buffers import SAVED, SCRATCH, Buffer
 from .layout import Layout, Replicated
 from .moments import frozen_denominator_of
@@ -386,9 +386,8 @@ class Sharded(Layout):
         # (0 where v_f == 0), made for this step from R = c_l / sqrt(v_f), as the replicated layout makes it
         factors = opt.update_factors(bucket) or [1.0] * len(bucket.params)  # f_l / s_l
         result, in_rows = self._kept_rows(opt, bucket, y), bucket.derived.pop("step.result_in_rows", False)
-        coeffs = [st["scaling_coeff"] for st in param_states(opt.state, bucket)]
-        args = (opt.exchange_preconditioner(bucket), opt.param_groups[bucket.group_index]["eps"], coeffs, factors,
-                bucket.params, bucket.segments, decay, alpha)
+        args = (opt.exchange_preconditioner(bucket), opt.param_groups[bucket.group_index]["eps"],
+                opt.exchange_coefficients(bucket), factors, bucket.params, bucket.segments, decay, alpha)
         if bucket.low_precision or not kernels.zero_passes.rows_descend_(result, *args):
             if in_rows:
                 result.expand_()

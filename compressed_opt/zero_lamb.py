@@ -29,7 +29,7 @@ import torch
 from compressed_opt import cuda as kernels
 from compressed_opt.comm import chunk_numel
 
-from .buckets import Bucket, param_states
+from .buckets import Bucket
 from .moments import preconditioned_denominator
 
 
@@ -63,7 +63,7 @@ def _denominator_chunk(opt, bucket: Bucket, r: torch.Tensor, segments: kernels.S
     """The chunk's frozen denominator ``sqrt(v_f) + eps = (1 / R) c_l + eps`` (as the layout makes the
     whole one, on the chunk only), made again when ``R`` (a load writes it: its version), ``eps`` or
     the coefficients change."""
-    coeffs = [st["scaling_coeff"] for st in param_states(opt.state, bucket)]
+    coeffs = opt.exchange_coefficients(bucket)
     key = (r.data_ptr(), r.numel(), r._version, float(eps), tuple(coeffs))
     cached = bucket.derived.get("lamb_denominator_chunk")
     if cached is None or cached[0] != key:
@@ -96,7 +96,6 @@ def descend_(opt, bucket: Bucket, buffer: torch.Tensor, decays, alphas) -> None:
     result = kernels.CompressedResult(bucket.flats["momentum_rows"].view(world, -1),
                                       chunk_numel(bucket.numel, world), opt.scale_block, buffer)
     args = (opt.exchange_preconditioner(bucket), opt.param_groups[bucket.group_index]["eps"],
-            [st["scaling_coeff"] for st in param_states(opt.state, bucket)], bucket.step_destinations(),
-            bucket.segments, decays, alphas)
+            opt.exchange_coefficients(bucket), bucket.step_destinations(), bucket.segments, decays, alphas)
     if not kernels.zero_passes.lamb_rows_descend_(result, *args):
         kernels.zero_passes.compose_lamb_descend_(result.expand_(), *args, zero_index=opt.no_variance_indices(bucket))

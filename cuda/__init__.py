@@ -47,7 +47,6 @@ if __name__ != "compressed_opt.cuda":  # pragma: no cover - only when the repo r
         "compressed-opt source root on sys.path (run Python with -P, or from another folder)"
     )
 
-import os
 import warnings
 
 import torch
@@ -58,7 +57,7 @@ from .segmented import (Lerp, LerpScaleClamp, ScaleClamp, Segments, divide_where
 from .local_steps import (ZeroOneSyncBefore, signed_denominator, zero_one_local_step_, zero_one_passes_serve,
                           zero_one_sync_after_, zero_one_sync_before_)
 from .addresses import addressable as plain_memory
-from .addresses import Destinations, Sources, readable_in_place
+from .addresses import Destinations, Sources, library_allowed, readable_in_place
 from .sumsq import sumsq_each
 from .update import CompressedResult, Descend, divide_descend_, rows_keep_descend_
 
@@ -110,7 +109,7 @@ _warned_cuda_fallback = False
 
 def kernel_path(device: torch.device) -> str:
     """Which implementation serves tensors on ``device``: ``"cuda"``, ``"cpu"`` or ``"reference"``."""
-    if os.environ.get("COMPRESSED_OPT_KERNELS") == "reference":
+    if not library_allowed():
         return "reference"
     if device.type == "cuda":
         from . import gpu

@@ -11,6 +11,11 @@ import torch
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
+def library_allowed() -> bool:
+    """Whether the C passes may be used (``COMPRESSED_OPT_KERNELS=reference``: never)."""
+    return os.environ.get("COMPRESSED_OPT_KERNELS") != "reference"
+
+
 def addressable(t: torch.Tensor) -> bool:
     """Whether a kernel may address ``t``'s elements at ``data_ptr()``: a ``torch.Tensor`` or
     ``nn.Parameter`` itself (not a subclass such as DTensor, whose ``data_ptr()`` is not its
@@ -35,8 +40,8 @@ def readable_in_place(sources: list) -> bool:
 
     if isinstance(sources, Sources):
         return True
-    return (all(s is not None for s in sources) and plain_cpu_floats(sources)
-            and os.environ.get("COMPRESSED_OPT_KERNELS") != "reference" and cpu.library() is not None)
+    return (all(s is not None for s in sources) and plain_cpu_floats(sources) and library_allowed()
+            and cpu.library() is not None)
 
 
 def source_addresses(sources: list, sizes: list[int]) -> torch.Tensor:
@@ -97,7 +102,7 @@ class Sources(list):
         :func:`readable_in_place`; checked and addressed in one walk)."""
         from . import cpu
 
-        if os.environ.get("COMPRESSED_OPT_KERNELS") == "reference" or cpu.library() is None:
+        if not library_allowed() or cpu.library() is None:
             return None
         addresses = _plain_addresses(tensors, sizes, "source")
         if addresses is None:

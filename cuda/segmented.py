@@ -40,13 +40,13 @@ on CUDA tensors, each bit for bit its device's pass then the compression.
 from __future__ import annotations
 
 import array
-import os
 import warnings
 
 import torch
 
 from . import cpu, reference
 from .addresses import addressable
+from .addresses import library_allowed as _library_allowed
 from .addresses import plain_cpu_floats, source_addresses
 
 
@@ -78,11 +78,6 @@ class Segments:
 
     def split(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return list(flat[: self.numel].split(self.sizes))
-
-
-def _library_allowed() -> bool:
-    """Whether the C passes may be used (``COMPRESSED_OPT_KERNELS=reference``: never)."""
-    return os.environ.get("COMPRESSED_OPT_KERNELS") != "reference"
 
 
 def _native(*tensors: torch.Tensor):
@@ -268,7 +263,7 @@ class LerpScaleClamp:
         from . import gpu
 
         tensors = [t for t in (x, self.m, self.r, error) if t is not None]
-        if (os.environ.get("COMPRESSED_OPT_KERNELS") == "reference"
+        if (not _library_allowed()
                 or not all(addressable(t) and t.device == x.device and t.dtype == torch.float32 and t.is_contiguous()
                            for t in tensors)
                 or not gpu.is_available(x.device) or not _cuda_fusion_agrees(x.device)):
