@@ -59,6 +59,7 @@ class ZeroOneLocalSteps:
         lr, wd = float(group["lr"]), group["weight_decay"]
         sources = bucket.derived.pop("step.gradients_in_place", None)
         if not self._syncs_now():
+            bucket.derived.pop(_ZERO_ACCUMULATOR, None)  # (the C pass writes it unseen by its version)
             if not self._fused_local_step(bucket, group, grad, factors, sources):
                 self._composed_local_step(bucket, group, _gathered(bucket, grad, sources), factors, None)
             return
@@ -102,10 +103,11 @@ class ZeroOneLocalSteps:
                                           sources=sources)
             torch._foreach_copy_(bucket.params, bucket.views(anchor))
             acc.zero_()
+            _accumulator_zeroed(bucket, acc)
             return True
         scales, r, bounds, divisors = self.exchange_variant.sync_plan(self, bucket, lr_sum, tracked)
         pending = kernels.ZeroOneSyncBefore(grad, m, sden, acc, bucket.segments, weight, lr, scales, r, bounds,
-                                            sources=sources)
+                                            sources=sources, accumulator_zero=_holds_zero(bucket, acc))
         result = [acc]
 
         def request():  # expand=False: the flat 1-bit exchange leaves y in its rows, the pass after reads them
@@ -117,7 +119,8 @@ class ZeroOneLocalSteps:
         self.exchanges.run([request()])
         # (the rows are views of the exchange's buffers, valid until the next exchange: read right now)
         kernels.zero_one_sync_after_(bucket.step_destinations(), result[0], sden, m, anchor, bucket.segments, lr_sum,
-                                     decay, [-f for f in factors], r, divisors)
+                                     decay, [-f for f in factors], r, divisors, accumulator_zero=pending.leaves_zero)
+        _accumulator_zeroed(bucket, acc)
         return True
 
     def _composed_local_step(self, bucket, group, grad, factors, sync):
@@ -152,6 +155,23 @@ class ZeroOneLocalSteps:
         # p = p_sync D - y / (sqrt(v) + eps): the same numbers on every rank (lr_sum == 0: p_sync)
         torch._foreach_copy_(bucket.params, bucket.views(anchor))
         acc.zero_()
+        _accumulator_zeroed(bucket, acc)
+
+
+#: ``bucket.derived`` key: ``(address, version)`` of the accumulator where a synchronisation left it
+#: ``+0``; valid while both hold (a load, or a user's in-place write, moves the version; the local
+#: step's C pass does not, and drops the key). Then the next synchronisation, an interval of one
+#: step (0/1 Adam's default for its first ``local_step_scaler`` steps of phase B), neither reads nor
+#: writes it: two streams of the bucket's bytes fewer, the same bits.
+_ZERO_ACCUMULATOR = "accumulator_zero_at"
+
+
+def _accumulator_zeroed(bucket, acc: torch.Tensor) -> None:
+    bucket.derived[_ZERO_ACCUMULATOR] = (acc.data_ptr(), acc._version)
+
+
+def _holds_zero(bucket, acc: torch.Tensor) -> bool:
+    return bucket.derived.get(_ZERO_ACCUMULATOR) == (acc.data_ptr(), acc._version)
 
 
 def _gathered(bucket, grad: torch.Tensor, sources) -> torch.Tensor:

@@ -17,12 +17,17 @@ Per element of segment ``s``:
     that pass, then (with ``r``) the exchange's ``clamp(r acc, -bounds[s], bounds[s])``, not run
     yet: the exchange's compression runs both inside its worker side (``compress_rows_``, one pass
     over memory; ``acc`` read, not written), bit for bit as the passes then the compression.
+    ``accumulator_zero=True``: the caller knows ``acc`` holds ``+0`` (an interval of one step), and
+    the fused pass does not read it (``0 + q`` in place of ``acc + q``: the same bits).
 ``zero_one_sync_after_(params, y, sden, m, anchor, segments, lr_sum, decay, steps, r=None, divisors=None)``
     ``y <- y / r / divisors[s]`` (each where given), 0 where ``v == 0``; ``m <- y / lr_sum``;
     ``anchor <- anchor decay + (steps[s] y) / den``; ``p <- anchor``; ``y <- 0``. ``y`` may be
     the exchange's result as its 1-bit rows (a :class:`~compressed_opt.cuda.CompressedResult`
     whose buffer is the accumulator): they are then decompressed tile by tile inside the pass
-    and the accumulator only written (``<- 0``), bit for bit as decompressing them into it first.
+    and the accumulator only written (``<- 0``), bit for bit as decompressing them into it first;
+    not written at all with ``accumulator_zero=True`` (it holds ``+0`` already: the pass before
+    neither read nor wrote it). ``m`` and the parameters are only written: the C passes store them
+    without reading them for ownership (non-temporal stores where the CPU has AVX2).
 
 Elements past the segments (up to the buffers' size) get what has no per-segment scalar (``m``,
 ``acc``, ``anchor decay``; no parameter, no step), as the PyTorch composition treats them.
@@ -128,7 +133,7 @@ def _sync_before(lib, g, m, sden, acc, segments: Segments, weight: float, lr: fl
 
 def zero_one_sync_after_(params: list, y, sden: torch.Tensor, m: torch.Tensor, anchor: torch.Tensor,
                          segments: Segments, lr_sum: float, decay: float, steps, r: torch.Tensor | None = None,
-                         divisors=None) -> bool:
+                         divisors=None, accumulator_zero: bool = False) -> bool:
     """A synchronising step's pass after its exchange (``y``: its result; see the module doc):
     ``m``, ``anchor``, the parameters, and ``y <- 0``. ``steps[s]`` is ``-f_s``; ``r``: the
     element-wise divisor of the preconditioned exchange; ``divisors``: per segment.
@@ -137,7 +142,8 @@ def zero_one_sync_after_(params: list, y, sden: torch.Tensor, m: torch.Tensor, a
     travelled as, whose ``buffer`` is the accumulator: the pass then decompresses the rows tile by
     tile into the stack (``co_zo_sync_after_rows``; ``y`` never travels to memory) and writes the
     buffer's ``+0`` without reading it, bit for bit as decompressing them into the buffer then the
-    pass on it."""
+    pass on it; with ``accumulator_zero`` (the buffer holds ``+0``: :attr:`ZeroOneSyncBefore.leaves_zero`)
+    not even that."""
     compressed = isinstance(y, CompressedResult)
     acc = y.buffer if compressed else y
     n = _flat_buffers(segments, acc, sden, m, anchor, *(() if r is None else (r,)))
@@ -154,7 +160,7 @@ def zero_one_sync_after_(params: list, y, sden: torch.Tensor, m: torch.Tensor, a
             float(lr_sum), float(decay), decay != 1.0, dp, cp)
     if compressed:
         lib.co_zo_sync_after_rows(dests.data_ptr(), y.rows.data_ptr(), y.rows.stride(0), y.chunk, y.block,
-                                  acc.data_ptr(), rp, *tail)
+                                  None if accumulator_zero else acc.data_ptr(), rp, *tail)
     else:
         lib.co_zo_sync_after(dests.data_ptr(), acc.data_ptr(), rp, *tail)
     return True
@@ -167,16 +173,21 @@ class ZeroOneSyncBefore:
     worker side of the compression of ``acc`` (one pass over memory, ``acc`` read and not written,
     ``m`` written), bit for bit as :meth:`apply_` then the compression; :meth:`apply_` runs them
     alone. Made only where :func:`zero_one_passes_serve` (the caller checks); the arguments are
-    kept, not copied."""
+    kept, not copied. ``accumulator_zero``: ``acc`` holds ``+0`` (the caller knows: the last
+    synchronisation zeroed it and nothing wrote it since), so :meth:`compress_rows_` does not read
+    it; :attr:`leaves_zero` says afterwards whether ``acc`` still holds ``+0`` (:meth:`apply_`
+    writes it)."""
 
     def __init__(self, g: torch.Tensor, m: torch.Tensor, sden: torch.Tensor, acc: torch.Tensor, segments: Segments,
-                 weight: float, lr: float, scales=None, r: torch.Tensor | None = None, bounds=None, sources=None):
+                 weight: float, lr: float, scales=None, r: torch.Tensor | None = None, bounds=None, sources=None,
+                 accumulator_zero: bool = False):
         _flat_buffers(segments, g, m, sden, acc, *(() if r is None else (r,)))
         if (r is None) != (bounds is None):
             raise ValueError("r and bounds go together")
         self.g, self.m, self.sden, self.acc, self.segments = g, m, sden, acc, segments
         self.weight, self.lr, self.scales, self.r, self.bounds = float(weight), float(lr), scales, r, bounds
         self.sources = sources  # (the gradients where they lie, in place of g's segments)
+        self.leaves_zero = accumulator_zero
 
     def apply_(self) -> None:
         """The passes on ``acc``, alone (the C passes, or where they cannot run, which the caller
@@ -184,6 +195,7 @@ class ZeroOneSyncBefore:
         lib = _native(self.g, self.m, self.sden, self.acc)
         if lib is None:
             raise RuntimeError("0/1 Adam's pass before the exchange cannot run here")
+        self.leaves_zero = False
         _sync_before(lib, self.g, self.m, self.sden, self.acc, self.segments, self.weight, self.lr, self.scales,
                      self.sources)
         if self.r is not None:
@@ -204,8 +216,9 @@ class ZeroOneSyncBefore:
         nseg = len(self.segments)
         c, cp = (None, None) if self.scales is None else _c_doubles(self.scales, nseg)
         b, bp = (None, None) if self.bounds is None else _c_doubles(self.bounds, nseg)
+        acc = None if self.leaves_zero else x.data_ptr()
         lib.co_zo_sync_before_compress_rows(
-            self.g.data_ptr(), srcs[1], self.m.data_ptr(), self.sden.data_ptr(), x.data_ptr(), self.weight, self.lr, cp,
+            self.g.data_ptr(), srcs[1], self.m.data_ptr(), self.sden.data_ptr(), acc, self.weight, self.lr, cp,
             None if self.r is None else self.r.data_ptr(), bp, self.segments.offsets.data_ptr(), nseg,
             error.data_ptr(), rows.data_ptr(), rows.stride(0), rows.shape[0], chunk, block, n)
         return True

@@ -57,6 +57,27 @@ static inline int64_t valid_in(int64_t n, int64_t lo, int64_t len) { return n <=
 #define CO_TILE 256
 
 /*
+ * dst[0, len) <- src[0, len) (a tile in cache) with non-temporal stores where the CPU has AVX2, for a
+ * buffer a pass only writes: the line is not read for ownership first, one stream of the buffer's
+ * bytes where a plain store costs two. The values are the plain stores' (only where they go
+ * differs); the pass ends with co_store_fence, so that its caller sees them.
+ */
+static inline void co_stream_out(float *restrict dst, const float *restrict src, int64_t len) {
+    int64_t i = 0;
+#ifdef CO_AVX2
+    for (; i < len && ((uintptr_t)(dst + i) & 31u); ++i) dst[i] = src[i];
+    for (; i + 8 <= len; i += 8) _mm256_stream_ps(dst + i, _mm256_loadu_ps(src + i));
+#endif
+    for (; i < len; ++i) dst[i] = src[i];
+}
+
+static inline void co_store_fence(void) {
+#ifdef CO_AVX2
+    _mm_sfence();
+#endif
+}
+
+/*
  * The segment of element k and where its piece of [k, end) stops: *s advances (segments come in
  * order, off[nseg] ends the last) to the segment holding k, or to nseg past the segments, whose
  * piece runs to end. Every pass that walks a flat buffer's segments in pieces cuts them so.

@@ -91,19 +91,27 @@ CO_EXACT static void zrd_span(const float *restrict y, const float *restrict r, 
                               float eps, float c, float f, float d, int decayed, float alpha, float *restrict m,
                               float v) {
     CO_NO_CONTRACT
-    if (m) { /* stage 0 keeps the momentum beside: m = (y / r) / v, 0 where r == 0 (v = 1: none) */
-        if (decayed) {
-            for (int64_t i = 0; i < n; ++i) {
-                const float yi = y[i], ri = r[i];
-                m[i] = quotient_or_zero(yi, ri) / v;
-                p[i] = fmaf(zero_where_zero(yi / (ri * eps + c), ri) * f, alpha, p[i] * d);
+    if (m) { /* stage 0 keeps the momentum beside: m = (y / r) / v, 0 where r == 0 (v = 1: none), formed
+              * a tile at a time in the stack and streamed out (m is only written: co_stream_out) */
+        float mt[CO_TILE];
+        for (int64_t k = 0; k < n; k += CO_TILE) {
+            const int64_t len = min64(CO_TILE, n - k);
+            const float *restrict yk = y + k, *restrict rk = r + k;
+            float *restrict pk = p + k;
+            if (decayed) {
+                for (int64_t i = 0; i < len; ++i) {
+                    const float yi = yk[i], ri = rk[i];
+                    mt[i] = quotient_or_zero(yi, ri) / v;
+                    pk[i] = fmaf(zero_where_zero(yi / (ri * eps + c), ri) * f, alpha, pk[i] * d);
+                }
+            } else {
+                for (int64_t i = 0; i < len; ++i) {
+                    const float yi = yk[i], ri = rk[i];
+                    mt[i] = quotient_or_zero(yi, ri) / v;
+                    pk[i] = fmaf(zero_where_zero(yi / (ri * eps + c), ri) * f, alpha, pk[i]);
+                }
             }
-        } else {
-            for (int64_t i = 0; i < n; ++i) {
-                const float yi = y[i], ri = r[i];
-                m[i] = quotient_or_zero(yi, ri) / v;
-                p[i] = fmaf(zero_where_zero(yi / (ri * eps + c), ri) * f, alpha, p[i]);
-            }
+            co_stream_out(m + k, mt, len);
         }
         return;
     }
@@ -157,6 +165,7 @@ void co_rows_divide_zero_descend(const uint8_t *rows, int64_t row_stride, int64_
                                  float alpha, float *m, const double *divisors) {
     struct zero_rows_descend pass = {r, coeffs, factors, off, dests, eps, d, alpha, decayed, m, divisors};
     walk_result_rows(rows, row_stride, chunk, block, off, nseg, zero_rows_descend_span, &pass);
+    co_store_fence();
 }
 
 void co_divide_zero_descend(const float *y, const float *r, float eps, const double *coeffs, const double *factors,
@@ -165,6 +174,7 @@ void co_divide_zero_descend(const float *y, const float *r, float eps, const dou
     struct zero_rows_descend pass = {r, coeffs, factors, off, dests, eps, d, alpha, decayed, m, divisors};
     for (int64_t s = 0; s < nseg; ++s)
         if (off[s + 1] > off[s]) zero_rows_descend_span(&pass, y + off[s], off[s], off[s + 1], s);
+    co_store_fence();
 }
 
 /*

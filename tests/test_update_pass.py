@@ -49,17 +49,25 @@ def _compose(y, r, out, segs, divisors, descend, zero_index=None):
                             descend.alpha, zero_index)
 
 
+def _shifted(t, shift):
+    """A copy of ``t`` that starts ``shift`` elements into its storage (not 32-byte aligned for a
+    shift that is not a multiple of 8: the non-temporal stores' scalar head)."""
+    out = torch.empty(t.numel() + shift)[shift:]
+    return out.copy_(t)
+
+
 @pytest.mark.parametrize("sizes,past", CASES)
 @pytest.mark.parametrize("decay", [1.0, 0.999])
 @pytest.mark.parametrize("divided", [False, True])
-def test_divide_descend_is_the_two_passes_bit_for_bit(sizes, past, decay, divided):
+@pytest.mark.parametrize("shift", [0, 3])
+def test_divide_descend_is_the_two_passes_bit_for_bit(sizes, past, decay, divided, shift):
     assert cpu.library() is not None  # (the native pass is what this compares)
     g = torch.Generator().manual_seed(len(sizes) + past)
     segs, y, r, _, params, out = _inputs(g, sizes, past)
     divisors = [0.5 + 0.25 * (i % 5) for i in range(len(sizes))] if divided else None
     y0 = y.clone()
 
-    fused_p, fused_m = [p.clone() for p in params], out.clone()
+    fused_p, fused_m = [_shifted(p, shift) for p in params], _shifted(out, shift)
     divide_descend_(y, r, fused_m, segs, divisors, _descend(fused_p, decay))
 
     two_p, two_m = [p.clone() for p in params], out.clone()
