@@ -138,24 +138,17 @@ void co_divide_where_nonzero_segments(float *y, const float *r, float *q, const 
     }
 }
 
-/* The momentum exchange's update, one span: m <- y (m == NULL: not kept); p <- fma((y / den) f, alpha,
- * p d) (decayed == 0: p), each operation rounded on its own but torch's add-with-alpha, one FMA in its
- * CPU kernels. */
+/* The momentum exchange's update, one span: m <- y (m == NULL: not kept; streamed out, m is only
+ * written: co_stream_out); p <- fma((y / den) f, alpha, p d) (decayed == 0: p), each operation rounded
+ * on its own but torch's add-with-alpha, one FMA in its CPU kernels. */
 CO_EXACT static void keep_descend_span(const float *restrict y, const float *restrict den, float *restrict m,
                                        float *restrict p, int64_t n, float f, float d, int decayed, float alpha) {
     CO_NO_CONTRACT
-    if (!m) {
-        for (int64_t i = 0; i < n; ++i) p[i] = fmaf((y[i] / den[i]) * f, alpha, decayed ? p[i] * d : p[i]);
-    } else if (decayed) {
-        for (int64_t i = 0; i < n; ++i) {
-            m[i] = y[i];
-            p[i] = fmaf((y[i] / den[i]) * f, alpha, p[i] * d);
-        }
+    if (m) co_stream_out(m, y, n);
+    if (decayed) {
+        for (int64_t i = 0; i < n; ++i) p[i] = fmaf((y[i] / den[i]) * f, alpha, p[i] * d);
     } else {
-        for (int64_t i = 0; i < n; ++i) {
-            m[i] = y[i];
-            p[i] = fmaf((y[i] / den[i]) * f, alpha, p[i]);
-        }
+        for (int64_t i = 0; i < n; ++i) p[i] = fmaf((y[i] / den[i]) * f, alpha, p[i]);
     }
 }
 
@@ -188,4 +181,5 @@ void co_rows_keep_descend(const uint8_t *rows, int64_t row_stride, int64_t chunk
                           float d, int decayed, float alpha) {
     struct rows_keep_descend pass = {den, m, factors, off, dests, d, alpha, decayed};
     walk_result_rows(rows, row_stride, chunk, block, off, nseg, rows_keep_descend_span, &pass);
+    co_store_fence();
 }
