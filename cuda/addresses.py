@@ -24,12 +24,18 @@ def addressable(t: torch.Tensor) -> bool:
     return type(t) in _PLAIN_TYPES and (t.numel() == 0 or t.data_ptr() != 0)
 
 
+def plain_cpu_float(t: torch.Tensor) -> bool:
+    """Whether the C passes may take ``t`` by pointer: contiguous fp32 CPU memory they can address
+    (:func:`addressable`). The one form of the check but :func:`_plain_addresses`, which inlines it
+    for thousands of tensors a step."""
+    return addressable(t) and t.is_cpu and t.dtype is torch.float32 and t.is_contiguous()
+
+
 def plain_cpu_floats(sources: list) -> bool:
-    """Whether the C passes may read every source (``None``: none): contiguous fp32 CPU memory."""
+    """Whether the C passes may read every source (``None``: none): :func:`plain_cpu_float`."""
     if isinstance(sources, Sources):
         return True
-    return all(s is None or (addressable(s) and s.is_cpu and s.dtype is torch.float32 and s.is_contiguous())
-               for s in sources)
+    return all(s is None or plain_cpu_float(s) for s in sources)
 
 
 def readable_in_place(sources: list) -> bool:

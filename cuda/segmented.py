@@ -47,7 +47,7 @@ import torch
 from . import cpu, reference
 from .addresses import addressable
 from .addresses import library_allowed as _library_allowed
-from .addresses import plain_cpu_floats, source_addresses
+from .addresses import plain_cpu_float, plain_cpu_floats, source_addresses
 
 
 class Segments:
@@ -84,8 +84,7 @@ def _native(*tensors: torch.Tensor):
     """The C library when every tensor is a contiguous fp32 CPU tensor and it is allowed, else None."""
     if not _library_allowed():
         return None
-    if not all(addressable(t) and t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
-               for t in tensors):
+    if not all(plain_cpu_float(t) for t in tensors):
         return None
     return cpu.library()
 
