@@ -25,8 +25,8 @@ Every method takes the optimizer (the layout keeps nothing of its own, so copies
 the optimizer carry it as it is) and, where it concerns one bucket, the bucket. The optimizer is
 reached through public names only (the layout protocol; docs/design.md 3.5): the preconditioned
 exchange's ``exchange_preconditioner``, ``exchange_coefficients``, ``exchange_bounds``, ``exchange_factors``,
-``update_factors``, ``momentum_from_exchange``, ``no_variance_indices``, ``bound_exchanged_``,
-``exchange_scales`` and ``kept_exchange_factors``; ``keeps_denominator`` and
+``update_factors``, ``preconditioned_descend``, ``momentum_from_exchange``, ``no_variance_indices``,
+``bound_exchanged_``, ``exchange_scales`` and ``kept_exchange_factors``; ``keeps_denominator`` and
 ``keeps_previous_momentum``; the variance tracking's ``gather_observed`` and
 ``observe_local_gradient``; ``overlay_buffers``, ``comm_device``,
 ``averaging``, ``param_groups`` and ``state``. Where the two
@@ -358,10 +358,8 @@ class Replicated(Layout):
     def step_preconditioned_(self, opt, bucket, y, decay, alpha, step):
         """``m = y / (s_l R)`` into ``exp_avg`` and ``p <- p decay + alpha (f_l / s_l) y / (c_l + eps
         R)``, in one pass over memory (no direction buffer written; ZeRO's update, the momentum beside it)."""
-        factors = opt.update_factors(bucket) or [1.0] * len(bucket.params)
-        descend = kernels.Descend(bucket.params, opt.param_groups[bucket.group_index]["eps"],
-                                  opt.exchange_coefficients(bucket), factors, decay, alpha)
-        opt.momentum_from_exchange(bucket, self.exchanged(opt, bucket, y), out=bucket.flat("exp_avg"), descend=descend)
+        opt.momentum_from_exchange(bucket, self.exchanged(opt, bucket, y), out=bucket.flat("exp_avg"),
+                                   descend=opt.preconditioned_descend(bucket, decay, alpha))
 
     def update_masters(self, opt, bucket, step, decay, delta, alpha=1.0):
         pass  # the parameters are the truth

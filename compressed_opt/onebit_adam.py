@@ -46,6 +46,7 @@ import logging
 
 import torch
 
+from compressed_opt import cuda as kernels
 from compressed_opt.comm import DEFAULT_BLOCK
 
 from . import exchange_variant, scaling, zero
@@ -219,6 +220,14 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
             cached = bucket.derived["exchange_coefficients"] = (r, [st["scaling_coeff"] for st in
                                                                     param_states(self.state, bucket)])
         return cached[1]
+
+    def preconditioned_descend(self, bucket, decay: float, alpha: float):
+        """The preconditioned exchange's update, ``p <- p decay + alpha (f_l / s_l) y / (c_l + eps R)``
+        (0 where ``v_f == 0``), as its arguments but ``y``, ``R`` and the segments
+        (:class:`compressed_opt.cuda.Descend`): what both layouts' ``step_preconditioned_`` take."""
+        factors = self.update_factors(bucket) or [1.0] * len(bucket.params)  # f_l / s_l
+        return kernels.Descend(bucket.params, self.param_groups[bucket.group_index]["eps"],
+                               self.exchange_coefficients(bucket), factors, decay, alpha)
 
     def bound_exchanged_(self, bucket, x: torch.Tensor) -> None:
         """Clip the exchanged ``s_l R m_i`` to ``+-c_l K`` (:meth:`exchange_bounds`)."""

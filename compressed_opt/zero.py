@@ -384,10 +384,10 @@ class Sharded(Layout):
         """From the kept rows in one native pass (fp32 parameters: ``zero_passes.rows_descend_``), or composed."""
         # p <- p decay + alpha (m / (sqrt(v_f) + eps)) f_l / s_l, where m / (sqrt(v_f) + eps) = y / (c_l + eps R)
         # (0 where v_f == 0), made for this step from R = c_l / sqrt(v_f), as the replicated layout makes it
-        factors = opt.update_factors(bucket) or [1.0] * len(bucket.params)  # f_l / s_l
+        d = opt.preconditioned_descend(bucket, decay, alpha)
         result, in_rows = self._kept_rows(opt, bucket, y), bucket.derived.pop("step.result_in_rows", False)
-        args = (opt.exchange_preconditioner(bucket), opt.param_groups[bucket.group_index]["eps"],
-                opt.exchange_coefficients(bucket), factors, bucket.params, bucket.segments, decay, alpha)
+        args = (opt.exchange_preconditioner(bucket), d.eps, d.coeffs, d.factors, d.dests, bucket.segments, d.decay,
+                d.alpha)
         if bucket.low_precision or not kernels.zero_passes.rows_descend_(result, *args):
             if in_rows:
                 result.expand_()
