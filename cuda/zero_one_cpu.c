@@ -326,9 +326,8 @@ static void zo_before_compensate(struct zo_before *p, int64_t lo, int64_t len, f
         const int kind = (in ? (p->scales ? 1 : 0) | (p->r ? 2 : 0) : 0) | (p->acc ? 0 : 4);
         const float *gs = p->srcs && in ? (const float *)(intptr_t)p->srcs[s] + (k - p->off[s]) : p->g + k;
         zo_before_segment(gs, p->m + k, p->sden + k, (p->acc ? p->acc : p->sden) + k, (p->r ? p->r : p->sden) + k,
-                          error + (k - lo),
-                          stop - k, p->coeff, p->small, p->lr, in && p->scales ? (float)p->scales[s] : 1.0f,
-                          in && p->r ? (float)p->bounds[s] : 0.0f, kind);
+                          error + (k - lo), stop - k, p->coeff, p->small, p->lr,
+                          in && p->scales ? (float)p->scales[s] : 1.0f, in && p->r ? (float)p->bounds[s] : 0.0f, kind);
         k = stop;
     }
     p->seg = s;
