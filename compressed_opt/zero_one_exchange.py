@@ -36,7 +36,7 @@ def _no_variance_no_move_(t: torch.Tensor, bucket, v: torch.Tensor, refreshed: b
     zeros = bucket.flats.get("no_variance")
     if zeros is None or refreshed:
         mask = v == 0
-        few = int(mask.sum()) * 16 <= v.numel()  # indices (8 bytes each) then take at most n/2 bytes
+        few = int(torch.count_nonzero(mask)) * 16 <= v.numel()  # indices (8 bytes each): at most n/2 bytes
         zeros = bucket.flats["no_variance"] = mask.nonzero().view(-1) if few else mask
     if zeros.dtype == torch.bool:
         t.masked_fill_(zeros, 0.0)
