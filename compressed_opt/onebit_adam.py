@@ -410,6 +410,32 @@ class OnebitAdam(_FreezingAdam):
         yield from self.layout.exchange(self, bucket, grad, pending,
                                         keep_result=self.exchange_variant.reads_compressed_result(self))
 
+    def _fused_warmup_(self, bucket, group, grad, step) -> bool:
+        """A warmup step as torch's fused AdamW kernel (``torch._fused_adamw_``, what
+        ``torch.optim.AdamW(fused=True)`` runs: one pass where the composition below takes about
+        eight) on the parameters and views of the bucket's flat ``m``, ``v`` and gradient, where it
+        applies: the whole state on this rank (not ZeRO), fp32 parameters that are plain tensors on
+        the gradient's device, Adam's bias correction on (the kernel always corrects). The same
+        AdamW, rounded as the kernel rounds it. ``False``, nothing done, elsewhere."""
+        fused = getattr(torch, "_fused_adamw_", None)
+        if (fused is None or self.layout.sharded or bucket.low_precision or not group["bias_correction"]
+                or not bucket.params or grad.dtype != torch.float32):
+            return False
+        device = grad.device
+        if device.type not in ("cpu", "cuda") or not all(
+                kernels.plain_memory(p) and p.dtype == torch.float32 and p.device == device for p in bucket.params):
+            return False
+        count = bucket.derived.get("warmup_step_count")
+        if count is None or count.device != device:
+            count = bucket.derived["warmup_step_count"] = torch.zeros((), dtype=torch.float32, device=device)
+        count.fill_(float(step))
+        beta1, beta2 = group["betas"]
+        fused(bucket.params, bucket.views(grad), bucket.views(bucket.flat("exp_avg")),
+              bucket.views(bucket.flat("exp_avg_sq")), [], [count] * len(bucket.params), lr=float(group["lr"]),
+              beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=False,
+              maximize=False, grad_scale=None, found_inf=None)
+        return True
+
     def _bucket_step(self, bucket, group, grad, step, averaged):
         beta1, beta2 = group["betas"]
         lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]  # lr: a float or a 1-element tensor
@@ -417,6 +443,8 @@ class OnebitAdam(_FreezingAdam):
         layout = self.layout
         if averaged:  # warmup: AdamW on the averaged gradient, over the part of the bucket this rank holds
             self._observe_averaged_gradient(bucket, grad)
+            if self._fused_warmup_(bucket, group, grad, step):
+                return
             g = layout.own(self, bucket, grad)
             m, v = layout.state(self, bucket, "exp_avg"), layout.state(self, bucket, "exp_avg_sq")
             momentum_(m, g, beta1)
