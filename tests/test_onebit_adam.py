@@ -563,3 +563,48 @@ def test_the_fused_local_momentum_pass_changes_no_bit():
         for finals in (default, groups, zero, momentum):
             assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(*finals))
         assert ran_default > 0 and ran_groups > 0 and ran_zero == 0 and ran_momentum > 0
+
+
+@pytest.mark.parametrize("wd", [0.0, 0.01])
+def test_the_warmup_is_torchs_fused_adamw_bit_for_bit(wd, monkeypatch):
+    """Stage 0's warmup step runs torch's fused AdamW kernel: the parameters, ``exp_avg`` and
+    ``exp_avg_sq`` after every warmup step equal ``torch.optim.AdamW(fused=True)``'s on the same
+    gradients bit for bit (the kernel ran once per bucket and step); ZeRO and
+    ``bias_correction=False`` compose AdamW instead (the kernel does not run for them)."""
+    calls, ours = [], [False]
+    kernel = torch._fused_adamw_
+    monkeypatch.setattr(torch, "_fused_adamw_", lambda *a, **k: (calls.append(ours[0]) if ours[0] else None,
+                                                                 kernel(*a, **k))[1])
+    torch.manual_seed(0)
+    shapes = [(37,), (16, 9), (1000,), (5,)]
+    mine = [nn.Parameter(torch.randn(s) * 0.1) for s in shapes]
+    theirs = [nn.Parameter(p.detach().clone()) for p in mine]
+    hp = dict(lr=3e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=wd)
+    opt = OnebitAdam(mine, freeze_step=50, backend=SingleProcessBackend(), overlap=False, **hp)
+    ref = torch.optim.AdamW(theirs, fused=True, **hp)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(6):
+        for p, q in zip(mine, theirs):
+            p.grad = torch.randn(p.shape, generator=g)
+            q.grad = p.grad.clone()
+        ours[0] = True
+        opt.step()
+        ours[0] = False
+        ref.step()
+        for p, q in zip(mine, theirs):
+            assert torch.equal(p, q)
+            assert torch.equal(opt.state[p]["exp_avg"], ref.state[q]["exp_avg"])
+            assert torch.equal(opt.state[p]["exp_avg_sq"], ref.state[q]["exp_avg_sq"])
+    assert len(calls) == 6 * len(opt.buckets)
+    opt.close()
+    for kw in (dict(zero_stage=1), dict(bias_correction=False)):
+        calls.clear()
+        params = [nn.Parameter(torch.randn(s)) for s in shapes]
+        other = OnebitAdam(params, freeze_step=50, backend=SingleProcessBackend(), overlap=False, **hp, **kw)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        ours[0] = True
+        other.step()
+        ours[0] = False
+        assert not calls, kw
+        other.close()
