@@ -15,6 +15,9 @@ move about as much: docs/benchmarks.md, "A step against fused AdamW").
     python -P benchmarks/step_vs_fused.py --shapes 9000000x100 --optimizers OnebitAdam --steps 5
     python -P benchmarks/step_vs_fused.py --shapes 4000000x1,4000000x100,4000000x2000   # per tensor
 
+``--stage warmup`` times full-precision warmup steps instead (the freeze never comes): OnebitAdam's
+AdamW, OnebitLamb's LAMB, ZeroOneAdam's phase A (its first steps all refresh the variance).
+
 ZeroOneAdam's phase B synchronises every step while its ``local_step_interval`` is 1, which it stays
 for ``local_step_scaler`` steps (32678 by default): the rows time synchronising steps.
 ``--local-step-scaler 1`` doubles the interval every step up to its clipper (16), so that the
@@ -63,7 +66,8 @@ def _clone(params):
     return out
 
 
-def _make(name: str, params, exchange: str, zero_stage: int, local_step_scaler: int | None = None):
+def _make(name: str, params, exchange: str, zero_stage: int, local_step_scaler: int | None = None,
+          freeze: int = 2):
     import compressed_opt
     from compressed_opt.comm import SingleProcessBackend
 
@@ -73,8 +77,8 @@ def _make(name: str, params, exchange: str, zero_stage: int, local_step_scaler: 
             return None
         if local_step_scaler is not None:
             kw["local_step_scaler"] = local_step_scaler
-        return compressed_opt.ZeroOneAdam(params, var_freeze_step=2, **kw)
-    return getattr(compressed_opt, name)(params, freeze_step=2, zero_stage=zero_stage, **kw)
+        return compressed_opt.ZeroOneAdam(params, var_freeze_step=freeze, **kw)
+    return getattr(compressed_opt, name)(params, freeze_step=freeze, zero_stage=zero_stage, **kw)
 
 
 def copy_bandwidth(numel: int, device: str, repeats: int = 7) -> float:
@@ -91,17 +95,17 @@ def copy_bandwidth(numel: int, device: str, repeats: int = 7) -> float:
 
 
 def measure(name: str, numel: int, tensors: int, exchange: str, zero_stage: int, steps: int,
-            device: str = "cpu", local_step_scaler: int | None = None) -> dict | None:
+            device: str = "cpu", local_step_scaler: int | None = None, warmup: bool = False) -> dict | None:
     base = _params(numel, tensors, device)
     mine = _clone(base)
-    opt = _make(name, mine, exchange, zero_stage, local_step_scaler)
+    opt = _make(name, mine, exchange, zero_stage, local_step_scaler, freeze=10**9 if warmup else 2)
     if opt is None:
         return None
     adamw = torch.optim.AdamW(base, lr=1e-4, fused=True)
     for _ in range(4):  # the freeze (step 2), then the first compression steps: buffers made
         opt.step()
         adamw.step()
-    assert opt.compressing
+    assert opt.compressing != warmup
     ours, theirs, kinds = [], [], []
     for _ in range(steps):
         _sync(device)
@@ -117,7 +121,7 @@ def measure(name: str, numel: int, tensors: int, exchange: str, zero_stage: int,
     opt.close()
     a, b = statistics.median(ours), statistics.median(theirs)
     return {"device": device, "optimizer": name, "exchange": exchange, "zero_stage": zero_stage, "numel": numel,
-            "tensors": tensors,
+            "tensors": tensors, "stage": "warmup" if warmup else "compression",
             "step_ms": 1e3 * a, "fused_adamw_ms": 1e3 * b, "ratio": a / b,
             "needed_bandwidth": STREAMS * 4 * numel / a, "fused_adamw_bandwidth": STREAMS * 4 * numel / b,
             "step_kinds": kinds}
@@ -135,6 +139,9 @@ def main(argv=None) -> int:
     p.add_argument("--local-step-scaler", type=int, default=None,
                    help="ZeroOneAdam's local_step_scaler (default: its own, every timed step synchronises; "
                         "1: local steps, see the module doc)")
+    p.add_argument("--stage", choices=("compression", "warmup"), default="compression",
+                   help="warmup: time full-precision warmup steps (OnebitAdam's and OnebitLamb's warmup, "
+                        "ZeroOneAdam's phase A; the exchange argument then only names the row)")
     p.add_argument("--out", default=os.path.join(HERE, "results", "step_vs_fused.json"))
     args = p.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -149,7 +156,7 @@ def main(argv=None) -> int:
             for exchange in args.exchanges.split(","):
                 for zero in (int(z) for z in args.zero_stages.split(",")):
                     row = measure(name, numel, tensors, exchange, zero, args.steps, args.device,
-                                  args.local_step_scaler)
+                                  args.local_step_scaler, warmup=args.stage == "warmup")
                     if row is None:
                         continue
                     row["copy_bandwidth"] = bandwidth

@@ -241,6 +241,21 @@ def test_step_vs_fused_reports_a_ratio_per_row(tmp_path):
     for r in rows:
         assert r["step_ms"] > 0 and r["fused_adamw_ms"] > 0 and r["copy_bandwidth"] > 0
         assert abs(r["ratio"] - r["step_ms"] / r["fused_adamw_ms"]) < 1e-9
+        assert r["stage"] == "compression"
+
+
+@pytest.mark.timeout(120)
+def test_step_vs_fused_times_warmup_steps_when_asked(tmp_path):
+    """``--stage warmup``: the rows time full-precision steps (the script asserts the freeze never
+    came), one per optimizer."""
+    out = tmp_path / "svf.json"
+    done = _run_script(tmp_path, "step_vs_fused.py", "--shapes", "200000x3", "--exchanges", "preconditioned",
+                       "--zero-stages", "0", "--steps", "2", "--stage", "warmup", "--out", str(out), timeout=110)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["optimizer"], r["stage"]) for r in rows] == [("OnebitAdam", "warmup"), ("OnebitLamb", "warmup"),
+                                                             ("ZeroOneAdam", "warmup")]
+    assert all(r["step_ms"] > 0 and r["fused_adamw_ms"] > 0 for r in rows)
 
 
 @pytest.mark.timeout(300)
