@@ -58,7 +58,7 @@ from .local_steps import (ZeroOneSyncBefore, signed_denominator, zero_one_local_
                           zero_one_sync_after_, zero_one_sync_before_)
 from .addresses import addressable as plain_memory
 from .addresses import Destinations, Sources, library_allowed, readable_in_place
-from .sumsq import sumsq_each
+from .sumsq import sumsq_each, sumsq_native_
 from .update import CompressedResult, Descend, divide_descend_, rows_keep_descend_
 
 __all__ = [
@@ -75,6 +75,7 @@ __all__ = [
     "Segments",
     "segment_sumsq",
     "sumsq_each",
+    "sumsq_native_",
     "gather_",
     "lerp_scale_clamp_",
     "LerpScaleClamp",
