@@ -71,6 +71,17 @@ static inline void co_stream_out(float *restrict dst, const float *restrict src,
     for (; i < len; ++i) dst[i] = src[i];
 }
 
+/* dst[0, len) <- +0, streamed out as co_stream_out streams (a buffer only written: no read for
+ * ownership where the CPU has AVX2). */
+static inline void co_stream_zeros(float *dst, int64_t len) {
+    int64_t i = 0;
+#ifdef CO_AVX2
+    for (; i < len && ((uintptr_t)(dst + i) & 31u); ++i) dst[i] = 0.0f;
+    for (; i + 8 <= len; i += 8) _mm256_stream_ps(dst + i, _mm256_setzero_ps());
+#endif
+    for (; i < len; ++i) dst[i] = 0.0f;
+}
+
 static inline void co_store_fence(void) {
 #ifdef CO_AVX2
     _mm_sfence();

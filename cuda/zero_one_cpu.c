@@ -212,27 +212,13 @@ CO_EXACT void co_zo_sync_after(const int64_t *dests, float *y, const float *r, c
     co_store_fence();
 }
 
-/* x[0, len) <- +0 with non-temporal stores where x is 32-byte aligned (AVX2): no read for ownership
- * of a buffer only written (the caller fences); else memset. */
-static inline void zo_zero_streaming(float *x, int64_t len) {
-#ifdef CO_AVX2
-    if (((uintptr_t)x & 31u) == 0) {
-        int64_t i = 0;
-        for (; i + 8 <= len; i += 8) _mm256_stream_ps(x + i, _mm256_setzero_ps());
-        for (; i < len; ++i) x[i] = 0.0f;
-        return;
-    }
-#endif
-    memset(x, 0, (size_t)len * sizeof(float));
-}
-
 /*
  * co_decompress_rows(rows, row_stride, ., chunk, block, acc, n) then co_zo_sync_after(dests, acc,
  * r, sden, m, anchor, off, nseg, n, lr_sum, decay, decayed, divisors, steps), bit for bit, without
  * y in memory: y (the exchange's result as its 1-bit rows, row_stride bytes apart, chunk elements
  * each, one scale per block) is decompressed tile by tile (at most CO_TILE elements of one block of
  * one row) into the stack and consumed there by the same loops (zo_after_segment on the tile), and
- * acc <- +0 tile by tile (zo_zero_streaming: acc is only written, not read for ownership either;
+ * acc <- +0 tile by tile (co_stream_zeros: acc is only written, not read for ownership either;
  * acc == NULL: not written, the caller knows it holds +0 already). Reads the rows, r, sden, anchor
  * and writes m, anchor, the destinations and acc; m and the destinations with non-temporal stores
  * (zo_after_piece).
@@ -257,7 +243,7 @@ void co_zo_sync_after_rows(const int64_t *dests, const uint8_t *rows, int64_t ro
                            p ? p + (k - off[s]) : NULL, stop - k, d, c, lr_sum, decay, kind);
             k = stop;
         }
-        if (acc) zo_zero_streaming(acc + k0, len);
+        if (acc) co_stream_zeros(acc + k0, len);
         k0 = end;
     }
     co_store_fence();

@@ -260,7 +260,7 @@ def test_pass_after_the_exchange_from_the_rows_is_decompressing_then_the_pass_bi
     kw = dict(r=r if divide in ("r", "both") else None, divisors=coeffs if divide in ("coefficients", "both") else None)
     got = []
     for from_rows in (True, False):
-        acc = torch.full((n + 1,), -5.0)[world % 2:][:n]  # (1, 3 rows: acc not 32-byte aligned: memset)
+        acc = torch.full((n + 1,), -5.0)[world % 2:][:n]  # (1, 3 rows: acc not 32-byte aligned: a scalar head)
         m, a, p = torch.full((n,), 5.0), anchor.clone(), [t.clone() for t in params]
         if from_rows:
             y = CompressedResult(rows, chunk, block, acc)
