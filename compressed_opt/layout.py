@@ -114,6 +114,14 @@ class Layout:
         """``out <- out + alpha values`` (``out``: a :meth:`direction_buffer`, ``values``: :meth:`own_values`)."""
         raise NotImplementedError
 
+    def adamw_(self, opt, bucket: Bucket, grad: torch.Tensor, kernel) -> bool:
+        """A warmup step by a multi-tensor AdamW kernel (torch's fused one): ``kernel(values,
+        grads, exp_avgs, exp_avg_sqs)``, lists it updates in place (all but ``grads``), over the fp32
+        values of the part of the bucket this rank holds and that part of ``grad`` (the average),
+        ``m`` and ``v``; afterwards every rank holds the whole new parameters. ``False``, nothing
+        done, where the kernel cannot take them (the caller composes the step instead)."""
+        raise NotImplementedError
+
     def layer_norms(self, opt, bucket: Bucket, parts: list) -> list[torch.Tensor]:
         """Per layer of the bucket, the L2 norm of each of ``parts`` (the part this rank holds of a
         per-element quantity: a flat buffer, or :meth:`own_values`) over every rank's part, the
@@ -258,6 +266,15 @@ class Replicated(Layout):
 
     def add_values_(self, opt, bucket, out, values, alpha):
         torch._foreach_add_(bucket.views(out), values, alpha=alpha)
+
+    def adamw_(self, opt, bucket, grad, kernel):
+        """On the parameters themselves, where each is a plain fp32 tensor on ``grad``'s device."""
+        device, f32 = grad.device, torch.float32
+        if not all(kernels.plain_memory(p) and p.dtype is f32 and p.device == device for p in bucket.params):
+            return False
+        kernel(bucket.params, bucket.views(grad), bucket.views(bucket.flat("exp_avg")),
+               bucket.views(bucket.flat("exp_avg_sq")))
+        return True
 
     def layer_norms(self, opt, bucket, parts):
         return [norms(part if isinstance(part, list) else bucket.views(part)) for part in parts]

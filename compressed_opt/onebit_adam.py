@@ -413,28 +413,23 @@ class OnebitAdam(_FreezingAdam):
     def _fused_warmup_(self, bucket, group, grad, step) -> bool:
         """A warmup step as torch's fused AdamW kernel (``torch._fused_adamw_``, what
         ``torch.optim.AdamW(fused=True)`` runs: one pass where the composition below takes about
-        eight) on the parameters and views of the bucket's flat ``m``, ``v`` and gradient, where it
-        applies: the whole state on this rank (not ZeRO), fp32 parameters that are plain tensors on
-        the gradient's device, Adam's bias correction on (the kernel always corrects). The same
-        AdamW, rounded as the kernel rounds it. ``False``, nothing done, elsewhere."""
+        eight) on what the layout hands it (:meth:`~compressed_opt.layout.Layout.adamw_`: the
+        parameters and views of the bucket's flat ``m``, ``v`` and gradient; under ZeRO this rank's
+        chunk of them, fp32), where it applies: an fp32 gradient on a device the kernel runs on,
+        Adam's bias correction on (the kernel always corrects). The same AdamW, rounded as the
+        kernel rounds it. ``False``, nothing done, elsewhere."""
         fused = getattr(torch, "_fused_adamw_", None)
-        if (fused is None or self.layout.sharded or bucket.low_precision or not group["bias_correction"]
-                or not bucket.params or grad.dtype != torch.float32):
-            return False
-        device = grad.device
-        if device.type not in ("cpu", "cuda") or not all(
-                kernels.plain_memory(p) and p.dtype == torch.float32 and p.device == device for p in bucket.params):
+        if (fused is None or not group["bias_correction"] or not bucket.params or grad.dtype != torch.float32
+                or grad.device.type not in ("cpu", "cuda")):
             return False
         count = bucket.derived.get("warmup_step_count")
-        if count is None or count.device != device:
-            count = bucket.derived["warmup_step_count"] = torch.zeros((), dtype=torch.float32, device=device)
+        if count is None or count.device != grad.device:
+            count = bucket.derived["warmup_step_count"] = torch.zeros((), dtype=torch.float32, device=grad.device)
         count.fill_(float(step))
         beta1, beta2 = group["betas"]
-        fused(bucket.params, bucket.views(grad), bucket.views(bucket.flat("exp_avg")),
-              bucket.views(bucket.flat("exp_avg_sq")), [], [count] * len(bucket.params), lr=float(group["lr"]),
-              beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=False,
-              maximize=False, grad_scale=None, found_inf=None)
-        return True
+        hp = dict(lr=float(group["lr"]), beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
+                  eps=group["eps"], amsgrad=False, maximize=False, grad_scale=None, found_inf=None)
+        return self.layout.adamw_(self, bucket, grad, lambda p, g, m, v: fused(p, g, m, v, [], [count] * len(p), **hp))
 
     def _bucket_step(self, bucket, group, grad, step, averaged):
         beta1, beta2 = group["betas"]

@@ -62,7 +62,7 @@ from .buckets import Bucket
 from .buffers import SAVED, SCRATCH, Buffer
 from .layout import Layout, Replicated
 from .moments import frozen_denominator_of
-from .reductions import maxima
+from .zero_reductions import ChunkReductions, shard
 
 #: the sharded layout's bucket buffers (over the optimizer's own: compressed_opt.buffers.overlay)
 BUFFERS = {
@@ -85,15 +85,7 @@ BUFFERS = {
 }
 
 
-def shard(bucket: Bucket, name: str, numel: int, dtype=torch.float32) -> torch.Tensor:
-    """The bucket's buffer ``name`` of ``numel`` elements (zeros when new or resized)."""
-    buf = bucket.flats.get(name)
-    if buf is None or buf.numel() != numel:
-        buf = bucket.flats[name] = torch.zeros(numel, dtype=dtype, device=bucket.device)
-    return buf
-
-
-class Sharded(Layout):
+class Sharded(ChunkReductions, Layout):
     """ZeRO stage 1: rank ``j`` holds chunk ``j`` of every bucket's state (see the module doc);
     the warmup gradients are all-reduced whole."""
 
@@ -137,10 +129,6 @@ class Sharded(Layout):
         )
 
     # --- the gradients -------------------------------------------------------------------------
-    def own_range(self, opt, bucket: Bucket) -> tuple[int, int, int]:
-        """``(lo, hi, chunk)``: this rank's elements ``[lo, hi)`` of the bucket, and the chunk size."""
-        return bucket.chunk_range(opt.backend.world_size, opt.backend.rank)
-
     def grad_buffer(self, opt, bucket):
         """The gradient workspace, padded to ``N c`` elements so it splits into equal chunks."""
         world = opt.backend.world_size
@@ -181,6 +169,23 @@ class Sharded(Layout):
 
     def add_values_(self, opt, bucket, out, values, alpha):
         out.add_(values, alpha=alpha)
+
+    def adamw_(self, opt, bucket, grad, kernel):
+        """On this rank's chunk: its fp32 master, or its parameters' values copied out of them (into
+        the direction buffer: ``grad`` is read by the kernel); then :meth:`publish`."""
+        lo, hi, c = self.own_range(opt, bucket)
+        values = self.master_shard(opt, bucket)
+        if values is None:
+            values = shard(bucket, "update_shard", c)
+            pieces = [(p.reshape(-1)[max(o, lo) - o : min(o + p.numel(), hi) - o], max(o, lo) - lo)
+                      for p, o in zip(bucket.params, bucket.offsets) if o < hi and o + p.numel() > lo]
+            if pieces:
+                torch._foreach_copy_([values[at : at + piece.numel()] for piece, at in pieces], [p for p, _ in pieces])
+        if hi > lo:
+            kernel([values[: hi - lo]], [grad[lo:hi]], [self.state(opt, bucket, "exp_avg")],
+                   [self.state(opt, bucket, "exp_avg_sq")])
+        self.publish(opt, bucket, values[: hi - lo])
+        return True
 
     def step_layers_(self, opt, bucket, values, update, coeffs, scale):
         values.addcmul_(self.per_element(opt, bucket, coeffs, "coeff_shard"), update, value=scale)
@@ -411,67 +416,6 @@ class Sharded(Layout):
             padded = bucket.flats["grad_padded"]
             opt.backend.all_gather(padded, master)
             torch._foreach_copy_(bucket.params, bucket.views(padded[: bucket.numel]))
-
-    # --- per-layer reductions over the chunks ----------------------------------------------------
-    def layer_ids(self, opt, bucket: Bucket) -> torch.Tensor:
-        """For each element of this rank's chunk, the index of its parameter (layer) in the bucket."""
-        ids = bucket.flats.get("layer_ids")
-        if ids is None:
-            lo, hi, _ = self.own_range(opt, bucket)
-            starts = torch.tensor(bucket.offsets, dtype=torch.int64, device=bucket.device)
-            positions = torch.arange(lo, hi, dtype=torch.int64, device=bucket.device)
-            # an empty parameter shares its offset with the next one: right=True skips it
-            ids = bucket.flats["layer_ids"] = torch.searchsorted(starts, positions, right=True) - 1
-        return ids
-
-    def layer_norms(self, opt, bucket, parts):
-        """Sums of squares over this rank's chunk of each of ``parts``, one all-gather of them,
-        added in rank order."""
-        ids, n_layers = self.layer_ids(opt, bucket), len(bucket.params)
-        partial = torch.zeros(len(parts), n_layers, dtype=torch.float32, device=bucket.device)
-        square = shard(bucket, "square_shard", self.own_range(opt, bucket)[2])[: ids.numel()]
-        for row, v in zip(partial, parts):
-            row.index_add_(0, ids, torch.mul(v, v, out=square))
-        return list(self._gather(opt, partial.view(-1)).sum(dim=0).view(len(parts), n_layers).sqrt_())
-
-    def per_element(self, opt, bucket: Bucket, per_layer: list[float], name: str) -> torch.Tensor:
-        """A per-layer value spread over this rank's chunk (into the scratch buffer ``name``)."""
-        ids = self.layer_ids(opt, bucket)
-        values = torch.tensor(per_layer, dtype=torch.float32, device=bucket.device)
-        out = shard(bucket, name, self.own_range(opt, bucket)[2])[: ids.numel()]
-        return torch.index_select(values, 0, ids, out=out)
-
-    def layer_maxima(self, opt, bucket, values):
-        """Per layer, the maximum over every rank's chunk (``values`` >= 0; one all-gather of them)."""
-        lo, hi, _ = self.own_range(opt, bucket)
-        index, views = [], []
-        for i, (start, p) in enumerate(zip(bucket.offsets, bucket.params)):
-            a, b = max(start, lo), min(start + p.numel(), hi)
-            if a < b:
-                index.append(i)
-                views.append(values[a - lo : b - lo])
-        partial = torch.zeros(len(bucket.params), dtype=torch.float32, device=bucket.device)
-        if views:
-            partial[index] = torch.stack(maxima(views)).clamp_(min=0.0)
-        return self.maxima_over_ranks(opt, bucket, partial)
-
-    def maxima_over_ranks(self, opt, bucket, partial) -> list[float]:
-        """Per layer, the maximum of every rank's ``partial`` (fp32, >= 0; 0 for a layer outside
-        the rank's chunk): one all-gather; 1.0 for an empty layer."""
-        found = self._gather(opt, torch.as_tensor(partial, dtype=torch.float32, device=bucket.device)).amax(dim=0)
-        return [f if p.numel() else 1.0 for p, f in zip(bucket.params, found.tolist())]
-
-    def sum_over_ranks(self, opt, values: list[float]) -> list[float]:
-        """Each of ``values`` summed over the ranks (fp64, in rank order: the same on every rank)."""
-        mine = torch.tensor(values, dtype=torch.float64, device=opt.comm_device)
-        return self._gather(opt, mine).sum(dim=0).tolist()
-
-    def _gather(self, opt, partial: torch.Tensor) -> torch.Tensor:
-        world = opt.backend.world_size
-        everyone = torch.empty(world * partial.numel(), dtype=partial.dtype, device=partial.device)
-        opt.backend.all_gather(everyone, partial)
-        return everyone.view(world, partial.numel())
-
 
 class ShardedGradients(Sharded):
     """ZeRO stage 2: as :class:`Sharded`, and the warmup gradients are reduce-scattered."""
