@@ -403,8 +403,8 @@ class CompressedOptimizer(Stepping, Reporting, Persistence, Optimizer):
         it), of the parameters with these indices (:meth:`param_index`, int64); what the variance
         tracking calibrates with (nothing here)."""
 
-    def observe_mean_square_sums(self, bucket: Bucket, mean: torch.Tensor) -> None:
-        """At the end of a full-precision step's backward, the bucket's average as backward made it
+    def observe_mean_square_sums(self, bucket: Bucket, mean: torch.Tensor, stepped: bool = False) -> None:
+        """The bucket's average as backward (or, ``stepped``, step() for this step's update) made it
         (the variance tracking's calibration; nothing here)."""
 
     def _step_statistics(self, step: int) -> torch.Tensor:

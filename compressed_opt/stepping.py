@@ -344,7 +344,7 @@ class Stepping:
             launcher.run_inline(range(done, len(self._buckets)), gather=False)
             if full and self._averager is None:
                 for b in self._buckets:  # averaged here, from the gradients as they were gathered
-                    self.observe_mean_square_sums(b, self._grad_buffer(b))
+                    self.observe_mean_square_sums(b, self._grad_buffer(b), stepped=True)
         self._before_update(step, full)
         for b in self._buckets:
             self._bucket_step(b, self.param_groups[b.group_index], self._grad_buffer(b), step, full)

@@ -170,7 +170,9 @@ class LayerVarianceTracking:
         self._local_square_sums = {}  # bucket index -> this step's per-layer sums of g_i^2
         self._summed_buffers = {}  # bucket index -> (address, version) of the buffer they were summed from
         self._summed_step = {}  # bucket index -> the step whose local gradients they are
-        self._mean_sums = {}  # bucket index -> (step, per-layer sums of squares of the raw average)
+        #: bucket index -> (step, per-layer sums of squares of the raw average, the address of the
+        #: buffer the update reads where step() averaged it, else None)
+        self._mean_sums = {}
         #: from a DDP hook, by whether they are of the average: (per parameter in state_dict order,
         #: its last sum of squares, the step it is of)
         self._hooked = {}
@@ -207,8 +209,12 @@ class LayerVarianceTracking:
         """Warmup: the averaged gradient's per-layer sums of squares into the EMA, and the ranks'
         local ones of the same step (when the gather saw them) into the local EMA."""
         if self.variance_tracking:  # (the C pass where it runs: a fifth of PyTorch's float64 norm's time)
-            sums = segment_sumsq(grad, bucket.segments,
-                                 torch.empty(len(bucket.params), dtype=torch.float64, device=grad.device))
+            kept = self._mean_sums.get(bucket.index)
+            if kept is not None and kept[0] == self.global_step + 1 and kept[2] == grad.data_ptr():
+                sums = kept[1]  # step() averaged this very buffer for this update and took its sums then
+            else:
+                sums = segment_sumsq(grad, bucket.segments,
+                                     torch.empty(len(bucket.params), dtype=torch.float64, device=grad.device))
             observe_warmup(bucket.flats["layer_variance"], sums, self._warmup_local.get(bucket.index))
 
     def _start_variance_tracking(self, bucket, v) -> None:
@@ -273,13 +279,14 @@ class LayerVarianceTracking:
         values.index_copy_(0, indices, sums)
         steps.index_fill_(0, indices, self.global_step + 1)
 
-    def observe_mean_square_sums(self, bucket, mean: torch.Tensor) -> None:
+    def observe_mean_square_sums(self, bucket, mean: torch.Tensor, stepped: bool = False) -> None:
         """End of a full-precision step's backward: the bucket's average ``mean`` as backward made
-        it, before it goes into ``p.grad`` (and before the loop clips or unscales it)."""
+        it, before it goes into ``p.grad`` (and before the loop clips or unscales it). ``stepped``:
+        step() averaged it, and the update reads this buffer next, as it is (its sums serve both)."""
         if self.variance_tracking:
             sums = torch.empty(len(bucket.params), dtype=torch.float64, device=mean.device)
             segment_sumsq(mean, bucket.segments, sums)
-            self._mean_sums[bucket.index] = (self.global_step + 1, sums)
+            self._mean_sums[bucket.index] = (self.global_step + 1, sums, mean.data_ptr() if stepped else None)
 
     def _take_hooked_sums(self, bucket, device) -> None:
         """The bucket's sums of this step from a DDP hook, where it saw every parameter."""
@@ -295,7 +302,7 @@ class LayerVarianceTracking:
             return
         self._local_sums_buffer(bucket, device).copy_(local[indices])
         self._summed_step[bucket.index] = step
-        self._mean_sums[bucket.index] = (step, mean[indices].to(device))
+        self._mean_sums[bucket.index] = (step, mean[indices].to(device), None)
 
     def _gathered_finite(self, buckets):
         """From the sums of squares where they were taken of the buffers as they are now: float64

@@ -215,3 +215,56 @@ def test_the_buckets_of_one_beta2_track_at_once_as_each_alone(name, monkeypatch)
     (params, rows), (want_params, want_rows) = run(True), run(False)
     assert all(torch.equal(a, b) for a, b in zip(params, want_params))
     assert all(torch.equal(a, b) for a, b in zip(rows, want_rows))
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_a_warmup_step_averaged_in_step_sums_its_average_once(name, monkeypatch):
+    """A full-precision step that step() averages takes the average's per-layer sums of squares
+    once, for the calibration and for the tracking's EMA (one pass of them per bucket where two
+    were made): the parameters and the tracked rows are bit for bit those with the sums made
+    twice."""
+    from compressed_opt import variance_tracking
+
+    calls = []
+    real = variance_tracking.segment_sumsq
+    monkeypatch.setattr(variance_tracking, "segment_sumsq", lambda *a: (calls.append(1), real(*a))[1])
+
+    def run(twice):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(24, 24) for _ in range(3)])
+        params = list(model.parameters())
+        opt = OPTIMIZERS[name](params, freeze=50, tracking=True, lr=1e-2, bucket_cap_mb=0.003)
+        if twice:  # as if backward had averaged: the update sums its buffer again
+            observe = opt.observe_mean_square_sums
+            monkeypatch.setattr(opt, "observe_mean_square_sums", lambda b, mean, stepped=False: observe(b, mean))
+        g = torch.Generator().manual_seed(1)
+        calls.clear()
+        for t in range(5):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g) * (1 + t % 3)
+            opt.step()
+        assert len(calls) == 5 * len(opt.buckets) * (2 if twice else 1) and len(opt.buckets) >= 2
+        return [p.detach().clone() for p in params], [opt.state[p]["layer_variance"].clone() for p in params]
+
+    (params, rows), (want_params, want_rows) = run(False), run(True)
+    assert all(torch.equal(a, b) for a, b in zip(params, want_params))
+    assert all(torch.equal(a, b) for a, b in zip(rows, want_rows))
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_the_tracking_sums_the_gradient_the_loop_clipped_after_backward(name):
+    """A full-precision step averaged in backward, then clipped by the loop: the tracking's EMA
+    takes the sums of squares of the clipped gradients the update uses (its first step: ``(1 -
+    0.9)`` times them), not of the average backward made."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 12), nn.Tanh(), nn.Linear(12, 4))
+    opt = OPTIMIZERS[name](model.parameters(), freeze=50, tracking=True, lr=1e-2)
+    x, y = torch.randn(32, 16), torch.randn(32, 4)
+    nn.functional.mse_loss(model(x), y).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    clipped = [p.grad.detach().double().pow(2).sum() for p in model.parameters()]
+    opt.step()
+    got = [opt.state[p]["layer_variance"][0].item() for p in model.parameters()]
+    for sums, ema in zip(clipped, got):
+        assert ema == pytest.approx(0.1 * sums.item(), rel=1e-6)
+    assert max(got) < 0.1 * 1e-6 * 1.01  # (the average before clipping is far larger)
