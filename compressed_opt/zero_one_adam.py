@@ -245,7 +245,8 @@ class ZeroOneAdam(ZeroOneExchange, ZeroOneLocalSteps, tracking.LayerVarianceTrac
             self.gather_observed(bucket, grad)
 
     def _reads_gradients_in_place(self, step) -> bool:
-        return self.frozen  # (phase B: its local step or its synchronisation's passes)
+        # phase B: its local step or its synchronisation's passes; phase A: its exchange's clamp(R g_i)
+        return self.frozen or self.exchange_variant.phase_a_pass
 
     def _interval_factors(self, bucket) -> list[float] | None:
         """Phase B: the per-layer factors of this synchronisation interval (set at its first
@@ -261,9 +262,8 @@ class ZeroOneAdam(ZeroOneExchange, ZeroOneLocalSteps, tracking.LayerVarianceTrac
     def _bucket_communicate(self, bucket, group, grad, step):
         """Phase A, a step without variance refresh: ``grad`` becomes the 1-bit compressed average
         of the ranks' gradients (phase B communicates only in ``_local_step``, which needs lr)."""
-        if not self.frozen:
-            yield from self._exchange_steps(bucket, grad)
-            self.exchange_variant.after_average_(self, bucket, grad)
+        if not self.frozen:  # (the update takes the result: exchange_variant.phase_a_update_)
+            yield from self._exchange_steps(bucket, grad, keep_result=True)
 
     def _bucket_step(self, bucket, group, grad, step, averaged):
         if self.frozen:
@@ -272,6 +272,8 @@ class ZeroOneAdam(ZeroOneExchange, ZeroOneLocalSteps, tracking.LayerVarianceTrac
             self._phase_a_step(bucket, group, grad, step, averaged)
 
     def _phase_a_step(self, bucket, group, grad, step, refresh):
+        if not refresh and self.exchange_variant.phase_a_update_(self, bucket, group, grad, step):
+            return
         m, v = bucket.flat("exp_avg"), bucket.flat("exp_avg_sq")
         beta1, beta2 = group["betas"]
         lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]
@@ -285,8 +287,12 @@ class ZeroOneAdam(ZeroOneExchange, ZeroOneLocalSteps, tracking.LayerVarianceTrac
         if group["bias_correction"]:
             refreshes = self.var_refreshes + (1 if refresh else 0)
             bc1, bc2 = 1.0 - beta1**step, 1.0 - beta2**refreshes
-        direction = denominator_(v, grad, eps, math.sqrt(bc2))  # the gradient buffer is free: reuse it
-        torch.div(m, direction, out=direction)
+        if refresh and self.exchange_variant.phase_a_pass:  # (m / den into grad: free now) kept for the next steps
+            direction = grad
+            self._phase_a_denominator(bucket, group, math.sqrt(bc2), direction=direction)
+        else:
+            direction = denominator_(v, grad, eps, math.sqrt(bc2))  # the gradient buffer is free: reuse it
+            torch.div(m, direction, out=direction)
         if wd != 0:
             torch._foreach_mul_(bucket.params, 1 - lr * wd)
         torch._foreach_add_(bucket.params, bucket.views(direction), alpha=-lr / bc1)
@@ -362,6 +368,7 @@ class ZeroOneAdam(ZeroOneExchange, ZeroOneLocalSteps, tracking.LayerVarianceTrac
                 b.flat("exp_avg_sq").div_(1.0 - beta2**self.var_refreshes)
             b.flat("momentum_accumulator").zero_()
             torch._foreach_copy_(b.views(b.flat("sync_params")), b.params)
+            b.derived.pop("phase_a_denominator", None)
         self.reset_error_buffers()
         for b in self._buckets:  # from the frozen v: the typical size of each layer's momentum
             self.exchange_variant.at_freeze(self, b)

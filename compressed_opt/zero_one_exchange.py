@@ -22,7 +22,7 @@ from compressed_opt import cuda as kernels
 from . import scaling
 from .buckets import param_states
 from .exchange_variant import ExchangeVariant
-from .moments import COMPRESSED_STEP_BOUND, PRECONDITIONED_GRADIENT_BOUND, variance_
+from .moments import COMPRESSED_STEP_BOUND, PRECONDITIONED_GRADIENT_BOUND, denominator_, variance_
 
 
 # --- the math, on flat buffers -------------------------------------------------------------------
@@ -76,10 +76,52 @@ class ZeroOneExchange:
         interval and its tracking factors (the bound of ``sum lr m / sqrt(v)``)."""
         self.exchanges.run([self._exchange_steps(bucket, x, lr_sum, factors)])
 
-    def _exchange_steps(self, bucket, x, lr_sum: float = 1.0, factors: list[float] | None = None):
+    def _exchange_steps(self, bucket, x, lr_sum: float = 1.0, factors: list[float] | None = None,
+                        keep_result: bool = False):
         """:meth:`_exchange` as a generator that yields its compressed average's request between
-        the passes before and after it (phase A's exchange groups run theirs together)."""
-        return self.exchange_variant.exchange_steps(self, bucket, x, lr_sum, factors)
+        the passes before and after it (phase A's exchange groups run theirs together).
+        ``keep_result``: phase A's, whose update takes the result (:meth:`_phase_a_average`)."""
+        return self.exchange_variant.exchange_steps(self, bucket, x, lr_sum, factors, keep_result)
+
+    def _phase_a_denominator(self, bucket, group, bc2_sqrt: float, direction: torch.Tensor | None = None):
+        """Phase A's denominator ``sqrt(v) / bc2_sqrt + eps`` (PyTorch's, as :func:`~compressed_opt.
+        moments.denominator_` makes it), its sign bit set where ``v == 0`` (the native pass's ``sden``,
+        :func:`~compressed_opt.cuda.signed_denominator`): fixed between refreshes, so kept (derived,
+        never saved; dropped at the freeze) and made again where ``v`` or ``eps`` changed. A refresh
+        step makes it (``direction``: its own ``m / den`` is divided into it first) for the
+        compressed steps after it: the passes it takes anyway, and a fill of the few coordinates
+        without variance (``den`` is ``eps`` there) in place of a pass over ``v``."""
+        v = bucket.flat("exp_avg_sq")
+        kept = bucket.derived.get("phase_a_denominator")
+        key = (v.data_ptr(), v._version, group["eps"], bc2_sqrt)
+        if kept is not None and kept[0] == key and direction is None:
+            return kept[1]
+        den = kept[1] if kept is not None and kept[1].shape == v.shape else torch.empty_like(v)
+        denominator_(v, den, group["eps"], bc2_sqrt)
+        zeros = bucket.flats.get("no_variance")  # (a refresh's: v == 0 after it, _no_variance_no_move_)
+        if direction is None or zeros is None:
+            kernels.signed_denominator(v, den)
+        else:
+            torch.div(bucket.flat("exp_avg"), den, out=direction)
+            eps = -torch.tensor(group["eps"], dtype=den.dtype)  # (-0.0 where eps is 0: the sign bit)
+            if zeros.dtype == torch.bool:
+                den.masked_fill_(zeros, eps)
+            else:
+                den.index_fill_(0, zeros, eps)
+        bucket.derived["phase_a_denominator"] = (key, den)
+        return den
+
+    def _phase_a_pass(self, bucket, group, result, r, step) -> bool:
+        """:meth:`_phase_a_step` of a compressed step in one native pass from the exchange's ``result``
+        (its 1-bit rows; ``r``: the preconditioner it divides by), bit for bit the composition
+        (:func:`~compressed_opt.cuda.zero_one_phase_a_update_`); ``False``, nothing done, where it
+        cannot run."""
+        beta1, beta2 = group["betas"]
+        lr, wd = float(group["lr"]), group["weight_decay"]
+        bc1, bc2 = (1.0 - beta1**step, 1.0 - beta2**self.var_refreshes) if group["bias_correction"] else (1.0, 1.0)
+        sden = self._phase_a_denominator(bucket, group, math.sqrt(bc2))
+        return kernels.zero_one_phase_a_update_(bucket.step_destinations(), result, r, sden, bucket.flat("exp_avg"),
+                                                bucket.segments, 1 - beta1, 1 - lr * wd, -lr / bc1)
 
     # --- the preconditioned exchange -------------------------------------------------------------
     def _preconditioner(self, bucket) -> torch.Tensor:
@@ -150,14 +192,23 @@ class ZeroOnePreconditioned(ExchangeVariant):
     """0/1 Adam's default exchange: ``R x_i`` bounded, ``R`` :meth:`ZeroOneExchange._preconditioner`."""
 
     name = "preconditioned"
+    #: phase A's compressed steps run one native pass from the exchange's rows (:meth:`phase_a_update_`)
+    phase_a_pass = True
 
-    def exchange_steps(self, opt, bucket, x, lr_sum, factors):
+    def exchange_steps(self, opt, bucket, x, lr_sum, factors, keep_result=False):
         """``x`` times ``R``, clipped to the bounds, in one pass (not run yet: the request carries it,
         and the compression runs it fused where it can); the request; ``x / R`` (0 / 0 where ``v ==
-        0``: the callers zero those coordinates, :meth:`after_average_`)."""
+        0``: the callers zero those coordinates, :meth:`phase_a_update_`). ``keep_result``: the
+        result is left where the layout keeps it (its 1-bit rows: ``opt.layout.exchanged``), for
+        :meth:`phase_a_update_`."""
         r = opt._preconditioner(bucket)
         bounds = opt._exchange_bounds(bucket, lr_sum, factors)
-        yield bucket, x, None, kernels.ScaleClamp(x, r, bounds, bucket.segments), True
+        sources = bucket.derived.pop("step.gradients_in_place", None) if keep_result else None  # (phase A's)
+        pending = kernels.ScaleClamp(x, r, bounds, bucket.segments, sources=sources)
+        if keep_result:
+            yield from opt.layout.exchange(opt, bucket, x, pending, keep_result=True)
+            return
+        yield bucket, x, None, pending, True
         x.div_(r)
 
     def sync_plan(self, opt, bucket, lr_sum, factors):
@@ -166,9 +217,19 @@ class ZeroOnePreconditioned(ExchangeVariant):
         after it)``: no scales, ``R`` and the bounds (``y`` divided by ``R`` after), none."""
         return None, opt._preconditioner(bucket), opt._exchange_bounds(bucket, lr_sum, factors), None
 
-    def after_average_(self, opt, bucket, grad) -> None:
-        """Phase A: the averaged gradient is 0 where ``v == 0`` (``y / R`` is 0 / 0 there)."""
+    def phase_a_update_(self, opt, bucket, group, grad, step) -> bool:
+        """Phase A, a compressed step, after :meth:`exchange_steps` with ``keep_result``: the update
+        from the result's 1-bit rows in one native pass (``True``: done, ``grad`` untouched), or the
+        averaged gradient ``y / R`` into ``grad``, 0 where ``v == 0`` (``y / R`` is 0 / 0 there),
+        and ``False``: the caller composes the update from it."""
+        result, r = opt.layout.exchanged(opt, bucket, grad), opt._preconditioner(bucket)
+        if isinstance(result, kernels.CompressedResult):
+            if opt._phase_a_pass(bucket, group, result, r, step):
+                return True
+            result.expand_()
+        grad.div_(r)
         _no_variance_no_move_(grad, bucket, bucket.flat("exp_avg_sq"), False)
+        return False
 
     def refresh_variance_(self, opt, bucket, v, grad, beta2: float) -> None:
         """A refresh: ``v <- b2 v + (1 - b2) g^2``, a new ``R`` from it, and the error buffers
@@ -189,9 +250,11 @@ class ZeroOneMomentum(ExchangeVariant):
     """The paper's exchanges: each layer scaled by its coefficient ``c_l`` from ``v``."""
 
     name = "momentum"
+    phase_a_pass = False
 
-    def exchange_steps(self, opt, bucket, x, lr_sum, factors):
-        """``x`` times ``c_l`` per layer; the request; divided by ``c_l``."""
+    def exchange_steps(self, opt, bucket, x, lr_sum, factors, keep_result=False):
+        """``x`` times ``c_l`` per layer; the request; divided by ``c_l`` (``keep_result``: ignored,
+        the result is always in ``x``)."""
         coeffs, views = opt._layer_coeffs(bucket), bucket.views(x)
         scaling.scale_(views, coeffs)
         yield bucket, x, None, None, True
@@ -204,8 +267,9 @@ class ZeroOneMomentum(ExchangeVariant):
         scaled = coeffs if any(c != 1.0 for c in coeffs) else None
         return scaled, None, None, scaled
 
-    def after_average_(self, opt, bucket, grad) -> None:
-        """Nothing: nothing was divided."""
+    def phase_a_update_(self, opt, bucket, group, grad, step) -> bool:
+        """``False``: ``grad`` holds the averaged gradient (the layers' coefficients divided out)."""
+        return False
 
     def refresh_variance_(self, opt, bucket, v, grad, beta2: float) -> None:
         """A refresh: ``v <- b2 v + (1 - b2) g^2``."""

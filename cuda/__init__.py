@@ -27,8 +27,8 @@ update's preconditioning and its inverse); :mod:`~compressed_opt.cuda.update` th
 exchange's last pass (the momentum and the update, from the result's rows),
 :mod:`~compressed_opt.cuda.lamb_passes` 1-bit LAMB's two compression-step passes,
 :mod:`~compressed_opt.cuda.zero_passes` ZeRO's two (the preconditioned exchange),
-:mod:`~compressed_opt.cuda.local_steps` 0/1 Adam's phase-B passes (a local step, a
-synchronisation's work before and after its exchange).
+:mod:`~compressed_opt.cuda.local_steps` 0/1 Adam's passes (phase B's local step, a
+synchronisation's work before and after its exchange; phase A's compressed step after its exchange).
 
 Bits: bit ``k`` of a row's bits is bit ``k % 8`` of byte ``k // 8``; bits of invalid elements
 are 1. Float buffers are fp32. CUDA tensors run the CuPy kernels of ``onebit.cu`` on the current
@@ -55,7 +55,7 @@ from . import lamb_passes, reference, zero_passes
 from .segmented import (Lerp, LerpScaleClamp, ScaleClamp, Segments, divide_where_nonzero_, gather_,
                         lerp_scale_clamp_, scale_clamp_, segment_sumsq)
 from .local_steps import (ZeroOneSyncBefore, signed_denominator, zero_one_local_step_, zero_one_passes_serve,
-                          zero_one_sync_after_, zero_one_sync_before_)
+                          zero_one_phase_a_update_, zero_one_sync_after_, zero_one_sync_before_)
 from .addresses import addressable as plain_memory
 from .addresses import Destinations, Sources, library_allowed, readable_in_place
 from .sumsq import sumsq_each, sumsq_native_
@@ -96,6 +96,7 @@ __all__ = [
     "zero_one_passes_serve",
     "zero_one_local_step_",
     "zero_one_sync_before_",
+    "zero_one_phase_a_update_",
     "zero_one_sync_after_",
     "ZeroOneSyncBefore",
 ]

@@ -296,6 +296,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.co_zo_sync_before_compress_rows.argtypes = [p, p, p, p, p, f32, f32, p, p, p, p, i64, p, p, i64, i64, i64,
                                                     i64, i64]
     lib.co_zo_sync_before_compress_rows.restype = None
+    lib.co_zo_phase_a_rows.argtypes = [p, p, i64, i64, i64, p, p, p, p, i64, f32, f32, ctypes.c_int, f32]
+    lib.co_zo_phase_a_rows.restype = None
     return lib
 
 

@@ -1,5 +1,6 @@
-"""0/1 Adam's phase-B passes (docs/design.md 2.5): a local step, and the work before and after
-a synchronisation's exchange, each one pass over a bucket's flat buffers (C on CPU).
+"""0/1 Adam's passes (docs/design.md 2.5): phase B's local step and the work before and after a
+synchronisation's exchange, and phase A's compressed step after its exchange, each one pass over a
+bucket's flat buffers (C on CPU).
 
 Segment ``s`` of the flat fp32 buffers is parameter ``s`` (:class:`~compressed_opt.cuda.Segments`);
 ``params[s]`` is that parameter, written through its own memory. ``sden`` is the frozen
@@ -28,6 +29,9 @@ Per element of segment ``s``:
     not written at all with ``accumulator_zero=True`` (it holds ``+0`` already: the pass before
     neither read nor wrote it). ``m`` and the parameters are only written: the C passes store them
     without reading them for ownership (non-temporal stores where the CPU has AVX2).
+``zero_one_phase_a_update_(params, result, r, sden, m, segments, weight, decay, alpha)``
+    phase A: ``g = y / r`` (0 where ``v == 0``); ``m`` as above from ``g``; ``p <- p decay + alpha m /
+    den``, from the result's 1-bit rows (``sden``: phase A's denominator, fixed between refreshes).
 
 Elements past the segments (up to the buffers' size) get what has no per-segment scalar (``m``,
 ``acc``, ``anchor decay``; no parameter, no step), as the PyTorch composition treats them.
@@ -163,6 +167,31 @@ def zero_one_sync_after_(params: list, y, sden: torch.Tensor, m: torch.Tensor, a
                                   None if accumulator_zero else acc.data_ptr(), rp, *tail)
     else:
         lib.co_zo_sync_after(dests.data_ptr(), acc.data_ptr(), rp, *tail)
+    return True
+
+
+def zero_one_phase_a_update_(params: list, result: CompressedResult, r: torch.Tensor, sden: torch.Tensor,
+                             m: torch.Tensor, segments: Segments, weight: float, decay: float, alpha: float) -> bool:
+    """Phase A's compressed step after its preconditioned exchange, in one pass from the result's
+    1-bit rows (decompressed tile by tile into the stack: ``y`` never travels to memory; the
+    gradient buffer is neither read nor written): per element of segment ``s``, ``g = y / r`` (0
+    where ``v == 0``); ``m <- lerp(m, g, weight)`` (0 where ``v == 0``); ``p <- p decay + alpha m /
+    den`` (no multiplication where ``decay`` is 1). ``sden``: phase A's denominator ``sqrt(v) /
+    bc2_sqrt + eps`` as PyTorch made it (fixed between refreshes), its sign bit set where ``v ==
+    0`` (:func:`signed_denominator`). Bit for bit (the module doc's rounding) the decompression,
+    ``y / r``, the zeroing, ``m.lerp_(g, weight)``, the zeroing and ``m / den`` then
+    :func:`~compressed_opt.moments.descend_` on the parameters. ``False``, nothing done, where it
+    cannot run here."""
+    n = _flat_buffers(segments, r, sden, m)
+    if not result.rows.is_cpu or result.rows.shape[0] * result.chunk < n:
+        return False
+    lib = _native(r, sden, m)
+    dests = destination_addresses(params, segments.sizes)
+    if lib is None or dests is None:
+        return False
+    lib.co_zo_phase_a_rows(dests.data_ptr(), result.rows.data_ptr(), result.rows.stride(0), result.chunk, result.block,
+                           r.data_ptr(), sden.data_ptr(), m.data_ptr(), segments.offsets.data_ptr(), len(segments),
+                           float(weight), float(decay), decay != 1.0, float(alpha))
     return True
 
 

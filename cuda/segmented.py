@@ -242,13 +242,13 @@ class LerpScaleClamp:
             return True
         nseg = len(self.segments)
         b, bp = _c_doubles(self.bounds, nseg)
-        if self.m is None:
+        if self.m is None and self.sources is None:
             lib.co_scale_clamp_compress_rows(x.data_ptr(), self.r.data_ptr(), bp, self.segments.offsets.data_ptr(),
                                              nseg, error.data_ptr(), rows.data_ptr(), rows.stride(0), rows.shape[0],
                                              chunk, block, n)
             return True
         c, cp = (None, None) if self.scales is None else _c_doubles(self.scales, nseg)
-        args = (x.data_ptr(), self.m.data_ptr(), self.weight, self.r.data_ptr(), bp, cp,
+        args = (x.data_ptr(), None if self.m is None else self.m.data_ptr(), self.weight, self.r.data_ptr(), bp, cp,
                 self.segments.offsets.data_ptr(), nseg, error.data_ptr(), rows.data_ptr(), rows.stride(0),
                 rows.shape[0], chunk, block, n)
         if self.sources is None:
@@ -291,14 +291,18 @@ _fusion_checked: dict = {}  # device -> whether the fused kernel gave the two pa
 class ScaleClamp(LerpScaleClamp):
     """``scale_clamp_(x, r, bounds, segments)``, not run yet (0/1 Adam's exchanged ``R x``, bounded),
     for a compression to run (:meth:`compress_rows_`), or the caller first (:meth:`apply_`), as
-    :class:`LerpScaleClamp`."""
+    :class:`LerpScaleClamp`, ``sources`` included (phase A's gradients, read where they lie)."""
 
-    def __init__(self, x: torch.Tensor, r: torch.Tensor, bounds, segments: Segments):
+    def __init__(self, x: torch.Tensor, r: torch.Tensor, bounds, segments: Segments, sources: list | None = None):
         _check(segments, x, r)
+        if sources is not None and (len(sources) != len(segments) or any(s is None for s in sources)):
+            raise ValueError(f"one source tensor per segment is needed ({len(segments)})")
         self.x, self.m, self.weight, self.r = x, None, 0.0, r
-        self.bounds, self.segments, self.scales = bounds, segments, None
+        self.bounds, self.segments, self.scales, self.sources = bounds, segments, None, sources
 
     def apply_(self) -> None:
+        if self.sources is not None:
+            gather_(self.sources, self.x, self.segments)
         scale_clamp_(self.x, self.r, self.bounds, self.segments)
 
 

@@ -331,3 +331,61 @@ void co_zo_sync_before_compress_rows(const float *g, const int64_t *srcs, float 
     struct zo_before pass = {g, sden, acc, r, srcs, m, small ? w : w - 1.0f, lr, small, scales, bounds, off, nseg, 0};
     compress_each_row(NULL, error, rows, row_stride, world, chunk, block, n, zo_before_compensate_any, &pass);
 }
+
+/*
+ * Phase A's compressed step after its exchange (compressed_opt.cuda.local_steps.zero_one_phase_a_
+ * update_), per element of a piece of segment s, y the exchange's result (the preconditioned
+ * average of the ranks' R g_i), sden phase A's denominator sqrt(v) / bc2_sqrt + eps with its sign
+ * bit set where v == 0:
+ *   g <- y / r, 0 where v == 0;   m <- lerp(m, g, w), 0 where v == 0;
+ *   p <- p * decay (when decayed);  p <- fma(m / |sden|, alpha, p)
+ * kind: bit 0 a destination to write, bit 1 decayed. One loop per kind (see zo_after_segment).
+ */
+#define ZO_PHASE_A_LOOP(write_p, decayed_)                                                                       \
+    for (int64_t i = 0; i < len; ++i) {                                                                           \
+        const float sd = ds[i];                                                                                   \
+        ZO_MOMENTUM(mi, ms[i], zo_where_variance(ys[i] / rs[i], sd), sd, coeff, small);                           \
+        ms[i] = mi;                                                                                               \
+        if (write_p) p[i] = fmaf(mi / fabsf(sd), alpha, (decayed_) ? p[i] * decay : p[i]);                        \
+    }
+
+static CO_EXACT __attribute__((noinline)) void zo_phase_a_piece(const float *restrict ys, const float *restrict rs,
+                                                               const float *restrict ds, float *restrict ms,
+                                                               float *restrict p, int64_t len, float coeff, int small,
+                                                               float decay, float alpha, int kind) {
+    CO_NO_CONTRACT
+    switch (kind) {
+    case 0: ZO_PHASE_A_LOOP(0, 0); break;
+    case 1: ZO_PHASE_A_LOOP(1, 0); break;
+    case 2: ZO_PHASE_A_LOOP(0, 1); break;
+    default: ZO_PHASE_A_LOOP(1, 1); break;
+    }
+}
+
+/*
+ * co_decompress_rows(rows, row_stride, ., chunk, block, y, n) then the element above over the
+ * segments' n = off[nseg] elements (segment s's parameter at address dests[s], 0: none), without y
+ * in memory: decompressed tile by tile (at most CO_TILE elements of one block of one row) into the
+ * stack. Reads the rows, r, sden, m and the parameters; writes m and the parameters.
+ */
+void co_zo_phase_a_rows(const int64_t *dests, const uint8_t *rows, int64_t row_stride, int64_t chunk, int64_t block,
+                        const float *r, const float *sden, float *m, const int64_t *off, int64_t nseg, float w,
+                        float decay, int decayed, float alpha) {
+    const int small = w < 0.5f && w > -0.5f;
+    const float coeff = small ? w : w - 1.0f;
+    const int64_t n = off[nseg];
+    float tile[CO_TILE];
+    int64_t s = 0;
+    for (int64_t k0 = 0; k0 < n;) {
+        const int64_t len = next_tile(rows, row_stride, chunk, block, k0, n, tile);
+        const int64_t end = k0 + len;
+        for (int64_t k = k0; k < end;) {
+            const int64_t stop = segment_piece(off, nseg, &s, k, end);
+            float *p = s < nseg ? (float *)(intptr_t)dests[s] : NULL;
+            zo_phase_a_piece(tile + (k - k0), r + k, sden + k, m + k, p ? p + (k - off[s]) : NULL, stop - k, coeff,
+                             small, decay, alpha, (p ? 1 : 0) | (decayed ? 2 : 0));
+            k = stop;
+        }
+        k0 = end;
+    }
+}

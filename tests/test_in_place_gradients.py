@@ -37,7 +37,7 @@ def _run(name, in_place, plan, steps=12, **kw):
     """``in_place=False``: the gather's copy."""
     params = _model()
     kw.setdefault("bucket_cap_mb", 0.01)
-    kw["var_freeze_step" if name == "ZeroOneAdam" else "freeze_step"] = 3
+    kw.setdefault("var_freeze_step" if name == "ZeroOneAdam" else "freeze_step", 3)
     opt = getattr(compressed_opt, name)(params, lr=1e-3, backend=SingleProcessBackend(), **kw)
     if not in_place:
         opt.leave_gradients_in_place = lambda bucket, grad: False
@@ -72,6 +72,9 @@ def _run(name, in_place, plan, steps=12, **kw):
     ("OnebitLamb", {}, [4, 7, 9]),  # (its first compression step measures the live trust ratio on the buffer)
     ("ZeroOneAdam", {}, [7, 9]),  # phase B: every step synchronises (its default schedule)
     ("ZeroOneAdam", {"local_step_scaler": 1}, [7, 9]),  # local steps between synchronisations
+    # phase A throughout: refreshes (full precision: gathered) at optimizer steps 1, 2, 4, 8 (the loop's
+    # 9th: its 5th is skipped), compressed steps between
+    ("ZeroOneAdam", {"var_update_scaler": 1, "var_freeze_step": 20}, [4, 7, 9]),
 ])
 def test_reading_in_place_is_the_gathered_path_bit_for_bit(name, kw, gathers):
     plan = {5: "nan", 7: "none", 9: "strided", 11: "touch m"}

@@ -604,3 +604,41 @@ def test_the_fused_exchange_pass_changes_no_bit():
     for finals, ran in run_ranks(_fused_and_unfused_zero_one, 2):
         assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(*finals))
         assert ran > 0
+
+
+@pytest.mark.parametrize("wd, bias_correction", [(0.0, True), (0.01, True), (0.01, False)])
+def test_phase_a_compressed_steps_are_one_native_pass_bit_for_bit(wd, bias_correction, monkeypatch):
+    """Phase A's compressed steps (the preconditioned exchange) take ``y / R``, ``m``'s lerp, the
+    zeroing where ``v == 0`` and the update in one native pass from the exchange's 1-bit rows
+    (``cuda.zero_one_phase_a_update_``): the parameters and the state are bit for bit the PyTorch
+    composition's (the pass refused), with coordinates without variance (a row that never gets a
+    gradient), several buckets, weight decay and bias correction on and off; the pass ran on
+    every compressed step's every bucket."""
+    from compressed_opt import cuda as kernels
+
+    real, ran = kernels.zero_one_phase_a_update_, []
+
+    def run(native):
+        monkeypatch.setattr(kernels, "zero_one_phase_a_update_",
+                            (lambda *a: (ran.append(1), real(*a))[1]) if native else (lambda *a: False))
+        torch.manual_seed(0)
+        params = [nn.Parameter(torch.randn(s) * 0.1) for s in [(37,), (16, 9), (1000,), (5,), (1,)]]
+        opt = ZeroOneAdam(params, lr=1e-2, weight_decay=wd, bias_correction=bias_correction, var_freeze_step=30,
+                          var_update_scaler=2, backend=SingleProcessBackend(), bucket_cap_mb=0.002)
+        g, kinds = torch.Generator().manual_seed(1), []
+        for _ in range(24):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g)
+            params[1].grad[3].zero_()  # v == 0 on this row
+            opt.step()
+            kinds.append(opt.last_step_kind)
+        state = [opt.state[p][k].clone() for p in params for k in ("exp_avg", "exp_avg_sq")]
+        return [p.detach().clone() for p in params], state, kinds, len(opt.buckets)
+
+    params, state, kinds, buckets = run(True)
+    want_params, want_state, want_kinds, _ = run(False)
+    assert kinds == want_kinds and kinds.count("compressed") >= 8 and buckets >= 3
+    assert len(ran) == kinds.count("compressed") * buckets
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(params, want_params))
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(state, want_state))
+    assert torch.equal(params[1][3], want_params[1][3]) and bool((state[2][3] == 0).all())
