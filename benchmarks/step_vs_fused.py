@@ -17,6 +17,8 @@ move about as much: docs/benchmarks.md, "A step against fused AdamW").
 
 ``--stage warmup`` times full-precision warmup steps instead (the freeze never comes): OnebitAdam's
 AdamW, OnebitLamb's LAMB, ZeroOneAdam's phase A (its first steps all refresh the variance).
+``--stage phase-a`` times ZeroOneAdam's phase-A 1-bit gradient steps (most of its phase A: its
+refreshes grow sparse), with ``var_update_scaler=1`` so that they come soon.
 
 ZeroOneAdam's phase B synchronises every step while its ``local_step_interval`` is 1, which it stays
 for ``local_step_scaler`` steps (32678 by default): the rows time synchronising steps.
@@ -67,7 +69,7 @@ def _clone(params):
 
 
 def _make(name: str, params, exchange: str, zero_stage: int, local_step_scaler: int | None = None,
-          freeze: int = 2):
+          freeze: int = 2, var_update_scaler: int | None = None):
     import compressed_opt
     from compressed_opt.comm import SingleProcessBackend
 
@@ -77,6 +79,8 @@ def _make(name: str, params, exchange: str, zero_stage: int, local_step_scaler: 
             return None
         if local_step_scaler is not None:
             kw["local_step_scaler"] = local_step_scaler
+        if var_update_scaler is not None:
+            kw["var_update_scaler"] = var_update_scaler
         return compressed_opt.ZeroOneAdam(params, var_freeze_step=freeze, **kw)
     return getattr(compressed_opt, name)(params, freeze_step=freeze, zero_stage=zero_stage, **kw)
 
@@ -95,33 +99,45 @@ def copy_bandwidth(numel: int, device: str, repeats: int = 7) -> float:
 
 
 def measure(name: str, numel: int, tensors: int, exchange: str, zero_stage: int, steps: int,
-            device: str = "cpu", local_step_scaler: int | None = None, warmup: bool = False) -> dict | None:
+            device: str = "cpu", local_step_scaler: int | None = None, warmup: bool = False,
+            phase_a: bool = False) -> dict | None:
+    """One row (module doc). ``phase_a``: ZeroOneAdam's phase-A compressed steps (``var_update_scaler=1``:
+    refreshes at steps 1, 2, 4, 8, ..., the 1-bit gradient steps between them timed); ``None`` for
+    the other optimizers."""
+    if phase_a and name != "ZeroOneAdam":
+        return None
+    warmup = warmup or phase_a
     base = _params(numel, tensors, device)
     mine = _clone(base)
-    opt = _make(name, mine, exchange, zero_stage, local_step_scaler, freeze=10**9 if warmup else 2)
+    opt = _make(name, mine, exchange, zero_stage, local_step_scaler, freeze=10**9 if warmup else 2,
+                var_update_scaler=1 if phase_a else None)
     if opt is None:
         return None
     adamw = torch.optim.AdamW(base, lr=1e-4, fused=True)
     for _ in range(4):  # the freeze (step 2), then the first compression steps: buffers made
         opt.step()
         adamw.step()
-    assert opt.compressing != warmup
+    assert not opt.frozen if phase_a else opt.compressing != warmup
     ours, theirs, kinds = [], [], []
-    for _ in range(steps):
+    while len(ours) < steps:
         _sync(device)
         s = time.perf_counter()
         opt.step()
         _sync(device)
-        ours.append(time.perf_counter() - s)
-        kinds.append(getattr(opt, "last_step_kind", None))  # (ZeroOneAdam's: "local" or "sync")
+        took = time.perf_counter() - s
+        kind = getattr(opt, "last_step_kind", None)  # (ZeroOneAdam's: "local" or "sync"; phase A's)
         s = time.perf_counter()
         adamw.step()
         _sync(device)
+        if phase_a and kind != "compressed":
+            continue  # (a refresh)
+        ours.append(took)
+        kinds.append(kind)
         theirs.append(time.perf_counter() - s)
     opt.close()
     a, b = statistics.median(ours), statistics.median(theirs)
     return {"device": device, "optimizer": name, "exchange": exchange, "zero_stage": zero_stage, "numel": numel,
-            "tensors": tensors, "stage": "warmup" if warmup else "compression",
+            "tensors": tensors, "stage": "phase-a" if phase_a else "warmup" if warmup else "compression",
             "step_ms": 1e3 * a, "fused_adamw_ms": 1e3 * b, "ratio": a / b,
             "needed_bandwidth": STREAMS * 4 * numel / a, "fused_adamw_bandwidth": STREAMS * 4 * numel / b,
             "step_kinds": kinds}
@@ -139,9 +155,10 @@ def main(argv=None) -> int:
     p.add_argument("--local-step-scaler", type=int, default=None,
                    help="ZeroOneAdam's local_step_scaler (default: its own, every timed step synchronises; "
                         "1: local steps, see the module doc)")
-    p.add_argument("--stage", choices=("compression", "warmup"), default="compression",
+    p.add_argument("--stage", choices=("compression", "warmup", "phase-a"), default="compression",
                    help="warmup: time full-precision warmup steps (OnebitAdam's and OnebitLamb's warmup, "
-                        "ZeroOneAdam's phase A; the exchange argument then only names the row)")
+                        "ZeroOneAdam's phase A; the exchange argument then only names the row); phase-a: "
+                        "ZeroOneAdam's phase-A 1-bit gradient steps (between its refreshes)")
     p.add_argument("--out", default=os.path.join(HERE, "results", "step_vs_fused.json"))
     args = p.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -156,7 +173,8 @@ def main(argv=None) -> int:
             for exchange in args.exchanges.split(","):
                 for zero in (int(z) for z in args.zero_stages.split(",")):
                     row = measure(name, numel, tensors, exchange, zero, args.steps, args.device,
-                                  args.local_step_scaler, warmup=args.stage == "warmup")
+                                  args.local_step_scaler, warmup=args.stage == "warmup",
+                                  phase_a=args.stage == "phase-a")
                     if row is None:
                         continue
                     row["copy_bandwidth"] = bandwidth

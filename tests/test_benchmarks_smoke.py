@@ -258,6 +258,19 @@ def test_step_vs_fused_times_warmup_steps_when_asked(tmp_path):
     assert all(r["step_ms"] > 0 and r["fused_adamw_ms"] > 0 for r in rows)
 
 
+@pytest.mark.timeout(120)
+def test_step_vs_fused_times_zero_one_adams_phase_a_steps_when_asked(tmp_path):
+    """``--stage phase-a``: one row, ZeroOneAdam's, timing only its phase-A 1-bit gradient steps."""
+    out = tmp_path / "svf.json"
+    done = _run_script(tmp_path, "step_vs_fused.py", "--shapes", "200000x3", "--exchanges", "preconditioned",
+                       "--zero-stages", "0", "--steps", "3", "--stage", "phase-a", "--out", str(out), timeout=110)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["optimizer"], r["stage"], r["step_kinds"]) for r in rows] == [
+        ("ZeroOneAdam", "phase-a", ["compressed"] * 3)]
+    assert rows[0]["step_ms"] > 0 and rows[0]["fused_adamw_ms"] > 0
+
+
 @pytest.mark.timeout(300)
 def test_step_overhead_against_a_revision_in_one_process(tmp_path):
     """``--against REV --in-process``: REV installed and renamed beside this checkout, both timed
