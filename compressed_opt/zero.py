@@ -80,7 +80,6 @@ BUFFERS = {
     "update_shard": Buffer(SCRATCH),
     "momentum_prev_shard": Buffer(SCRATCH),
     "layer_ids": Buffer(SCRATCH, torch.int64),
-    "square_shard": Buffer(SCRATCH),
     "coeff_shard": Buffer(SCRATCH),
 }
 
@@ -159,9 +158,7 @@ class Sharded(ChunkReductions, Layout):
         master = self.master_shard(opt, bucket)
         if master is not None:
             return master[: hi - lo]
-        padded = bucket.flats["grad_padded"]
-        torch._foreach_copy_(bucket.views(padded[: bucket.numel]), bucket.params)
-        return padded[lo:hi]
+        return self.copy_own_params_(opt, bucket, bucket.flats["grad_padded"][lo:])
 
     def step_(self, opt, bucket, values, direction, decay, alpha):
         values.mul_(decay).add_(direction, alpha=alpha)
@@ -176,11 +173,7 @@ class Sharded(ChunkReductions, Layout):
         lo, hi, c = self.own_range(opt, bucket)
         values = self.master_shard(opt, bucket)
         if values is None:
-            values = shard(bucket, "update_shard", c)
-            pieces = [(p.reshape(-1)[max(o, lo) - o : min(o + p.numel(), hi) - o], max(o, lo) - lo)
-                      for p, o in zip(bucket.params, bucket.offsets) if o < hi and o + p.numel() > lo]
-            if pieces:
-                torch._foreach_copy_([values[at : at + piece.numel()] for piece, at in pieces], [p for p, _ in pieces])
+            values = self.copy_own_params_(opt, bucket, shard(bucket, "update_shard", c))
         if hi > lo:
             kernel([values[: hi - lo]], [grad[lo:hi]], [self.state(opt, bucket, "exp_avg")],
                    [self.state(opt, bucket, "exp_avg_sq")])
@@ -188,7 +181,12 @@ class Sharded(ChunkReductions, Layout):
         return True
 
     def step_layers_(self, opt, bucket, values, update, coeffs, scale):
-        values.addcmul_(self.per_element(opt, bucket, coeffs, "coeff_shard"), update, value=scale)
+        """Per piece of a layer in the chunk, as the replicated layout steps a whole layer."""
+        pieces, index, _ = self.chunk_pieces(opt, bucket)
+        if index:
+            steps = pieces.split(update)
+            torch._foreach_mul_(steps, [scale * coeffs[i] for i in index])
+            torch._foreach_add_(pieces.split(values), steps)
         self.publish(opt, bucket, values)
 
     def publish(self, opt, bucket: Bucket, values: torch.Tensor) -> None:

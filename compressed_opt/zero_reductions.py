@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from compressed_opt.cuda import Segments, segment_sumsq
+
 from .buckets import Bucket
 from .reductions import maxima
 
@@ -38,15 +40,44 @@ class ChunkReductions:
             ids = bucket.flats["layer_ids"] = torch.searchsorted(starts, positions, right=True) - 1
         return ids
 
+    def chunk_pieces(self, opt, bucket: Bucket) -> tuple[Segments, list[int], torch.Tensor]:
+        """This rank's chunk as consecutive pieces of the bucket's layers: the pieces (segments of the
+        chunk), each one's layer (its index in the bucket; layers without an element in the chunk
+        left out) as a list and as an int64 tensor, made once per bucket."""
+        lo, hi, _ = self.own_range(opt, bucket)
+        kept = bucket.derived.get("chunk_pieces")
+        if kept is None or kept[0] != (lo, hi):
+            index, sizes = [], []
+            for i, (start, p) in enumerate(zip(bucket.offsets, bucket.params)):
+                a, b = max(start, lo), min(start + p.numel(), hi)
+                if a < b:
+                    index.append(i)
+                    sizes.append(b - a)
+            at = torch.tensor(index, dtype=torch.int64, device=bucket.device)
+            kept = bucket.derived["chunk_pieces"] = ((lo, hi), Segments(sizes), index, at)
+        return kept[1:]
+
+    def copy_own_params_(self, opt, bucket: Bucket, out: torch.Tensor) -> torch.Tensor:
+        """``out[: hi - lo]`` <- this rank's chunk of the parameters (only its pieces read); returns that view."""
+        lo, hi, _ = self.own_range(opt, bucket)
+        pieces, index, _ = self.chunk_pieces(opt, bucket)
+        if index:
+            params, offsets = bucket.params, bucket.offsets
+            src = [params[i].reshape(-1)[max(offsets[i], lo) - offsets[i] :][:n] for i, n in zip(index, pieces.sizes)]
+            torch._foreach_copy_(pieces.split(out), src)
+        return out[: hi - lo]
+
     def layer_norms(self, opt, bucket, parts):
-        """Sums of squares over this rank's chunk of each of ``parts``, one all-gather of them,
+        """Sums of squares over this rank's pieces of each of ``parts`` (float64, the C pass where it
+        runs: ``segment_sumsq``, as stage 0's norms sum a whole layer), one all-gather of them,
         added in rank order."""
-        ids, n_layers = self.layer_ids(opt, bucket), len(bucket.params)
-        partial = torch.zeros(len(parts), n_layers, dtype=torch.float32, device=bucket.device)
-        square = shard(bucket, "square_shard", self.own_range(opt, bucket)[2])[: ids.numel()]
-        for row, v in zip(partial, parts):
-            row.index_add_(0, ids, torch.mul(v, v, out=square))
-        return list(self._gather(opt, partial.view(-1)).sum(dim=0).view(len(parts), n_layers).sqrt_())
+        pieces, index, at = self.chunk_pieces(opt, bucket)
+        partial = torch.zeros(len(parts), len(bucket.params), dtype=torch.float64, device=bucket.device)
+        if index:
+            sums = torch.empty(len(index), dtype=torch.float64, device=bucket.device)
+            for row, v in zip(partial, parts):
+                row[at] = segment_sumsq(v, pieces, sums)
+        return list(self._gather(opt, partial.view(-1)).sum(dim=0).view(len(parts), -1).sqrt_())
 
     def per_element(self, opt, bucket: Bucket, per_layer: list[float], name: str) -> torch.Tensor:
         """A per-layer value spread over this rank's chunk (into the scratch buffer ``name``)."""

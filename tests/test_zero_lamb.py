@@ -140,3 +140,49 @@ def test_a_rank_that_holds_no_element_of_a_bucket_steps_with_the_others():
         for a, b in zip(native, composed):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-7)
     assert all(torch.equal(a, b) for r in results[1:] for a, b in zip(results[0][0][0], r[0][0]))
+
+
+def _warmup_params(zero_stage: int, backend=None, steps: int = 6) -> list[torch.Tensor]:
+    """The parameters after ``steps`` LAMB warmup steps (the freeze never comes), several buckets,
+    the same gradients on every rank."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s) * 0.1) for s in ((37,), (16, 9), (1000,), (5,), (1,), (300, 7))]
+    kw = {} if backend is None else {"backend": backend}
+    opt = compressed_opt.OnebitLamb(params, lr=1e-2, weight_decay=0.01, freeze_step=50, zero_stage=zero_stage,
+                                    bucket_cap_mb=0.002, overlap=False, **kw)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+    assert len(opt.buckets) >= 3
+    opt.close()
+    return [p.detach().clone() for p in params]
+
+
+def _warmups_by_stage(rank, world):
+    return [_warmup_params(stage) for stage in (0, 1, 2)]
+
+
+def test_the_lamb_warmup_under_zero_on_one_rank_is_stage_0s_bit_for_bit():
+    """ZeRO's LAMB warmup takes its per-layer norms as float64 sums of squares of each layer's piece
+    of the chunk (the C pass stage 0's whole-layer norms use) and steps each piece as stage 0 steps
+    a layer: on one rank, where every piece is a whole layer, stage 1 and 2 give stage 0's
+    parameters bit for bit."""
+    by_stage = [_warmup_params(stage, SingleProcessBackend()) for stage in (0, 1, 2)]
+    for other in by_stage[1:]:
+        assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(by_stage[0], other))
+
+
+@pytest.mark.multiprocess
+def test_the_lamb_warmup_under_zero_on_two_ranks_follows_stage_0():
+    """On two ranks a layer's pieces are summed apart and added over the ranks: the parameters stay
+    within float rounding of stage 0's, the same on both ranks."""
+    from distributed import run_ranks
+
+    per_rank = run_ranks(_warmups_by_stage, 2)
+    for stage0, stage1, stage2 in per_rank:
+        for other in (stage1, stage2):
+            for a, b in zip(stage0, other):
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8)
+    assert all(torch.equal(a, b) for a, b in zip(sum(per_rank[0], []), sum(per_rank[1], [])))
