@@ -72,7 +72,8 @@ compression cannot send a 0, and ``scale / eps`` would throw them far away.
 
 The exchange (local momentum, scaling, compressed allreduce) is ``_bucket_communicate``, so with
 ``overlap=True`` it runs during backward; ``step()`` does the rest: on CPU with the whole state on
-the rank, in two native passes (:mod:`compressed_opt.cuda.lamb_passes`, docs/design.md 2.4.2).
+the rank, in two native passes (:mod:`compressed_opt.cuda.lamb_passes`, docs/design.md 2.4.2). The
+warmup's moments and direction run in two native passes on CPU too (:mod:`compressed_opt.cuda.lamb_warmup`).
 
 With ``zero_stage=1 | 2`` the state is sharded as for :class:`OnebitAdam`
 (:mod:`compressed_opt.zero`): in warmup rank ``j`` keeps chunk ``j`` of ``m`` and ``v`` and
@@ -184,12 +185,9 @@ class OnebitLamb(_FreezingAdam):
         self.trust_ratio_interval = check_step_count("trust_ratio_interval", trust_ratio_interval, minimum=1)
         self._local_direction_sq = {}  # bucket index -> this rank's per-layer ||u_i||^2 (float64)
         self._direction_norms = {}  # bucket index -> per-layer RMS over the ranks of ||u_i||
-        defaults = dict(
-            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-            max_coeff=max_coeff, min_coeff=min_coeff, coeff_beta=coeff_beta,
-            factor_max=factor_max, factor_min=factor_min, factor_threshold=factor_threshold,
-            bias_correction=bool(bias_correction),
-        )
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_coeff=max_coeff,
+                        min_coeff=min_coeff, coeff_beta=coeff_beta, factor_max=factor_max, factor_min=factor_min,
+                        factor_threshold=factor_threshold, bias_correction=bool(bias_correction))
         super().__init__(params, defaults, freeze_step, backend, bucket_cap_mb, overlap, accumulation_steps,
                          zero_stage, master_resync_interval, exchange, hierarchy=hierarchy, path=path,
                          scale_block=scale_block)
@@ -207,9 +205,7 @@ class OnebitLamb(_FreezingAdam):
         if group["min_coeff"] > group["max_coeff"]:
             raise ValueError(f"Invalid min_coeff: {group['min_coeff']} (must be <= max_coeff, {group['max_coeff']})")
         if group["factor_min"] > group["factor_max"]:
-            raise ValueError(
-                f"Invalid factor_min: {group['factor_min']} (must be <= factor_max, {group['factor_max']})"
-            )
+            raise ValueError(f"Invalid factor_min: {group['factor_min']} (must be <= factor_max={group['factor_max']})")
         beta = check_nonneg_float("coeff_beta", group["coeff_beta"])
         if beta >= 1.0:
             raise ValueError(f"Invalid coeff_beta: {beta} (must be in [0, 1))")
@@ -245,16 +241,20 @@ class OnebitLamb(_FreezingAdam):
         beta1, beta2 = group["betas"]
         lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]
         bc1, bc2_sqrt = bias_corrections(beta1, beta2, step, group["bias_correction"])
-        g = layout.own(self, bucket, grad)
+        g, passes = layout.own(self, bucket, grad), kernels.lamb_warmup
         m, v = layout.state(self, bucket, "exp_avg"), layout.state(self, bucket, "exp_avg_sq")
-        momentum_(m, g, beta1)
-        variance_(v, g, beta2)
+        native = passes.warmup_moments_(g, m, v, beta1, beta2)  # (else composed, the same bits)
+        if not native:
+            momentum_(m, g, beta1)
+            variance_(v, g, beta2)
         update = layout.direction_buffer(self, bucket, grad)  # u = m_hat / (sqrt(v_hat) + eps) + wd p
-        denominator_(v, update, eps, bc2_sqrt).mul_(bc1)
-        torch.div(m, update, out=update)
-        values = layout.own_values(self, bucket)
-        if wd != 0:
-            layout.add_values_(self, bucket, update, values, wd)
+        values = layout.own_values(self, bucket)  # (after the moments: it may take g's memory)
+        if not (native and passes.warmup_direction_(torch.sqrt(v, out=update), m, values, bucket.segments, bc2_sqrt,
+                                                    eps, bc1, wd)):
+            denominator_(v, update, eps, bc2_sqrt).mul_(bc1)
+            torch.div(m, update, out=update)
+            if wd != 0:
+                layout.add_values_(self, bucket, update, values, wd)
         # (a layer split over a shard or tensor-parallel mesh: its whole norm, compressed_opt.local_shards)
         p_norm, u_norm = self._local_shards.whole_layer_norms(bucket.params,
                                                               layout.layer_norms(self, bucket, [values, update]))

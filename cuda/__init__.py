@@ -26,6 +26,7 @@ passes around them (the gather of the gradients with their per-segment sums of s
 update's preconditioning and its inverse); :mod:`~compressed_opt.cuda.update` the preconditioned
 exchange's last pass (the momentum and the update, from the result's rows),
 :mod:`~compressed_opt.cuda.lamb_passes` 1-bit LAMB's two compression-step passes,
+:mod:`~compressed_opt.cuda.lamb_warmup` its warmup's two,
 :mod:`~compressed_opt.cuda.zero_passes` ZeRO's two (the preconditioned exchange),
 :mod:`~compressed_opt.cuda.local_steps` 0/1 Adam's passes (phase B's local step, a
 synchronisation's work before and after its exchange; phase A's compressed step after its exchange).
@@ -51,7 +52,7 @@ import warnings
 
 import torch
 
-from . import lamb_passes, reference, zero_passes
+from . import lamb_passes, lamb_warmup, reference, zero_passes
 from .segmented import (Lerp, LerpScaleClamp, ScaleClamp, Segments, divide_where_nonzero_, gather_,
                         lerp_scale_clamp_, scale_clamp_, segment_sumsq)
 from .local_steps import (ZeroOneSyncBefore, signed_denominator, zero_one_local_step_, zero_one_passes_serve,
@@ -91,6 +92,7 @@ __all__ = [
     "divide_descend_",
     "rows_keep_descend_",
     "lamb_passes",
+    "lamb_warmup",
     "zero_passes",
     "signed_denominator",
     "zero_one_passes_serve",

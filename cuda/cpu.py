@@ -298,6 +298,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.co_zo_sync_before_compress_rows.restype = None
     lib.co_zo_phase_a_rows.argtypes = [p, p, i64, i64, i64, p, p, p, p, i64, f32, f32, ctypes.c_int, f32]
     lib.co_zo_phase_a_rows.restype = None
+    lib.co_lamb_warmup_moments.argtypes = [p, p, p, i64, f32, f32, f32]
+    lib.co_lamb_warmup_moments.restype = None
+    lib.co_lamb_warmup_direction.argtypes = [p, p, p, p, p, i64, f32, ctypes.c_int, f32, f32, f32, ctypes.c_int]
+    lib.co_lamb_warmup_direction.restype = None
     return lib
 
 

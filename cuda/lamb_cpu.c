@@ -195,3 +195,63 @@ CO_EXACT void co_lamb_descend(const int64_t *dests, const float *m, const float 
         }
     }
 }
+
+/*
+ * LAMB's warmup (compressed_opt.cuda.lamb_passes.warmup_moments_), over n elements of the flat g,
+ * m and v:
+ *   m <- lerp(m, g, w)                     as torch's vector lerp: fma(w, g - m, m), for |w| >= 1/2
+ *                                          fma(w - 1, g - m, g)
+ *   v <- fma(scale * g, g, v * b2)         v.mul_(b2).addcmul_(g, g, value=scale)
+ */
+CO_EXACT void co_lamb_warmup_moments(const float *g, float *m, float *v, int64_t n, float w, float b2, float scale) {
+    CO_NO_CONTRACT
+    const int small = w < 0.5f && w > -0.5f;
+    const float coeff = small ? w : w - 1.0f;
+    if (small) {
+        for (int64_t i = 0; i < n; ++i) {
+            const float gi = g[i], mi = m[i];
+            m[i] = fmaf(coeff, gi - mi, mi);
+            v[i] = fmaf(scale * gi, gi, v[i] * b2);
+        }
+    } else {
+        for (int64_t i = 0; i < n; ++i) {
+            const float gi = g[i], mi = m[i];
+            m[i] = fmaf(coeff, gi - mi, gi);
+            v[i] = fmaf(scale * gi, gi, v[i] * b2);
+        }
+    }
+}
+
+/* One span of co_lamb_warmup_direction: u <- m / (((u / bc2_sqrt) + eps) * bc1) (divided: else no
+ * division by bc2_sqrt), then u <- fma(p, wd, u) (p != NULL). */
+static CO_EXACT __attribute__((noinline)) void lamb_direction_span(float *restrict u, const float *restrict m,
+                                                                  const float *restrict p, int64_t n, float bc2_sqrt,
+                                                                  int divided, float eps, float bc1, float wd) {
+    CO_NO_CONTRACT
+    if (divided) {
+        for (int64_t i = 0; i < n; ++i) u[i] = m[i] / (((u[i] / bc2_sqrt) + eps) * bc1);
+    } else {
+        for (int64_t i = 0; i < n; ++i) u[i] = m[i] / ((u[i] + eps) * bc1);
+    }
+    if (p) {
+        for (int64_t i = 0; i < n; ++i) u[i] = fmaf(p[i], wd, u[i]);
+    }
+}
+
+/*
+ * LAMB's warmup direction (compressed_opt.cuda.lamb_passes.warmup_direction_): u holds sqrt(v)
+ * (PyTorch's: torch.sqrt is not the correctly rounded sqrtf everywhere), and becomes the update
+ * direction m_hat / (sqrt(v_hat) + eps) + wd p, rounded as the composition rounds it:
+ *   u <- u / bc2_sqrt (divided);  u <- u + eps;  u <- u * bc1;  u <- m / u;  u <- fma(p, wd, u) (decayed)
+ * over segment s = [off[s], off[s + 1]), p segment s's parameter at address dests[s] (0: none), or
+ * with dests == NULL the flat p itself (a ZeRO chunk's values).
+ */
+void co_lamb_warmup_direction(float *u, const float *m, const float *p, const int64_t *dests, const int64_t *off,
+                              int64_t nseg, float bc2_sqrt, int divided, float eps, float bc1, float wd, int decayed) {
+    for (int64_t s = 0; s < nseg; ++s) {
+        const int64_t lo = off[s], n = off[s + 1] - lo;
+        if (n == 0) continue;
+        const float *ps = !decayed ? NULL : dests ? (const float *)(intptr_t)dests[s] : p + lo;
+        lamb_direction_span(u + lo, m + lo, ps, n, bc2_sqrt, divided, eps, bc1, wd);
+    }
+}

@@ -508,3 +508,42 @@ def test_the_fused_local_momentum_pass_changes_no_bit():
     for finals, ran in run_ranks(_fused_and_unfused_lamb, 2):
         assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(*finals))
         assert ran > 0
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(weight_decay=0.0), dict(bias_correction=False), dict(zero_stage=1),
+                                dict(zero_stage=2, weight_decay=0.1)])
+def test_the_warmup_runs_two_native_passes_bit_for_bit(kw, monkeypatch):
+    """LAMB's warmup forms ``m``, ``v`` and the update direction in two native passes around
+    PyTorch's square root (``cuda.lamb_warmup``): the parameters and the state after every warmup
+    step are the composition's (the passes refused) bit for bit, in stage 0 (the parameters read
+    through their own memory for the weight decay) and under ZeRO (the chunk's values, flat), and
+    both passes ran once per bucket and step."""
+    from compressed_opt.comm import SingleProcessBackend
+    from compressed_opt.cuda import lamb_warmup
+
+    moments, direction, ran = lamb_warmup.warmup_moments_, lamb_warmup.warmup_direction_, []
+
+    def run(native):
+        monkeypatch.setattr(lamb_warmup, "warmup_moments_",
+                            (lambda *a: (ran.append("m"), moments(*a))[1]) if native else (lambda *a: False))
+        monkeypatch.setattr(lamb_warmup, "warmup_direction_", lambda *a: (ran.append("u"), direction(*a))[1])
+        torch.manual_seed(0)
+        params = [nn.Parameter(torch.randn(s) * 0.1) for s in [(37,), (16, 9), (1000,), (5,), (1,), (300, 7)]]
+        opt = OnebitLamb(params, lr=1e-2, freeze_step=50, backend=SingleProcessBackend(), overlap=False,
+                         bucket_cap_mb=0.002, **{"weight_decay": 0.01, **kw})
+        g = torch.Generator().manual_seed(1)
+        for _ in range(5):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g)
+            opt.step()
+        sd = opt.state_dict()  # every bucket's shards (ZeRO), every parameter's state (stage 0), the ratios
+        state = [v for entry in sd["compressed_opt"]["buckets"] for v in entry.values() if isinstance(v, torch.Tensor)]
+        state += [v if isinstance(v, torch.Tensor) else torch.tensor(v) for st in sd["state"].values()
+                  for _, v in sorted(st.items())]
+        return [p.detach().clone() for p in params] + [t.clone() for t in state], len(opt.buckets)
+
+    (mine, buckets), (theirs, _) = run(True), run(False)
+    assert ran.count("m") == 5 * buckets and ran.count("u") == 5 * buckets and buckets >= 3
+    assert len(mine) == len(theirs) >= 6 + 3 * 6
+    assert all(torch.equal(a.view(torch.int32) if a.dtype == torch.float32 else a,
+                           b.view(torch.int32) if b.dtype == torch.float32 else b) for a, b in zip(mine, theirs))

@@ -1,0 +1,130 @@
+"""1-bit LAMB's warmup step (full-precision LAMB, docs/design.md 2.4) in two native passes around
+PyTorch's square root, in place of some ten PyTorch kernels:
+
+:func:`warmup_moments_` (reads ``g``, ``m``, ``v``; writes ``m``, ``v``)::
+
+    m <- lerp(m, g, 1 - b1)                 m.lerp_(g, 1 - b1)
+    v <- b2 v + (1 - b2) g^2                v.mul_(b2).addcmul_(g, g, value=1 - b2)
+
+then ``torch.sqrt(v, out=u)`` (PyTorch's own: its fp32 CPU square root is not the correctly rounded
+``sqrtf``, and the update must be the composition's), then :func:`warmup_direction_` (reads ``u``,
+``m`` and, with weight decay, the values; writes ``u``)::
+
+    u <- m / (((u / bc2_sqrt) + eps) bc1) + wd p
+
+``u`` is then the update direction of every layer; the trust ratios and the step are the
+composition's (:mod:`compressed_opt.onebit_lamb`). The values ``p`` are the parameters (one per
+segment, read through their own memory) or a flat tensor (ZeRO's chunk of them).
+
+Rounding: every operation rounded on its own in the composition's order, but where PyTorch's CPU
+kernel is one FMA itself: ``torch.lerp``'s vector kernel (``fma(w, g - m, m)``; ``fma(w - 1, g - m,
+g)`` for ``|w| >= 1/2``), ``addcmul_`` (``fma(value g, g, b2 v)``) and add-with-alpha (``fma(p, wd,
+u)``). A check at first use in the process (:func:`ready`) compares both passes with the composition
+on a small case, bit for bit (segments with and without a vector loop's tail, an empty one, both
+lerp formulas, with and without weight decay and the division by ``bc2_sqrt``); where they differ
+OnebitLamb composes. ``COMPRESSED_OPT_KERNELS=reference`` turns the passes off.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import cpu
+from .addresses import destination_addresses, plain_cpu_float
+from .segmented import Segments, _check, _library_allowed
+
+
+def ready(*tensors: torch.Tensor) -> bool:
+    """Whether the passes run natively on these flat buffers (contiguous fp32 CPU tensors), the C
+    library loaded and allowed and its passes found equal to the composition here (once per process)."""
+    if not _library_allowed() or not all(plain_cpu_float(t) and t.dim() == 1 for t in tensors):
+        return False
+    lib = cpu.library()
+    return lib is not None and _agrees(lib)
+
+
+def warmup_moments_(g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, beta1: float, beta2: float) -> bool:
+    """``m`` and ``v`` from the averaged gradient ``g`` (the module doc), natively; ``False``, nothing
+    done, where :func:`ready` says no (the caller composes)."""
+    if m.numel() != g.numel() or v.numel() != g.numel() or not ready(g, m, v):
+        return False
+    _moments(cpu.library(), g, m, v, beta1, beta2)
+    return True
+
+
+def warmup_direction_(u: torch.Tensor, m: torch.Tensor, values, segments: Segments, bc2_sqrt: float, eps: float,
+                      bc1: float, wd: float) -> bool:
+    """``u`` (``sqrt(v)``, PyTorch's) <- the update direction (the module doc); ``values``: the
+    parameters, one per segment of ``segments``, or a flat tensor of ``u``'s size (then one segment,
+    ``segments`` unused); ``wd == 0``: not read. ``False``, nothing done, where it cannot run natively."""
+    flat = isinstance(values, torch.Tensor)
+    if flat:
+        segments = Segments([u.numel()])
+        _check(segments, m, *((values,) if wd != 0 else ()))
+    _check(segments, u, m)
+    if not ready(u, m, *((values,) if flat and wd != 0 else ())):
+        return False
+    dests = None if flat else destination_addresses(values, segments.sizes)
+    if not flat and dests is None:
+        return False
+    _direction(cpu.library(), u, m, values if flat else None, dests, segments, bc2_sqrt, eps, bc1, wd)
+    return True
+
+
+def _moments(lib, g, m, v, beta1: float, beta2: float) -> None:
+    lib.co_lamb_warmup_moments(g.data_ptr(), m.data_ptr(), v.data_ptr(), g.numel(), 1.0 - beta1, beta2, 1.0 - beta2)
+
+
+def _direction(lib, u, m, flat, dests, segments: Segments, bc2_sqrt, eps, bc1, wd) -> None:
+    lib.co_lamb_warmup_direction(u.data_ptr(), m.data_ptr(), None if flat is None else flat.data_ptr(),
+                                 None if dests is None else dests.data_ptr(), segments.offsets.data_ptr(),
+                                 len(segments), float(bc2_sqrt), bc2_sqrt != 1.0, float(eps), float(bc1), float(wd),
+                                 wd != 0)
+
+
+def compose_warmup_(g, m, v, u, values, segments: Segments, beta1, beta2, bc2_sqrt, eps, bc1, wd) -> None:
+    """The two passes and the square root as OnebitLamb's warmup composes them (``values``: the
+    parameters or a flat tensor): the oracle of the check."""
+    m.lerp_(g, 1 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    torch.sqrt(v, out=u)
+    if bc2_sqrt != 1.0:
+        u.div_(bc2_sqrt)
+    u.add_(eps).mul_(bc1)
+    torch.div(m, u, out=u)
+    if wd != 0:
+        if isinstance(values, torch.Tensor):
+            u.add_(values, alpha=wd)
+        else:
+            torch._foreach_add_([x.view_as(p) for x, p in zip(segments.split(u), values)], values, alpha=wd)
+
+
+_agreement: list = []  # [whether the native passes gave the composition's bits here]
+
+
+def _agrees(lib) -> bool:
+    if not _agreement:
+        _agreement.append(all(_agrees_on(lib, seed, beta1, wd, bc2_sqrt, flat)
+                              for seed, beta1, wd, bc2_sqrt, flat in ((29, 0.9, 0.01, 0.3, False),
+                                                                      (30, 0.3, 0.0, 1.0, False),
+                                                                      (31, 0.9, 0.1, 0.7, True))))
+    return _agreement[0]
+
+
+def _agrees_on(lib, seed: int, beta1: float, wd: float, bc2_sqrt: float, flat: bool) -> bool:
+    g = torch.Generator().manual_seed(seed)
+    segments = Segments([37, 0, 1000, 5, 8, 64, 1])
+    n = segments.numel
+    grad = torch.randn(n, generator=g)
+    grad[::13] = 0.0
+    m, v = torch.randn(n, generator=g) * 0.1, torch.rand(n, generator=g) * 1e-3
+    v[::17] = 0.0
+    params = [torch.randn(k, generator=g) for k in segments.sizes]
+    values = torch.cat(params) if flat else params
+    mine, theirs = (m.clone(), v.clone(), torch.empty(n)), (m.clone(), v.clone(), torch.empty(n))
+    scalars = (bc2_sqrt, 1e-8, 1.0 - beta1 ** 3, wd)
+    _moments(lib, grad, mine[0], mine[1], beta1, 0.999)
+    torch.sqrt(mine[1], out=mine[2])
+    dests = None if flat else destination_addresses(values, segments.sizes)
+    _direction(lib, mine[2], mine[0], values if flat else None, dests, segments, *scalars)
+    compose_warmup_(grad, *theirs, values, segments, beta1, 0.999, *scalars)
+    return all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(mine, theirs))
