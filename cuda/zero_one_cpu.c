@@ -362,30 +362,32 @@ static CO_EXACT __attribute__((noinline)) void zo_phase_a_piece(const float *res
     }
 }
 
+/* co_zo_phase_a_rows' arguments, for its spans (walk_result_rows). */
+struct zo_phase_a {
+    const float *r, *sden;
+    float *m;
+    const int64_t *off, *dests;
+    float coeff, decay, alpha;
+    int small, decayed;
+};
+
+static void zo_phase_a_span(void *pass, const float *y, int64_t k, int64_t stop, int64_t s) {
+    const struct zo_phase_a *a = (const struct zo_phase_a *)pass;
+    float *p = (float *)(intptr_t)a->dests[s];
+    zo_phase_a_piece(y, a->r + k, a->sden + k, a->m + k, p ? p + (k - a->off[s]) : NULL, stop - k, a->coeff,
+                     a->small, a->decay, a->alpha, (p ? 1 : 0) | (a->decayed ? 2 : 0));
+}
+
 /*
  * co_decompress_rows(rows, row_stride, ., chunk, block, y, n) then the element above over the
  * segments' n = off[nseg] elements (segment s's parameter at address dests[s], 0: none), without y
- * in memory: decompressed tile by tile (at most CO_TILE elements of one block of one row) into the
- * stack. Reads the rows, r, sden, m and the parameters; writes m and the parameters.
+ * in memory: decompressed tile by tile (walk_result_rows) into the stack. Reads the rows, r, sden,
+ * m and the parameters; writes m and the parameters.
  */
 void co_zo_phase_a_rows(const int64_t *dests, const uint8_t *rows, int64_t row_stride, int64_t chunk, int64_t block,
                         const float *r, const float *sden, float *m, const int64_t *off, int64_t nseg, float w,
                         float decay, int decayed, float alpha) {
     const int small = w < 0.5f && w > -0.5f;
-    const float coeff = small ? w : w - 1.0f;
-    const int64_t n = off[nseg];
-    float tile[CO_TILE];
-    int64_t s = 0;
-    for (int64_t k0 = 0; k0 < n;) {
-        const int64_t len = next_tile(rows, row_stride, chunk, block, k0, n, tile);
-        const int64_t end = k0 + len;
-        for (int64_t k = k0; k < end;) {
-            const int64_t stop = segment_piece(off, nseg, &s, k, end);
-            float *p = s < nseg ? (float *)(intptr_t)dests[s] : NULL;
-            zo_phase_a_piece(tile + (k - k0), r + k, sden + k, m + k, p ? p + (k - off[s]) : NULL, stop - k, coeff,
-                             small, decay, alpha, (p ? 1 : 0) | (decayed ? 2 : 0));
-            k = stop;
-        }
-        k0 = end;
-    }
+    struct zo_phase_a pass = {r, sden, m, off, dests, small ? w : w - 1.0f, decay, alpha, small, decayed};
+    walk_result_rows(rows, row_stride, chunk, block, off, nseg, zo_phase_a_span, &pass);
 }
