@@ -415,6 +415,7 @@ class Sharded(ChunkReductions, Layout):
             opt.backend.all_gather(padded, master)
             torch._foreach_copy_(bucket.params, bucket.views(padded[: bucket.numel]))
 
+
 class ShardedGradients(Sharded):
     """ZeRO stage 2: as :class:`Sharded`, and the warmup gradients are reduce-scattered."""
 

@@ -1,8 +1,9 @@
-"""Per-layer reductions over ZeRO's chunks (the part of :class:`compressed_opt.zero.Sharded` that
-reduces): rank ``j`` holds chunk ``j`` of every bucket's per-element state, so a per-layer sum,
-norm or maximum is this rank's partial over its chunk, then one all-gather of every rank's
-partials, combined in rank order: every rank gets the same value. And :func:`shard`, the bucket
-buffers of a chunk's size the sharded layout keeps.
+"""The part of :class:`compressed_opt.zero.Sharded` that knows its chunk's geometry: rank ``j``'s
+elements ``[lo, hi)`` of each bucket, cut at the layers' ends into pieces (:meth:`ChunkReductions.
+chunk_pieces`), the parameters' values of those pieces, and the per-layer reductions over the
+chunks: this rank's partial over its pieces (a sum, a norm, a maximum), then one all-gather of
+every rank's partials, combined in rank order, so that every rank gets the same value. And
+:func:`shard`, the bucket buffers of a chunk's size the sharded layout keeps.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def shard(bucket: Bucket, name: str, numel: int, dtype=torch.float32) -> torch.T
 
 
 class ChunkReductions:
-    """The per-layer reductions of a sharded layout (a mixin of :class:`compressed_opt.zero.Sharded`)."""
+    """A sharded layout's chunk geometry and per-layer reductions (a mixin of :class:`compressed_opt.zero.Sharded`)."""
 
     def own_range(self, opt, bucket: Bucket) -> tuple[int, int, int]:
         """``(lo, hi, chunk)``: this rank's elements ``[lo, hi)`` of the bucket, and the chunk size."""
