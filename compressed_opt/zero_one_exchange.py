@@ -80,7 +80,7 @@ class ZeroOneExchange:
                         keep_result: bool = False):
         """:meth:`_exchange` as a generator that yields its compressed average's request between
         the passes before and after it (phase A's exchange groups run theirs together).
-        ``keep_result``: phase A's, whose update takes the result (:meth:`_phase_a_average`)."""
+        ``keep_result``: phase A's, whose update takes the result (the variant's ``phase_a_update_``)."""
         return self.exchange_variant.exchange_steps(self, bucket, x, lr_sum, factors, keep_result)
 
     def _phase_a_denominator(self, bucket, group, bc2_sqrt: float, direction: torch.Tensor | None = None):

@@ -89,16 +89,10 @@ class ChunkReductions:
 
     def layer_maxima(self, opt, bucket, values):
         """Per layer, the maximum over every rank's chunk (``values`` >= 0; one all-gather of them)."""
-        lo, hi, _ = self.own_range(opt, bucket)
-        index, views = [], []
-        for i, (start, p) in enumerate(zip(bucket.offsets, bucket.params)):
-            a, b = max(start, lo), min(start + p.numel(), hi)
-            if a < b:
-                index.append(i)
-                views.append(values[a - lo : b - lo])
+        pieces, index, at = self.chunk_pieces(opt, bucket)
         partial = torch.zeros(len(bucket.params), dtype=torch.float32, device=bucket.device)
-        if views:
-            partial[index] = torch.stack(maxima(views)).clamp_(min=0.0)
+        if index:
+            partial[at] = torch.stack(maxima(pieces.split(values))).clamp_(min=0.0)
         return self.maxima_over_ranks(opt, bucket, partial)
 
     def maxima_over_ranks(self, opt, bucket, partial) -> list[float]:
