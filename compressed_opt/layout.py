@@ -277,7 +277,8 @@ class Replicated(Layout):
         return True
 
     def layer_norms(self, opt, bucket, parts):
-        return [norms(part if isinstance(part, list) else bucket.views(part)) for part in parts]
+        segments = bucket.segments
+        return [norms(part if isinstance(part, list) else bucket.views(part), segments=segments) for part in parts]
 
     def step_layers_(self, opt, bucket, values, update, coeffs, scale):
         views = bucket.views(update)

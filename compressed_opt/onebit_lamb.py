@@ -443,8 +443,8 @@ class OnebitLamb(_FreezingAdam):
         between."""
         params, states = bucket.params, param_states(self.state, bucket)
         if measure:
-            p_norm, d_norm = self._local_shards.whole_layer_norms(
-                params, [norms(params), self._step_direction_norms(bucket, group, update, bc1)])
+            p_norm, d_norm = self._local_shards.whole_layer_norms(params, [
+                norms(params, segments=bucket.segments), self._step_direction_norms(bucket, group, update, bc1)])
             u_norm = p_norm.new_tensor(self._direction_norms[bucket.index])
             caps = [COMPRESSED_STEP_BOUND * r for r in _trust_ratios(p_norm, d_norm, group)]
             for st, live, cap in zip(states, _trust_ratios(p_norm, u_norm, group, where_zero=0.0), caps):
@@ -465,7 +465,7 @@ class OnebitLamb(_FreezingAdam):
             return kernels.segment_sumsq(update, bucket.segments, sq).sqrt_().div_(bc1)
         direction = torch._foreach_mul(bucket.views(update), 1.0 / bc1)
         torch._foreach_add_(direction, [p.detach() for p in bucket.params], alpha=wd)
-        return norms(direction)
+        return norms(direction, segments=bucket.segments)
 
     def _compression_coeffs(self, params, group, raw) -> list[float]:
         """Each layer's ``r_f * factor`` from the raw factors (clipped, and by the threshold)."""

@@ -13,15 +13,17 @@ import torch
 from compressed_opt import cuda as kernels
 
 
-def norms(tensors: list[torch.Tensor | None], order: int = 2, device=None) -> torch.Tensor:
+def norms(tensors: list[torch.Tensor | None], order: int = 2, device=None, segments=None) -> torch.Tensor:
     """Per tensor, its ``order``-norm as float64 on ``device`` (default: the first tensor's; 0 for
-    ``None`` or an empty tensor)."""
+    ``None`` or an empty tensor). ``segments``: the tensors' sizes as
+    :class:`~compressed_opt.cuda.Segments` where the caller keeps them (a bucket's), else made here."""
     if device is None:
         device = next((t.device for t in tensors if t is not None), torch.device("cpu"))
     if order == 2 and device.type == "cpu" and tensors:
         sums = torch.empty(len(tensors), dtype=torch.float64)
-        sizes = [0 if t is None else t.numel() for t in tensors]
-        if kernels.sumsq_native_(list(tensors), kernels.Segments(sizes), sums):
+        if segments is None:
+            segments = kernels.Segments([0 if t is None else t.numel() for t in tensors])
+        if kernels.sumsq_native_(list(tensors), segments, sums):
             return sums.sqrt_()
     out = torch.zeros(len(tensors), dtype=torch.float64, device=device)
     by_dtype: dict[torch.dtype, list[int]] = {}
