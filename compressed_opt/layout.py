@@ -131,7 +131,7 @@ class Layout:
     def step_layers_(self, opt, bucket: Bucket, values, update: torch.Tensor, coeffs: list[float],
                      scale: float) -> None:
         """``values <- values + scale coeff_l update`` on each layer ``l`` (1-bit LAMB's trust
-        ratios); afterwards every rank holds the whole new parameters."""
+        ratios; ``update`` may be overwritten); afterwards every rank holds the whole new parameters."""
         raise NotImplementedError
 
     def sum_over_ranks(self, opt, values: list[float]) -> list[float]:
@@ -281,9 +281,11 @@ class Replicated(Layout):
         return [norms(part if isinstance(part, list) else bucket.views(part), segments=segments) for part in parts]
 
     def step_layers_(self, opt, bucket, values, update, coeffs, scale):
-        views = bucket.views(update)
-        torch._foreach_mul_(views, [scale * c for c in coeffs])
-        torch._foreach_add_(values, views)
+        scales = [scale * c for c in coeffs]  # (one native pass where it runs: the same bits)
+        if not kernels.lamb_warmup.step_layers_(values, update, bucket.segments, scales):
+            views = bucket.views(update)
+            torch._foreach_mul_(views, scales)
+            torch._foreach_add_(values, views)
 
     def sum_over_ranks(self, opt, values):
         return values

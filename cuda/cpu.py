@@ -302,6 +302,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.co_lamb_warmup_moments.restype = None
     lib.co_lamb_warmup_direction.argtypes = [p, p, p, p, p, i64, f32, ctypes.c_int, f32, f32, f32, ctypes.c_int]
     lib.co_lamb_warmup_direction.restype = None
+    lib.co_lamb_step_layers.argtypes = [p, p, p, i64, p]
+    lib.co_lamb_step_layers.restype = None
     return lib
 
 

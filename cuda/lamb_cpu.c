@@ -255,3 +255,25 @@ void co_lamb_warmup_direction(float *u, const float *m, const float *p, const in
         lamb_direction_span(u + lo, m + lo, ps, n, bc2_sqrt, divided, eps, bc1, wd);
     }
 }
+
+/*
+ * LAMB's step of each layer by its trust ratio (compressed_opt.cuda.lamb_warmup.step_layers_):
+ * segment s's parameter (address dests[s], 0: none) <- p + u * scales[s] over [off[s], off[s + 1])
+ * of u, each operation rounded on its own (torch._foreach_mul_ of u's views by the scales, then
+ * torch._foreach_add_ of them to the parameters); u is only read. scales: doubles, used as floats.
+ */
+CO_EXACT void co_lamb_step_layers(const int64_t *dests, const float *u, const int64_t *off, int64_t nseg,
+                                  const double *scales) {
+    CO_NO_CONTRACT
+    for (int64_t s = 0; s < nseg; ++s) {
+        float *restrict p = (float *)(intptr_t)dests[s];
+        const int64_t lo = off[s], n = off[s + 1] - off[s];
+        if (!p || n == 0) continue;
+        const float c = (float)scales[s];
+        const float *restrict us = u + lo;
+        for (int64_t i = 0; i < n; ++i) {
+            const float step = us[i] * c;
+            p[i] = p[i] + step;
+        }
+    }
+}

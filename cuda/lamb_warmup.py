@@ -12,9 +12,14 @@ then ``torch.sqrt(v, out=u)`` (PyTorch's own: its fp32 CPU square root is not th
 
     u <- m / (((u / bc2_sqrt) + eps) bc1) + wd p
 
-``u`` is then the update direction of every layer; the trust ratios and the step are the
-composition's (:mod:`compressed_opt.onebit_lamb`). The values ``p`` are the parameters (one per
-segment, read through their own memory) or a flat tensor (ZeRO's chunk of them).
+``u`` is then the update direction of every layer; the trust ratios are the composition's
+(:mod:`compressed_opt.onebit_lamb`), and :func:`step_layers_` steps each layer by its own (reads
+``u`` and the parameters, writes the parameters)::
+
+    p_l <- p_l + u_l s_l                    torch._foreach_mul_ of u's views by s, then torch._foreach_add_
+
+The values ``p`` are the parameters (one per segment, read and written through their own memory)
+or, for the direction, a flat tensor (ZeRO's chunk of them).
 
 Rounding: every operation rounded on its own in the composition's order, but where PyTorch's CPU
 kernel is one FMA itself: ``torch.lerp``'s vector kernel (``fma(w, g - m, m)``; ``fma(w - 1, g - m,
@@ -30,7 +35,7 @@ import torch
 
 from . import cpu
 from .addresses import destination_addresses, plain_cpu_float
-from .segmented import Segments, _check, _library_allowed
+from .segmented import Segments, _c_doubles, _check, _library_allowed
 
 
 def ready(*tensors: torch.Tensor) -> bool:
@@ -68,6 +73,25 @@ def warmup_direction_(u: torch.Tensor, m: torch.Tensor, values, segments: Segmen
         return False
     _direction(cpu.library(), u, m, values if flat else None, dests, segments, bc2_sqrt, eps, bc1, wd)
     return True
+
+
+def step_layers_(params: list, u: torch.Tensor, segments: Segments, scales: list[float]) -> bool:
+    """``params[s] <- params[s] + u_s scales[s]`` over segment ``s`` of ``u`` (the module doc; ``u``
+    only read), natively, through each parameter's own memory; ``False``, nothing done, where it
+    cannot run here."""
+    _check(segments, u)
+    if len(params) != len(segments) or len(scales) != len(segments) or not ready(u):
+        return False
+    dests = destination_addresses(params, segments.sizes)
+    if dests is None:
+        return False
+    _step_layers(cpu.library(), dests, u, segments, scales)
+    return True
+
+
+def _step_layers(lib, dests, u, segments: Segments, scales) -> None:
+    keep, at = _c_doubles(scales, len(segments))  # (keep: alive through the call)
+    lib.co_lamb_step_layers(dests.data_ptr(), u.data_ptr(), segments.offsets.data_ptr(), len(segments), at)
 
 
 def _moments(lib, g, m, v, beta1: float, beta2: float) -> None:
@@ -127,4 +151,13 @@ def _agrees_on(lib, seed: int, beta1: float, wd: float, bc2_sqrt: float, flat: b
     dests = None if flat else destination_addresses(values, segments.sizes)
     _direction(lib, mine[2], mine[0], values if flat else None, dests, segments, *scalars)
     compose_warmup_(grad, *theirs, values, segments, beta1, 0.999, *scalars)
-    return all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(mine, theirs))
+    same = all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(mine, theirs))
+    if flat:
+        return same
+    scales = [-0.01 * (i + 1) for i in range(len(segments))]
+    stepped, expected = [p.clone() for p in params], [p.clone() for p in params]
+    _step_layers(lib, destination_addresses(stepped, segments.sizes), mine[2], segments, scales)
+    views = segments.split(theirs[2])
+    torch._foreach_mul_(views, scales)
+    torch._foreach_add_(expected, views)
+    return same and all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(stepped, expected))

@@ -514,19 +514,23 @@ def test_the_fused_local_momentum_pass_changes_no_bit():
                                 dict(zero_stage=2, weight_decay=0.1)])
 def test_the_warmup_runs_two_native_passes_bit_for_bit(kw, monkeypatch):
     """LAMB's warmup forms ``m``, ``v`` and the update direction in two native passes around
-    PyTorch's square root (``cuda.lamb_warmup``): the parameters and the state after every warmup
-    step are the composition's (the passes refused) bit for bit, in stage 0 (the parameters read
-    through their own memory for the weight decay) and under ZeRO (the chunk's values, flat), and
-    both passes ran once per bucket and step."""
+    PyTorch's square root (``cuda.lamb_warmup``), and in stage 0 steps each layer by its trust
+    ratio in a third: the parameters and the state after every warmup step are the composition's
+    (the passes refused) bit for bit, in stage 0 (the parameters read and written through their
+    own memory) and under ZeRO (the chunk's values, flat), and the passes ran once per bucket and
+    step."""
     from compressed_opt.comm import SingleProcessBackend
     from compressed_opt.cuda import lamb_warmup
 
-    moments, direction, ran = lamb_warmup.warmup_moments_, lamb_warmup.warmup_direction_, []
+    moments, direction, layers, ran = (lamb_warmup.warmup_moments_, lamb_warmup.warmup_direction_,
+                                       lamb_warmup.step_layers_, [])
 
     def run(native):
         monkeypatch.setattr(lamb_warmup, "warmup_moments_",
                             (lambda *a: (ran.append("m"), moments(*a))[1]) if native else (lambda *a: False))
         monkeypatch.setattr(lamb_warmup, "warmup_direction_", lambda *a: (ran.append("u"), direction(*a))[1])
+        monkeypatch.setattr(lamb_warmup, "step_layers_",
+                            (lambda *a: (ran.append("s"), layers(*a))[1]) if native else (lambda *a: False))
         torch.manual_seed(0)
         params = [nn.Parameter(torch.randn(s) * 0.1) for s in [(37,), (16, 9), (1000,), (5,), (1,), (300, 7)]]
         opt = OnebitLamb(params, lr=1e-2, freeze_step=50, backend=SingleProcessBackend(), overlap=False,
@@ -544,6 +548,7 @@ def test_the_warmup_runs_two_native_passes_bit_for_bit(kw, monkeypatch):
 
     (mine, buckets), (theirs, _) = run(True), run(False)
     assert ran.count("m") == 5 * buckets and ran.count("u") == 5 * buckets and buckets >= 3
+    assert ran.count("s") == (0 if kw.get("zero_stage") else 5 * buckets)  # (ZeRO steps its pieces itself)
     assert len(mine) == len(theirs) >= 6 + 3 * 6
     assert all(torch.equal(a.view(torch.int32) if a.dtype == torch.float32 else a,
                            b.view(torch.int32) if b.dtype == torch.float32 else b) for a, b in zip(mine, theirs))
