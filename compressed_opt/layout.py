@@ -259,7 +259,7 @@ class Replicated(Layout):
         return grad  # free once the moments have read it
 
     def own_values(self, opt, bucket):
-        return bucket.params
+        return bucket.step_destinations()  # (the parameters, checked and addressed once for the step's C passes)
 
     def step_(self, opt, bucket, values, direction, decay, alpha):
         descend_(values, bucket.views(direction), decay, alpha)

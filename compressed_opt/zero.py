@@ -154,11 +154,15 @@ class Sharded(ChunkReductions, Layout):
         """This rank's chunk of the parameters in fp32, to update in place and then
         :meth:`publish`: the master chunk of a bf16/fp16 bucket (the truth), else the current
         values copied out of the parameters (this overwrites the padded gradient workspace)."""
-        lo, hi, _ = self.own_range(opt, bucket)
+        return self._values_in(opt, bucket, bucket.flats["grad_padded"][self.own_range(opt, bucket)[0] :])
+
+    def _values_in(self, opt, bucket: Bucket, out: torch.Tensor) -> torch.Tensor:
+        """:meth:`own_values`, copied into ``out`` where they are copied (not a master chunk)."""
         master = self.master_shard(opt, bucket)
         if master is not None:
+            lo, hi, _ = self.own_range(opt, bucket)
             return master[: hi - lo]
-        return self.copy_own_params_(opt, bucket, bucket.flats["grad_padded"][lo:])
+        return self.copy_own_params_(opt, bucket, out)
 
     def step_(self, opt, bucket, values, direction, decay, alpha):
         values.mul_(decay).add_(direction, alpha=alpha)
@@ -171,13 +175,11 @@ class Sharded(ChunkReductions, Layout):
         """On this rank's chunk: its fp32 master, or its parameters' values copied out of them (into
         the direction buffer: ``grad`` is read by the kernel); then :meth:`publish`."""
         lo, hi, c = self.own_range(opt, bucket)
-        values = self.master_shard(opt, bucket)
-        if values is None:
-            values = self.copy_own_params_(opt, bucket, shard(bucket, "update_shard", c))
+        values = self._values_in(opt, bucket, shard(bucket, "update_shard", c))
         if hi > lo:
-            kernel([values[: hi - lo]], [grad[lo:hi]], [self.state(opt, bucket, "exp_avg")],
-                   [self.state(opt, bucket, "exp_avg_sq")])
-        self.publish(opt, bucket, values[: hi - lo])
+            m, v = self.state(opt, bucket, "exp_avg"), self.state(opt, bucket, "exp_avg_sq")
+            kernel([values], [grad[lo:hi]], [m], [v])
+        self.publish(opt, bucket, values)
         return True
 
     def step_layers_(self, opt, bucket, values, update, coeffs, scale):

@@ -197,49 +197,46 @@ CO_EXACT void co_lamb_descend(const int64_t *dests, const float *m, const float 
 }
 
 /*
- * LAMB's warmup (compressed_opt.cuda.lamb_passes.warmup_moments_), over n elements of the flat g,
+ * LAMB's warmup (compressed_opt.cuda.lamb_warmup.warmup_moments_), over n elements of the flat g,
  * m and v:
- *   m <- lerp(m, g, w)                     as torch's vector lerp: fma(w, g - m, m), for |w| >= 1/2
- *                                          fma(w - 1, g - m, g)
+ *   m <- lerp(m, g, w)                     as torch's vector lerp (co_torch_lerp)
  *   v <- fma(scale * g, g, v * b2)         v.mul_(b2).addcmul_(g, g, value=scale)
  */
 CO_EXACT void co_lamb_warmup_moments(const float *g, float *m, float *v, int64_t n, float w, float b2, float scale) {
     CO_NO_CONTRACT
     const int small = w < 0.5f && w > -0.5f;
     const float coeff = small ? w : w - 1.0f;
-    if (small) {
-        for (int64_t i = 0; i < n; ++i) {
-            const float gi = g[i], mi = m[i];
-            m[i] = fmaf(coeff, gi - mi, mi);
-            v[i] = fmaf(scale * gi, gi, v[i] * b2);
-        }
-    } else {
-        for (int64_t i = 0; i < n; ++i) {
-            const float gi = g[i], mi = m[i];
-            m[i] = fmaf(coeff, gi - mi, gi);
-            v[i] = fmaf(scale * gi, gi, v[i] * b2);
-        }
+    for (int64_t i = 0; i < n; ++i) {
+        const float gi = g[i];
+        m[i] = co_torch_lerp(m[i], gi, coeff, small);
+        v[i] = fmaf(scale * gi, gi, v[i] * b2);
     }
 }
 
-/* One span of co_lamb_warmup_direction: u <- m / (((u / bc2_sqrt) + eps) * bc1) (divided: else no
- * division by bc2_sqrt), then u <- fma(p, wd, u) (p != NULL). */
+/* u <- m / (((u / bc2_sqrt) + eps) * bc1) (divided: else no division by bc2_sqrt), then (p != NULL)
+ * u <- fma(p, wd, u): one element of co_lamb_warmup_direction. */
+#define LAMB_DIRECTION_LOOP(divided, decayed)                                                                     \
+    for (int64_t i = 0; i < n; ++i) {                                                                             \
+        const float den = ((divided) ? u[i] / bc2_sqrt : u[i]) + eps;                                             \
+        const float q = m[i] / (den * bc1);                                                                       \
+        u[i] = (decayed) ? fmaf(p[i], wd, q) : q;                                                                 \
+    }
+
+/* One span of co_lamb_warmup_direction, one loop per kind (bit 0: decayed, bit 1: divided). */
 static CO_EXACT __attribute__((noinline)) void lamb_direction_span(float *restrict u, const float *restrict m,
                                                                   const float *restrict p, int64_t n, float bc2_sqrt,
-                                                                  int divided, float eps, float bc1, float wd) {
+                                                                  float eps, float bc1, float wd, int kind) {
     CO_NO_CONTRACT
-    if (divided) {
-        for (int64_t i = 0; i < n; ++i) u[i] = m[i] / (((u[i] / bc2_sqrt) + eps) * bc1);
-    } else {
-        for (int64_t i = 0; i < n; ++i) u[i] = m[i] / ((u[i] + eps) * bc1);
-    }
-    if (p) {
-        for (int64_t i = 0; i < n; ++i) u[i] = fmaf(p[i], wd, u[i]);
+    switch (kind) {
+    case 0: LAMB_DIRECTION_LOOP(0, 0); break;
+    case 1: LAMB_DIRECTION_LOOP(0, 1); break;
+    case 2: LAMB_DIRECTION_LOOP(1, 0); break;
+    default: LAMB_DIRECTION_LOOP(1, 1); break;
     }
 }
 
 /*
- * LAMB's warmup direction (compressed_opt.cuda.lamb_passes.warmup_direction_): u holds sqrt(v)
+ * LAMB's warmup direction (compressed_opt.cuda.lamb_warmup.warmup_direction_): u holds sqrt(v)
  * (PyTorch's: torch.sqrt is not the correctly rounded sqrtf everywhere), and becomes the update
  * direction m_hat / (sqrt(v_hat) + eps) + wd p, rounded as the composition rounds it:
  *   u <- u / bc2_sqrt (divided);  u <- u + eps;  u <- u * bc1;  u <- m / u;  u <- fma(p, wd, u) (decayed)
@@ -252,7 +249,7 @@ void co_lamb_warmup_direction(float *u, const float *m, const float *p, const in
         const int64_t lo = off[s], n = off[s + 1] - lo;
         if (n == 0) continue;
         const float *ps = !decayed ? NULL : dests ? (const float *)(intptr_t)dests[s] : p + lo;
-        lamb_direction_span(u + lo, m + lo, ps, n, bc2_sqrt, divided, eps, bc1, wd);
+        lamb_direction_span(u + lo, m + lo, ps, n, bc2_sqrt, eps, bc1, wd, (ps ? 1 : 0) | (divided ? 2 : 0));
     }
 }
 

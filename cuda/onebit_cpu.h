@@ -82,6 +82,14 @@ static inline void co_stream_zeros(float *dst, int64_t len) {
     for (; i < len; ++i) dst[i] = 0.0f;
 }
 
+/* torch.lerp(m, g, w) as PyTorch's CPU vector kernel computes it with FMA: fma(w, g - m, m) for
+ * |w| < 1/2 (small), else fma(w - 1, g - m, g); coeff is w or w - 1. The passes that replace a
+ * composition's lerp_ (0/1 Adam's, LAMB's warmup) form it here; it is exact only inside functions
+ * that contract nothing else (CO_EXACT). */
+static inline __attribute__((always_inline)) float co_torch_lerp(float m, float g, float coeff, int small) {
+    return fmaf(coeff, g - m, small ? m : g);
+}
+
 static inline void co_store_fence(void) {
 #ifdef CO_AVX2
     _mm_sfence();

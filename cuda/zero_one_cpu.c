@@ -31,10 +31,9 @@ static inline __attribute__((always_inline)) float zo_where_variance(float x, fl
     return x;
 }
 
-/* m <- lerp(m, g, w) as torch's vector kernel (coeff, base: w, m or w - 1, g), 0 where v == 0. */
+/* m <- lerp(m, g, w) as torch's vector kernel (co_torch_lerp), 0 where v == 0. */
 #define ZO_MOMENTUM(mi, mk, gk, sk, coeff, small)                                                                   \
-    const float mi##_m = (mk), mi##_g = (gk);                                                                       \
-    const float mi = zo_where_variance(fmaf((coeff), mi##_g - mi##_m, (small) ? mi##_m : mi##_g), (sk))
+    const float mi = zo_where_variance(co_torch_lerp((mk), (gk), (coeff), (small)), (sk))
 
 /*
  * A local step (no synchronisation), per element of segment s (c_s = steps[s], as a float):
