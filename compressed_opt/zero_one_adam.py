@@ -283,10 +283,7 @@ class ZeroOneAdam(ZeroOneExchange, ZeroOneLocalSteps, tracking.LayerVarianceTrac
             self._observe_averaged_gradient(bucket, grad)
             self.exchange_variant.refresh_variance_(self, bucket, v, grad, beta2)
         _no_variance_no_move_(m, bucket, v, refresh)
-        bc1 = bc2 = 1.0
-        if group["bias_correction"]:
-            refreshes = self.var_refreshes + (1 if refresh else 0)
-            bc1, bc2 = 1.0 - beta1**step, 1.0 - beta2**refreshes
+        bc1, bc2 = self._phase_a_corrections(group, step, refresh)
         if refresh and self.exchange_variant.phase_a_pass:  # (m / den into grad: free now) kept for the next steps
             direction = grad
             self._phase_a_denominator(bucket, group, math.sqrt(bc2), direction=direction)

@@ -83,6 +83,15 @@ class ZeroOneExchange:
         ``keep_result``: phase A's, whose update takes the result (the variant's ``phase_a_update_``)."""
         return self.exchange_variant.exchange_steps(self, bucket, x, lr_sum, factors, keep_result)
 
+    def _phase_a_corrections(self, group, step: int, refresh: bool) -> tuple[float, float]:
+        """Phase A's bias corrections of ``m`` and ``v`` at ``step``, ``(1 - b1^t, 1 - b2^r)``, ``r`` the
+        refreshes counting this step's (``(1, 1)`` without bias correction; the module doc of
+        :mod:`compressed_opt.zero_one_adam`)."""
+        if not group["bias_correction"]:
+            return 1.0, 1.0
+        beta1, beta2 = group["betas"]
+        return 1.0 - beta1**step, 1.0 - beta2 ** (self.var_refreshes + (1 if refresh else 0))
+
     def _phase_a_denominator(self, bucket, group, bc2_sqrt: float, direction: torch.Tensor | None = None):
         """Phase A's denominator ``sqrt(v) / bc2_sqrt + eps`` (PyTorch's, as :func:`~compressed_opt.
         moments.denominator_` makes it), its sign bit set where ``v == 0`` (the native pass's ``sden``,
@@ -116,12 +125,11 @@ class ZeroOneExchange:
         (its 1-bit rows; ``r``: the preconditioner it divides by), bit for bit the composition
         (:func:`~compressed_opt.cuda.zero_one_phase_a_update_`); ``False``, nothing done, where it
         cannot run."""
-        beta1, beta2 = group["betas"]
         lr, wd = float(group["lr"]), group["weight_decay"]
-        bc1, bc2 = (1.0 - beta1**step, 1.0 - beta2**self.var_refreshes) if group["bias_correction"] else (1.0, 1.0)
+        bc1, bc2 = self._phase_a_corrections(group, step, refresh=False)
         sden = self._phase_a_denominator(bucket, group, math.sqrt(bc2))
         return kernels.zero_one_phase_a_update_(bucket.step_destinations(), result, r, sden, bucket.flat("exp_avg"),
-                                                bucket.segments, 1 - beta1, 1 - lr * wd, -lr / bc1)
+                                                bucket.segments, 1 - group["betas"][0], 1 - lr * wd, -lr / bc1)
 
     # --- the preconditioned exchange -------------------------------------------------------------
     def _preconditioner(self, bucket) -> torch.Tensor:
