@@ -10,29 +10,92 @@
  * scalars are doubles, used as floats (as torch uses a Python scalar on an fp32 tensor).
  */
 
-/* out[s] = sum of x^2 over segment s, accumulated in double (8 independent lanes: vectorizes):
- * squares of gradients down to 1e-160 stay representable, where fp32 ones would underflow. */
-static double sumsq_f64(const float *restrict x, int64_t n) {
-    double acc[8] = {0};
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
+/*
+ * Sums of squares in double, 8 lanes per sum: element i of a segment goes into lane i % 8 (in
+ * order), the lanes are added as a fixed tree, then the last n % 8 elements one by one. Squares of
+ * gradients down to 1e-160 stay representable, where fp32 ones would underflow. One segment's
+ * lanes are one vector of additions, each waiting for the one before (4 cycles here), so up to
+ * CO_SUMSQ_WAYS segments are summed side by side over their common length: independent chains,
+ * the same additions in the same order, the same bits.
+ */
+#define CO_SUMSQ_WAYS 4
+
+/* acc[j] += x[i + j]^2 for i in [from, to) step 8. */
+static inline void lanes_add(const float *restrict x, int64_t from, int64_t to, double *restrict acc) {
+    for (int64_t i = from; i < to; i += 8)
         for (int j = 0; j < 8; ++j) acc[j] += (double)x[i + j] * x[i + j];
+}
+
+/* The sum of the lanes (filled up to n & ~7) and of the last n % 8 squares. */
+static inline double lanes_total(const double *acc, const float *x, int64_t n) {
     double total = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-    for (; i < n; ++i) total += (double)x[i] * x[i];
+    for (int64_t i = n & ~(int64_t)7; i < n; ++i) total += (double)x[i] * x[i];
     return total;
 }
 
+/* out[k] <- the sum of squares of x[k][0, n[k]) for k < ways (<= CO_SUMSQ_WAYS). */
+static void sumsq_side_by_side(const float *const *x, const int64_t *n, int64_t ways, double *out) {
+    double acc[CO_SUMSQ_WAYS][8] = {{0}};
+    int64_t common = n[0];
+    for (int64_t k = 1; k < ways; ++k) common = min64(common, n[k]);
+    common &= ~(int64_t)7;
+    if (ways == CO_SUMSQ_WAYS) {
+        for (int64_t i = 0; i < common; i += 8)
+            for (int k = 0; k < CO_SUMSQ_WAYS; ++k)
+                for (int j = 0; j < 8; ++j) acc[k][j] += (double)x[k][i + j] * x[k][i + j];
+    } else {
+        for (int64_t k = 0; k < ways; ++k) lanes_add(x[k], 0, common, acc[k]);
+    }
+    for (int64_t k = 0; k < ways; ++k) {
+        lanes_add(x[k], common, n[k] & ~(int64_t)7, acc[k]);
+        out[k] = lanes_total(acc[k], x[k], n[k]);
+    }
+}
+
+/* out[s] <- the sum of squares of the n[s] floats at x[s] for s < count (0 for a NULL x[s] or none). */
+static void sumsq_many(const float *const *x, const int64_t *n, int64_t count, double *out) {
+    const float *xs[CO_SUMSQ_WAYS];
+    int64_t ns[CO_SUMSQ_WAYS], at[CO_SUMSQ_WAYS], ways = 0;
+    for (int64_t s = 0; s <= count; ++s) {
+        if (s < count && (!x[s] || !n[s])) {
+            out[s] = 0.0;
+            continue;
+        }
+        if (s < count) {
+            xs[ways] = x[s], ns[ways] = n[s], at[ways] = s;
+            ++ways;
+        }
+        if (ways == CO_SUMSQ_WAYS || (s == count && ways)) {
+            double sums[CO_SUMSQ_WAYS];
+            sumsq_side_by_side(xs, ns, ways, sums);
+            for (int64_t k = 0; k < ways; ++k) out[at[k]] = sums[k];
+            ways = 0;
+        }
+    }
+}
+
+/* out[s] = the sum of squares over segment s of the flat x (above: in double, 8 lanes). */
 void co_segment_sumsq(const float *x, const int64_t *off, int64_t nseg, double *out) {
-    for (int64_t s = 0; s < nseg; ++s) out[s] = sumsq_f64(x + off[s], off[s + 1] - off[s]);
+    const float *xs[64];
+    int64_t ns[64];
+    for (int64_t s0 = 0; s0 < nseg; s0 += 64) {
+        const int64_t count = min64(64, nseg - s0);
+        for (int64_t k = 0; k < count; ++k) xs[k] = x + off[s0 + k], ns[k] = off[s0 + k + 1] - off[s0 + k];
+        sumsq_many(xs, ns, count, out + s0);
+    }
 }
 
 /* out[s] = the sum of squares of the off[s + 1] - off[s] floats at address srcs[s] (0 for a NULL
  * address), as co_segment_sumsq and co_gather's sumsq accumulate them: one read of each tensor,
  * where torch's float64 norm of an fp32 tensor first copies it to float64. */
 void co_sumsq_each(const int64_t *srcs, const int64_t *off, int64_t nseg, double *out) {
-    for (int64_t s = 0; s < nseg; ++s) {
-        const float *src = (const float *)(intptr_t)srcs[s];
-        out[s] = src ? sumsq_f64(src, off[s + 1] - off[s]) : 0.0;
+    const float *xs[64];
+    int64_t ns[64];
+    for (int64_t s0 = 0; s0 < nseg; s0 += 64) {
+        const int64_t count = min64(64, nseg - s0);
+        for (int64_t k = 0; k < count; ++k)
+            xs[k] = (const float *)(intptr_t)srcs[s0 + k], ns[k] = off[s0 + k + 1] - off[s0 + k];
+        sumsq_many(xs, ns, count, out + s0);
     }
 }
 

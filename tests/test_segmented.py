@@ -454,6 +454,43 @@ def test_lerp_fused_into_compression_is_torch_lerp_then_compression(n, world, bl
     assert not kernels.Lerp(x2, m, weight).compress_rows_(x2, error.clone(), rows2, chunk, block)
 
 
+def _lanes_sumsq(values: list[float]) -> float:
+    """The native sums' order, written out (cuda/segmented_cpu.c): element ``i`` into lane ``i % 8``
+    in order, the lanes added as a fixed tree, then the last ``n % 8`` squares one by one."""
+    n8 = len(values) // 8 * 8
+    acc = [0.0] * 8
+    for i in range(n8):
+        acc[i % 8] += values[i] * values[i]
+    total = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]))
+    for v in values[n8:]:
+        total += v * v
+    return total
+
+
+def test_native_sums_of_squares_follow_one_order_whatever_their_neighbours():
+    """Native sums of squares of many segments, summed side by side (several at once over their
+    common length), are each segment's sum in the one documented order, bit for bit: alone, among
+    segments of other lengths, with empty and missing ones between, flat or where they lie."""
+    from compressed_opt.cuda import sumsq_each
+
+    if cpu.library() is None:
+        pytest.skip("no C compiler here")
+    g = torch.Generator().manual_seed(5)
+    sizes = [37, 0, 8, 129, 1, 64, 64, 200, 15, 16, 17, 3, 250, 9]
+    sources = [torch.randn(n, generator=g).mul_(10.0 ** (i - 7)) for i, n in enumerate(sizes)]
+    sources[4] = None
+    segments = Segments([0 if s is None else s.numel() for s in sources])
+    expected = [0.0 if s is None else _lanes_sumsq([float(v) for v in s.tolist()]) for s in sources]
+    where_they_lie = sumsq_each(sources, segments, torch.full((len(sizes),), -1.0, dtype=torch.float64))
+    flat = torch.cat([torch.zeros(0) if s is None else s for s in sources])
+    flat_out = segmented.segment_sumsq(flat, segments, torch.full((len(sizes),), -1.0, dtype=torch.float64))
+    assert where_they_lie.tolist() == expected
+    assert flat_out.tolist() == expected
+    for i, s in enumerate(sources):  # each alone
+        alone = sumsq_each([s], Segments([segments.sizes[i]]), torch.empty(1, dtype=torch.float64))
+        assert alone.item() == expected[i]
+
+
 def test_sumsq_each_sums_as_the_gather_does_and_as_torch_within_rounding(monkeypatch):
     """Per tensor, the float64 sum of squares that the gather's ``sumsq_out`` gives for the same
     values (bit for bit), within float64 rounding of torch's norm, 0 for ``None`` and empty
