@@ -282,11 +282,75 @@ void co_scale_clamp_compress_rows(const float *x, const float *r, const double *
                                       block, n);
 }
 
+/* z[e] + sum_i (bit e of row i's bits ? w_i : -w_i), added in rank order i = 0, 1, ... (bits: the
+ * block's first byte in row 0, rows row_stride bytes apart). */
+static inline float averaged(const float *z, const uint8_t *bits, int64_t row_stride, int64_t world, const float *w,
+                             int64_t e) {
+    float v = z[e];
+    for (int64_t i = 0; i < world; ++i) v += (bits[i * row_stride + e / 8] >> (e % 8)) & 1u ? w[i] : -w[i];
+    return v;
+}
+
+#ifdef CO_AVX2
+/* The 8 elements of byte k of a block, averaged as averaged() adds them. */
+static inline __m256 averaged8(const float *z, const uint8_t *bits, int64_t row_stride, int64_t world, const float *w,
+                               int64_t k) {
+    const __m256i lane = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    __m256 acc = _mm256_loadu_ps(z + 8 * k);
+    for (int64_t i = 0; i < world; ++i) {
+        const __m256i bitm = _mm256_and_si256(_mm256_set1_epi32(bits[i * row_stride + k]), lane);
+        const __m256 pos = _mm256_set1_ps(w[i]), neg = _mm256_set1_ps(-w[i]);
+        acc = _mm256_add_ps(acc, _mm256_blendv_ps(neg, pos, _mm256_castsi256_ps(_mm256_cmpeq_epi32(bitm, lane))));
+    }
+    return acc;
+}
+
+/*
+ * One block of the server's pass (count valid elements of len): z <- the average added to it,
+ * packed, summed and corrected as compress_block() does with x == NULL, but the average is formed
+ * in the loop that packs and sums it (one walk over the block fewer): the same values, lanes and
+ * order, so the same bits.
+ */
+static void average_compress_block(const uint8_t *bits, int64_t row_stride, int64_t world, const float *w, float *z,
+                                   uint8_t *scale, uint8_t *packed, int64_t len, int64_t count) {
+    const __m256 zero = _mm256_setzero_ps();
+    const int64_t full = count & ~(int64_t)15;
+    double total = 0.0;
+    for (int64_t i0 = 0; i0 < full; i0 += CO_SUM_BLOCK) {
+        const int64_t i1 = min64(i0 + CO_SUM_BLOCK, full);
+        __m256 a0 = zero, a1 = zero;
+        for (int64_t i = i0; i < i1; i += 16) {
+            const __m256 u0 = averaged8(z, bits, row_stride, world, w, i / 8);
+            const __m256 u1 = averaged8(z, bits, row_stride, world, w, i / 8 + 1);
+            _mm256_storeu_ps(z + i, u0);
+            _mm256_storeu_ps(z + i + 8, u1);
+            a0 = _mm256_fmadd_ps(u0, u0, a0);
+            a1 = _mm256_fmadd_ps(u1, u1, a1);
+            packed[i / 8] = (uint8_t)_mm256_movemask_ps(_mm256_cmp_ps(u0, zero, _CMP_GE_OQ));
+            packed[i / 8 + 1] = (uint8_t)_mm256_movemask_ps(_mm256_cmp_ps(u1, zero, _CMP_GE_OQ));
+        }
+        float part[8];
+        _mm256_storeu_ps(part, _mm256_add_ps(a0, a1));
+        for (int j = 0; j < 8; ++j) total += part[j];
+    }
+    for (int64_t e = full; e < count; ++e) {
+        const float u = averaged(z, bits, row_stride, world, w, e);
+        z[e] = u;
+        total += (double)u * u;
+    }
+    for (int64_t b = full / 8; b < len / 8; ++b) packed[b] = sign_byte_tail(z, 8 * b, count);
+    const float s = (float)sqrt(total / (double)count);
+    subtract_decompressed(z, s, count);
+    memcpy(scale, &s, sizeof s);
+}
+#endif
+
 /*
  * Server: over the m valid elements of this rank's chunk, error <- z = error + sum_i w_ib (2 b_i - 1),
  * w_ib = (scale b of row i) / world, added in rank order i = 0, 1, ...; b_i the bits of row i of
  * rows (world rows, row_stride bytes apart); each block then compressed while it is in cache: out_row
- * <- z compressed, error <- z - C(z).
+ * <- z compressed, error <- z - C(z). With AVX2, the average is formed in the compression's first
+ * walk over the block (average_compress_block); elsewhere in a walk of its own. The same bits.
  * Returns -1 if world > 1024 (the caller checks), else 0.
  */
 int co_average_compress_rows(const uint8_t *rows, int64_t row_stride, int64_t world, int64_t chunk,
@@ -302,38 +366,13 @@ int co_average_compress_rows(const uint8_t *rows, int64_t row_stride, int64_t wo
         }
         for (int64_t i = 0; i < world; ++i) w[i] = load_scale(rows + i * row_stride + 4 * b) / (float)world;
         float *z = error + lo;
-        const int64_t byte0 = 4 * nb + lo / 8, full_bytes = count / 8;
+        const uint8_t *bits = rows + 4 * nb + lo / 8;
 #ifdef CO_AVX2
-        const __m256i lane = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
-        for (int64_t k = 0; k < full_bytes; ++k) {
-            __m256 acc = _mm256_loadu_ps(z + 8 * k);
-            for (int64_t i = 0; i < world; ++i) {
-                __m256i bitm = _mm256_and_si256(_mm256_set1_epi32(rows[i * row_stride + byte0 + k]), lane);
-                __m256 pos = _mm256_set1_ps(w[i]);
-                __m256 neg = _mm256_set1_ps(-w[i]);
-                acc = _mm256_add_ps(acc, _mm256_blendv_ps(neg, pos, _mm256_castsi256_ps(_mm256_cmpeq_epi32(bitm, lane))));
-            }
-            _mm256_storeu_ps(z + 8 * k, acc);
-        }
+        average_compress_block(bits, row_stride, world, w, z, out_row + 4 * b, out_row + 4 * nb + lo / 8, len, count);
 #else
-        for (int64_t k = 0; k < full_bytes; ++k) {
-            float v[8];
-            for (int j = 0; j < 8; ++j) v[j] = z[8 * k + j];
-            for (int64_t i = 0; i < world; ++i) {
-                unsigned byte = rows[i * row_stride + byte0 + k];
-                for (int j = 0; j < 8; ++j) v[j] += (byte >> j) & 1u ? w[i] : -w[i];
-            }
-            for (int j = 0; j < 8; ++j) z[8 * k + j] = v[j];
-        }
-#endif
-        for (int64_t e = 8 * full_bytes; e < count; ++e) {
-            float v = z[e];
-            for (int64_t i = 0; i < world; ++i)
-                v += (rows[i * row_stride + byte0 + e / 8] >> (e % 8)) & 1u ? w[i] : -w[i];
-            z[e] = v;
-        }
-        /* compressed while the block is in cache: one pass over the error, not two */
+        for (int64_t e = 0; e < count; ++e) z[e] = averaged(z, bits, row_stride, world, w, e);
         compress_block(NULL, z, out_row + 4 * b, out_row + 4 * nb + lo / 8, len, count, NULL, NULL, 0);
+#endif
     }
     return 0;
 }
