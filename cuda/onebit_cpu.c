@@ -38,10 +38,44 @@ static inline uint8_t sign_byte_tail(const float *u, int64_t start, int64_t n) {
 }
 
 /*
- * Compensate and pack n elements: error <- u = x + error (x == NULL means x = 0); packed <- the
- * signs of u, nbytes >= ceil(n / 8) bytes, the bits past n set to 1. Returns sum(u^2).
+ * The server's average of a block, formed where the compression first reads it: element e is
+ * z[e] + sum_i (bit e of row i's bits ? w_i : -w_i), added in rank order i = 0, 1, ... (bits: the
+ * block's first byte in row 0, rows row_stride bytes apart; z: the block's error).
  */
-static double compensate_pack(const float *x, float *error, uint8_t *packed, int64_t n, int64_t nbytes) {
+struct co_average {
+    const uint8_t *bits;
+    int64_t row_stride, world;
+    const float *w;
+};
+
+static inline float averaged(const float *z, const struct co_average *a, int64_t e) {
+    float v = z[e];
+    for (int64_t i = 0; i < a->world; ++i)
+        v += (a->bits[i * a->row_stride + e / 8] >> (e % 8)) & 1u ? a->w[i] : -a->w[i];
+    return v;
+}
+
+#ifdef CO_AVX2
+/* The 8 elements of byte k of the block, averaged as averaged() adds them. */
+static inline __m256 averaged8(const float *z, const struct co_average *a, int64_t k) {
+    const __m256i lane = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    __m256 acc = _mm256_loadu_ps(z + 8 * k);
+    for (int64_t i = 0; i < a->world; ++i) {
+        const __m256i bitm = _mm256_and_si256(_mm256_set1_epi32(a->bits[i * a->row_stride + k]), lane);
+        const __m256 pos = _mm256_set1_ps(a->w[i]), neg = _mm256_set1_ps(-a->w[i]);
+        acc = _mm256_add_ps(acc, _mm256_blendv_ps(neg, pos, _mm256_castsi256_ps(_mm256_cmpeq_epi32(bitm, lane))));
+    }
+    return acc;
+}
+#endif
+
+/*
+ * Compensate and pack n elements: error <- u = x + error (x == NULL means x = 0), or with avg the
+ * server's average of the block added to the error (x unused); packed <- the signs of u, nbytes >=
+ * ceil(n / 8) bytes, the bits past n set to 1. Returns sum(u^2).
+ */
+static double compensate_pack(const float *x, const struct co_average *avg, float *error, uint8_t *packed, int64_t n,
+                              int64_t nbytes) {
     double total = 0.0;
     int64_t full = n & ~(int64_t)15; /* multiple of 16 handled by the vector loop */
 #ifdef CO_AVX2
@@ -50,8 +84,16 @@ static double compensate_pack(const float *x, float *error, uint8_t *packed, int
         int64_t i1 = i0 + CO_SUM_BLOCK < full ? i0 + CO_SUM_BLOCK : full;
         __m256 a0 = zero, a1 = zero;
         for (int64_t i = i0; i < i1; i += 16) {
-            __m256 u0 = _mm256_loadu_ps(error + i), u1 = _mm256_loadu_ps(error + i + 8);
-            if (x) {
+            __m256 u0, u1;
+            if (avg) {
+                u0 = averaged8(error, avg, i / 8);
+                u1 = averaged8(error, avg, i / 8 + 1);
+                _mm256_storeu_ps(error + i, u0);
+                _mm256_storeu_ps(error + i + 8, u1);
+            } else {
+                u0 = _mm256_loadu_ps(error + i), u1 = _mm256_loadu_ps(error + i + 8);
+            }
+            if (x && !avg) {
                 u0 = _mm256_add_ps(_mm256_loadu_ps(x + i), u0);
                 u1 = _mm256_add_ps(_mm256_loadu_ps(x + i + 8), u1);
                 _mm256_storeu_ps(error + i, u0);
@@ -73,7 +115,7 @@ static double compensate_pack(const float *x, float *error, uint8_t *packed, int
         for (int64_t i = i0; i < i1; i += 16) {
             unsigned lo = 0, hi = 0;
             for (int j = 0; j < 16; ++j) {
-                float u = x ? x[i + j] + error[i + j] : error[i + j];
+                float u = avg ? averaged(error, avg, i + j) : x ? x[i + j] + error[i + j] : error[i + j];
                 error[i + j] = u;
                 part[j] += u * u;
                 if (j < 8) lo |= (unsigned)(u >= 0.0f) << j;
@@ -86,7 +128,7 @@ static double compensate_pack(const float *x, float *error, uint8_t *packed, int
     }
 #endif
     for (int64_t i = full; i < n; ++i) {
-        float u = x ? x[i] + error[i] : error[i];
+        float u = avg ? averaged(error, avg, i) : x ? x[i] + error[i] : error[i];
         error[i] = u;
         total += (double)u * u;
     }
@@ -170,18 +212,19 @@ static void lsc_compensate_any(void *pass, int64_t lo, int64_t len, float *error
 
 /*
  * Compress one block of count valid elements (of len) held in error (u after compensate, or to
- * be compensated with xb): pack its bits into bits, its scale sqrt(sum(u^2) / count) into scale
+ * be compensated with xb, or to have the server's average added with avg): pack its bits into bits, its scale sqrt(sum(u^2) / count) into scale
  * (4 bytes), and subtract the decompressed values while the block is in cache. With compensate
  * (then xb is NULL): the pass's values of the buffer's elements from first on are formed and added
  * to the error as the block is compensated, so that they never travel to memory; the same
  * arithmetic as the pass, then the compression. No valid element: scale 0, bits 1.
  */
-static void compress_block(const float *xb, float *error, uint8_t *scale, uint8_t *bits, int64_t len,
-                           int64_t count, co_compensate compensate, void *pass, int64_t first) {
+static void compress_block(const float *xb, const struct co_average *avg, float *error, uint8_t *scale,
+                           uint8_t *bits, int64_t len, int64_t count, co_compensate compensate, void *pass,
+                           int64_t first) {
     float s = 0.0f;
     if (count > 0) {
         if (compensate) compensate(pass, first, count, error); /* then error holds u */
-        double sumsq = compensate_pack(xb, error, bits, count, len / 8);
+        double sumsq = compensate_pack(xb, avg, error, bits, count, len / 8);
         s = (float)sqrt(sumsq / (double)count);
         subtract_decompressed(error, s, count);
     } else {
@@ -196,8 +239,8 @@ static void compress_chunk(const float *x, float *error, uint8_t *scales, uint8_
     const int64_t nb = blocks_of(chunk, block);
     for (int64_t b = 0; b < nb; ++b) {
         const int64_t lo = b * block, len = min64(chunk - lo, block), count = valid_in(valid, lo, len);
-        compress_block(x && count ? x + lo : NULL, error + lo, scales + 4 * b, bits + lo / 8, len, count, compensate,
-                       pass, first + lo);
+        compress_block(x && count ? x + lo : NULL, NULL, error + lo, scales + 4 * b, bits + lo / 8, len, count,
+                       compensate, pass, first + lo);
     }
 }
 
@@ -282,75 +325,12 @@ void co_scale_clamp_compress_rows(const float *x, const float *r, const double *
                                       block, n);
 }
 
-/* z[e] + sum_i (bit e of row i's bits ? w_i : -w_i), added in rank order i = 0, 1, ... (bits: the
- * block's first byte in row 0, rows row_stride bytes apart). */
-static inline float averaged(const float *z, const uint8_t *bits, int64_t row_stride, int64_t world, const float *w,
-                             int64_t e) {
-    float v = z[e];
-    for (int64_t i = 0; i < world; ++i) v += (bits[i * row_stride + e / 8] >> (e % 8)) & 1u ? w[i] : -w[i];
-    return v;
-}
-
-#ifdef CO_AVX2
-/* The 8 elements of byte k of a block, averaged as averaged() adds them. */
-static inline __m256 averaged8(const float *z, const uint8_t *bits, int64_t row_stride, int64_t world, const float *w,
-                               int64_t k) {
-    const __m256i lane = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
-    __m256 acc = _mm256_loadu_ps(z + 8 * k);
-    for (int64_t i = 0; i < world; ++i) {
-        const __m256i bitm = _mm256_and_si256(_mm256_set1_epi32(bits[i * row_stride + k]), lane);
-        const __m256 pos = _mm256_set1_ps(w[i]), neg = _mm256_set1_ps(-w[i]);
-        acc = _mm256_add_ps(acc, _mm256_blendv_ps(neg, pos, _mm256_castsi256_ps(_mm256_cmpeq_epi32(bitm, lane))));
-    }
-    return acc;
-}
-
-/*
- * One block of the server's pass (count valid elements of len): z <- the average added to it,
- * packed, summed and corrected as compress_block() does with x == NULL, but the average is formed
- * in the loop that packs and sums it (one walk over the block fewer): the same values, lanes and
- * order, so the same bits.
- */
-static void average_compress_block(const uint8_t *bits, int64_t row_stride, int64_t world, const float *w, float *z,
-                                   uint8_t *scale, uint8_t *packed, int64_t len, int64_t count) {
-    const __m256 zero = _mm256_setzero_ps();
-    const int64_t full = count & ~(int64_t)15;
-    double total = 0.0;
-    for (int64_t i0 = 0; i0 < full; i0 += CO_SUM_BLOCK) {
-        const int64_t i1 = min64(i0 + CO_SUM_BLOCK, full);
-        __m256 a0 = zero, a1 = zero;
-        for (int64_t i = i0; i < i1; i += 16) {
-            const __m256 u0 = averaged8(z, bits, row_stride, world, w, i / 8);
-            const __m256 u1 = averaged8(z, bits, row_stride, world, w, i / 8 + 1);
-            _mm256_storeu_ps(z + i, u0);
-            _mm256_storeu_ps(z + i + 8, u1);
-            a0 = _mm256_fmadd_ps(u0, u0, a0);
-            a1 = _mm256_fmadd_ps(u1, u1, a1);
-            packed[i / 8] = (uint8_t)_mm256_movemask_ps(_mm256_cmp_ps(u0, zero, _CMP_GE_OQ));
-            packed[i / 8 + 1] = (uint8_t)_mm256_movemask_ps(_mm256_cmp_ps(u1, zero, _CMP_GE_OQ));
-        }
-        float part[8];
-        _mm256_storeu_ps(part, _mm256_add_ps(a0, a1));
-        for (int j = 0; j < 8; ++j) total += part[j];
-    }
-    for (int64_t e = full; e < count; ++e) {
-        const float u = averaged(z, bits, row_stride, world, w, e);
-        z[e] = u;
-        total += (double)u * u;
-    }
-    for (int64_t b = full / 8; b < len / 8; ++b) packed[b] = sign_byte_tail(z, 8 * b, count);
-    const float s = (float)sqrt(total / (double)count);
-    subtract_decompressed(z, s, count);
-    memcpy(scale, &s, sizeof s);
-}
-#endif
-
 /*
  * Server: over the m valid elements of this rank's chunk, error <- z = error + sum_i w_ib (2 b_i - 1),
  * w_ib = (scale b of row i) / world, added in rank order i = 0, 1, ...; b_i the bits of row i of
  * rows (world rows, row_stride bytes apart); each block then compressed while it is in cache: out_row
- * <- z compressed, error <- z - C(z). With AVX2, the average is formed in the compression's first
- * walk over the block (average_compress_block); elsewhere in a walk of its own. The same bits.
+ * <- z compressed, error <- z - C(z). The average is formed in the compression's first walk over
+ * the block, the one that packs and sums it (compensate_pack with avg): one walk fewer.
  * Returns -1 if world > 1024 (the caller checks), else 0.
  */
 int co_average_compress_rows(const uint8_t *rows, int64_t row_stride, int64_t world, int64_t chunk,
@@ -361,18 +341,12 @@ int co_average_compress_rows(const uint8_t *rows, int64_t row_stride, int64_t wo
     for (int64_t b = 0; b < nb; ++b) {
         const int64_t lo = b * block, len = min64(chunk - lo, block), count = valid_in(m, lo, len);
         if (count == 0) { /* (past the valid elements: a block of scale 0, its bits 1) */
-            compress_block(NULL, error + lo, out_row + 4 * b, out_row + 4 * nb + lo / 8, len, 0, NULL, NULL, 0);
+            compress_block(NULL, NULL, error + lo, out_row + 4 * b, out_row + 4 * nb + lo / 8, len, 0, NULL, NULL, 0);
             continue;
         }
         for (int64_t i = 0; i < world; ++i) w[i] = load_scale(rows + i * row_stride + 4 * b) / (float)world;
-        float *z = error + lo;
-        const uint8_t *bits = rows + 4 * nb + lo / 8;
-#ifdef CO_AVX2
-        average_compress_block(bits, row_stride, world, w, z, out_row + 4 * b, out_row + 4 * nb + lo / 8, len, count);
-#else
-        for (int64_t e = 0; e < count; ++e) z[e] = averaged(z, bits, row_stride, world, w, e);
-        compress_block(NULL, z, out_row + 4 * b, out_row + 4 * nb + lo / 8, len, count, NULL, NULL, 0);
-#endif
+        const struct co_average avg = {rows + 4 * nb + lo / 8, row_stride, world, w};
+        compress_block(NULL, &avg, error + lo, out_row + 4 * b, out_row + 4 * nb + lo / 8, len, count, NULL, NULL, 0);
     }
     return 0;
 }
