@@ -24,6 +24,13 @@ ZeroOneAdam's phase B synchronises every step while its ``local_step_interval`` 
 for ``local_step_scaler`` steps (32678 by default): the rows time synchronising steps.
 ``--local-step-scaler 1`` doubles the interval every step up to its clipper (16), so that the
 median is a local step's (no communication, no exchange kernels).
+
+``--passes`` times ``--steps`` more steps of the same kind with a clock on each native pass (C, on
+the CPU; :mod:`native_passes`) and reports, per row, each pass's time, the streams of the bucket's
+bytes it reads and writes, the bandwidth those needed and that over a plain copy's, and the step's
+time outside the native passes: the issue's measure of passes close to the memory-bandwidth limit.
+
+    python -P benchmarks/step_vs_fused.py --shapes 9000000x100 --exchanges preconditioned --zero-stages 0 --passes
 """
 from __future__ import annotations
 
@@ -100,10 +107,11 @@ def copy_bandwidth(numel: int, device: str, repeats: int = 7) -> float:
 
 def measure(name: str, numel: int, tensors: int, exchange: str, zero_stage: int, steps: int,
             device: str = "cpu", local_step_scaler: int | None = None, warmup: bool = False,
-            phase_a: bool = False) -> dict | None:
+            phase_a: bool = False, passes_against: float | None = None) -> dict | None:
     """One row (module doc). ``phase_a``: ZeroOneAdam's phase-A compressed steps (``var_update_scaler=1``:
     refreshes at steps 1, 2, 4, 8, ..., the 1-bit gradient steps between them timed); ``None`` for
-    the other optimizers."""
+    the other optimizers. ``passes_against``: a plain copy's bandwidth; then the row also has
+    ``passes`` (:func:`native_passes.pass_rows`) from ``steps`` more steps of the same kind."""
     if phase_a and name != "ZeroOneAdam":
         return None
     warmup = warmup or phase_a
@@ -134,13 +142,36 @@ def measure(name: str, numel: int, tensors: int, exchange: str, zero_stage: int,
         ours.append(took)
         kinds.append(kind)
         theirs.append(time.perf_counter() - s)
+    passes = None if passes_against is None else _native_passes(opt, steps, phase_a, numel, passes_against)
     opt.close()
     a, b = statistics.median(ours), statistics.median(theirs)
     return {"device": device, "optimizer": name, "exchange": exchange, "zero_stage": zero_stage, "numel": numel,
             "tensors": tensors, "stage": "phase-a" if phase_a else "warmup" if warmup else "compression",
-            "step_ms": 1e3 * a, "fused_adamw_ms": 1e3 * b, "ratio": a / b,
+            "step_ms": 1e3 * a, "fused_adamw_ms": 1e3 * b, "ratio": a / b, "passes": passes,
             "needed_bandwidth": STREAMS * 4 * numel / a, "fused_adamw_bandwidth": STREAMS * 4 * numel / b,
             "step_kinds": kinds}
+
+
+def _native_passes(opt, steps: int, phase_a: bool, numel: int, copy_bw: float) -> list[dict]:
+    """:func:`native_passes.pass_rows` of ``steps`` more steps (phase A: its 1-bit gradient steps)."""
+    from native_passes import pass_rows, timed_passes
+
+    from compressed_opt.cuda import cpu
+
+    lib = cpu.library()
+    totals: dict[str, list] = {}
+    kept = 0
+    while lib is not None and kept < steps:
+        with timed_passes(lib) as step_totals:
+            opt.step()
+        if phase_a and getattr(opt, "last_step_kind", None) != "compressed":
+            continue  # (a refresh)
+        kept += 1
+        for pass_name, (seconds, calls) in step_totals.items():
+            entry = totals.setdefault(pass_name, [0.0, 0])
+            entry[0] += seconds
+            entry[1] += calls
+    return pass_rows(totals, max(kept, 1), numel, copy_bw)
 
 
 def main(argv=None) -> int:
@@ -159,6 +190,8 @@ def main(argv=None) -> int:
                    help="warmup: time full-precision warmup steps (OnebitAdam's and OnebitLamb's warmup, "
                         "ZeroOneAdam's phase A; the exchange argument then only names the row); phase-a: "
                         "ZeroOneAdam's phase-A 1-bit gradient steps (between its refreshes)")
+    p.add_argument("--passes", action="store_true",
+                   help="also time each native pass inside steps of the same kind (module doc)")
     p.add_argument("--out", default=os.path.join(HERE, "results", "step_vs_fused.json"))
     args = p.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -174,7 +207,8 @@ def main(argv=None) -> int:
                 for zero in (int(z) for z in args.zero_stages.split(",")):
                     row = measure(name, numel, tensors, exchange, zero, args.steps, args.device,
                                   args.local_step_scaler, warmup=args.stage == "warmup",
-                                  phase_a=args.stage == "phase-a")
+                                  phase_a=args.stage == "phase-a",
+                                  passes_against=bandwidth if args.passes else None)
                     if row is None:
                         continue
                     row["copy_bandwidth"] = bandwidth
@@ -183,6 +217,10 @@ def main(argv=None) -> int:
                           f"{row['fused_adamw_ms']:7.1f} ms, {row['ratio']:5.2f}x; at AdamW's 7 streams "
                           f"{row['needed_bandwidth'] / bandwidth:.2f} of a copy's bandwidth (fused AdamW "
                           f"{row['fused_adamw_bandwidth'] / bandwidth:.2f})", flush=True)
+                    if row["passes"] is not None:
+                        from native_passes import describe
+
+                        print(describe(row["passes"], row["step_ms"]), flush=True)
     from common import write_json
 
     write_json(args.out, {"device": args.device, "threads": torch.get_num_threads(), "torch": torch.__version__,

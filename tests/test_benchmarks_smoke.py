@@ -271,6 +271,30 @@ def test_step_vs_fused_times_zero_one_adams_phase_a_steps_when_asked(tmp_path):
     assert rows[0]["step_ms"] > 0 and rows[0]["fused_adamw_ms"] > 0
 
 
+@pytest.mark.timeout(120)
+def test_step_vs_fused_times_each_native_pass_when_asked(tmp_path):
+    """``--passes``: per row, the native passes of steps of the same kind, each with its time and,
+    where the stream table knows it, the bandwidth its bytes needed; a default OnebitAdam step
+    runs the sums, the compression with the local momentum, the server's pass and the update."""
+    from compressed_opt.cuda import cpu
+
+    if cpu.library() is None:
+        pytest.skip("no C compiler here: no native passes to time")
+    out = tmp_path / "svf.json"
+    done = _run_script(tmp_path, "step_vs_fused.py", "--shapes", "200000x3", "--optimizers", "OnebitAdam",
+                       "--exchanges", "preconditioned", "--zero-stages", "0", "--steps", "2", "--passes",
+                       "--out", str(out), timeout=110)
+    assert done.returncode == 0, done.stdout + done.stderr
+    [row] = json.loads(out.read_text())["rows"]
+    passes = {p["pass"]: p for p in row["passes"]}
+    assert set(passes) == {"co_sumsq_each", "co_lerp_scale_clamp_compress_sources", "co_average_compress_rows",
+                           "co_rows_divide_zero_descend"}
+    for p in passes.values():
+        assert p["calls"] == 1 and p["ms"] > 0 and p["streams"] > 0
+        assert p["of_copy"] == pytest.approx(p["bandwidth"] / row["copy_bandwidth"])
+    assert "outside the native passes" in done.stdout
+
+
 @pytest.mark.timeout(300)
 def test_step_overhead_against_a_revision_in_one_process(tmp_path):
     """``--against REV --in-process``: REV installed and renamed beside this checkout, both timed
