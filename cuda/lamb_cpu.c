@@ -28,6 +28,7 @@ static inline CO_EXACT float lamb_finite_or_zero(float x) {
 /* The scalars of co_lamb_variance_maxima's element, and the element itself (see there). */
 struct lamb_scalars {
     float nb1, b2, scale, bc2_sqrt, eps;
+    int divided; /* bc2_sqrt != 1: the division by it is x / 1 == x, exactly, once the bias correction is 1 */
 };
 
 static inline CO_EXACT float lamb_element(float mt, float *mp, float *vp, float d, const struct lamb_scalars *k) {
@@ -39,7 +40,7 @@ static inline CO_EXACT float lamb_element(float mt, float *mp, float *vp, float 
     const float vn = fmaf(sg, g, decayed);
     *vp = vn;
     const float root = sqrtf(vn);
-    const float unbiased = root / k->bc2_sqrt;
+    const float unbiased = k->divided ? root / k->bc2_sqrt : root;
     const float q = unbiased + k->eps;
     return lamb_finite_or_zero(d / q);
 }
@@ -53,7 +54,8 @@ static inline CO_EXACT __m256 lamb_element8(__m256 mt, float *mp, float *vp, con
     const __m256 decayed = _mm256_mul_ps(_mm256_loadu_ps(vp), _mm256_set1_ps(k->b2));
     const __m256 vn = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(k->scale), g), g, decayed);
     _mm256_storeu_ps(vp, vn);
-    const __m256 q = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vn), _mm256_set1_ps(k->bc2_sqrt)),
+    const __m256 root = _mm256_sqrt_ps(vn);
+    const __m256 q = _mm256_add_ps(k->divided ? _mm256_div_ps(root, _mm256_set1_ps(k->bc2_sqrt)) : root,
                                    _mm256_set1_ps(k->eps));
     __m256 f = _mm256_div_ps(_mm256_loadu_ps(dp), q);
     const __m256 bad = _mm256_or_ps(_mm256_cmp_ps(f, f, _CMP_UNORD_Q),
@@ -107,6 +109,8 @@ static inline CO_EXACT float lamb_span(const float *ys, const float *rs, int div
  *   g    = fma(m_prev, -b1, m_t)                torch.add(m_t, m_prev, alpha=-b1): (1 - b1) g~
  *   v    = fma(scale * g, g, v * b2)            v.mul_(b2).addcmul_(g, g, value=scale)
  *   q    = (sqrt(v) / bc2_sqrt) + eps           torch.sqrt(v).div_(bc2_sqrt).add_(eps)
+ *                                               (bc2_sqrt == 1, as from about step 16,600 at b2 0.999:
+ *                                               no division, x / 1 == x exactly)
  *   f    = nan_to_num(denom / q, nan=0, posinf=0)
  *   m    <- m_t (m held m_prev); v written; nothing else is written (g, q and f stay in registers)
  * and maxima[s] = max of f over the segment (1 for an empty segment: what the composition's
@@ -116,7 +120,7 @@ CO_EXACT void co_lamb_variance_maxima(const float *y, const float *r, const doub
                                         const float *denom, const int64_t *off, int64_t nseg, float b1, float b2,
                                         float scale, float bc2_sqrt, float eps, float *maxima) {
     CO_NO_CONTRACT
-    const struct lamb_scalars k = {-b1, b2, scale, bc2_sqrt, eps};
+    const struct lamb_scalars k = {-b1, b2, scale, bc2_sqrt, eps, bc2_sqrt != 1.0f};
     for (int64_t s = 0; s < nseg; ++s) {
         const int64_t lo = off[s], n = off[s + 1] - off[s];
         if (n == 0) {
@@ -156,7 +160,7 @@ void co_lamb_rows_variance_maxima(const uint8_t *rows, int64_t row_stride, int64
                                   const float *r, const double *divisors, float *m, float *v, const float *denom,
                                   const int64_t *off, int64_t nseg, float b1, float b2, float scale, float bc2_sqrt,
                                   float eps, float *maxima) {
-    const struct lamb_scalars k = {-b1, b2, scale, bc2_sqrt, eps};
+    const struct lamb_scalars k = {-b1, b2, scale, bc2_sqrt, eps, bc2_sqrt != 1.0f};
     for (int64_t s = 0; s < nseg; ++s) maxima[s] = off[s + 1] > off[s] ? -INFINITY : 1.0f;
     struct lamb_rows_maxima pass = {r, denom, divisors, m, v, maxima, &k};
     walk_result_rows(rows, row_stride, chunk, block, off, nseg, lamb_rows_maxima_span, &pass);
