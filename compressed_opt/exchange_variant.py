@@ -185,13 +185,6 @@ class AdamMomentum(ExchangeVariant):
 
 
 # --- 1-bit LAMB ---------------------------------------------------------------------------------
-def _with_decay_sq(direction: list[torch.Tensor], params, wd: float) -> torch.Tensor:
-    """Per layer ``||d + wd p||^2``."""
-    if wd != 0:
-        torch._foreach_add_(direction, [p.detach() for p in params], alpha=wd)
-    return norms(direction).square_()
-
-
 class LambPreconditioned(AdamPreconditioned):
     """1-bit LAMB's default: 1-bit Adam's preconditioned momentum (``c_l`` inside ``R``)."""
 
@@ -205,11 +198,10 @@ class LambPreconditioned(AdamPreconditioned):
         from the exchanged ``x = R m_i`` (bounded): ``m_i_hat / sqrt(v_f) = x scales``, ``scales =
         1 / (c_l bc1)`` (the bound aside, and ``eps``: where ``sqrt(v_f) < eps`` it overstates the
         step's ``m_i / (sqrt(v_f) + eps)``, which only lowers the ratio towards its floor)."""
-        views = bucket.views(x[: bucket.numel])
-        if wd == 0:  # no copy: the norms of x, scaled
-            sq = norms(views).square_()
+        if wd == 0:  # the norms of x, scaled
+            sq = norms(bucket.views(x[: bucket.numel]), segments=bucket.segments).square_()
             return sq.mul_(torch.tensor(scales, dtype=sq.dtype, device=sq.device).square_())
-        return _with_decay_sq(torch._foreach_mul(views, scales), bucket.params, wd)
+        return kernels.direction_sumsq(x, None, scales, bucket.params, wd, bucket.segments).sqrt_().square_()
 
 
 class LambMomentum(AdamMomentum):
@@ -237,10 +229,8 @@ class LambMomentum(AdamMomentum):
     def local_direction_sq(self, opt, bucket, x, scales: list[float], wd: float) -> torch.Tensor:
         """Per layer ``||u_i||^2`` from the exchanged ``x = c_l m_i``: ``m_i_hat / (sqrt(v_f) + eps)
         = x / (sqrt(v_f) + eps) scales``, ``scales = 1 / (c_l bc1)``."""
-        n = bucket.numel
-        direction = bucket.views(torch.div(x[:n], opt.frozen_denominator(bucket)[:n]))
-        torch._foreach_mul_(direction, scales)
-        return _with_decay_sq(direction, bucket.params, wd)
+        return kernels.direction_sumsq(x, opt.frozen_denominator(bucket), scales, bucket.params if wd else None, wd,
+                                       bucket.segments).sqrt_().square_()
 
 
 ADAM = (AdamPreconditioned, AdamMomentum)

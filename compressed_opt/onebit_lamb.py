@@ -331,7 +331,7 @@ class OnebitLamb(_FreezingAdam):
         update = momentum  # free now
         torch.div(momentum, denom, out=update)
         if self.trust_ratio == "live":
-            coeffs = self._live_coeffs(bucket, group, coeffs, self._measures_live_ratio(step), update, bc1)
+            coeffs = self._live_coeffs(bucket, group, coeffs, self._measures_live_ratio(step), (update, None), bc1)
         decays = [1.0 - lr * c * wd for c in coeffs]
         if wd != 0:
             torch._foreach_mul_(params, decays)
@@ -364,15 +364,16 @@ class OnebitLamb(_FreezingAdam):
         second is the update ``p <- p decay_l - (lr coeff_l / bc1) m_t / (sqrt(v_f) + eps)`` through
         each parameter's memory. A step that measures the live ratio also writes the direction ``m_t /
         (sqrt(v_f) + eps)`` into ``y``'s buffer for its norms (nothing reads ``y`` after the first
-        pass). ``m``, ``v_fresh`` and the parameters are the composition's bit for bit given the same
+        pass; natively, the norms read ``m_t`` and the denominator instead). ``m``, ``v_fresh`` and the
+        parameters are the composition's bit for bit given the same
         coefficients; the maxima are within ``2^-20`` of its (docs/design.md 2.4.2). Sharded: the
         passes of :mod:`compressed_opt.zero_lamb` (never a measuring step)."""
         params, passes, sharded = bucket.params, kernels.lamb_passes, self.layout.sharded
         beta1, beta2 = group["betas"]
         lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]
         bc1, bc2_sqrt = bias_corrections(beta1, beta2, step, group["bias_correction"])
-        if sharded:
-            maxima = zero_lamb.variance_maxima_(self, bucket, beta1, beta2, bc2_sqrt, eps)
+        if sharded:  # (never a measuring step: no direction to measure, m and denom not needed)
+            maxima, m, denom = zero_lamb.variance_maxima_(self, bucket, beta1, beta2, bc2_sqrt, eps), None, None
         else:
             denom = self.frozen_denominator(bucket)  # sqrt(v_f) + eps, inf where v_f == 0
             m = self.layout.previous_momentum(self, bucket)  # m_{t-1}; m_t after the first pass
@@ -382,9 +383,7 @@ class OnebitLamb(_FreezingAdam):
         coeffs = self._compression_coeffs(params, group, self._local_shards.whole_layer_maxima(params, maxima))
         buffer = y.buffer if isinstance(y, kernels.CompressedResult) else y  # (free after the first pass)
         if self.trust_ratio == "live":
-            measure = self._measures_live_ratio(step)
-            update = torch.div(m, denom, out=buffer) if measure else None  # (read only when measuring)
-            coeffs = self._live_coeffs(bucket, group, coeffs, measure, update, bc1)
+            coeffs = self._live_coeffs(bucket, group, coeffs, self._measures_live_ratio(step), (m, denom), bc1)
         decays = [1.0 - lr * c * wd for c in coeffs] if wd != 0 else None
         alphas = [-lr * c / bc1 for c in coeffs]
         if sharded:  # (fp32 parameters: no masters to update)
@@ -431,20 +430,21 @@ class OnebitLamb(_FreezingAdam):
             self._direction_norms[b.index] = rms[offset: offset + len(b.params)]
             offset += len(b.params)
 
-    def _live_coeffs(self, bucket, group, frozen, measure, update, bc1) -> list[float]:
+    def _live_coeffs(self, bucket, group, frozen, measure, direction, bc1) -> list[float]:
         """Each layer's ``min(max(clip(||p|| / ||u||, min_coeff, max_coeff), r_f, r_f factor),
         cap)`` (``frozen``: the layers' ``r_f factor``; the live term is 0 where either norm is 0),
         ``||u||`` the RMS over the ranks of their local ``||u_i||``; ``cap`` ``K`` times LAMB's own
         trust ratio of the direction this step applies, ``K clip(||p|| / ||d||, min_coeff,
-        max_coeff)`` with ``d = update / bc1 + wd p`` (``update``: ``m_t / (sqrt(v_f) + eps)``,
-        whole; ``K``: :data:`~compressed_opt.moments.COMPRESSED_STEP_BOUND`), so no layer steps
-        further than ``K`` times LAMB's step from where it is. Both are measured when ``measure``
+        max_coeff)`` with ``d = x / (den bc1) + wd p`` (``direction``: ``(x, den)``, ``x / den = m_t /
+        (sqrt(v_f) + eps)`` whole, ``den`` ``None``: ``x`` is it; ``K``:
+        :data:`~compressed_opt.moments.COMPRESSED_STEP_BOUND`), so no layer steps further than ``K``
+        times LAMB's step from where it is. Both are measured when ``measure``
         and kept in ``state[p]`` (``trust_ratio_live``, ``trust_ratio_cap``: checkpointed) in
         between."""
         params, states = bucket.params, param_states(self.state, bucket)
         if measure:
             p_norm, d_norm = self._local_shards.whole_layer_norms(params, [
-                norms(params, segments=bucket.segments), self._step_direction_norms(bucket, group, update, bc1)])
+                norms(params, segments=bucket.segments), self._step_direction_norms(bucket, group, direction, bc1)])
             u_norm = p_norm.new_tensor(self._direction_norms[bucket.index])
             caps = [COMPRESSED_STEP_BOUND * r for r in _trust_ratios(p_norm, d_norm, group)]
             for st, live, cap in zip(states, _trust_ratios(p_norm, u_norm, group, where_zero=0.0), caps):
@@ -456,16 +456,15 @@ class OnebitLamb(_FreezingAdam):
             coeffs.append(coeff)
         return coeffs
 
-    def _step_direction_norms(self, bucket, group, update, bc1) -> torch.Tensor:
-        """Per layer, ``||update / bc1 + wd p||`` (float64): the norm of the direction the step
-        applies, the 1-bit exchange's noise included; one pass (a copy when ``wd != 0``)."""
-        wd = group["weight_decay"]
+    def _step_direction_norms(self, bucket, group, direction, bc1) -> torch.Tensor:
+        """Per layer, ``||x / (den bc1) + wd p||`` (float64, ``direction = (x, den)``): the norm of the
+        direction the step applies, the 1-bit exchange's noise included; one native pass where it runs
+        (:func:`~compressed_opt.cuda.direction_sumsq`: the composition's bits)."""
+        x, den = direction
+        wd, layers = group["weight_decay"], len(bucket.params)
         if wd == 0:
-            sq = torch.empty(len(bucket.params), dtype=torch.float64, device=update.device)
-            return kernels.segment_sumsq(update, bucket.segments, sq).sqrt_().div_(bc1)
-        direction = torch._foreach_mul(bucket.views(update), 1.0 / bc1)
-        torch._foreach_add_(direction, [p.detach() for p in bucket.params], alpha=wd)
-        return norms(direction, segments=bucket.segments)
+            return kernels.direction_sumsq(x, den, [1.0] * layers, None, 0.0, bucket.segments).sqrt_().div_(bc1)
+        return kernels.direction_sumsq(x, den, [1.0 / bc1] * layers, bucket.params, wd, bucket.segments).sqrt_()
 
     def _compression_coeffs(self, params, group, raw) -> list[float]:
         """Each layer's ``r_f * factor`` from the raw factors (clipped, and by the threshold)."""

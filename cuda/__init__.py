@@ -59,6 +59,7 @@ from .local_steps import (ZeroOneSyncBefore, signed_denominator, zero_one_local_
                           zero_one_phase_a_update_, zero_one_sync_after_, zero_one_sync_before_)
 from .addresses import addressable as plain_memory
 from .addresses import Destinations, Sources, library_allowed, readable_in_place
+from .direction_norms import direction_sumsq
 from .sumsq import sumsq_each, sumsq_native_
 from .update import CompressedResult, Descend, divide_descend_, rows_keep_descend_
 
@@ -77,6 +78,7 @@ __all__ = [
     "segment_sumsq",
     "sumsq_each",
     "sumsq_native_",
+    "direction_sumsq",
     "gather_",
     "lerp_scale_clamp_",
     "LerpScaleClamp",

@@ -242,7 +242,9 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.co_segment_sumsq.argtypes = [p, p, i64, p]
     lib.co_segment_sumsq.restype = None
     lib.co_sumsq_each.argtypes = [p, p, i64, p]
+    lib.co_direction_sumsq.argtypes = [p, p, p, p, f32, p, i64, p]
     lib.co_sumsq_each.restype = None
+    lib.co_direction_sumsq.restype = None
     lib.co_lerp_scale_clamp.argtypes = [p, p, f32, p, p, p, p, i64]
     lib.co_lerp_scale_clamp.restype = None
     lib.co_lerp_scale_clamp_compress_rows.argtypes = [p, p, f32, p, p, p, p, i64, p, p, i64, i64, i64, i64, i64]

@@ -100,6 +100,43 @@ void co_sumsq_each(const int64_t *srcs, const int64_t *off, int64_t nseg, double
 }
 
 /*
+ * out[s] <- the sum of squares over segment s of the direction d = fma(p, wd, q * a_s), q = x / den
+ * (den == NULL: x), a_s = (float)scales[s], p segment s's parameter at address dests[s] (dests ==
+ * NULL: d = q * a_s), each operation rounded on its own as the PyTorch composition rounds it
+ * (torch.div, _foreach_mul by a scalar, _foreach_add_ with alpha: one FMA in its CPU kernels), and
+ * summed as co_segment_sumsq sums (8 lanes in order, a fixed tree, the tail): bit for bit forming d
+ * in a buffer, then its sums. 1-bit LAMB's trust-ratio norms: one read of x, den and p where the
+ * composition wrote and read d twice more.
+ */
+CO_EXACT void co_direction_sumsq(const float *x, const float *den, const double *scales, const int64_t *dests, float wd,
+                                 const int64_t *off, int64_t nseg, double *out) {
+    CO_NO_CONTRACT
+    for (int64_t s = 0; s < nseg; ++s) {
+        const int64_t lo = off[s], n = off[s + 1] - lo, n8 = n & ~(int64_t)7;
+        const float *restrict xs = x + lo, *restrict ds = den ? den + lo : NULL;
+        const float *restrict ps = dests ? (const float *)(intptr_t)dests[s] : NULL;
+        const float a = (float)scales[s];
+        double acc[8] = {0};
+        float d[8];
+        for (int64_t i = 0; i < n; i += 8) {
+            const int64_t len = min64(8, n - i);
+            for (int64_t j = 0; j < len; ++j) {
+                const float q = ds ? xs[i + j] / ds[i + j] : xs[i + j];
+                d[j] = ps ? fmaf(ps[i + j], wd, q * a) : q * a;
+            }
+            if (i < n8) {
+                for (int j = 0; j < 8; ++j) acc[j] += (double)d[j] * d[j];
+            } else {
+                double total = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+                for (int64_t j = 0; j < len; ++j) total += (double)d[j] * d[j];
+                out[s] = total;
+            }
+        }
+        if (n == n8) out[s] = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    }
+}
+
+/*
  * Gather: segment s of out <- src[s] (times scale when scaled; zeros where src[s] == 0, an
  * address); with sumsq, sumsq[s] = the sum of squares of what was written, as co_segment_sumsq.
  */
