@@ -23,13 +23,14 @@ from .sumsq import sumsq_each
 
 def compose_direction_sumsq(x: torch.Tensor, den: torch.Tensor | None, scales: list[float], params: list | None,
                             wd: float, segments: Segments) -> torch.Tensor:
-    """The composition (the module doc): the oracle of the check, and what runs elsewhere."""
+    """The composition (the module doc): the oracle of the check, and what runs elsewhere (the sums
+    on ``x``'s device, as the norms it replaces)."""
     n = segments.numel
     q = x[:n] if den is None else torch.div(x[:n], den[:n])
     direction = torch._foreach_mul(segments.split(q), list(scales))
     if params is not None:
         torch._foreach_add_(direction, [p.detach().view(-1) for p in params], alpha=wd)
-    return sumsq_each(direction, segments, torch.empty(len(segments), dtype=torch.float64))
+    return sumsq_each(direction, segments, torch.empty(len(segments), dtype=torch.float64, device=x.device))
 
 
 def direction_sumsq(x: torch.Tensor, den: torch.Tensor | None, scales: list[float], params: list | None,

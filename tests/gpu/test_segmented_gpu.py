@@ -94,3 +94,18 @@ def test_local_momentum_fused_into_compression_is_bit_identical(sizes, weight, s
         assert segmented.LerpScaleClamp(xc, m, weight, r, per_segment, segs, scales).compress_rows_(
             xc, e_cpu, rows_cpu, chunk, block)
         torch.testing.assert_close(e_cpu, results[True][0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("sizes", SIZES)
+def test_direction_sums_stay_on_the_device_and_agree_with_the_cpu(sizes):
+    """1-bit LAMB's trust-ratio direction sums (``direction_sumsq``, composed on CUDA): on the
+    tensors' device, where the norms they replaced were, and the CPU pass's within rounding."""
+    from compressed_opt.cuda import direction_sumsq
+
+    segs, x, m, a, r, per_segment = _inputs(sizes, 1)
+    den = r + 0.5
+    params = [torch.randn(k) for k in segs.sizes]
+    cpu_sums = direction_sumsq(x, den, per_segment, params, 0.01, segs)
+    gpu_sums = direction_sumsq(x.cuda(), den.cuda(), per_segment, [p.cuda() for p in params], 0.01, segs)
+    assert gpu_sums.device.type == "cuda"
+    torch.testing.assert_close(gpu_sums.cpu(), cpu_sums, rtol=1e-9, atol=0)
