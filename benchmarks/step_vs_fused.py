@@ -9,7 +9,10 @@ ratio is the optimizer's median over fused AdamW's. Beside it, the roofline: a p
 parameters' bytes (``torch.Tensor.copy_``) gives this machine's memory bandwidth, and each step's
 time is turned into the bandwidth its memory traffic would need, counting AdamW's 7 streams of
 the parameters' bytes (read p, g, m, v; write p, m, v) for both (the compression stage's passes
-move about as much: docs/benchmarks.md, "A step against fused AdamW").
+move about as much: docs/benchmarks.md, "A step against fused AdamW"). Each row also has the mean
+over the timed steps and its ratio to fused AdamW's mean: 1-bit LAMB measures its live trust ratio
+one step in ``trust_ratio_interval`` (10), a step that costs more, which the median leaves out; its
+compression rows time whole intervals of at least ``--steps`` steps, so that the mean is a run's.
 
     python -P benchmarks/step_vs_fused.py                                   # the table of the docs
     python -P benchmarks/step_vs_fused.py --shapes 9000000x100 --optimizers OnebitAdam --steps 5
@@ -127,7 +130,8 @@ def measure(name: str, numel: int, tensors: int, exchange: str, zero_stage: int,
         adamw.step()
     assert not opt.frozen if phase_a else opt.compressing != warmup
     ours, theirs, kinds = [], [], []
-    while len(ours) < steps:
+    timed = _whole_intervals(opt, steps) if not warmup else steps
+    while len(ours) < timed:
         _sync(device)
         s = time.perf_counter()
         opt.step()
@@ -142,14 +146,26 @@ def measure(name: str, numel: int, tensors: int, exchange: str, zero_stage: int,
         ours.append(took)
         kinds.append(kind)
         theirs.append(time.perf_counter() - s)
-    passes = None if passes_against is None else _native_passes(opt, steps, phase_a, numel, passes_against)
+    passes = None if passes_against is None else _native_passes(opt, timed, phase_a, numel, passes_against)
     opt.close()
     a, b = statistics.median(ours), statistics.median(theirs)
+    mean_a, mean_b = statistics.fmean(ours), statistics.fmean(theirs)
     return {"device": device, "optimizer": name, "exchange": exchange, "zero_stage": zero_stage, "numel": numel,
+            "mean_ms": 1e3 * mean_a, "mean_ratio": mean_a / mean_b,
             "tensors": tensors, "stage": "phase-a" if phase_a else "warmup" if warmup else "compression",
             "step_ms": 1e3 * a, "fused_adamw_ms": 1e3 * b, "ratio": a / b, "passes": passes,
             "needed_bandwidth": STREAMS * 4 * numel / a, "fused_adamw_bandwidth": STREAMS * 4 * numel / b,
             "step_kinds": kinds}
+
+
+def _whole_intervals(opt, steps: int) -> int:
+    """How many compression steps to time: ``steps``, or for 1-bit LAMB measuring its live trust
+    ratio (one step in ``trust_ratio_interval`` costs more) whole intervals of at least as many, so
+    that the mean counts its measuring steps as a run does."""
+    interval = getattr(opt, "trust_ratio_interval", None)
+    if interval is None or getattr(opt, "trust_ratio", None) != "live":
+        return steps
+    return -(-steps // interval) * interval
 
 
 def _native_passes(opt, steps: int, phase_a: bool, numel: int, copy_bw: float) -> list[dict]:
@@ -216,7 +232,9 @@ def main(argv=None) -> int:
                     print(f"  {name:11s} {exchange:14s} zero {zero}: {row['step_ms']:8.1f} ms, fused AdamW "
                           f"{row['fused_adamw_ms']:7.1f} ms, {row['ratio']:5.2f}x; at AdamW's 7 streams "
                           f"{row['needed_bandwidth'] / bandwidth:.2f} of a copy's bandwidth (fused AdamW "
-                          f"{row['fused_adamw_bandwidth'] / bandwidth:.2f})", flush=True)
+                          f"{row['fused_adamw_bandwidth'] / bandwidth:.2f}); the mean over "
+                          f"{len(row['step_kinds'])} steps {row['mean_ms']:.1f} ms, {row['mean_ratio']:.2f}x",
+                          flush=True)
                     if row["passes"] is not None:
                         from native_passes import describe
 

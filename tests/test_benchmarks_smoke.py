@@ -231,17 +231,20 @@ def test_multinode_hsdp_counts_the_bytes_between_the_nodes(tmp_path):
 def test_step_vs_fused_reports_a_ratio_per_row(tmp_path):
     """``benchmarks/step_vs_fused.py``: each row times the optimizer and fused AdamW in turn."""
     out = tmp_path / "svf.json"
-    done = _run_script(tmp_path, "step_vs_fused.py", "--shapes", "200000x3", "--optimizers", "OnebitAdam,ZeroOneAdam",
-                       "--exchanges", "preconditioned", "--zero-stages", "0,1", "--steps", "2", "--out", str(out),
-                       timeout=110)
+    done = _run_script(tmp_path, "step_vs_fused.py", "--shapes", "200000x3", "--optimizers",
+                       "OnebitAdam,OnebitLamb,ZeroOneAdam", "--exchanges", "preconditioned", "--zero-stages", "0,1",
+                       "--steps", "2", "--out", str(out), timeout=110)
     assert done.returncode == 0, done.stdout + done.stderr
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["optimizer"], r["zero_stage"]) for r in rows] == [("OnebitAdam", 0), ("OnebitAdam", 1),
-                                                                  ("ZeroOneAdam", 0)]  # (0/1 Adam: stage 0 only)
+    assert [(r["optimizer"], r["zero_stage"]) for r in rows] == [
+        ("OnebitAdam", 0), ("OnebitAdam", 1), ("OnebitLamb", 0), ("OnebitLamb", 1),
+        ("ZeroOneAdam", 0)]  # (0/1 Adam: stage 0 only)
     for r in rows:
         assert r["step_ms"] > 0 and r["fused_adamw_ms"] > 0 and r["copy_bandwidth"] > 0
         assert abs(r["ratio"] - r["step_ms"] / r["fused_adamw_ms"]) < 1e-9
-        assert r["stage"] == "compression"
+        assert r["stage"] == "compression" and r["mean_ms"] > 0 and r["mean_ratio"] > 0
+        # 1-bit LAMB: a whole trust-ratio interval (10 steps), so that its mean counts a measuring step
+        assert len(r["step_kinds"]) == (10 if r["optimizer"] == "OnebitLamb" else 2)
 
 
 @pytest.mark.timeout(120)
