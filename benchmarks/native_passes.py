@@ -28,6 +28,7 @@ STREAMS: dict[str, tuple[int, int]] = {
     "co_gather": (1, 1),  # g; x
     # the worker's compression, with the local momentum formed inside it
     "co_compress_rows": (2, 1),  # x, e; e
+    "co_lerp_scale_clamp": (3, 1),  # x, m, R; x (the local momentum alone)
     "co_lerp_scale_clamp_compress_sources": (4, 1),  # g, m, R, e; e
     "co_lerp_scale_clamp_compress_rows": (4, 1),  # x, m, R, e; e
     "co_lerp_compress_sources": (3, 1),  # g, m, e; e
@@ -83,19 +84,24 @@ def timed_passes(lib):
 
 def pass_rows(totals: dict, steps: int, numel: int, copy_bandwidth: float) -> list[dict]:
     """Per pass, slowest first: its time per step, calls per step, streams, the bandwidth its bytes
-    needed and that over a plain copy's (``None`` where the streams are unknown)."""
+    needed and that over a plain copy's (``None`` where the streams are unknown). A call covers one
+    bucket, the most calls any pass makes a step being the buckets (the sums run every step): a pass
+    that runs on some steps only (1-bit LAMB's measuring steps) is counted for the buckets it ran on."""
     rows = []
+    buckets = max((calls / steps for _, calls in totals.values()), default=1.0)
     for name, (seconds, calls) in sorted(totals.items(), key=lambda kv: -kv[1][0]):
         per_step = seconds / steps
         streams = streams_of(name)
-        needed = None if streams is None or per_step <= 0 else streams * 4 * numel / per_step
+        covered = numel * min(1.0, calls / steps / buckets)  # elements a step, on average
+        needed = None if streams is None or per_step <= 0 else streams * 4 * covered / per_step
         rows.append({"pass": name, "ms": 1e3 * per_step, "calls": calls / steps, "streams": streams,
                      "bandwidth": needed, "of_copy": None if needed is None else needed / copy_bandwidth})
     return rows
 
 
 def describe(rows: list[dict], step_ms: float) -> str:
-    """The rows as indented lines, and what the step spent outside the passes."""
+    """The rows as indented lines, and what the steps (their mean time ``step_ms``, the clocks on)
+    spent outside the passes."""
     lines = []
     for r in rows:
         bw = "" if r["bandwidth"] is None else (f", {r['streams']} streams: {r['bandwidth'] / 1e9:6.1f} GB/s, "

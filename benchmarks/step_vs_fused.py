@@ -114,7 +114,8 @@ def measure(name: str, numel: int, tensors: int, exchange: str, zero_stage: int,
     """One row (module doc). ``phase_a``: ZeroOneAdam's phase-A compressed steps (``var_update_scaler=1``:
     refreshes at steps 1, 2, 4, 8, ..., the 1-bit gradient steps between them timed); ``None`` for
     the other optimizers. ``passes_against``: a plain copy's bandwidth; then the row also has
-    ``passes`` (:func:`native_passes.pass_rows`) from ``steps`` more steps of the same kind."""
+    ``passes``: ``rows`` (:func:`native_passes.pass_rows`) and ``step_ms`` (their mean time, the
+    clocks on), from as many more steps of the same kind as were timed."""
     if phase_a and name != "ZeroOneAdam":
         return None
     warmup = warmup or phase_a
@@ -168,26 +169,29 @@ def _whole_intervals(opt, steps: int) -> int:
     return -(-steps // interval) * interval
 
 
-def _native_passes(opt, steps: int, phase_a: bool, numel: int, copy_bw: float) -> list[dict]:
-    """:func:`native_passes.pass_rows` of ``steps`` more steps (phase A: its 1-bit gradient steps)."""
+def _native_passes(opt, steps: int, phase_a: bool, numel: int, copy_bw: float) -> dict:
+    """:func:`native_passes.pass_rows` of ``steps`` more steps (phase A: its 1-bit gradient steps),
+    and those steps' mean time (``step_ms``, with the clocks on)."""
     from native_passes import pass_rows, timed_passes
 
     from compressed_opt.cuda import cpu
 
     lib = cpu.library()
     totals: dict[str, list] = {}
-    kept = 0
+    kept, spent = 0, 0.0
     while lib is not None and kept < steps:
         with timed_passes(lib) as step_totals:
+            start = time.perf_counter()
             opt.step()
+            took = time.perf_counter() - start
         if phase_a and getattr(opt, "last_step_kind", None) != "compressed":
             continue  # (a refresh)
-        kept += 1
+        kept, spent = kept + 1, spent + took
         for pass_name, (seconds, calls) in step_totals.items():
             entry = totals.setdefault(pass_name, [0.0, 0])
             entry[0] += seconds
             entry[1] += calls
-    return pass_rows(totals, max(kept, 1), numel, copy_bw)
+    return {"step_ms": 1e3 * spent / max(kept, 1), "rows": pass_rows(totals, max(kept, 1), numel, copy_bw)}
 
 
 def main(argv=None) -> int:
@@ -238,7 +242,7 @@ def main(argv=None) -> int:
                     if row["passes"] is not None:
                         from native_passes import describe
 
-                        print(describe(row["passes"], row["step_ms"]), flush=True)
+                        print(describe(row["passes"]["rows"], row["passes"]["step_ms"]), flush=True)
     from common import write_json
 
     write_json(args.out, {"device": args.device, "threads": torch.get_num_threads(), "torch": torch.__version__,

@@ -289,7 +289,8 @@ def test_step_vs_fused_times_each_native_pass_when_asked(tmp_path):
                        "--out", str(out), timeout=110)
     assert done.returncode == 0, done.stdout + done.stderr
     [row] = json.loads(out.read_text())["rows"]
-    passes = {p["pass"]: p for p in row["passes"]}
+    passes = {p["pass"]: p for p in row["passes"]["rows"]}
+    assert row["passes"]["step_ms"] > sum(p["ms"] for p in passes.values())
     assert set(passes) == {"co_sumsq_each", "co_lerp_scale_clamp_compress_sources", "co_average_compress_rows",
                            "co_rows_divide_zero_descend"}
     for p in passes.values():
