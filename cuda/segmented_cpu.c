@@ -99,6 +99,39 @@ void co_sumsq_each(const int64_t *srcs, const int64_t *off, int64_t nseg, double
     }
 }
 
+/* One element of co_direction_sumsq's direction (kind: 1 divided by den, 2 plus wd p). */
+#define CO_DIRECTION(KIND, i) \
+    (((KIND) & 2) ? fmaf(ps[i], wd, (((KIND) & 1) ? xs[i] / ds[i] : xs[i]) * a) \
+                  : (((KIND) & 1) ? xs[i] / ds[i] : xs[i]) * a)
+
+/* One segment of co_direction_sumsq, a loop per kind (so that each vectorizes without branches). */
+static CO_EXACT double direction_segment(const float *restrict xs, const float *restrict ds, const float *restrict ps,
+                                         int64_t n, float a, float wd, int kind) {
+    CO_NO_CONTRACT
+    const int64_t n8 = n & ~(int64_t)7;
+    double acc[8] = {0};
+#define CO_DIRECTION_LANES(KIND)                                                                                     \
+    for (int64_t i = 0; i < n8; i += 8)                                                                               \
+        for (int j = 0; j < 8; ++j) {                                                                                 \
+            const float d = CO_DIRECTION(KIND, i + j);                                                                \
+            acc[j] += (double)d * d;                                                                                  \
+        }
+    switch (kind) {
+    case 0: CO_DIRECTION_LANES(0); break;
+    case 1: CO_DIRECTION_LANES(1); break;
+    case 2: CO_DIRECTION_LANES(2); break;
+    default: CO_DIRECTION_LANES(3); break;
+    }
+#undef CO_DIRECTION_LANES
+    double total = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    for (int64_t i = n8; i < n; ++i) {
+        const float d = kind == 0 ? CO_DIRECTION(0, i) : kind == 1 ? CO_DIRECTION(1, i)
+                      : kind == 2 ? CO_DIRECTION(2, i) : CO_DIRECTION(3, i);
+        total += (double)d * d;
+    }
+    return total;
+}
+
 /*
  * out[s] <- the sum of squares over segment s of the direction d = fma(p, wd, q * a_s), q = x / den
  * (den == NULL: x), a_s = (float)scales[s], p segment s's parameter at address dests[s] (dests ==
@@ -110,31 +143,15 @@ void co_sumsq_each(const int64_t *srcs, const int64_t *off, int64_t nseg, double
  */
 CO_EXACT void co_direction_sumsq(const float *x, const float *den, const double *scales, const int64_t *dests, float wd,
                                  const int64_t *off, int64_t nseg, double *out) {
-    CO_NO_CONTRACT
     for (int64_t s = 0; s < nseg; ++s) {
-        const int64_t lo = off[s], n = off[s + 1] - lo, n8 = n & ~(int64_t)7;
-        const float *restrict xs = x + lo, *restrict ds = den ? den + lo : NULL;
-        const float *restrict ps = dests ? (const float *)(intptr_t)dests[s] : NULL;
-        const float a = (float)scales[s];
-        double acc[8] = {0};
-        float d[8];
-        for (int64_t i = 0; i < n; i += 8) {
-            const int64_t len = min64(8, n - i);
-            for (int64_t j = 0; j < len; ++j) {
-                const float q = ds ? xs[i + j] / ds[i + j] : xs[i + j];
-                d[j] = ps ? fmaf(ps[i + j], wd, q * a) : q * a;
-            }
-            if (i < n8) {
-                for (int j = 0; j < 8; ++j) acc[j] += (double)d[j] * d[j];
-            } else {
-                double total = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-                for (int64_t j = 0; j < len; ++j) total += (double)d[j] * d[j];
-                out[s] = total;
-            }
-        }
-        if (n == n8) out[s] = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+        const int64_t lo = off[s];
+        const float *ps = dests ? (const float *)(intptr_t)dests[s] : NULL;
+        const int kind = (den ? 1 : 0) | (ps ? 2 : 0);
+        out[s] = direction_segment(x + lo, den ? den + lo : x + lo, ps ? ps : x + lo, off[s + 1] - lo,
+                                   (float)scales[s], wd, kind);
     }
 }
+#undef CO_DIRECTION
 
 /*
  * Gather: segment s of out <- src[s] (times scale when scaled; zeros where src[s] == 0, an
