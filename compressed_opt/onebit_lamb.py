@@ -348,7 +348,7 @@ class OnebitLamb(_FreezingAdam):
         as this step's passes take them) contiguous fp32 CPU tensors (``lamb_passes.ready``). Sharded:
         those of :mod:`compressed_opt.zero_lamb` (from the result's rows)."""
         if self.layout.sharded:  # (its result is in the kept rows, whether or not decompressed into y)
-            return not self._measures_live_ratio(step) and zero_lamb.ready(self, bucket)
+            return zero_lamb.ready(self, bucket)
         if self._applied_exchange_factors(bucket) is not None:
             return False
         r, _ = self.exchange_variant.momentum_divisors(self, bucket)
@@ -367,13 +367,14 @@ class OnebitLamb(_FreezingAdam):
         pass; natively, the norms read ``m_t`` and the denominator instead). ``m``, ``v_fresh`` and the
         parameters are the composition's bit for bit given the same
         coefficients; the maxima are within ``2^-20`` of its (docs/design.md 2.4.2). Sharded: the
-        passes of :mod:`compressed_opt.zero_lamb` (never a measuring step)."""
+        passes of :mod:`compressed_opt.zero_lamb` (a measuring step forms ``m_t`` whole for its norms)."""
         params, passes, sharded = bucket.params, kernels.lamb_passes, self.layout.sharded
         beta1, beta2 = group["betas"]
         lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]
         bc1, bc2_sqrt = bias_corrections(beta1, beta2, step, group["bias_correction"])
-        if sharded:  # (never a measuring step: no direction to measure, m and denom not needed)
-            maxima, m, denom = zero_lamb.variance_maxima_(self, bucket, beta1, beta2, bc2_sqrt, eps), None, None
+        if sharded:  # (m_t and the denominator whole: only for a measuring step's direction norms)
+            maxima = zero_lamb.variance_maxima_(self, bucket, beta1, beta2, bc2_sqrt, eps)
+            m, denom = zero_lamb.whole_direction(self, bucket, y) if self._measures_live_ratio(step) else (None, None)
         else:
             denom = self.frozen_denominator(bucket)  # sqrt(v_f) + eps, inf where v_f == 0
             m = self.layout.previous_momentum(self, bucket)  # m_{t-1}; m_t after the first pass

@@ -20,7 +20,9 @@ stays in its 1-bit rows:
 
 The variance, the parameters and the momentum are the composition's bit for bit given the same
 coefficients; the maxima are within ``2^-20`` of its (the stage-0 passes' bound). A step that
-measures the live trust ratio composes (it reads the local momentum and the direction whole).
+measures the live trust ratio takes the same passes; its norms read the direction whole
+(:func:`whole_direction`), and its local momentum is formed before the exchange as the layout
+composes it (the norms of ``u_i`` read it whole).
 """
 from __future__ import annotations
 
@@ -34,8 +36,7 @@ from .moments import preconditioned_denominator
 
 
 def ready(opt, bucket: Bucket) -> bool:
-    """Whether this bucket's compression step may run in the native passes (the optimizer asks for
-    a step that does not measure the live trust ratio): the sharded layout with the preconditioned
+    """Whether this bucket's compression step may run in the native passes: the sharded layout with the preconditioned
     exchange, fp32 parameters (no master chunk), the momentum as the kept rows, and CPU buffers and
     parameters the C passes can take (their checks at first use passed)."""
     layout = opt.layout
@@ -99,3 +100,13 @@ def descend_(opt, bucket: Bucket, buffer: torch.Tensor, decays, alphas) -> None:
             opt.exchange_coefficients(bucket), bucket.step_destinations(), bucket.segments, decays, alphas)
     if not kernels.zero_passes.lamb_rows_descend_(result, *args):
         kernels.zero_passes.compose_lamb_descend_(result.expand_(), *args, zero_index=opt.no_variance_indices(bucket))
+
+
+def whole_direction(opt, bucket: Bucket, y) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(m_t, denom)`` whole, for a measuring step's norms of the direction ``m_t / denom`` it
+    applies: ``m_t = y / R`` (0 where ``R == 0``) in ``y``'s buffer, from the result's rows where
+    ``y`` is them, and the frozen denominator made from ``R``; as the composition forms both."""
+    if isinstance(y, kernels.CompressedResult):
+        y = y.expand_()
+    opt.momentum_from_exchange(bucket, y, out=y)
+    return y, opt.frozen_denominator(bucket)
