@@ -362,12 +362,12 @@ class OnebitLamb(_FreezingAdam):
         rows, decompressed tile by tile in the first pass): the first forms ``m_t`` (``y / R`` or ``y /
         c_l``), the fresh variance and the factor's per-layer maxima, and keeps ``m <- m_t``; the
         second is the update ``p <- p decay_l - (lr coeff_l / bc1) m_t / (sqrt(v_f) + eps)`` through
-        each parameter's memory. A step that measures the live ratio also writes the direction ``m_t /
-        (sqrt(v_f) + eps)`` into ``y``'s buffer for its norms (nothing reads ``y`` after the first
-        pass; natively, the norms read ``m_t`` and the denominator instead). ``m``, ``v_fresh`` and the
-        parameters are the composition's bit for bit given the same
-        coefficients; the maxima are within ``2^-20`` of its (docs/design.md 2.4.2). Sharded: the
-        passes of :mod:`compressed_opt.zero_lamb` (a measuring step forms ``m_t`` whole for its norms)."""
+        each parameter's memory. A step that measures the live ratio takes the norms of its direction
+        ``m_t / (sqrt(v_f) + eps)`` from ``m_t`` and the denominator (``direction_sumsq``). ``m``,
+        ``v_fresh`` and the parameters are the composition's bit for bit given the same coefficients;
+        the maxima are within ``2^-20`` of its (docs/design.md 2.4.2). Sharded: the passes of
+        :mod:`compressed_opt.zero_lamb` (a measuring step decompresses ``m_t`` whole into ``y``'s
+        buffer for its norms: ``zero_lamb.whole_direction``)."""
         params, passes, sharded = bucket.params, kernels.lamb_passes, self.layout.sharded
         beta1, beta2 = group["betas"]
         lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]

@@ -36,9 +36,9 @@ from .moments import preconditioned_denominator
 
 
 def ready(opt, bucket: Bucket) -> bool:
-    """Whether this bucket's compression step may run in the native passes: the sharded layout with the preconditioned
-    exchange, fp32 parameters (no master chunk), the momentum as the kept rows, and CPU buffers and
-    parameters the C passes can take (their checks at first use passed)."""
+    """Whether this bucket's compression step may run in the native passes: the sharded layout with
+    the preconditioned exchange, fp32 parameters (no master chunk), the momentum as the kept rows,
+    and CPU buffers and parameters the C passes can take (their checks at first use passed)."""
     layout = opt.layout
     if (not layout.sharded or not opt.exchange_variant.preconditioned or bucket.low_precision
             or "exp_avg" in bucket.flats or "momentum_rows" not in bucket.flats):

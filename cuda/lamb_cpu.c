@@ -28,7 +28,7 @@ static inline CO_EXACT float lamb_finite_or_zero(float x) {
 /* The scalars of co_lamb_variance_maxima's element, and the element itself (see there). */
 struct lamb_scalars {
     float nb1, b2, scale, bc2_sqrt, eps;
-    int divided; /* bc2_sqrt != 1: the division by it is x / 1 == x, exactly, once the bias correction is 1 */
+    int divided; /* whether to divide by bc2_sqrt: not where it is 1 (x / 1 == x exactly) */
 };
 
 static inline CO_EXACT float lamb_element(float mt, float *mp, float *vp, float d, const struct lamb_scalars *k) {

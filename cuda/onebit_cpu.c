@@ -212,8 +212,9 @@ static void lsc_compensate_any(void *pass, int64_t lo, int64_t len, float *error
 
 /*
  * Compress one block of count valid elements (of len) held in error (u after compensate, or to
- * be compensated with xb, or to have the server's average added with avg): pack its bits into bits, its scale sqrt(sum(u^2) / count) into scale
- * (4 bytes), and subtract the decompressed values while the block is in cache. With compensate
+ * be compensated with xb, or to have the server's average added with avg): pack its bits into
+ * bits, its scale sqrt(sum(u^2) / count) into scale (4 bytes), and subtract the decompressed values
+ * while the block is in cache. With compensate
  * (then xb is NULL): the pass's values of the buffer's elements from first on are formed and added
  * to the error as the block is compensated, so that they never travel to memory; the same
  * arithmetic as the pass, then the compression. No valid element: scale 0, bits 1.
