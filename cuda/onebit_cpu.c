@@ -12,8 +12,10 @@
  *   bit = 1 iff u >= 0 (zero counts as +), 1 for invalid elements; value = scale * (2 bit - 1).
  * A compression walks each block twice while it is in cache: pass 1 forms u, packs its signs and
  * sums u^2, which gives the block's scale sqrt(sum / count); pass 2 turns u into the new error
- * u - scale * sign(u). The AVX2 paths are used when compiled with -march on a CPU that has it;
- * the scalar paths give bit-identical results (the sum of squares may differ in rounding).
+ * u - scale * sign(u). The AVX2 paths are used when compiled with -march on a CPU that has it,
+ * and where it has AVX-512 (CO_AVX512) the packing walk, the server's average and the expansion of
+ * signs take 16 elements a register, two bytes of bits as one mask: the AVX2 paths' operations and
+ * bits. The scalar paths give bit-identical results (the sum of squares may differ in rounding).
  */
 #include "onebit_cpu.h"
 
@@ -55,6 +57,20 @@ static inline float averaged(const float *z, const struct co_average *a, int64_t
     return v;
 }
 
+#ifdef CO_AVX512
+/* The 16 elements of bytes k and k + 1 of the block, averaged as averaged() adds them. */
+static inline __m512 averaged16(const float *z, const struct co_average *a, int64_t k) {
+    __m512 acc = _mm512_loadu_ps(z + 8 * k);
+    for (int64_t i = 0; i < a->world; ++i) {
+        uint16_t bits;
+        memcpy(&bits, a->bits + i * a->row_stride + k, sizeof bits);
+        acc = _mm512_add_ps(acc, _mm512_mask_blend_ps((__mmask16)bits, _mm512_set1_ps(-a->w[i]),
+                                                      _mm512_set1_ps(a->w[i])));
+    }
+    return acc;
+}
+#endif
+
 #ifdef CO_AVX2
 /* The 8 elements of byte k of the block, averaged as averaged() adds them. */
 static inline __m256 averaged8(const float *z, const struct co_average *a, int64_t k) {
@@ -78,7 +94,34 @@ static double compensate_pack(const float *x, const struct co_average *avg, floa
                               int64_t nbytes) {
     double total = 0.0;
     int64_t full = n & ~(int64_t)15; /* multiple of 16 handled by the vector loop */
-#ifdef CO_AVX2
+#if defined(CO_AVX512)
+    /* as the AVX2 loop below, 16 elements a register: lanes 0-7 are its a0's, 8-15 its a1's, and
+     * the two bytes of signs one mask; the same operations, the same bits */
+    const __m512 zero16 = _mm512_setzero_ps();
+    for (int64_t i0 = 0; i0 < full; i0 += CO_SUM_BLOCK) {
+        const int64_t i1 = min64(i0 + CO_SUM_BLOCK, full);
+        __m512 a = zero16;
+        for (int64_t i = i0; i < i1; i += 16) {
+            __m512 u;
+            if (avg) {
+                u = averaged16(error, avg, i / 8);
+                _mm512_storeu_ps(error + i, u);
+            } else if (x) {
+                u = _mm512_add_ps(_mm512_loadu_ps(x + i), _mm512_loadu_ps(error + i));
+                _mm512_storeu_ps(error + i, u);
+            } else {
+                u = _mm512_loadu_ps(error + i);
+            }
+            a = _mm512_fmadd_ps(u, u, a);
+            const uint16_t signs = (uint16_t)_mm512_cmp_ps_mask(u, zero16, _CMP_GE_OQ);
+            memcpy(packed + i / 8, &signs, sizeof signs);
+        }
+        float part[8];
+        const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)); /* (AVX-512F) */
+        _mm256_storeu_ps(part, _mm256_add_ps(_mm512_castps512_ps256(a), high));
+        for (int j = 0; j < 8; ++j) total += part[j];
+    }
+#elif defined(CO_AVX2)
     const __m256 zero = _mm256_setzero_ps();
     for (int64_t i0 = 0; i0 < full; i0 += CO_SUM_BLOCK) {
         int64_t i1 = i0 + CO_SUM_BLOCK < full ? i0 + CO_SUM_BLOCK : full;
@@ -355,7 +398,20 @@ int co_average_compress_rows(const uint8_t *rows, int64_t row_stride, int64_t wo
 /* dst[k] <- s (2 b_k - 1) for k < count, b_k bit k % 8 of src[k / 8] (one block's elements, from its first). */
 CO_INTERNAL void expand_signs(const uint8_t *src, float s, float *dst, int64_t count) {
     const int64_t full_bytes = count / 8;
-#ifdef CO_AVX2
+#if defined(CO_AVX512)
+    /* 16 elements a step: two bytes of bits are the blend's mask as they are (bit k, element k) */
+    const __m512 pos16 = _mm512_set1_ps(s), neg16 = _mm512_set1_ps(-s);
+    int64_t k = 0;
+    for (; k + 2 <= full_bytes; k += 2) {
+        uint16_t bits;
+        memcpy(&bits, src + k, sizeof bits);
+        _mm512_storeu_ps(dst + 8 * k, _mm512_mask_blend_ps((__mmask16)bits, neg16, pos16));
+    }
+    for (; k < full_bytes; ++k) {
+        const unsigned byte = src[k];
+        for (int j = 0; j < 8; ++j) dst[8 * k + j] = (byte >> j) & 1u ? s : -s;
+    }
+#elif defined(CO_AVX2)
     const __m256i lane = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
     const __m256 pos = _mm256_set1_ps(s), neg = _mm256_set1_ps(-s);
     for (int64_t k = 0; k < full_bytes; ++k) {

@@ -14,6 +14,10 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define CO_AVX2 1
+#if defined(__AVX512F__)
+/* 16 floats a register, and masks: a byte of bits is a mask as it is (bit k, element k) */
+#define CO_AVX512 1
+#endif
 #endif
 
 #if defined(__GNUC__)
