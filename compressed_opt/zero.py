@@ -249,16 +249,23 @@ class Sharded(ChunkReductions, Layout):
                     preconditioner=preconditioner,
                     factors=None if factors is None else (opt.kept_exchange_factors(bucket), factors))
         bucket.derived.pop("step.local_momentum_pass", None)
-        if (args["row_scales"] is None and "exp_avg" not in bucket.flats
-                and (not args["keep_previous"] or self._previous_from_rows(opt, bucket, preconditioner))
-                and opt.leave_gradients_in_place(bucket, grad)):
+        bucket.derived.pop("step.local_momentum_formed", None)
+        from_rows = (args["row_scales"] is None and "exp_avg" not in bucket.flats
+                     and (not args["keep_previous"] or self._previous_from_rows(opt, bucket, preconditioner)))
+        if from_rows and opt.leave_gradients_in_place(bucket, grad):
             bucket.derived["step.local_momentum_pass"] = self._momentum_pass(opt, bucket, grad, beta1, args)
             return
         opt.observe_local_gradient(bucket)
+        if from_rows and preconditioner is not None:  # (x read whole before the exchange: formed natively)
+            sources = kernels.Sources.of([p.grad for p in bucket.params], bucket.segments.sizes)
+            if sources is not None and self._momentum_pass(opt, bucket, grad, beta1, args, sources).form_():
+                bucket.derived["step.local_momentum_formed"] = True  # (zeroed and bounded: local_momentum_'s)
+                return
         self.form_local_momentum(opt, bucket, grad, beta1, **args)
 
-    def _momentum_pass(self, opt, bucket, x, beta1, args) -> kernels.zero_passes.ZeroLocalMomentum:
-        """:meth:`form_local_momentum` (from the kept rows) and :meth:`local_momentum_`, not run yet."""
+    def _momentum_pass(self, opt, bucket, x, beta1, args, sources=None) -> kernels.zero_passes.ZeroLocalMomentum:
+        """:meth:`form_local_momentum` (from the kept rows) and :meth:`local_momentum_`, not run yet
+        (``sources``: the gradients; default: those :meth:`gather_local` left in place)."""
         kept, new = args["factors"] or (None, None)
         n_layers, alpha = len(bucket.params), 1 - beta1
         keep = [beta1] * n_layers if new is None else [beta1 * n / k for n, k in zip(new, kept or [1.0] * n_layers)]
@@ -271,7 +278,7 @@ class Sharded(ChunkReductions, Layout):
         r = args["preconditioner"]  # (None: the momentum exchange, neither zeroed nor bounded)
         return kernels.zero_passes.ZeroLocalMomentum(
             x, self._kept_rows(opt, bucket, x), r, keep, gain, None if r is None else opt.exchange_bounds(bucket),
-            bucket.segments, bucket.derived.pop("step.gradients_in_place"), compose)
+            bucket.segments, bucket.derived.pop("step.gradients_in_place") if sources is None else sources, compose)
 
     def _previous_from_rows(self, opt, bucket, r) -> bool:
         """This rank's chunk of ``m_{t-1} = (R m) / R`` from the kept rows (``momentum_prev_shard``,
@@ -348,6 +355,8 @@ class Sharded(ChunkReductions, Layout):
     def local_momentum_(self, opt, bucket, x, beta1):
         """``x`` holds ``m_i`` (``R m_i``) already (:meth:`gather_local`); preconditioned, it is
         bounded and zeroed where ``v_f == 0`` (the kept rows carry the exchange's ``+-t`` there)."""
+        if bucket.derived.pop("step.local_momentum_formed", False):
+            return  # (gather_local formed it natively, zeroed and bounded)
         if opt.exchange_preconditioner(bucket) is None:
             return
         idx = opt.no_variance_indices(bucket)

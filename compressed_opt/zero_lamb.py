@@ -21,8 +21,8 @@ stays in its 1-bit rows:
 The variance, the parameters and the momentum are the composition's bit for bit given the same
 coefficients; the maxima are within ``2^-20`` of its (the stage-0 passes' bound). A step that
 measures the live trust ratio takes the same passes; its norms read the direction whole
-(:func:`whole_direction`), and its local momentum is formed before the exchange as the layout
-composes it (the norms of ``u_i`` read it whole).
+(:func:`whole_direction`), and its local momentum is formed whole before the exchange (the norms
+of ``u_i`` read it), natively where it can (``ZeroLocalMomentum.form_``).
 """
 from __future__ import annotations
 

@@ -253,7 +253,9 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
                                                          i64]
     lib.co_lerp_scale_clamp_compress_sources.restype = None
     lib.co_zero_momentum_compress_rows.argtypes = [p, p, p, p, p, p, p, i64, p, p, i64, i64, i64, i64]
+    lib.co_zero_local_momentum.argtypes = [p, i64, i64, i64, p, p, p, p, p, p, i64, p]
     lib.co_zero_momentum_compress_rows.restype = None
+    lib.co_zero_local_momentum.restype = None
     lib.co_zero_rows_descend.argtypes = [p, i64, i64, i64, p, f32, p, p, p, i64, p, f32, ctypes.c_int, f32]
     lib.co_zero_rows_descend.restype = None
     lib.co_rows_divide_zero_descend.argtypes = [p, i64, i64, i64, p, f32, p, p, p, i64, p, f32, ctypes.c_int, f32, p, p]

@@ -24,6 +24,7 @@ struct co_zlm {
     const double *keep, *gain, *bounds;
     const int64_t *off;
     int64_t nseg, seg;
+    int add; /* 1: added to the error (the compression's compensation); 0: stored (the pass alone) */
 };
 
 /* v, or +0 where r == 0 (masked with integer operations: a form compilers vectorize). */
@@ -35,23 +36,33 @@ static inline float zero_where_zero(float v, float r) {
     return v;
 }
 
+/* e[i] <- v + e[i] (add) or v, v the pass's value of element i (the loops of zlm_span). */
+#define ZLM_LOOP(V)                                                                                                  \
+    do {                                                                                                             \
+        if (add) {                                                                                                   \
+            for (int64_t i = 0; i < n; ++i) e[i] = (V) + e[i];                                                       \
+        } else {                                                                                                     \
+            for (int64_t i = 0; i < n; ++i) e[i] = (V);                                                              \
+        }                                                                                                            \
+    } while (0)
+
 CO_EXACT static void zlm_span(const float *restrict t, const float *restrict r, const float *restrict g,
-                              float *restrict e, int64_t n, float k, float h, float b) {
+                              float *restrict e, int64_t n, float k, float h, float b, int add) {
     CO_NO_CONTRACT
     const float nb = -b;
     if (!r) { /* the momentum exchange: fma(h, g, t k), neither zeroed nor bounded */
         if (g) {
-            for (int64_t i = 0; i < n; ++i) e[i] = fmaf(h, g[i], t[i] * k) + e[i];
+            ZLM_LOOP(fmaf(h, g[i], t[i] * k));
         } else {
-            for (int64_t i = 0; i < n; ++i) e[i] = t[i] * k + e[i];
+            ZLM_LOOP(t[i] * k);
         }
-    } else if (g) {
-        for (int64_t i = 0; i < n; ++i) /* torch's addcmul: one FMA */
-            e[i] = clamp_to(zero_where_zero(fmaf(h * r[i], g[i], t[i] * k), r[i]), b, nb) + e[i];
+    } else if (g) { /* torch's addcmul: one FMA */
+        ZLM_LOOP(clamp_to(zero_where_zero(fmaf(h * r[i], g[i], t[i] * k), r[i]), b, nb));
     } else {
-        for (int64_t i = 0; i < n; ++i) e[i] = clamp_to(zero_where_zero(t[i] * k, r[i]), b, nb) + e[i];
+        ZLM_LOOP(clamp_to(zero_where_zero(t[i] * k, r[i]), b, nb));
     }
 }
+#undef ZLM_LOOP
 
 /* error[0, len) <- x + error over the flat buffer's elements [lo, lo + len) (co_compensate). */
 static void zlm_compensate(void *pass, int64_t lo, int64_t len, float *error) {
@@ -65,7 +76,7 @@ static void zlm_compensate(void *pass, int64_t lo, int64_t len, float *error) {
             const int64_t stop = segment_piece(p->off, p->nseg, &s, k, stop_tile);
             const float *g = p->srcs[s] ? (const float *)(intptr_t)p->srcs[s] + (k - p->off[s]) : NULL;
             zlm_span(tile + (k - k0), p->r ? p->r + k : NULL, g, error + (k - lo), stop - k, (float)p->keep[s],
-                     (float)p->gain[s], p->bounds ? (float)p->bounds[s] : 0.0f);
+                     (float)p->gain[s], p->bounds ? (float)p->bounds[s] : 0.0f, p->add);
             k = stop;
         }
         k0 = stop_tile;
@@ -83,8 +94,22 @@ void co_zero_momentum_compress_rows(const uint8_t *prev, const float *r, const i
                                     float *error, uint8_t *rows, int64_t row_stride, int64_t world, int64_t chunk,
                                     int64_t block) {
     const int64_t n = off[nseg];
-    struct co_zlm pass = {prev, row_stride, chunk, block, n, r, srcs, keep, gain, bounds, off, nseg, 0};
+    struct co_zlm pass = {prev, row_stride, chunk, block, n, r, srcs, keep, gain, bounds, off, nseg, 0, 1};
     compress_each_row(NULL, error, rows, row_stride, world, chunk, block, n, zlm_compensate, &pass);
+}
+
+/*
+ * The same local momentum alone, into x[0, off[nseg]) (the kept rows prev of world rows, chunk
+ * elements each, row_stride bytes apart): co_zero_momentum_compress_rows's values, stored instead
+ * of compensated and compressed, for a step that reads the local momentum whole before its exchange
+ * compresses it (1-bit LAMB's measuring steps). Reads the rows, r and each gradient; writes x.
+ */
+void co_zero_local_momentum(const uint8_t *prev, int64_t row_stride, int64_t chunk, int64_t block, const float *r,
+                            const int64_t *srcs, const double *keep, const double *gain, const double *bounds,
+                            const int64_t *off, int64_t nseg, float *x) {
+    const int64_t n = off[nseg];
+    struct co_zlm pass = {prev, row_stride, chunk, block, n, r, srcs, keep, gain, bounds, off, nseg, 0, 0};
+    zlm_compensate(&pass, 0, n, x);
 }
 
 CO_EXACT static void zrd_span(const float *restrict y, const float *restrict r, float *restrict p, int64_t n,

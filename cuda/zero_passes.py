@@ -8,7 +8,9 @@ as the last result's 1-bit rows (``R m`` times the last exchange factor) and ste
     yet, as a pending pass of the exchange (:func:`compressed_opt.comm.compressed.compress_pending_`):
     its :meth:`~ZeroLocalMomentum.compress_rows_` runs it inside the worker's compression, reading
     the rows, ``r``, each gradient and the error once (``x`` is never written); its ``apply_`` is
-    ``compose``, the layout's own PyTorch composition into ``x``.
+    ``compose``, the layout's own PyTorch composition into ``x``; its
+    :meth:`~ZeroLocalMomentum.form_` runs it alone into ``x`` natively (a step that reads ``x``
+    whole before the exchange: 1-bit LAMB's measuring steps).
 ``rows_descend_(result, r, eps, coeffs, factors, dests, segments, decay, alpha)``
     the update from the result's rows: ``p <- p decay + alpha q``, ``q = (y / (r eps + c_s)) f_s``
     (0 where ``r == 0``), ``y`` decompressed tile by tile in cache; ``False``, with nothing done,
@@ -75,6 +77,23 @@ class ZeroLocalMomentum:
     def apply_(self) -> None:
         """Run the pass alone into ``x`` (the layout's composition)."""
         self.compose()
+
+    def form_(self) -> bool:
+        """The pass alone into ``x`` (its segments' elements), in one native pass: the values
+        :meth:`compress_rows_` compensates with, stored, and what ``apply_`` composes, bit for bit;
+        ``False``, with nothing done, where it cannot run here."""
+        prev, nseg = self.prev, len(self.segments)
+        if not prev.rows.is_cpu or prev.rows.shape[0] * prev.chunk < self.segments.numel:
+            return False
+        lib = _native(self.x, *(() if self.r is None else (self.r,)))
+        if lib is None or not plain_cpu_floats(self.sources) or not agrees():
+            return False
+        scalars = [(None, None) if v is None else _c_doubles(v, nseg) for v in (self.keep, self.gain, self.bounds)]
+        addresses = source_addresses(self.sources, self.segments.sizes)
+        lib.co_zero_local_momentum(prev.rows.data_ptr(), prev.rows.stride(0), prev.chunk, prev.block,
+                                   None if self.r is None else self.r.data_ptr(), addresses.data_ptr(),
+                                   *(a for _, a in scalars), self.segments.offsets.data_ptr(), nseg, self.x.data_ptr())
+        return True
 
     def compress_rows_(self, x: torch.Tensor, error: torch.Tensor, rows: torch.Tensor, chunk: int, block: int) -> bool:
         """The pass, then ``compress_rows_(x, error, rows, chunk, block)``, in one native pass (``x``

@@ -187,3 +187,41 @@ def test_the_lamb_warmup_under_zero_on_two_ranks_follows_stage_0():
             for a, b in zip(stage0, other):
                 torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8)
     assert all(torch.equal(a, b) for a, b in zip(sum(per_rank[0], []), sum(per_rank[1], [])))
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_the_local_momentum_formed_alone_is_the_composition_and_the_fused_passs(world):
+    """``ZeroLocalMomentum.form_`` (1-bit LAMB's measuring steps under ZeRO, which read the local
+    momentum whole): ``x`` is the composition's bit for bit (kept rows times ``keep``, plus ``gain r
+    g``, 0 where ``r == 0``, clamped; a layer without a gradient), and compressing it gives what the
+    pass fused into the compression gives, rows and error."""
+    from compressed_opt.comm import chunk_numel
+    from compressed_opt.cuda.segmented import Segments
+
+    assert zero_passes.agrees()
+    g = torch.Generator().manual_seed(7 + world)
+    segs, block = Segments([37, 0, 300, 5, 1025]), 256
+    n = segs.numel
+    chunk = chunk_numel(n, world)
+    rows = torch.zeros(world, kernels.rows_layout(chunk, block)[1], dtype=torch.uint8)
+    kernels.compress_rows_(torch.randn(world * chunk, generator=g), torch.zeros(world * chunk), rows, chunk, block)
+    r = torch.rand(n, generator=g) + 0.1
+    r[::9] = 0.0
+    sources = [torch.randn(k, generator=g) * 3 for k in segs.sizes]
+    sources[3] = None  # (a layer without a gradient)
+    keep, gain, bounds = [0.9, 0.8, 0.85, 0.9, 0.95], [0.1, 0.2, 0.15, 0.1, 0.05], [1.0, 2.0, 0.5, 1.5, 1.25]
+    t = torch.empty(world * chunk)
+    kernels.decompress_rows_(rows, t, chunk, block)
+    composed = torch.zeros(n)
+    zero_passes.compose_momentum_(composed, t, r, keep, gain, bounds, segs, sources)
+    x = torch.full((n,), 7.0)
+    pending = zero_passes.ZeroLocalMomentum(x, kernels.CompressedResult(rows, chunk, block, torch.zeros(n)), r, keep,
+                                            gain, bounds, segs, sources, compose=lambda: None)
+    assert pending.form_()
+    assert torch.equal(x.view(torch.int32), composed.view(torch.int32))
+    error0 = torch.randn(n, generator=g) * 0.01
+    plain, fused = torch.zeros_like(rows), torch.zeros_like(rows)
+    e_plain, e_fused = error0.clone(), error0.clone()
+    kernels.compress_rows_(x.clone(), e_plain, plain, chunk, block)  # (the local momentum formed, then compressed)
+    assert pending.compress_rows_(x, e_fused, fused, chunk, block)  # (formed inside the compression)
+    assert torch.equal(plain, fused) and torch.equal(e_plain.view(torch.int32), e_fused.view(torch.int32))
