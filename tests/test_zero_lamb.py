@@ -190,7 +190,7 @@ def test_the_lamb_warmup_under_zero_on_two_ranks_follows_stage_0():
 
 
 @pytest.mark.parametrize("world", [1, 2])
-def test_the_local_momentum_formed_alone_is_the_composition_and_the_fused_passs(world):
+def test_the_local_momentum_formed_alone_is_the_composition_and_compresses_as_the_fused_pass(world):
     """``ZeroLocalMomentum.form_`` (1-bit LAMB's measuring steps under ZeRO, which read the local
     momentum whole): ``x`` is the composition's bit for bit (kept rows times ``keep``, plus ``gain r
     g``, 0 where ``r == 0``, clamped; a layer without a gradient), and compressing it gives what the
