@@ -26,9 +26,14 @@ static inline void lanes_add(const float *restrict x, int64_t from, int64_t to, 
         for (int j = 0; j < 8; ++j) acc[j] += (double)x[i + j] * x[i + j];
 }
 
+/* The 8 lanes added as the one fixed tree every sum of squares here uses. */
+static inline double lanes_tree(const double *acc) {
+    return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
 /* The sum of the lanes (filled up to n & ~7) and of the last n % 8 squares. */
 static inline double lanes_total(const double *acc, const float *x, int64_t n) {
-    double total = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    double total = lanes_tree(acc);
     for (int64_t i = n & ~(int64_t)7; i < n; ++i) total += (double)x[i] * x[i];
     return total;
 }
@@ -74,29 +79,31 @@ static void sumsq_many(const float *const *x, const int64_t *n, int64_t count, d
     }
 }
 
-/* out[s] = the sum of squares over segment s of the flat x (above: in double, 8 lanes). */
-void co_segment_sumsq(const float *x, const int64_t *off, int64_t nseg, double *out) {
+/* out[s] <- the sum of squares of segment s: the floats at base + off[s] (srcs == NULL), or at
+ * address srcs[s] (0: none), in groups of up to 64 segments for sumsq_many. */
+static void sumsq_segments(const float *base, const int64_t *srcs, const int64_t *off, int64_t nseg, double *out) {
     const float *xs[64];
     int64_t ns[64];
     for (int64_t s0 = 0; s0 < nseg; s0 += 64) {
         const int64_t count = min64(64, nseg - s0);
-        for (int64_t k = 0; k < count; ++k) xs[k] = x + off[s0 + k], ns[k] = off[s0 + k + 1] - off[s0 + k];
+        for (int64_t k = 0; k < count; ++k) {
+            xs[k] = srcs ? (const float *)(intptr_t)srcs[s0 + k] : base + off[s0 + k];
+            ns[k] = off[s0 + k + 1] - off[s0 + k];
+        }
         sumsq_many(xs, ns, count, out + s0);
     }
+}
+
+/* out[s] = the sum of squares over segment s of the flat x (above: in double, 8 lanes). */
+void co_segment_sumsq(const float *x, const int64_t *off, int64_t nseg, double *out) {
+    sumsq_segments(x, NULL, off, nseg, out);
 }
 
 /* out[s] = the sum of squares of the off[s + 1] - off[s] floats at address srcs[s] (0 for a NULL
  * address), as co_segment_sumsq and co_gather's sumsq accumulate them: one read of each tensor,
  * where torch's float64 norm of an fp32 tensor first copies it to float64. */
 void co_sumsq_each(const int64_t *srcs, const int64_t *off, int64_t nseg, double *out) {
-    const float *xs[64];
-    int64_t ns[64];
-    for (int64_t s0 = 0; s0 < nseg; s0 += 64) {
-        const int64_t count = min64(64, nseg - s0);
-        for (int64_t k = 0; k < count; ++k)
-            xs[k] = (const float *)(intptr_t)srcs[s0 + k], ns[k] = off[s0 + k + 1] - off[s0 + k];
-        sumsq_many(xs, ns, count, out + s0);
-    }
+    sumsq_segments(NULL, srcs, off, nseg, out);
 }
 
 /* One element of co_direction_sumsq's direction (kind: 1 divided by den, 2 plus wd p). */
@@ -123,7 +130,7 @@ static CO_EXACT double direction_segment(const float *restrict xs, const float *
     default: CO_DIRECTION_LANES(3); break;
     }
 #undef CO_DIRECTION_LANES
-    double total = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    double total = lanes_tree(acc);
     for (int64_t i = n8; i < n; ++i) {
         const float d = kind == 0 ? CO_DIRECTION(0, i) : kind == 1 ? CO_DIRECTION(1, i)
                       : kind == 2 ? CO_DIRECTION(2, i) : CO_DIRECTION(3, i);
@@ -181,7 +188,7 @@ void co_gather(const int64_t *srcs, float *out, const int64_t *off, int64_t nseg
                 o[i + j] = v;
                 acc[j] += (double)v * v;
             }
-        double total = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+        double total = lanes_tree(acc);
         for (; i < n; ++i) {
             float v = src[i] * f;
             o[i] = v;
