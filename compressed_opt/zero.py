@@ -256,7 +256,7 @@ class Sharded(ChunkReductions, Layout):
             bucket.derived["step.local_momentum_pass"] = self._momentum_pass(opt, bucket, grad, beta1, args)
             return
         opt.observe_local_gradient(bucket)
-        if from_rows and preconditioner is not None:  # (x read whole before the exchange: formed natively)
+        if from_rows:  # (x read whole before the exchange: formed natively, either exchange)
             sources = kernels.Sources.of([p.grad for p in bucket.params], bucket.segments.sizes)
             if sources is not None and self._momentum_pass(opt, bucket, grad, beta1, args, sources).form_():
                 bucket.derived["step.local_momentum_formed"] = True  # (zeroed and bounded: local_momentum_'s)

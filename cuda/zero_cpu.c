@@ -101,8 +101,9 @@ void co_zero_momentum_compress_rows(const uint8_t *prev, const float *r, const i
 /*
  * The same local momentum alone, into x[0, off[nseg]) (the kept rows prev of world rows, chunk
  * elements each, row_stride bytes apart): co_zero_momentum_compress_rows's values, stored instead
- * of compensated and compressed, for a step that reads the local momentum whole before its exchange
- * compresses it (1-bit LAMB's measuring steps). Reads the rows, r and each gradient; writes x.
+ * of compensated and compressed, for a step that forms the local momentum before its exchange
+ * compresses it (an exchange launched from backward; 1-bit LAMB's measuring steps, which read it
+ * whole). Reads the rows, r and each gradient; writes x.
  */
 void co_zero_local_momentum(const uint8_t *prev, int64_t row_stride, int64_t chunk, int64_t block, const float *r,
                             const int64_t *srcs, const double *keep, const double *gain, const double *bounds,

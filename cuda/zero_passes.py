@@ -9,8 +9,8 @@ as the last result's 1-bit rows (``R m`` times the last exchange factor) and ste
     its :meth:`~ZeroLocalMomentum.compress_rows_` runs it inside the worker's compression, reading
     the rows, ``r``, each gradient and the error once (``x`` is never written); its ``apply_`` is
     ``compose``, the layout's own PyTorch composition into ``x``; its
-    :meth:`~ZeroLocalMomentum.form_` runs it alone into ``x`` natively (a step that reads ``x``
-    whole before the exchange: 1-bit LAMB's measuring steps).
+    :meth:`~ZeroLocalMomentum.form_` runs it alone into ``x`` natively (a local momentum formed
+    before its exchange: an exchange launched from backward, 1-bit LAMB's measuring steps).
 ``rows_descend_(result, r, eps, coeffs, factors, dests, segments, decay, alpha)``
     the update from the result's rows: ``p <- p decay + alpha q``, ``q = (y / (r eps + c_s)) f_s``
     (0 where ``r == 0``), ``y`` decompressed tile by tile in cache; ``False``, with nothing done,
@@ -78,39 +78,50 @@ class ZeroLocalMomentum:
         """Run the pass alone into ``x`` (the layout's composition)."""
         self.compose()
 
+    def _native_args(self, buffer: torch.Tensor):
+        """``(library, the pass's C arguments: the gradients' addresses and the per-segment scalars,
+        each with what keeps it alive)`` for a native run over ``buffer`` (``x`` or the error), or
+        ``(None, None)`` where it cannot run here (the library, a buffer or a gradient the C cannot
+        take, the check at first use)."""
+        lib = _native(buffer, *(() if self.r is None else (self.r,)))
+        if lib is None or not plain_cpu_floats(self.sources) or not agrees():
+            return None, None
+        nseg = len(self.segments)
+        scalars = [(None, None) if v is None else _c_doubles(v, nseg) for v in (self.keep, self.gain, self.bounds)]
+        return lib, (source_addresses(self.sources, self.segments.sizes), scalars)
+
     def form_(self) -> bool:
         """The pass alone into ``x`` (its segments' elements), in one native pass: the values
         :meth:`compress_rows_` compensates with, stored, and what ``apply_`` composes, bit for bit;
         ``False``, with nothing done, where it cannot run here."""
-        prev, nseg = self.prev, len(self.segments)
+        prev = self.prev
         if not prev.rows.is_cpu or prev.rows.shape[0] * prev.chunk < self.segments.numel:
             return False
-        lib = _native(self.x, *(() if self.r is None else (self.r,)))
-        if lib is None or not plain_cpu_floats(self.sources) or not agrees():
+        lib, args = self._native_args(self.x)
+        if lib is None:
             return False
-        scalars = [(None, None) if v is None else _c_doubles(v, nseg) for v in (self.keep, self.gain, self.bounds)]
-        addresses = source_addresses(self.sources, self.segments.sizes)
+        addresses, scalars = args
         lib.co_zero_local_momentum(prev.rows.data_ptr(), prev.rows.stride(0), prev.chunk, prev.block,
                                    None if self.r is None else self.r.data_ptr(), addresses.data_ptr(),
-                                   *(a for _, a in scalars), self.segments.offsets.data_ptr(), nseg, self.x.data_ptr())
+                                   *(a for _, a in scalars), self.segments.offsets.data_ptr(), len(self.segments),
+                                   self.x.data_ptr())
         return True
 
     def compress_rows_(self, x: torch.Tensor, error: torch.Tensor, rows: torch.Tensor, chunk: int, block: int) -> bool:
         """The pass, then ``compress_rows_(x, error, rows, chunk, block)``, in one native pass (``x``
         read nowhere, not written); ``False``, with nothing done, where it cannot run here."""
-        prev, nseg = self.prev, len(self.segments)
+        prev = self.prev
         if (x.data_ptr() != self.x.data_ptr() or error.numel() != self.segments.numel or chunk != prev.chunk
                 or block != prev.block or tuple(rows.shape) != tuple(prev.rows.shape)
                 or rows.stride() != prev.rows.stride() or not prev.rows.is_cpu or not rows.is_cpu):
             return False
-        lib = _native(error, *(() if self.r is None else (self.r,)))
-        if lib is None or not plain_cpu_floats(self.sources) or not agrees():
+        lib, args = self._native_args(error)
+        if lib is None:
             return False
-        scalars = [(None, None) if v is None else _c_doubles(v, nseg) for v in (self.keep, self.gain, self.bounds)]
-        addresses = source_addresses(self.sources, self.segments.sizes)
+        addresses, scalars = args
         lib.co_zero_momentum_compress_rows(prev.rows.data_ptr(), None if self.r is None else self.r.data_ptr(),
                                            addresses.data_ptr(), *(a for _, a in scalars),
-                                           self.segments.offsets.data_ptr(), nseg,
+                                           self.segments.offsets.data_ptr(), len(self.segments),
                                            error.data_ptr(), rows.data_ptr(), rows.stride(0), rows.shape[0],
                                            chunk, block)
         return True

@@ -190,11 +190,13 @@ def test_the_lamb_warmup_under_zero_on_two_ranks_follows_stage_0():
 
 
 @pytest.mark.parametrize("world", [1, 2])
-def test_the_local_momentum_formed_alone_is_the_composition_and_compresses_as_the_fused_pass(world):
-    """``ZeroLocalMomentum.form_`` (1-bit LAMB's measuring steps under ZeRO, which read the local
-    momentum whole): ``x`` is the composition's bit for bit (kept rows times ``keep``, plus ``gain r
-    g``, 0 where ``r == 0``, clamped; a layer without a gradient), and compressing it gives what the
-    pass fused into the compression gives, rows and error."""
+@pytest.mark.parametrize("preconditioned", [True, False])
+def test_the_local_momentum_formed_alone_is_the_composition_and_compresses_as_the_fused_pass(world, preconditioned):
+    """``ZeroLocalMomentum.form_`` (a local momentum formed before its exchange under ZeRO: launched
+    from backward, or 1-bit LAMB's measuring steps, which read it whole): ``x`` is the composition's
+    bit for bit (kept rows times ``keep``, plus ``gain r g``, 0 where ``r == 0``, clamped; the
+    momentum exchange: ``t keep + gain g``; a layer without a gradient), and compressing it gives
+    what the pass fused into the compression gives, rows and error."""
     from compressed_opt.comm import chunk_numel
     from compressed_opt.cuda.segmented import Segments
 
@@ -210,6 +212,8 @@ def test_the_local_momentum_formed_alone_is_the_composition_and_compresses_as_th
     sources = [torch.randn(k, generator=g) * 3 for k in segs.sizes]
     sources[3] = None  # (a layer without a gradient)
     keep, gain, bounds = [0.9, 0.8, 0.85, 0.9, 0.95], [0.1, 0.2, 0.15, 0.1, 0.05], [1.0, 2.0, 0.5, 1.5, 1.25]
+    if not preconditioned:  # (the momentum exchange: no R, no bound, one gain)
+        r, gain, bounds = None, [0.1] * 5, None
     t = torch.empty(world * chunk)
     kernels.decompress_rows_(rows, t, chunk, block)
     composed = torch.zeros(n)
