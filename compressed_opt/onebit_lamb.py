@@ -461,11 +461,11 @@ class OnebitLamb(_FreezingAdam):
         """Per layer, ``||x / (den bc1) + wd p||`` (float64, ``direction = (x, den)``): the norm of the
         direction the step applies, the 1-bit exchange's noise included; one native pass where it runs
         (:func:`~compressed_opt.cuda.direction_sumsq`: the composition's bits)."""
-        x, den = direction
-        wd, layers = group["weight_decay"], len(bucket.params)
+        (x, den), wd, layers = direction, group["weight_decay"], len(bucket.params)
         if wd == 0:
             return kernels.direction_sumsq(x, den, [1.0] * layers, None, 0.0, bucket.segments).sqrt_().div_(bc1)
-        return kernels.direction_sumsq(x, den, [1.0 / bc1] * layers, bucket.params, wd, bucket.segments).sqrt_()
+        return kernels.direction_sumsq(x, den, [1.0 / bc1] * layers, bucket.step_destinations(), wd,
+                                       bucket.segments).sqrt_()  # (the parameters, addressed once a step)
 
     def _compression_coeffs(self, params, group, raw) -> list[float]:
         """Each layer's ``r_f * factor`` from the raw factors (clipped, and by the threshold)."""
