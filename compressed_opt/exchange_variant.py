@@ -121,11 +121,13 @@ class AdamPreconditioned(ExchangeVariant):
         kernels.divide_where_nonzero_(y[:n], self.preconditioner(opt, bucket)[:n], out[:n],
                                       opt.no_variance_indices(bucket), *segments)
 
-    def momentum_and_update_(self, opt, bucket, y, out, factors, descend) -> None:
+    def momentum_and_update_(self, opt, bucket, y, out, factors, descend):
         """:meth:`momentum_from_exchange`, and the update ``descend`` (a
-        :class:`compressed_opt.cuda.Descend` of ``y``) in the same pass over memory."""
-        kernels.divide_descend_(y, self.preconditioner(opt, bucket), out, bucket.segments, factors, descend,
-                                opt.no_variance_indices(bucket))
+        :class:`compressed_opt.cuda.Descend` of ``y``) in the same pass over memory; the
+        :class:`compressed_opt.cuda.KeptMomentum` of ``out`` where the pass formed it from the
+        result's rows, else ``None``."""
+        return kernels.divide_descend_(y, self.preconditioner(opt, bucket), out, bucket.segments, factors, descend,
+                                       opt.no_variance_indices(bucket))
 
     def update_(self, opt, bucket, y, decay: float, alpha: float, step: int) -> None:
         """The compression stage's Adam update from the average ``y`` of ``s_l R m_i``: the

@@ -328,7 +328,8 @@ class Replicated(Layout):
         if r is None:
             return kernels.Lerp(x, m, 1 - beta1, sources=sources, segments=bucket.segments)
         return kernels.LerpScaleClamp(x, m, 1 - beta1, r, opt.exchange_bounds(bucket), bucket.segments,
-                                      opt.exchange_factors(bucket), sources=sources)
+                                      opt.exchange_factors(bucket), sources=sources,
+                                      kept=bucket.derived.get("momentum_rows"))
 
     def exchange(self, opt, bucket, x, pending=None, keep_result=False):
         """With ``keep_result``, a flat 1-bit exchange leaves ``x`` as it is and its result rows are
@@ -337,6 +338,7 @@ class Replicated(Layout):
         rows = yield bucket, x, None, pending, not keep_result
         if not keep_result:
             return
+        bucket.derived.pop("momentum_rows", None)  # (the kept rows change: m is read again until an update keeps them)
         bucket.derived["result_kept"] = rows is not None  # (None: the result is in x)
         if rows is not None:  # (into a buffer made once, kept across steps)
             kept = bucket.derived.get("result_rows")
@@ -377,9 +379,14 @@ class Replicated(Layout):
 
     def step_preconditioned_(self, opt, bucket, y, decay, alpha, step):
         """``m = y / (s_l R)`` into ``exp_avg`` and ``p <- p decay + alpha (f_l / s_l) y / (c_l + eps
-        R)``, in one pass over memory (no direction buffer written; ZeRO's update, the momentum beside it)."""
-        opt.momentum_from_exchange(bucket, self.exchanged(opt, bucket, y), out=bucket.flat("exp_avg"),
-                                   descend=opt.preconditioned_descend(bucket, decay, alpha))
+        R)``, in one pass over memory (no direction buffer written; ZeRO's update, the momentum beside it).
+        Where that pass read the result's kept rows, they are kept as ``m``'s source too: the next
+        local momentum's pass forms ``m`` from them (:meth:`local_momentum_pass`; the same bits, 1/32
+        of the bytes) unless ``m`` or the rows changed since."""
+        kept = opt.momentum_from_exchange(bucket, self.exchanged(opt, bucket, y), out=bucket.flat("exp_avg"),
+                                          descend=opt.preconditioned_descend(bucket, decay, alpha))
+        if kept is not None:
+            bucket.derived["momentum_rows"] = kept
 
     def update_masters(self, opt, bucket, step, decay, delta, alpha=1.0):
         pass  # the parameters are the truth

@@ -296,12 +296,14 @@ class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
         """The momentum ``m`` from the exchanged average ``y`` into ``out``: ``y / (s_l R)`` (0 where
         ``v_f == 0``), or ``y / c_l`` with the paper's exchange (the exchange variant's).
         ``descend`` (the preconditioned exchange): the update of ``y``, a
-        :class:`compressed_opt.cuda.Descend`, run in the same pass."""
+        :class:`compressed_opt.cuda.Descend`, run in the same pass; then the
+        :class:`compressed_opt.cuda.KeptMomentum` of ``out`` where the pass formed it from the
+        result's rows (else ``None``)."""
         factors = self._applied_exchange_factors(bucket)
         if descend is None:
             self.exchange_variant.momentum_from_exchange(self, bucket, y, out, factors)
-        else:
-            self.exchange_variant.momentum_and_update_(self, bucket, y, out, factors, descend)
+            return None
+        return self.exchange_variant.momentum_and_update_(self, bucket, y, out, factors, descend)
 
     def _load_extra_state(self, extra):
         self._load_tracking_of(extra)

@@ -61,7 +61,7 @@ from .addresses import addressable as plain_memory
 from .addresses import Destinations, Sources, library_allowed, readable_in_place
 from .direction_norms import direction_sumsq
 from .sumsq import sumsq_each, sumsq_native_
-from .update import CompressedResult, Descend, divide_descend_, rows_keep_descend_
+from .update import CompressedResult, Descend, KeptMomentum, divide_descend_, rows_keep_descend_
 
 __all__ = [
     "compress_rows_",
@@ -91,6 +91,7 @@ __all__ = [
     "divide_where_nonzero_",
     "Descend",
     "CompressedResult",
+    "KeptMomentum",
     "divide_descend_",
     "rows_keep_descend_",
     "lamb_passes",

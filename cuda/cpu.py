@@ -252,6 +252,9 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.co_lerp_scale_clamp_compress_sources.argtypes = [p, p, p, f32, p, p, p, p, i64, p, p, i64, i64, i64, i64,
                                                          i64]
     lib.co_lerp_scale_clamp_compress_sources.restype = None
+    lib.co_lerp_scale_clamp_compress_kept.argtypes = [p, i64, p, p, p, f32, p, p, p, p, i64, p, p, i64, i64, i64,
+                                                      i64, i64]
+    lib.co_lerp_scale_clamp_compress_kept.restype = None
     lib.co_zero_momentum_compress_rows.argtypes = [p, p, p, p, p, p, p, i64, p, p, i64, i64, i64, i64]
     lib.co_zero_local_momentum.argtypes = [p, i64, i64, i64, p, p, p, p, p, p, i64, p]
     lib.co_zero_momentum_compress_rows.restype = None

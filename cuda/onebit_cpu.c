@@ -340,6 +340,68 @@ void co_lerp_scale_clamp_compress_sources(const int64_t *srcs, const float *x, c
     compress_each_row(NULL, error, rows, row_stride, world, chunk, block, n, lsc_compensate_any, &pass);
 }
 
+/*
+ * The same pass with m not read but formed from the last result's kept rows, as the update that
+ * wrote it formed it: m = (y / r) / v_s (0 where r == 0; divisors == NULL: v_s = 1), y decompressed
+ * tile by tile into the stack (next_tile; prev: world rows of chunk elements, prev_stride bytes
+ * apart, in the compression's geometry). Where m is what co_rows_divide_zero_descend wrote from
+ * those rows, bit for bit co_lerp_scale_clamp_compress_sources (srcs == NULL: _rows) on m, with the
+ * rows (1/32 of a stream) read in place of m.
+ */
+struct co_lsc_kept {
+    struct co_lsc lsc;
+    const uint8_t *prev;
+    int64_t prev_stride, chunk, block, n;
+    const double *divisors;
+};
+
+static void lsc_kept_compensate(void *pass, int64_t lo, int64_t len, float *error) {
+    struct co_lsc_kept *q = (struct co_lsc_kept *)pass;
+    struct co_lsc *p = &q->lsc;
+    const int small = p->w < 0.5f && p->w > -0.5f;
+    const float w = p->w, wc = 1.0f - p->w;
+    float tile[CO_TILE];
+    const int64_t end = lo + len;
+    int64_t s = p->seg;
+    for (int64_t k0 = lo; k0 < end;) {
+        const int64_t stop_tile = k0 + next_tile(q->prev, q->prev_stride, q->chunk, q->block, k0, q->n, tile);
+        for (int64_t k = k0; k < stop_tile;) {
+            const int64_t stop = segment_piece(p->off, p->nseg, &s, k, stop_tile), n = stop - k;
+            float *restrict e = error + (k - lo);
+            if (s >= p->nseg) { /* past the segments: x as it is */
+                const float *restrict xs = p->x + k;
+                for (int64_t i = 0; i < n; ++i) e[i] = xs[i] + e[i];
+                k = stop;
+                continue;
+            }
+            const float *restrict xs = p->srcs ? (const float *)(intptr_t)p->srcs[s] + (k - p->off[s]) : p->x + k;
+            const float *restrict rs = p->r + k, *restrict ys = tile + (k - k0);
+            const float b = (float)p->bounds[s], nb = -b, c = p->scales ? (float)p->scales[s] : 1.0f,
+                        v = q->divisors ? (float)q->divisors[s] : 1.0f;
+            if (small) {
+                for (int64_t i = 0; i < n; ++i)
+                    e[i] = lsc_small(xs[i], quotient_or_zero(ys[i], rs[i]) / v, w, rs[i], c, b, nb) + e[i];
+            } else {
+                for (int64_t i = 0; i < n; ++i)
+                    e[i] = lsc_large(xs[i], quotient_or_zero(ys[i], rs[i]) / v, wc, rs[i], c, b, nb) + e[i];
+            }
+            k = stop;
+        }
+        k0 = stop_tile;
+    }
+    p->seg = s;
+}
+
+void co_lerp_scale_clamp_compress_kept(const uint8_t *prev, int64_t prev_stride, const double *divisors,
+                                       const int64_t *srcs, const float *x, float w, const float *r,
+                                       const double *bounds, const double *scales, const int64_t *off, int64_t nseg,
+                                       float *error, uint8_t *rows, int64_t row_stride, int64_t world, int64_t chunk,
+                                       int64_t block, int64_t n) {
+    struct co_lsc_kept pass = {{x, NULL, r, srcs, w, bounds, scales, off, nseg, 0}, prev, prev_stride, chunk, block, n,
+                               divisors};
+    compress_each_row(NULL, error, rows, row_stride, world, chunk, block, n, lsc_kept_compensate, &pass);
+}
+
 /* x[0, m_n) <- lerp(m, x, w) (torch.lerp's formulas, as this compiler contracts them), then
  * co_compress_rows(x, error, ...), in one pass over memory as co_lerp_scale_clamp_compress_rows (x
  * only read). */

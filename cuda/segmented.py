@@ -193,17 +193,20 @@ class LerpScaleClamp:
     that compression (:meth:`compress_rows_`) and never travels to memory; anywhere else, the caller
     runs it alone first (:meth:`apply_`). The arguments are kept, not copied: they must not change
     before the pass runs. ``sources`` (one tensor per segment): ``x``'s segments, not gathered yet
-    (:meth:`apply_` gathers them first)."""
+    (:meth:`apply_` gathers them first). ``kept`` (a :class:`~compressed_opt.cuda.update.KeptMomentum`
+    of ``m``): the fused C pass forms ``m`` from the last result's kept rows instead of reading it,
+    where that object says it still may (the same bits; the rows are 1/32 of ``m``'s bytes)."""
 
     sources = None
+    kept = None
 
     def __init__(self, x: torch.Tensor, m: torch.Tensor, weight: float, r: torch.Tensor, bounds,
-                 segments: Segments, scales=None, sources: list | None = None):
+                 segments: Segments, scales=None, sources: list | None = None, kept=None):
         _check(segments, x, m, r)
         if sources is not None and (len(sources) != len(segments) or any(s is None for s in sources)):
             raise ValueError(f"one source tensor per segment is needed ({len(segments)})")
         self.x, self.m, self.weight, self.r = x, m, float(weight), r
-        self.bounds, self.segments, self.scales, self.sources = bounds, segments, scales, sources
+        self.bounds, self.segments, self.scales, self.sources, self.kept = bounds, segments, scales, sources, kept
 
     def apply_(self) -> None:
         """Run the pass on its ``x``, alone (its sources gathered into ``x`` first)."""
@@ -248,13 +251,22 @@ class LerpScaleClamp:
                                              chunk, block, n)
             return True
         c, cp = (None, None) if self.scales is None else _c_doubles(self.scales, nseg)
+        addresses = None if self.sources is None else source_addresses(self.sources, self.segments.sizes)
+        kept = self.kept
+        if (kept is not None and self.m is not None
+                and kept.usable(self.m, self.r, self.segments, rows.shape[0], chunk, block)):
+            lib.co_lerp_scale_clamp_compress_kept(
+                kept.rows.data_ptr(), kept.rows.stride(0), kept.divisors_address,
+                None if addresses is None else addresses.data_ptr(), x.data_ptr(), self.weight, self.r.data_ptr(), bp,
+                cp, self.segments.offsets.data_ptr(), nseg, error.data_ptr(), rows.data_ptr(), rows.stride(0),
+                rows.shape[0], chunk, block, n)
+            return True
         args = (x.data_ptr(), None if self.m is None else self.m.data_ptr(), self.weight, self.r.data_ptr(), bp, cp,
                 self.segments.offsets.data_ptr(), nseg, error.data_ptr(), rows.data_ptr(), rows.stride(0),
                 rows.shape[0], chunk, block, n)
         if self.sources is None:
             lib.co_lerp_scale_clamp_compress_rows(*args)
         else:
-            addresses = source_addresses(self.sources, self.segments.sizes)
             lib.co_lerp_scale_clamp_compress_sources(addresses.data_ptr(), *args)
         return True
 

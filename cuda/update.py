@@ -19,7 +19,11 @@ the update it makes, in one pass over memory (docs/design.md 2.3.1).
 
 ``y`` may also be a :class:`CompressedResult`, the 1-bit rows a compressed allreduce's result
 travelled as: the C pass then decompresses them tile by tile into the stack (``y`` never travels to
-memory), where the other passes decompress them into the result's buffer first.
+memory), where the other passes decompress them into the result's buffer first. Where it did,
+:func:`divide_descend_` returns a :class:`KeptMomentum`: the momentum it wrote is ``(y / r) /
+divisors`` of those rows, so the next local momentum's pass may form it from them instead of
+reading it (:class:`~compressed_opt.cuda.segmented.LerpScaleClamp`'s ``kept``), as long as neither
+the rows nor the momentum changed.
 
 It is :func:`~compressed_opt.cuda.segmented.divide_where_nonzero_` then :func:`compose_descend_`, bit
 for bit: on contiguous fp32 CPU tensors ``zero_cpu.c`` runs both in one loop (``y``, ``r`` and each
@@ -34,7 +38,7 @@ from __future__ import annotations
 import torch
 
 from . import cpu, reference
-from .addresses import destination_addresses
+from .addresses import destination_addresses, source_addresses
 from .segmented import Segments, _c_doubles, _check, _native, divide_where_nonzero_
 
 
@@ -73,6 +77,33 @@ class Descend:
         self.decay, self.alpha = float(decay), float(alpha)
 
 
+class KeptMomentum:
+    """A momentum ``out`` that :func:`divide_descend_` wrote from a result's rows: ``out = (y / r) /
+    divisors[s]`` (0 where ``r == 0``), ``y`` the values of ``rows``. :meth:`usable` says whether a
+    pass may still form ``out`` from the rows in place of reading it: ``out`` not written since (its
+    version counter, which every PyTorch in-place write moves, and its memory), the same ``r``, and
+    the rows unchanged, which only their owner knows (it drops this object when it writes them)."""
+
+    def __init__(self, rows: torch.Tensor, chunk: int, block: int, r: torch.Tensor, out: torch.Tensor,
+                 segments: Segments, divisors):
+        self.rows, self.chunk, self.block, self.r, self.segments = rows, chunk, block, r, segments
+        self.divisors = None if divisors is None else _c_doubles(divisors, len(segments))  # (kept alive here)
+        self._out = (out.data_ptr(), out._version, out.numel())
+
+    @property
+    def divisors_address(self):
+        return None if self.divisors is None else self.divisors[1]
+
+    def usable(self, m: torch.Tensor, r: torch.Tensor, segments: Segments, world: int, chunk: int,
+               block: int) -> bool:
+        """Whether ``m`` is still this momentum, for a compression of ``world`` rows of ``chunk``
+        elements in blocks of ``block`` over ``segments`` (the rows' geometry), and the native pass
+        forms it as the update did here (:func:`kept_compress_agrees`)."""
+        return (self._out == (m.data_ptr(), m._version, m.numel()) and r is self.r and segments is self.segments
+                and self.rows.shape[0] == world and self.chunk == chunk and self.block == block
+                and kept_compress_agrees())
+
+
 def compose_descend_(y: torch.Tensor, r: torch.Tensor, eps: float, coeffs, factors, dests: list,
                      segments: Segments, decay: float, alpha: float, zero_index: torch.Tensor | None = None) -> None:
     """The update's composition (the layouts', and the oracle of the native passes): ``y`` <- ``(y /
@@ -101,12 +132,14 @@ def zero_where_no_variance(y: torch.Tensor, r: torch.Tensor, n: int, zero_index:
 
 
 def divide_descend_(y, r: torch.Tensor, out: torch.Tensor, segments: Segments, divisors, descend: Descend,
-                    zero_index: torch.Tensor | None = None) -> None:
+                    zero_index: torch.Tensor | None = None) -> KeptMomentum | None:
     """``out <- y / r`` (0 where ``r == 0``; then ``/ divisors[s]`` on segment ``s`` unless
     ``divisors`` is ``None``) and ``descend`` (the module doc), over the segments' elements of the
     flat ``y``, ``r`` and ``out`` (``out`` not ``y``; ``y`` overwritten where the two passes run).
     ``y``: a flat tensor, or a :class:`CompressedResult` (decompressed into its buffer first where
-    the C pass cannot run). ``zero_index``: as for :func:`divide_where_nonzero_` (the mask)."""
+    the C pass cannot run). ``zero_index``: as for :func:`divide_where_nonzero_` (the mask).
+    Returns a :class:`KeptMomentum` where the C pass formed ``out`` from the result's rows, else
+    ``None``."""
     if len(descend.dests) != len(segments):
         raise ValueError(f"one destination per segment is needed ({len(segments)}), got {len(descend.dests)}")
     compressed = isinstance(y, CompressedResult)
@@ -129,13 +162,14 @@ def divide_descend_(y, r: torch.Tensor, out: torch.Tensor, segments: Segments, d
         divide_where_nonzero_(y[:n], r[:n], out[:n], zero_index, *with_divisors)
         compose_descend_(y, r, descend.eps, descend.coeffs, descend.factors, descend.dests, segments, descend.decay,
                          descend.alpha, zero_index)
-        return
+        return None
     tail = (descend.eps, c[1], f[1], segments.offsets.data_ptr(), nseg, addresses.data_ptr(), descend.decay,
             descend.decay != 1.0, descend.alpha, out.data_ptr(), None if v is None else v[1])
-    if compressed:
-        lib.co_rows_divide_zero_descend(y.rows.data_ptr(), y.rows.stride(0), y.chunk, y.block, r.data_ptr(), *tail)
-    else:
+    if not compressed:
         lib.co_divide_zero_descend(y.data_ptr(), r.data_ptr(), *tail)
+        return None
+    lib.co_rows_divide_zero_descend(y.rows.data_ptr(), y.rows.stride(0), y.chunk, y.block, r.data_ptr(), *tail)
+    return KeptMomentum(y.rows, y.chunk, y.block, r, out, segments, divisors)
 
 
 _divide_descend: list = []  # [whether the stage-0 update passes gave the composition's bits here]
@@ -175,6 +209,60 @@ def _divide_descend_check(lib) -> bool:
                 lib.co_rows_divide_zero_descend(rows.data_ptr(), rows.stride(0), chunk, block, r.data_ptr(), *tail)
             ok = ok and torch.equal(m.view(torch.int32), m_expected.view(torch.int32)) and all(
                 torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(mine, expected))
+    return ok
+
+
+_kept_compress: list = []  # [whether the local momentum's pass forms m from kept rows as the update wrote it]
+
+
+def kept_compress_agrees() -> bool:
+    """Whether ``co_lerp_scale_clamp_compress_kept`` (the local momentum's pass with ``m`` formed
+    from the last result's kept rows) gives, on this machine, the bits of the same pass reading the
+    ``m`` that ``co_rows_divide_zero_descend`` wrote from those rows: checked once per process at
+    first use (segments with and without vector tails, an empty one, ``r == 0``, both of
+    ``torch.lerp``'s formulas, with and without divisors, the gradients gathered and where they lie)."""
+    if not _kept_compress:
+        lib = cpu.library()
+        _kept_compress.append(lib is not None and divide_descend_agrees() and _kept_compress_check(lib))
+    return _kept_compress[0]
+
+
+def _kept_compress_check(lib) -> bool:
+    g, segs, chunk, block, prev, _ = check_case(43)
+    sizes, n, nseg, world, ok = segs.sizes, segs.numel, len(segs), prev.shape[0], True
+    r = torch.rand(n, generator=g) * 3
+    r[::9] = 0.0
+    ones = _c_doubles([1.0] * nseg, nseg)
+    bounds = _c_doubles([0.5 + 0.25 * i for i in range(nseg)], nseg)
+    scales = _c_doubles([1.0 + 0.1 * i for i in range(nseg)], nseg)
+    x = torch.randn(n, generator=g)
+    grads = [t.clone() for t in segs.split(x)]
+    sources = source_addresses(grads, sizes)
+    for weight, divisors in ((0.1, None), (0.9, [1.0 + 0.05 * i for i in range(nseg)])):
+        v = None if divisors is None else _c_doubles(divisors, nseg)
+        m, params = torch.full((n,), 7.0), [torch.zeros(k) for k in sizes]
+        dests = destination_addresses(params, sizes)  # (alive through the call)
+        lib.co_rows_divide_zero_descend(prev.data_ptr(), prev.stride(0), chunk, block, r.data_ptr(), 1e-3, ones[1],
+                                        ones[1], segs.offsets.data_ptr(), nseg, dests.data_ptr(), 1.0, 0, -1e-3,
+                                        m.data_ptr(), None if v is None else v[1])
+        start = torch.randn(n, generator=g)
+        for srcs in (None, sources):
+            outs = []
+            for kept in (False, True):
+                error, rows = start.clone(), torch.zeros_like(prev)
+                tail = (bounds[1], scales[1], segs.offsets.data_ptr(), nseg, error.data_ptr(), rows.data_ptr(),
+                        rows.stride(0), world, chunk, block, n)
+                if kept:
+                    lib.co_lerp_scale_clamp_compress_kept(prev.data_ptr(), prev.stride(0), None if v is None else v[1],
+                                                          None if srcs is None else srcs.data_ptr(), x.data_ptr(),
+                                                          weight, r.data_ptr(), *tail)
+                elif srcs is None:
+                    lib.co_lerp_scale_clamp_compress_rows(x.data_ptr(), m.data_ptr(), weight, r.data_ptr(), *tail)
+                else:
+                    lib.co_lerp_scale_clamp_compress_sources(srcs.data_ptr(), x.data_ptr(), m.data_ptr(), weight,
+                                                             r.data_ptr(), *tail)
+                outs.append((error.view(torch.int32), rows))
+            ok = ok and all(torch.equal(a, b) for a, b in zip(*outs))
     return ok
 
 
