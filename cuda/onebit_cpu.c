@@ -353,43 +353,39 @@ struct co_lsc_kept {
     const uint8_t *prev;
     int64_t prev_stride, chunk, block, n;
     const double *divisors;
+    float *error; /* the error of element lo, while a block is compensated */
+    int64_t lo;
 };
+
+static void lsc_kept_span(void *pass, const float *restrict ys, int64_t k, int64_t stop, int64_t s) {
+    const struct co_lsc_kept *q = (const struct co_lsc_kept *)pass;
+    const struct co_lsc *p = &q->lsc;
+    const int64_t n = stop - k;
+    float *restrict e = q->error + (k - q->lo);
+    if (s >= p->nseg) { /* past the segments: x as it is */
+        const float *restrict xs = p->x + k;
+        for (int64_t i = 0; i < n; ++i) e[i] = xs[i] + e[i];
+        return;
+    }
+    const float *restrict xs = p->srcs ? (const float *)(intptr_t)p->srcs[s] + (k - p->off[s]) : p->x + k;
+    const float *restrict rs = p->r + k;
+    const float b = (float)p->bounds[s], nb = -b, c = p->scales ? (float)p->scales[s] : 1.0f,
+                v = q->divisors ? (float)q->divisors[s] : 1.0f, w = p->w, wc = 1.0f - p->w;
+    if (w < 0.5f && w > -0.5f) {
+        for (int64_t i = 0; i < n; ++i)
+            e[i] = lsc_small(xs[i], quotient_or_zero(ys[i], rs[i]) / v, w, rs[i], c, b, nb) + e[i];
+    } else {
+        for (int64_t i = 0; i < n; ++i)
+            e[i] = lsc_large(xs[i], quotient_or_zero(ys[i], rs[i]) / v, wc, rs[i], c, b, nb) + e[i];
+    }
+}
 
 static void lsc_kept_compensate(void *pass, int64_t lo, int64_t len, float *error) {
     struct co_lsc_kept *q = (struct co_lsc_kept *)pass;
-    struct co_lsc *p = &q->lsc;
-    const int small = p->w < 0.5f && p->w > -0.5f;
-    const float w = p->w, wc = 1.0f - p->w;
-    float tile[CO_TILE];
-    const int64_t end = lo + len;
-    int64_t s = p->seg;
-    for (int64_t k0 = lo; k0 < end;) {
-        const int64_t stop_tile = k0 + next_tile(q->prev, q->prev_stride, q->chunk, q->block, k0, q->n, tile);
-        for (int64_t k = k0; k < stop_tile;) {
-            const int64_t stop = segment_piece(p->off, p->nseg, &s, k, stop_tile), n = stop - k;
-            float *restrict e = error + (k - lo);
-            if (s >= p->nseg) { /* past the segments: x as it is */
-                const float *restrict xs = p->x + k;
-                for (int64_t i = 0; i < n; ++i) e[i] = xs[i] + e[i];
-                k = stop;
-                continue;
-            }
-            const float *restrict xs = p->srcs ? (const float *)(intptr_t)p->srcs[s] + (k - p->off[s]) : p->x + k;
-            const float *restrict rs = p->r + k, *restrict ys = tile + (k - k0);
-            const float b = (float)p->bounds[s], nb = -b, c = p->scales ? (float)p->scales[s] : 1.0f,
-                        v = q->divisors ? (float)q->divisors[s] : 1.0f;
-            if (small) {
-                for (int64_t i = 0; i < n; ++i)
-                    e[i] = lsc_small(xs[i], quotient_or_zero(ys[i], rs[i]) / v, w, rs[i], c, b, nb) + e[i];
-            } else {
-                for (int64_t i = 0; i < n; ++i)
-                    e[i] = lsc_large(xs[i], quotient_or_zero(ys[i], rs[i]) / v, wc, rs[i], c, b, nb) + e[i];
-            }
-            k = stop;
-        }
-        k0 = stop_tile;
-    }
-    p->seg = s;
+    q->error = error;
+    q->lo = lo;
+    walk_rows_range(q->prev, q->prev_stride, q->chunk, q->block, q->n, q->lsc.off, q->lsc.nseg, &q->lsc.seg, lo,
+                    lo + len, lsc_kept_span, q);
 }
 
 void co_lerp_scale_clamp_compress_kept(const uint8_t *prev, int64_t prev_stride, const double *divisors,
@@ -398,7 +394,7 @@ void co_lerp_scale_clamp_compress_kept(const uint8_t *prev, int64_t prev_stride,
                                        float *error, uint8_t *rows, int64_t row_stride, int64_t world, int64_t chunk,
                                        int64_t block, int64_t n) {
     struct co_lsc_kept pass = {{x, NULL, r, srcs, w, bounds, scales, off, nseg, 0}, prev, prev_stride, chunk, block, n,
-                               divisors};
+                               divisors, NULL, 0};
     compress_each_row(NULL, error, rows, row_stride, world, chunk, block, n, lsc_kept_compensate, &pass);
 }
 
@@ -507,18 +503,23 @@ void co_decompress_rows(const uint8_t *rows, int64_t row_stride, int64_t nrows, 
     }
 }
 
-CO_INTERNAL void walk_result_rows(const uint8_t *rows, int64_t row_stride, int64_t chunk, int64_t block,
-                                  const int64_t *off, int64_t nseg, co_result_span span, void *pass) {
-    const int64_t n = off[nseg];
+CO_INTERNAL void walk_rows_range(const uint8_t *rows, int64_t row_stride, int64_t chunk, int64_t block, int64_t n,
+                                 const int64_t *off, int64_t nseg, int64_t *seg, int64_t lo, int64_t end,
+                                 co_result_span span, void *pass) {
     float tile[CO_TILE];
-    int64_t s = 0;
-    for (int64_t k0 = 0; k0 < n;) {
-        const int64_t end = k0 + next_tile(rows, row_stride, chunk, block, k0, n, tile);
-        for (int64_t k = k0; k < end;) {
-            const int64_t stop = segment_piece(off, nseg, &s, k, end);
-            span(pass, tile + (k - k0), k, stop, s);
+    for (int64_t k0 = lo; k0 < end;) {
+        const int64_t stop_tile = k0 + min64(next_tile(rows, row_stride, chunk, block, k0, n, tile), end - k0);
+        for (int64_t k = k0; k < stop_tile;) {
+            const int64_t stop = segment_piece(off, nseg, seg, k, stop_tile);
+            span(pass, tile + (k - k0), k, stop, *seg);
             k = stop;
         }
-        k0 = end;
+        k0 = stop_tile;
     }
+}
+
+CO_INTERNAL void walk_result_rows(const uint8_t *rows, int64_t row_stride, int64_t chunk, int64_t block,
+                                  const int64_t *off, int64_t nseg, co_result_span span, void *pass) {
+    int64_t s = 0;
+    walk_rows_range(rows, row_stride, chunk, block, off[nseg], off, nseg, &s, 0, off[nseg], span, pass);
 }

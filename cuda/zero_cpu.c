@@ -25,6 +25,8 @@ struct co_zlm {
     const int64_t *off;
     int64_t nseg, seg;
     int add; /* 1: added to the error (the compression's compensation); 0: stored (the pass alone) */
+    float *error; /* the error (or x) of element lo, while a block is compensated */
+    int64_t lo;
 };
 
 /* v, or +0 where r == 0 (masked with integer operations: a form compilers vectorize). */
@@ -64,24 +66,20 @@ CO_EXACT static void zlm_span(const float *restrict t, const float *restrict r, 
 }
 #undef ZLM_LOOP
 
+static void zlm_piece(void *pass, const float *t, int64_t k, int64_t stop, int64_t s) {
+    const struct co_zlm *p = (const struct co_zlm *)pass;
+    const float *g = p->srcs[s] ? (const float *)(intptr_t)p->srcs[s] + (k - p->off[s]) : NULL;
+    zlm_span(t, p->r ? p->r + k : NULL, g, p->error + (k - p->lo), stop - k, (float)p->keep[s], (float)p->gain[s],
+             p->bounds ? (float)p->bounds[s] : 0.0f, p->add);
+}
+
 /* error[0, len) <- x + error over the flat buffer's elements [lo, lo + len) (co_compensate). */
 static void zlm_compensate(void *pass, int64_t lo, int64_t len, float *error) {
     struct co_zlm *p = (struct co_zlm *)pass;
-    float tile[CO_TILE];
-    const int64_t end = lo + len;
-    int64_t s = p->seg;
-    for (int64_t k0 = lo; k0 < end;) {
-        const int64_t stop_tile = k0 + next_tile(p->prev, p->row_stride, p->chunk, p->block, k0, p->n, tile);
-        for (int64_t k = k0; k < stop_tile;) {
-            const int64_t stop = segment_piece(p->off, p->nseg, &s, k, stop_tile);
-            const float *g = p->srcs[s] ? (const float *)(intptr_t)p->srcs[s] + (k - p->off[s]) : NULL;
-            zlm_span(tile + (k - k0), p->r ? p->r + k : NULL, g, error + (k - lo), stop - k, (float)p->keep[s],
-                     (float)p->gain[s], p->bounds ? (float)p->bounds[s] : 0.0f, p->add);
-            k = stop;
-        }
-        k0 = stop_tile;
-    }
-    p->seg = s;
+    p->error = error;
+    p->lo = lo;
+    walk_rows_range(p->prev, p->row_stride, p->chunk, p->block, p->n, p->off, p->nseg, &p->seg, lo, lo + len,
+                    zlm_piece, p);
 }
 
 /*
@@ -94,7 +92,7 @@ void co_zero_momentum_compress_rows(const uint8_t *prev, const float *r, const i
                                     float *error, uint8_t *rows, int64_t row_stride, int64_t world, int64_t chunk,
                                     int64_t block) {
     const int64_t n = off[nseg];
-    struct co_zlm pass = {prev, row_stride, chunk, block, n, r, srcs, keep, gain, bounds, off, nseg, 0, 1};
+    struct co_zlm pass = {prev, row_stride, chunk, block, n, r, srcs, keep, gain, bounds, off, nseg, 0, 1, NULL, 0};
     compress_each_row(NULL, error, rows, row_stride, world, chunk, block, n, zlm_compensate, &pass);
 }
 
@@ -109,7 +107,7 @@ void co_zero_local_momentum(const uint8_t *prev, int64_t row_stride, int64_t chu
                             const int64_t *srcs, const double *keep, const double *gain, const double *bounds,
                             const int64_t *off, int64_t nseg, float *x) {
     const int64_t n = off[nseg];
-    struct co_zlm pass = {prev, row_stride, chunk, block, n, r, srcs, keep, gain, bounds, off, nseg, 0, 0};
+    struct co_zlm pass = {prev, row_stride, chunk, block, n, r, srcs, keep, gain, bounds, off, nseg, 0, 0, NULL, 0};
     zlm_compensate(&pass, 0, n, x);
 }
 
