@@ -197,6 +197,12 @@ class Layout:
         :meth:`keep_momentum`; ``None`` where the layout keeps none (ZeRO: the exchange's rows)."""
         return None
 
+    def keep_momentum_rows(self, opt, bucket: Bucket, kept) -> None:
+        """:meth:`whole_momentum` was just formed from the result's kept rows: ``kept`` (a
+        :class:`compressed_opt.cuda.KeptMomentum`, or ``None``) says how, so that the next local
+        momentum's pass may form it from them instead of reading it. A layout whose momentum is
+        its rows ignores it."""
+
     def layer_maxima(self, opt, bucket: Bucket, values: torch.Tensor) -> list[float]:
         """Per layer, the maximum of ``values`` (this rank's part of a per-element quantity, >= 0)
         over every rank's part, the same on every rank; 1.0 for an empty layer."""
@@ -385,7 +391,12 @@ class Replicated(Layout):
         of the bytes) unless ``m`` or the rows changed since."""
         kept = opt.momentum_from_exchange(bucket, self.exchanged(opt, bucket, y), out=bucket.flat("exp_avg"),
                                           descend=opt.preconditioned_descend(bucket, decay, alpha))
-        if kept is not None:
+        self.keep_momentum_rows(opt, bucket, kept)
+
+    def keep_momentum_rows(self, opt, bucket, kept):
+        if kept is None:
+            bucket.derived.pop("momentum_rows", None)
+        else:
             bucket.derived["momentum_rows"] = kept
 
     def update_masters(self, opt, bucket, step, decay, delta, alpha=1.0):

@@ -71,9 +71,9 @@ always-zero input, unused embedding rows) get no momentum step in the compressio
 compression cannot send a 0, and ``scale / eps`` would throw them far away.
 
 The exchange (local momentum, scaling, compressed allreduce) is ``_bucket_communicate``, so with
-``overlap=True`` it runs during backward; ``step()`` does the rest: on CPU with the whole state on
-the rank, in two native passes (:mod:`compressed_opt.cuda.lamb_passes`, docs/design.md 2.4.2). The
-warmup's moments and direction run in two native passes on CPU too (:mod:`compressed_opt.cuda.lamb_warmup`).
+``overlap=True`` it runs during backward; ``step()`` does the rest: on CPU with the whole state on the
+rank, in two native passes (:mod:`compressed_opt.cuda.lamb_passes`, docs/design.md 2.4.2; so does the
+warmup, :mod:`compressed_opt.cuda.lamb_warmup`).
 
 With ``zero_stage=1 | 2`` the state is sharded as for :class:`OnebitAdam`
 (:mod:`compressed_opt.zero`): in warmup rank ``j`` keeps chunk ``j`` of ``m`` and ``v`` and
@@ -84,10 +84,9 @@ the frozen denominator and the 1-bit rows of the momentum and updates its whole 
 ``j`` keeps chunk ``j`` of the fresh variance, and the factor's per-layer maximum is one
 all-gather of a float per layer.
 
-Per-layer scalars live in ``optimizer.state[p]`` as Python floats (so checkpoints keep them
-exactly): ``trust_ratio_ema``, ``trust_ratio_updates``, ``trust_ratio_frozen``,
-``scaling_coeff``, ``last_factor`` and ``lamb_coeff`` (the coefficient the last step applied: ``r``
-in warmup, then the live one or ``r_f factor``).
+Per-layer scalars live in ``optimizer.state[p]`` as Python floats (so checkpoints keep them exactly):
+``trust_ratio_ema``, ``trust_ratio_updates``, ``trust_ratio_frozen``, ``scaling_coeff``, ``last_factor`` and
+``lamb_coeff`` (the coefficient the last step applied: ``r`` in warmup, then the live one or ``r_f factor``).
 """
 from __future__ import annotations
 
@@ -381,6 +380,7 @@ class OnebitLamb(_FreezingAdam):
             r, divisors = self.exchange_variant.momentum_divisors(self, bucket)
             maxima = passes.variance_maxima_(y, r, divisors, m, self.layout.state(self, bucket, "exp_avg_sq_fresh"),
                                              denom, bucket.segments, beta1, beta2, bc2_sqrt, eps)
+            self.layout.keep_momentum_rows(self, bucket, passes.kept_momentum(y, r, divisors, m, bucket.segments))
         coeffs = self._compression_coeffs(params, group, self._local_shards.whole_layer_maxima(params, maxima))
         buffer = y.buffer if isinstance(y, kernels.CompressedResult) else y  # (free after the first pass)
         if self.trust_ratio == "live":

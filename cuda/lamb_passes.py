@@ -50,7 +50,7 @@ import torch
 from . import cpu
 from .addresses import addressable, destination_addresses, plain_cpu_floats
 from .segmented import Segments, _c_doubles, _check, _library_allowed
-from .update import CompressedResult
+from .update import CompressedResult, KeptMomentum, kept_pass_agrees
 
 
 def ready(tensors: list, params: list, segments: Segments) -> bool:
@@ -165,6 +165,35 @@ def compose_descend_(params: list, m, denom, segments: Segments, decays, alphas)
 MAXIMA_TOLERANCE = 2.0**-20
 
 _agreement: list = []  # [whether the native passes gave the composition's bits here]
+
+
+def kept_momentum(y, r: torch.Tensor | None, divisors, m: torch.Tensor, segments: Segments):
+    """After :func:`variance_maxima_` formed ``m = y / R`` (the preconditioned exchange: no
+    divisors) from a result's rows: the :class:`~compressed_opt.cuda.update.KeptMomentum` of ``m``,
+    so that the next local momentum's pass may form it from those rows instead of reading it (the
+    same bits: checked once per process, :func:`kept_agrees`); else ``None``."""
+    if not isinstance(y, CompressedResult) or r is None or divisors is not None:
+        return None
+    return KeptMomentum(y.rows, y.chunk, y.block, r, m, segments, None, agrees=kept_agrees)
+
+
+_kept_agreement: list = []
+
+
+def kept_agrees() -> bool:
+    """Whether the local momentum's pass forms, from a result's rows, the ``m`` pass 1 wrote from
+    them (:func:`~compressed_opt.cuda.update.kept_pass_agrees`), checked once per process."""
+    if not _kept_agreement:
+        lib = cpu.library()
+        _kept_agreement.append(lib is not None and _agrees(lib) and kept_pass_agrees(lib, _write_m, False))
+    return _kept_agreement[0]
+
+
+def _write_m(lib, prev, chunk, block, r, segments, divisors, m) -> None:
+    n = segments.numel
+    v, denom = torch.rand(n) * 1e-3, torch.rand(n) * 1e-2 + 1e-8
+    variance_maxima_(CompressedResult(prev, chunk, block, torch.empty(n)), r, divisors, m, v, denom, segments, 0.9,
+                     0.999, 0.0316, 1e-8)
 
 
 def _agrees(lib) -> bool:

@@ -85,10 +85,13 @@ class KeptMomentum:
     the rows unchanged, which only their owner knows (it drops this object when it writes them)."""
 
     def __init__(self, rows: torch.Tensor, chunk: int, block: int, r: torch.Tensor, out: torch.Tensor,
-                 segments: Segments, divisors):
+                 segments: Segments, divisors, agrees=None):
         self.rows, self.chunk, self.block, self.r, self.segments = rows, chunk, block, r, segments
         self.divisors = None if divisors is None else _c_doubles(divisors, len(segments))  # (kept alive here)
         self._out = (out.data_ptr(), out._version, out.numel())
+        #: whether the pass that wrote ``out`` and the one that forms it from the rows agree here
+        #: (checked once per process; :func:`kept_compress_agrees` for :func:`divide_descend_`'s)
+        self.agrees = kept_compress_agrees if agrees is None else agrees
 
     @property
     def divisors_address(self):
@@ -98,10 +101,9 @@ class KeptMomentum:
                block: int) -> bool:
         """Whether ``m`` is still this momentum, for a compression of ``world`` rows of ``chunk``
         elements in blocks of ``block`` over ``segments`` (the rows' geometry), and the native pass
-        forms it as the update did here (:func:`kept_compress_agrees`)."""
+        forms it as the pass that wrote it did (:attr:`agrees`)."""
         return (self._out == (m.data_ptr(), m._version, m.numel()) and r is self.r and segments is self.segments
-                and self.rows.shape[0] == world and self.chunk == chunk and self.block == block
-                and kept_compress_agrees())
+                and self.rows.shape[0] == world and self.chunk == chunk and self.block == block and self.agrees())
 
 
 def compose_descend_(y: torch.Tensor, r: torch.Tensor, eps: float, coeffs, factors, dests: list,
@@ -219,32 +221,43 @@ def kept_compress_agrees() -> bool:
     """Whether ``co_lerp_scale_clamp_compress_kept`` (the local momentum's pass with ``m`` formed
     from the last result's kept rows) gives, on this machine, the bits of the same pass reading the
     ``m`` that ``co_rows_divide_zero_descend`` wrote from those rows: checked once per process at
-    first use (segments with and without vector tails, an empty one, ``r == 0``, both of
-    ``torch.lerp``'s formulas, with and without divisors, the gradients gathered and where they lie)."""
+    first use (:func:`kept_pass_agrees`)."""
     if not _kept_compress:
         lib = cpu.library()
-        _kept_compress.append(lib is not None and divide_descend_agrees() and _kept_compress_check(lib))
+        _kept_compress.append(lib is not None and divide_descend_agrees() and kept_pass_agrees(lib, _write_m, True))
     return _kept_compress[0]
 
 
-def _kept_compress_check(lib) -> bool:
+def _write_m(lib, prev, chunk, block, r, segments, divisors, m) -> None:
+    """``m`` <- ``(y / r) / divisors`` from the rows ``prev``, as the update writes it."""
+    nseg = len(segments)
+    ones, v = _c_doubles([1.0] * nseg, nseg), None if divisors is None else _c_doubles(divisors, nseg)
+    params = [torch.zeros(k) for k in segments.sizes]
+    dests = destination_addresses(params, segments.sizes)  # (alive through the call)
+    lib.co_rows_divide_zero_descend(prev.data_ptr(), prev.stride(0), chunk, block, r.data_ptr(), 1e-3, ones[1],
+                                    ones[1], segments.offsets.data_ptr(), nseg, dests.data_ptr(), 1.0, 0, -1e-3,
+                                    m.data_ptr(), None if v is None else v[1])
+
+
+def kept_pass_agrees(lib, write_m, divided: bool) -> bool:
+    """Whether the local momentum's pass gives the same bits with ``m`` formed from a result's rows
+    (``co_lerp_scale_clamp_compress_kept``) as reading the ``m`` that ``write_m(lib, rows, chunk,
+    block, r, segments, divisors, m)`` wrote from those rows: segments with and without vector
+    tails, an empty one, ``r == 0``, both of ``torch.lerp``'s formulas, with divisors (``divided``)
+    and without, the gradients gathered and where they lie."""
     g, segs, chunk, block, prev, _ = check_case(43)
     sizes, n, nseg, world, ok = segs.sizes, segs.numel, len(segs), prev.shape[0], True
     r = torch.rand(n, generator=g) * 3
     r[::9] = 0.0
-    ones = _c_doubles([1.0] * nseg, nseg)
     bounds = _c_doubles([0.5 + 0.25 * i for i in range(nseg)], nseg)
     scales = _c_doubles([1.0 + 0.1 * i for i in range(nseg)], nseg)
     x = torch.randn(n, generator=g)
     grads = [t.clone() for t in segs.split(x)]
     sources = source_addresses(grads, sizes)
-    for weight, divisors in ((0.1, None), (0.9, [1.0 + 0.05 * i for i in range(nseg)])):
+    for weight, divisors in ((0.1, None), (0.9, [1.0 + 0.05 * i for i in range(nseg)] if divided else None)):
         v = None if divisors is None else _c_doubles(divisors, nseg)
-        m, params = torch.full((n,), 7.0), [torch.zeros(k) for k in sizes]
-        dests = destination_addresses(params, sizes)  # (alive through the call)
-        lib.co_rows_divide_zero_descend(prev.data_ptr(), prev.stride(0), chunk, block, r.data_ptr(), 1e-3, ones[1],
-                                        ones[1], segs.offsets.data_ptr(), nseg, dests.data_ptr(), 1.0, 0, -1e-3,
-                                        m.data_ptr(), None if v is None else v[1])
+        m = torch.full((n,), 7.0)
+        write_m(lib, prev, chunk, block, r, segs, divisors, m)
         start = torch.randn(n, generator=g)
         for srcs in (None, sources):
             outs = []
