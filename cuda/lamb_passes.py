@@ -190,8 +190,10 @@ def kept_agrees() -> bool:
 
 
 def _write_m(lib, prev, chunk, block, r, segments, divisors, m) -> None:
-    n = segments.numel
-    v, denom = torch.rand(n) * 1e-3, torch.rand(n) * 1e-2 + 1e-8
+    """``m`` <- ``y / r`` from the rows ``prev``, as pass 1 writes it (its own generator: a check
+    at first use leaves the caller's random numbers alone)."""
+    n, g = segments.numel, torch.Generator().manual_seed(47)
+    v, denom = torch.rand(n, generator=g) * 1e-3, torch.rand(n, generator=g) * 1e-2 + 1e-8
     variance_maxima_(CompressedResult(prev, chunk, block, torch.empty(n)), r, divisors, m, v, denom, segments, 0.9,
                      0.999, 0.0316, 1e-8)
 

@@ -78,11 +78,14 @@ class Descend:
 
 
 class KeptMomentum:
-    """A momentum ``out`` that :func:`divide_descend_` wrote from a result's rows: ``out = (y / r) /
-    divisors[s]`` (0 where ``r == 0``), ``y`` the values of ``rows``. :meth:`usable` says whether a
-    pass may still form ``out`` from the rows in place of reading it: ``out`` not written since (its
-    version counter, which every PyTorch in-place write moves, and its memory), the same ``r``, and
-    the rows unchanged, which only their owner knows (it drops this object when it writes them)."""
+    """A momentum ``out`` that a pass wrote from a result's rows (:func:`divide_descend_`, 1-bit
+    LAMB's pass 1: :func:`compressed_opt.cuda.lamb_passes.kept_momentum`): ``out = (y / r) /
+    divisors[s]`` (0 where ``r == 0``; no divisors: ``y / r``), ``y`` the values of ``rows``.
+    :meth:`usable` says whether a pass may still form ``out`` from the rows in place of reading it:
+    ``out`` not written since (its version counter, which every PyTorch in-place write moves, and
+    its memory), the same ``r``, and the rows unchanged, which only their owner knows (it drops this
+    object when it writes them). A write that bypasses the version counter (``.data``, NumPy) is not
+    seen."""
 
     def __init__(self, rows: torch.Tensor, chunk: int, block: int, r: torch.Tensor, out: torch.Tensor,
                  segments: Segments, divisors, agrees=None):

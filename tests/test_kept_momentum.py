@@ -142,3 +142,15 @@ def test_a_job_steps_to_the_bit_with_and_without_the_kept_rows(case, monkeypatch
     if "poke_at" in case:  # the write took effect
         plain, _ = _run(True, monkeypatch, name=case.get("name", "OnebitAdam"))
         assert not all(torch.equal(a, b) for a, b in zip(fused, plain))
+
+
+def test_the_checks_at_first_use_leave_the_callers_random_numbers_alone(monkeypatch):
+    """The two checks run inside a user's first compression step: they draw from generators of
+    their own, so a seeded job's random numbers (dropout, data) do not depend on whether they ran."""
+    monkeypatch.setattr(update, "_kept_compress", [])
+    monkeypatch.setattr(kernels.lamb_passes, "_kept_agreement", [])
+    torch.manual_seed(5)
+    expected = torch.rand(4)
+    torch.manual_seed(5)
+    assert update.kept_compress_agrees() and kernels.lamb_passes.kept_agrees()
+    assert torch.equal(torch.rand(4), expected)
