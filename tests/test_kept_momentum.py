@@ -154,3 +154,55 @@ def test_the_checks_at_first_use_leave_the_callers_random_numbers_alone(monkeypa
     torch.manual_seed(5)
     assert update.kept_compress_agrees() and kernels.lamb_passes.kept_agrees()
     assert torch.equal(torch.rand(4), expected)
+
+
+def _ranks_with_and_without_the_kept_rows(rank, world, name):
+    """``name`` with its defaults on Gloo ranks, a param group per tensor, buckets small enough to be
+    coalesced into exchange groups (each bucket's rows a column of the packed buffer, the kept rows
+    a buffer of their own), run twice from the same start: the kept rows read, then not; the
+    parameters of both, and how often the rows stood for ``m`` in the first."""
+    from compressed_opt.cuda import lamb_passes
+    from compressed_opt.exchanges import exchange_groups
+
+    lib, out = cpu.library(), []
+    original = lib.co_lerp_scale_clamp_compress_kept
+    calls = []
+
+    def counting(*args):
+        calls.append(1)
+        return original(*args)
+
+    for kept in (True, False):
+        update._kept_compress[:] = [] if kept else [False]
+        lamb_passes._kept_agreement[:] = [] if kept else [False]
+        if kept:
+            update.kept_compress_agrees(), lamb_passes.kept_agrees()
+            lib.co_lerp_scale_clamp_compress_kept = counting
+        g = torch.Generator().manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s, generator=g) * 0.1)
+                  for s in [(33, 17), (17,), (5, 30), (409,), (8, 64), (3000,)]]
+        groups = [{"params": [p]} for p in params]  # (a bucket per group: small ones coalesce)
+        opt = getattr(compressed_opt, name)(groups, lr=1e-3, freeze_step=3, bucket_cap_mb=0.01)
+        g = torch.Generator().manual_seed(100 + rank)  # (each rank its own gradients)
+        for _ in range(12):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g) * 0.01
+            opt.step()
+        groups = exchange_groups(opt._buckets, opt.bucket_cap_bytes)
+        assert opt.compressing and any(len(group) > 1 for group in groups)  # (coalesced)
+        opt.close()
+        lib.co_lerp_scale_clamp_compress_kept = original
+        out.append([p.detach().view(torch.int32).clone() for p in params])
+    return out, len(calls)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", ["OnebitAdam", "OnebitLamb"])
+def test_ranks_step_to_the_bit_with_and_without_the_kept_rows(name):
+    from distributed import run_ranks
+
+    results = run_ranks(_ranks_with_and_without_the_kept_rows, 2, name, timeout=180)
+    for (with_rows, without), used in results:
+        assert used >= 20  # (9 compression steps, 6 buckets)
+        assert all(torch.equal(a, b) for a, b in zip(with_rows, without))
+    assert all(torch.equal(a, b) for a, b in zip(results[0][0][0], results[1][0][0]))  # (the replicas agree)
