@@ -335,7 +335,7 @@ class Replicated(Layout):
             return kernels.Lerp(x, m, 1 - beta1, sources=sources, segments=bucket.segments)
         return kernels.LerpScaleClamp(x, m, 1 - beta1, r, opt.exchange_bounds(bucket), bucket.segments,
                                       opt.exchange_factors(bucket), sources=sources,
-                                      kept=bucket.derived.get("momentum_rows"))
+                                      kept=bucket.derived.get("kept_momentum"))
 
     def exchange(self, opt, bucket, x, pending=None, keep_result=False):
         """With ``keep_result``, a flat 1-bit exchange leaves ``x`` as it is and its result rows are
@@ -344,7 +344,7 @@ class Replicated(Layout):
         rows = yield bucket, x, None, pending, not keep_result
         if not keep_result:
             return
-        bucket.derived.pop("momentum_rows", None)  # (the kept rows change: m is read again until an update keeps them)
+        bucket.derived.pop("kept_momentum", None)  # (the kept rows change: m is read again until an update keeps them)
         bucket.derived["result_kept"] = rows is not None  # (None: the result is in x)
         if rows is not None:  # (into a buffer made once, kept across steps)
             kept = bucket.derived.get("result_rows")
@@ -395,9 +395,9 @@ class Replicated(Layout):
 
     def keep_momentum_rows(self, opt, bucket, kept):
         if kept is None:
-            bucket.derived.pop("momentum_rows", None)
+            bucket.derived.pop("kept_momentum", None)
         else:
-            bucket.derived["momentum_rows"] = kept
+            bucket.derived["kept_momentum"] = kept
 
     def update_masters(self, opt, bucket, step, decay, delta, alpha=1.0):
         pass  # the parameters are the truth

@@ -90,7 +90,8 @@ class KeptMomentum:
     def __init__(self, rows: torch.Tensor, chunk: int, block: int, r: torch.Tensor, out: torch.Tensor,
                  segments: Segments, divisors, agrees=None):
         self.rows, self.chunk, self.block, self.r, self.segments = rows, chunk, block, r, segments
-        self.divisors = None if divisors is None else _c_doubles(divisors, len(segments))  # (kept alive here)
+        #: the divisors as the pass that wrote ``out`` took them (``_c_doubles``: kept alive here), or ``None``
+        self.divisors = divisors
         self._out = (out.data_ptr(), out._version, out.numel())
         #: whether the pass that wrote ``out`` and the one that forms it from the rows agree here
         #: (checked once per process; :func:`kept_compress_agrees` for :func:`divide_descend_`'s)
@@ -174,7 +175,7 @@ def divide_descend_(y, r: torch.Tensor, out: torch.Tensor, segments: Segments, d
         lib.co_divide_zero_descend(y.data_ptr(), r.data_ptr(), *tail)
         return None
     lib.co_rows_divide_zero_descend(y.rows.data_ptr(), y.rows.stride(0), y.chunk, y.block, r.data_ptr(), *tail)
-    return KeptMomentum(y.rows, y.chunk, y.block, r, out, segments, divisors)
+    return KeptMomentum(y.rows, y.chunk, y.block, r, out, segments, v)
 
 
 _divide_descend: list = []  # [whether the stage-0 update passes gave the composition's bits here]
