@@ -207,43 +207,43 @@ struct co_lsc {
  * buffer (error: the worker error of element lo): compress_rows' compensation u = x + error with
  * the pass's x, in the loop that reads the pass's inputs (every stream read once, at once).
  */
-static void lsc_compensate(struct co_lsc *p, int64_t lo, int64_t len, float *restrict error) {
+/* One piece [k, k + n) of segment s (s == nseg: past the segments, x as it is): e[i] <- v + e[i], v
+ * the pass's value, with ms the piece's m (NULL where the pass has none). */
+static void lsc_piece(const struct co_lsc *p, int64_t s, int64_t k, int64_t n, const float *restrict ms,
+                      float *restrict e) {
+    if (s >= p->nseg) {
+        const float *restrict xs = p->x + k;
+        for (int64_t i = 0; i < n; ++i) e[i] = xs[i] + e[i];
+        return;
+    }
     const int small = p->w < 0.5f && p->w > -0.5f;
     const float w = p->w, wc = 1.0f - p->w;
+    const float *restrict xs = p->srcs ? (const float *)(intptr_t)p->srcs[s] + (k - p->off[s]) : p->x + k;
+    if (!p->r) {
+        if (small) {
+            for (int64_t i = 0; i < n; ++i) e[i] = lerp_small(xs[i], ms[i], w) + e[i];
+        } else {
+            for (int64_t i = 0; i < n; ++i) e[i] = lerp_large(xs[i], ms[i], wc) + e[i];
+        }
+        return;
+    }
+    const float b = (float)p->bounds[s], nb = -b, c = p->scales ? (float)p->scales[s] : 1.0f;
+    const float *restrict rs = p->r + k;
+    if (!ms) {
+        for (int64_t i = 0; i < n; ++i) e[i] = sc_value(xs[i], rs[i], b, nb) + e[i];
+    } else if (small) {
+        for (int64_t i = 0; i < n; ++i) e[i] = lsc_small(xs[i], ms[i], w, rs[i], c, b, nb) + e[i];
+    } else {
+        for (int64_t i = 0; i < n; ++i) e[i] = lsc_large(xs[i], ms[i], wc, rs[i], c, b, nb) + e[i];
+    }
+}
+
+static void lsc_compensate(struct co_lsc *p, int64_t lo, int64_t len, float *restrict error) {
     const int64_t end = lo + len;
     int64_t k = lo, s = p->seg;
     while (k < end) {
-        const int64_t stop = segment_piece(p->off, p->nseg, &s, k, end), n = stop - k;
-        float *restrict e = error + (k - lo);
-        if (s >= p->nseg) { /* past the segments: x as it is */
-            const float *restrict xs = p->x + k;
-            for (int64_t i = 0; i < n; ++i) e[i] = xs[i] + e[i];
-            break;
-        }
-        const float *restrict xs = p->srcs ? (const float *)(intptr_t)p->srcs[s] + (k - p->off[s]) : p->x + k;
-        if (!p->r) {
-            const float *restrict ms = p->m + k;
-            if (small) {
-                for (int64_t i = 0; i < n; ++i) e[i] = lerp_small(xs[i], ms[i], w) + e[i];
-            } else {
-                for (int64_t i = 0; i < n; ++i) e[i] = lerp_large(xs[i], ms[i], wc) + e[i];
-            }
-            k = stop;
-            continue;
-        }
-        const float b = (float)p->bounds[s], nb = -b, c = p->scales ? (float)p->scales[s] : 1.0f;
-        const float *restrict rs = p->r + k;
-        if (!p->m) {
-            for (int64_t i = 0; i < n; ++i) e[i] = sc_value(xs[i], rs[i], b, nb) + e[i];
-            k = stop;
-            continue;
-        }
-        const float *restrict ms = p->m + k;
-        if (small) {
-            for (int64_t i = 0; i < n; ++i) e[i] = lsc_small(xs[i], ms[i], w, rs[i], c, b, nb) + e[i];
-        } else {
-            for (int64_t i = 0; i < n; ++i) e[i] = lsc_large(xs[i], ms[i], wc, rs[i], c, b, nb) + e[i];
-        }
+        const int64_t stop = segment_piece(p->off, p->nseg, &s, k, end);
+        lsc_piece(p, s, k, stop - k, p->m ? p->m + k : NULL, error + (k - lo));
         k = stop;
     }
     p->seg = s;
@@ -360,24 +360,14 @@ struct co_lsc_kept {
 static void lsc_kept_span(void *pass, const float *restrict ys, int64_t k, int64_t stop, int64_t s) {
     const struct co_lsc_kept *q = (const struct co_lsc_kept *)pass;
     const struct co_lsc *p = &q->lsc;
-    const int64_t n = stop - k;
-    float *restrict e = q->error + (k - q->lo);
-    if (s >= p->nseg) { /* past the segments: x as it is */
-        const float *restrict xs = p->x + k;
-        for (int64_t i = 0; i < n; ++i) e[i] = xs[i] + e[i];
-        return;
+    const int64_t n = stop - k; /* (within one tile: at most CO_TILE) */
+    float mt[CO_TILE];
+    if (s < p->nseg) {
+        const float *restrict rs = p->r + k;
+        const float v = q->divisors ? (float)q->divisors[s] : 1.0f;
+        for (int64_t i = 0; i < n; ++i) mt[i] = quotient_or_zero(ys[i], rs[i]) / v;
     }
-    const float *restrict xs = p->srcs ? (const float *)(intptr_t)p->srcs[s] + (k - p->off[s]) : p->x + k;
-    const float *restrict rs = p->r + k;
-    const float b = (float)p->bounds[s], nb = -b, c = p->scales ? (float)p->scales[s] : 1.0f,
-                v = q->divisors ? (float)q->divisors[s] : 1.0f, w = p->w, wc = 1.0f - p->w;
-    if (w < 0.5f && w > -0.5f) {
-        for (int64_t i = 0; i < n; ++i)
-            e[i] = lsc_small(xs[i], quotient_or_zero(ys[i], rs[i]) / v, w, rs[i], c, b, nb) + e[i];
-    } else {
-        for (int64_t i = 0; i < n; ++i)
-            e[i] = lsc_large(xs[i], quotient_or_zero(ys[i], rs[i]) / v, wc, rs[i], c, b, nb) + e[i];
-    }
+    lsc_piece(p, s, k, n, mt, q->error + (k - q->lo));
 }
 
 static void lsc_kept_compensate(void *pass, int64_t lo, int64_t len, float *error) {
