@@ -90,8 +90,10 @@ class _RowExchange:
     _stage: dict
 
     def _column_pieces(self, row_len: int) -> list[tuple[int, int]]:
-        """Byte ranges of each rank's row that go out as separate, concurrent collectives."""
-        k = max(1, min(_MAX_PIECES, self.backend.world_size * row_len // _PIECE_BYTES))
+        """Byte ranges of each rank's row that go out as separate, concurrent collectives: one for
+        a single rank, whose collectives are local copies (pieces would only add staging copies)."""
+        world = self.backend.world_size
+        k = 1 if world == 1 else max(1, min(_MAX_PIECES, world * row_len // _PIECE_BYTES))
         bounds = [row_len * i // k for i in range(k + 1)]
         return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
 

@@ -259,6 +259,23 @@ def test_get_backend_without_process_group(monkeypatch):
         get_backend("nccl2")
 
 
+def test_a_single_rank_exchanges_a_large_buffer_in_one_piece():
+    """One rank's collectives are local copies: pieces (and their staging copies) would gain nothing."""
+    numel, steps = (4 << 20) + 13, 2
+    backend = SingleProcessBackend()
+    we_n, se_n = error_buffer_sizes(numel, 1)
+    worker_error, server_error = torch.zeros(we_n), torch.zeros(se_n)
+    ref_outs, ref_we, ref_se = _reference_steps(1, numel, steps, torch.float32)
+    for step in range(steps):
+        y = compressed_allreduce(rank_input(0, numel, step, torch.float32), worker_error, server_error, backend)
+    assert_matches_reference(y, ref_outs[-1])
+    assert_matches_reference(worker_error, ref_we[0])
+    assert_matches_reference(server_error, ref_se[0])
+    calls = backend.stats.snapshot()["calls"]
+    assert calls["all_to_all"] == steps  # (two ranks: 2 pieces, below)
+    assert calls["all_gather"] == 2 * steps  # the rows in one piece, and the header
+
+
 @pytest.mark.multiprocess
 def test_large_buffers_travel_in_concurrent_pieces():
     numel, steps = (4 << 20) + 13, 2
