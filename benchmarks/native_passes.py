@@ -107,6 +107,8 @@ def describe(rows: list[dict], step_ms: float) -> str:
     for r in rows:
         bw = "" if r["bandwidth"] is None else (f", {r['streams']} streams: {r['bandwidth'] / 1e9:6.1f} GB/s, "
                                                  f"{r['of_copy']:.2f} of a copy's")
+        if r.get("floor_ms"):
+            bw += f", {r['over_floor']:.2f}x its stream floor ({r['floor_ms']:.2f} ms)"
         lines.append(f"      {r['pass']:38s} {r['ms']:7.2f} ms ({r['calls']:g} calls a step){bw}")
     rest = step_ms - sum(r["ms"] for r in rows)
     lines.append(f"      {'outside the native passes':38s} {rest:7.2f} ms")

@@ -32,6 +32,10 @@ median is a local step's (no communication, no exchange kernels).
 the CPU; :mod:`native_passes`) and reports, per row, each pass's time, the streams of the bucket's
 bytes it reads and writes, the bandwidth those needed and that over a plain copy's, and the step's
 time outside the native passes: the issue's measure of passes close to the memory-bandwidth limit.
+On the CPU each pass also gets its stream floor (:mod:`stream_floor`: a loop that moves only its
+streams, the least time they take here) and its time over it, and the row the floor of the step
+(the sum) against fused AdamW's step timed in turn with the floor loops: the best ratio to fused
+AdamW that the passes' memory traffic allows on this machine.
 
     python -P benchmarks/step_vs_fused.py --shapes 9000000x100 --exchanges preconditioned --zero-stages 0 --passes
 """
@@ -147,7 +151,9 @@ def measure(name: str, numel: int, tensors: int, exchange: str, zero_stage: int,
         ours.append(took)
         kinds.append(kind)
         theirs.append(time.perf_counter() - s)
-    passes = None if passes_against is None else _native_passes(opt, timed, phase_a, numel, passes_against)
+    passes = None
+    if passes_against is not None:
+        passes = _native_passes(opt, timed, phase_a, numel, passes_against, adamw.step if device == "cpu" else None)
     opt.close()
     a, b = statistics.median(ours), statistics.median(theirs)
     mean_a, mean_b = statistics.fmean(ours), statistics.fmean(theirs)
@@ -169,16 +175,20 @@ def _whole_intervals(opt, steps: int) -> int:
     return -(-steps // interval) * interval
 
 
-def _native_passes(opt, steps: int, phase_a: bool, numel: int, copy_bw: float) -> dict:
+def _native_passes(opt, steps: int, phase_a: bool, numel: int, copy_bw: float, baseline=None) -> dict:
     """:func:`native_passes.pass_rows` of ``steps`` more steps (phase A: its 1-bit gradient steps),
-    and those steps' mean time (``step_ms``, with the clocks on)."""
-    from native_passes import pass_rows, timed_passes
+    and those steps' mean time (``step_ms``, with the clocks on). With ``baseline`` (fused AdamW's
+    step), the stream floors (:func:`_floor_of`) too, their loops and ``baseline`` run after each
+    of those steps."""
+    from native_passes import STREAMS, pass_rows, timed_passes
+    from stream_floor import Floors
 
     from compressed_opt.cuda import cpu
 
     lib = cpu.library()
     totals: dict[str, list] = {}
     kept, spent = 0, 0.0
+    floors = Floors(numel, baseline) if baseline is not None else None
     while lib is not None and kept < steps:
         with timed_passes(lib) as step_totals:
             start = time.perf_counter()
@@ -191,7 +201,39 @@ def _native_passes(opt, steps: int, phase_a: bool, numel: int, copy_bw: float) -
             entry = totals.setdefault(pass_name, [0.0, 0])
             entry[0] += seconds
             entry[1] += calls
-    return {"step_ms": 1e3 * spent / max(kept, 1), "rows": pass_rows(totals, max(kept, 1), numel, copy_bw)}
+            if floors is not None and pass_name in STREAMS and pass_name not in floors.names:
+                try:
+                    floors.add(pass_name, STREAMS[pass_name])
+                except RuntimeError as e:  # (no compiler for the floor loops)
+                    print(f"  (no stream floors: {e})", flush=True)
+                    floors = None
+                    continue
+                floors.run_once(measured=False)  # (its buffers touched, the caches as after a run)
+        if floors is not None:
+            floors.run_once()
+    out = {"step_ms": 1e3 * spent / max(kept, 1), "rows": pass_rows(totals, max(kept, 1), numel, copy_bw)}
+    if floors is not None and out["rows"]:
+        out["floor"] = _floor_of(out, floors.medians())
+    return out
+
+
+def _floor_of(passes: dict, times: dict) -> dict:
+    """Each pass of ``passes`` whose streams the table knows gets its stream floor (``floor_ms``, for
+    the elements it covers a step, from ``times``: :meth:`stream_floor.Floors.medians`) and its time
+    over it (``over_floor``); returns the step's: their sum, fused AdamW's step timed in turn with
+    the floor loops, the ratio of the two (the best these streams allow against fused AdamW here),
+    the step's time over the sum, and whether every pass was known."""
+    rows = passes["rows"]
+    buckets = max(r["calls"] for r in rows)
+    total, known = 0.0, 0
+    for r in rows:
+        if r["pass"] in times:
+            r["floor_ms"] = 1e3 * times[r["pass"]] * min(1.0, r["calls"] / buckets)
+            r["over_floor"] = r["ms"] / r["floor_ms"]
+            total, known = total + r["floor_ms"], known + 1
+    adamw_ms = 1e3 * times[None]
+    return {"ms": total, "fused_adamw_ms": adamw_ms, "ratio": total / adamw_ms,
+            "step_over_floor": passes["step_ms"] / total if total else None, "complete": known == len(rows)}
 
 
 def main(argv=None) -> int:
@@ -243,6 +285,12 @@ def main(argv=None) -> int:
                         from native_passes import describe
 
                         print(describe(row["passes"]["rows"], row["passes"]["step_ms"]), flush=True)
+                        floor = row["passes"].get("floor")
+                        if floor:
+                            print(f"      stream floor of the passes{'' if floor['complete'] else ' known'}: "
+                                  f"{floor['ms']:.2f} ms, {floor['ratio']:.2f}x fused AdamW's "
+                                  f"{floor['fused_adamw_ms']:.2f} ms timed in turn with it; the step took "
+                                  f"{floor['step_over_floor']:.2f}x the floor", flush=True)
     from common import write_json
 
     write_json(args.out, {"device": args.device, "threads": torch.get_num_threads(), "torch": torch.__version__,

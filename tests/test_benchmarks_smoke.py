@@ -11,6 +11,7 @@ import sys
 import uuid
 
 import pytest
+import torch
 
 from distributed import child_env, userns_link_possible
 
@@ -275,6 +276,37 @@ def test_step_vs_fused_times_zero_one_adams_phase_a_steps_when_asked(tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_stream_floor_loops_move_the_streams_they_count():
+    """``benchmarks/stream_floor.py``: a floor loop reads every input (the sum of squares of their
+    sum, with no output), writes its in-place outputs and its written-only ones, and refuses loops
+    it cannot run."""
+    import shutil
+
+    if shutil.which(os.environ.get("CC", "cc")) is None:
+        pytest.skip("no C compiler here: no floor loops")
+    sys.path.insert(0, BENCH)
+    try:
+        import stream_floor
+    finally:
+        sys.path.remove(BENCH)
+    n = 1000  # (not a multiple of the tile or of 8: the tails)
+    reads_only = stream_floor.FloorLoop(3, 0, n)
+    total = sum(b.double() for b in reads_only._buffers)
+    summed = torch.cat([total[k:k + (min(256, n - k) & ~63)] for k in range(0, n, 256)])  # whole 64s of each tile
+    assert reads_only() == pytest.approx(float((summed ** 2).sum()), rel=1e-5)
+    loop = stream_floor.FloorLoop(2, 3, n)
+    a, b, c = (t.clone() for t in loop._buffers)
+    loop()
+    s = a + b
+    assert torch.allclose(loop._buffers[0], s * 0.5) and torch.allclose(loop._buffers[1], s * 1.5)
+    assert torch.allclose(loop._buffers[2], s * 2.5) and not torch.equal(loop._buffers[2], c)
+    times = stream_floor.time_floors({"x": (1, 1), "y": (1, 1), "z": (2, 0)}, n, baseline=lambda: None, repeats=2)
+    assert set(times) == {"x", "y", "z", None} and times["x"] == times["y"] and min(times.values()) >= 0
+    for bad in ((0, 1), (9, 1), (1, -1)):
+        with pytest.raises(ValueError, match="floor loop"):
+            stream_floor.FloorLoop(*bad, n)
+
+
 def test_step_vs_fused_times_each_native_pass_when_asked(tmp_path):
     """``--passes``: per row, the native passes of steps of the same kind, each with its time and,
     where the stream table knows it, the bandwidth its bytes needed; a default OnebitAdam step
@@ -297,7 +329,11 @@ def test_step_vs_fused_times_each_native_pass_when_asked(tmp_path):
     for p in passes.values():
         assert p["calls"] == 1 and p["ms"] > 0 and p["streams"] > 0
         assert p["of_copy"] == pytest.approx(p["bandwidth"] / row["copy_bandwidth"])
-    assert "outside the native passes" in done.stdout
+        assert p["floor_ms"] > 0 and p["over_floor"] == pytest.approx(p["ms"] / p["floor_ms"])
+    floor = row["passes"]["floor"]
+    assert floor["complete"] and floor["ms"] == pytest.approx(sum(p["floor_ms"] for p in passes.values()))
+    assert floor["ratio"] == pytest.approx(floor["ms"] / floor["fused_adamw_ms"])
+    assert "outside the native passes" in done.stdout and "stream floor of the passes" in done.stdout
 
 
 @pytest.mark.timeout(300)
