@@ -47,6 +47,13 @@ STREAMS: dict[str, tuple[int, int]] = {
     "co_lamb_descend": (3, 1),  # m, den, p; p
     "co_zo_sync_after_rows": (3, 3),  # R, sden, anchor; m, anchor, p
     "co_zo_phase_a_rows": (4, 2),  # R, sden, m, p; m, p
+    # 1-bit LAMB under ZeRO (one rank: its chunk is the whole bucket)
+    "co_rows_quotient_finite": (1, 1),  # R; the previous momentum
+    "co_zero_lamb_rows_descend": (2, 1),  # R, p; p
+    # 1-bit LAMB's measuring steps
+    "co_direction_sumsq": (3, 0),  # x, den, p
+    "co_zero_local_momentum": (2, 1),  # R, g; x
+    "co_divide_where_nonzero": (2, 1),  # y, R; y
 }
 
 
