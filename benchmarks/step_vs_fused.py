@@ -33,7 +33,7 @@ the CPU; :mod:`native_passes`) and reports, per row, each pass's time, the strea
 bytes it reads and writes, the bandwidth those needed and that over a plain copy's, and the step's
 time outside the native passes: the issue's measure of passes close to the memory-bandwidth limit.
 On the CPU each pass also gets its stream floor (:mod:`stream_floor`: a loop that moves only its
-streams, the least time they take here) and its time over it, and the row the floor of the step
+streams, about the least time they take here) and its time over it, and the row the floor of the step
 (the sum) against fused AdamW's step timed in turn with the floor loops: the best ratio to fused
 AdamW that the passes' memory traffic allows on this machine.
 

@@ -1,12 +1,13 @@
-"""The stream floor: the least time this machine takes to move a pass's streams.
+"""The stream floor: about the least time this machine takes to move a pass's streams.
 
 A plain copy's bandwidth (``step_vs_fused.py``'s roofline) is one number for every pass; a pass
 that reads three streams and writes one moves memory in another mix, at another rate. The floor of
 a pass with ``r`` reads and ``w`` writes (:data:`native_passes.STREAMS`) is the time of a C loop
 (``stream_floor.c``, compiled here with the kernels' flags) that moves exactly those streams over
 the same number of elements and does nothing else: the outputs that are inputs written in place,
-the others only written (non-temporal stores), the reads-only pass a sum of squares in double.
-No pass with those streams can beat it on this machine; a pass at 1.0 of it is at the limit.
+the others only written (non-temporal stores), the reads-only pass a sum of squares.
+A pass with those streams can hardly beat it on this machine (the loop's own time moves from run to
+run: passes have come out at 0.83 of it); a pass at 1.0 of it is at the limit.
 
 The floor of a step is the sum of its passes' floors: the step of an implementation whose passes
 each ran at the floor and that spent nothing outside them. :func:`time_floors` times each floor
