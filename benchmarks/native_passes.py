@@ -91,18 +91,19 @@ def timed_passes(lib):
 
 
 def pass_rows(totals: dict, steps: int, numel: int, copy_bandwidth: float) -> list[dict]:
-    """Per pass, slowest first: its time per step, calls per step, streams, the bandwidth its bytes
-    needed and that over a plain copy's (``None`` where the streams are unknown). A call covers one
-    bucket, the most calls any pass makes a step being the buckets (the sums run every step): a pass
-    that runs on some steps only (1-bit LAMB's measuring steps) is counted for the buckets it ran on."""
+    """Per pass, slowest first: its time per step, calls per step, the share of the elements it
+    covers a step, streams, the bandwidth its bytes needed and that over a plain copy's (``None``
+    where the streams are unknown). A call covers one bucket, the most calls any pass makes a step
+    being the buckets (the sums run every step): a pass that runs on some steps only (1-bit LAMB's
+    measuring steps) is counted for the buckets it ran on."""
     rows = []
     buckets = max((calls / steps for _, calls in totals.values()), default=1.0)
     for name, (seconds, calls) in sorted(totals.items(), key=lambda kv: -kv[1][0]):
         per_step = seconds / steps
         streams = streams_of(name)
-        covered = numel * min(1.0, calls / steps / buckets)  # elements a step, on average
-        needed = None if streams is None or per_step <= 0 else streams * 4 * covered / per_step
-        rows.append({"pass": name, "ms": 1e3 * per_step, "calls": calls / steps, "streams": streams,
+        share = min(1.0, calls / steps / buckets)  # of the elements, a step, on average
+        needed = None if streams is None or per_step <= 0 else streams * 4 * numel * share / per_step
+        rows.append({"pass": name, "ms": 1e3 * per_step, "calls": calls / steps, "share": share, "streams": streams,
                      "bandwidth": needed, "of_copy": None if needed is None else needed / copy_bandwidth})
     return rows
 

@@ -207,8 +207,6 @@ def _native_passes(opt, steps: int, phase_a: bool, numel: int, copy_bw: float, b
                 except RuntimeError as e:  # (no compiler for the floor loops)
                     print(f"  (no stream floors: {e})", flush=True)
                     floors = None
-                    continue
-                floors.run_once(measured=False)  # (its buffers touched, the caches as after a run)
         if floors is not None:
             floors.run_once()
     out = {"step_ms": 1e3 * spent / max(kept, 1), "rows": pass_rows(totals, max(kept, 1), numel, copy_bw)}
@@ -219,16 +217,15 @@ def _native_passes(opt, steps: int, phase_a: bool, numel: int, copy_bw: float, b
 
 def _floor_of(passes: dict, times: dict) -> dict:
     """Each pass of ``passes`` whose streams the table knows gets its stream floor (``floor_ms``, for
-    the elements it covers a step, from ``times``: :meth:`stream_floor.Floors.medians`) and its time
+    the share of the elements it covers a step, from ``times``: :meth:`stream_floor.Floors.medians`) and its time
     over it (``over_floor``); returns the step's: their sum, fused AdamW's step timed in turn with
     the floor loops, the ratio of the two (the best these streams allow against fused AdamW here),
     the step's time over the sum, and whether every pass was known."""
     rows = passes["rows"]
-    buckets = max(r["calls"] for r in rows)
     total, known = 0.0, 0
     for r in rows:
         if r["pass"] in times:
-            r["floor_ms"] = 1e3 * times[r["pass"]] * min(1.0, r["calls"] / buckets)
+            r["floor_ms"] = 1e3 * times[r["pass"]] * r["share"]
             r["over_floor"] = r["ms"] / r["floor_ms"]
             total, known = total + r["floor_ms"], known + 1
     adamw_ms = 1e3 * times[None]

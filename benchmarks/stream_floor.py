@@ -3,7 +3,7 @@
 A plain copy's bandwidth (``step_vs_fused.py``'s roofline) is one number for every pass; a pass
 that reads three streams and writes one moves memory in another mix, at another rate. The floor of
 a pass with ``r`` reads and ``w`` writes (:data:`native_passes.STREAMS`) is the time of a C loop
-(``stream_floor.c``, compiled here with the kernels' flags) that moves exactly those streams over
+(``stream_floor.c``, compiled here as the kernels are) that moves exactly those streams over
 the same number of elements and does nothing else: the outputs that are inputs written in place,
 the others only written (non-temporal stores), the reads-only pass a sum of squares.
 A pass with those streams can hardly beat it on this machine (the loop's own time moves from run to
@@ -23,7 +23,6 @@ import argparse
 import ctypes
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,32 +33,25 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 _SOURCE = os.path.join(HERE, "stream_floor.c")
-#: the kernels' flag sets (compressed_opt/cuda/cpu.py), tried in order
-_FLAG_SETS = (["-O3", "-march=native"], ["-O3"])
 _library = None
 
 
 def library() -> ctypes.CDLL:
-    """``stream_floor.c`` compiled with the first flag set the compiler takes, once per process.
-    Raises ``RuntimeError`` with the compiler's message where none does."""
+    """``stream_floor.c`` compiled as the kernels are (``compressed_opt.cuda.cpu.compile_like_kernels``),
+    once per process. Raises ``RuntimeError`` saying why where it cannot be compiled."""
     global _library
-    if _library is not None:
-        return _library
-    folder = tempfile.mkdtemp(prefix="stream_floor_")
-    target = os.path.join(folder, "stream_floor.so")
-    compiler = os.environ.get("CC", "cc")
-    why = ""
-    for flags in _FLAG_SETS:
-        done = subprocess.run([compiler, *flags, "-shared", "-fPIC", "-o", target, _SOURCE],
-                              capture_output=True, text=True)
-        if done.returncode == 0:
-            lib = ctypes.CDLL(target)
-            lib.sf_loop.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
-            lib.sf_loop.restype = ctypes.c_double
-            _library = lib
-            return lib
-        why = done.stderr.strip().splitlines()[-1:] or ["no message"]
-    raise RuntimeError(f"{compiler} could not compile {_SOURCE}: {why[0]}")
+    if _library is None:
+        from compressed_opt.cuda import cpu
+
+        target = os.path.join(tempfile.mkdtemp(prefix="stream_floor_"), "stream_floor.so")
+        failure = cpu.compile_like_kernels([_SOURCE], target)
+        if failure is not None:
+            raise RuntimeError(f"{_SOURCE} cannot be compiled here: {failure}")
+        lib = ctypes.CDLL(target)
+        lib.sf_loop.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+        lib.sf_loop.restype = ctypes.c_double
+        _library = lib
+    return _library
 
 
 class FloorLoop:
@@ -71,11 +63,12 @@ class FloorLoop:
             raise ValueError(f"a floor loop reads 1 to 8 streams and writes none or more, "
                              f"got {reads} reads and {writes} writes")
         self.reads, self.writes, self.numel = reads, writes, numel
-        self._buffers = [torch.rand(numel) for _ in range(reads + max(0, writes - reads))]
-        ins = [b.data_ptr() for b in self._buffers[:reads]]
-        outs = ins[:min(reads, writes)] + [b.data_ptr() for b in self._buffers[reads:]]
+        #: the inputs, then the written-only outputs (the first ``min(reads, writes)`` inputs are outputs too)
+        self.buffers = [torch.rand(numel) for _ in range(reads + max(0, writes - reads))]
+        ins = [b.data_ptr() for b in self.buffers[:reads]]
+        outs = ins[:min(reads, writes)] + [b.data_ptr() for b in self.buffers[reads:]]
         self._in = (ctypes.c_int64 * reads)(*ins)
-        self._out = (ctypes.c_int64 * max(1, writes))(*outs) if outs else (ctypes.c_int64 * 1)()
+        self._out = (ctypes.c_int64 * max(1, writes))(*outs)
         self._lib = library()
 
     def __call__(self) -> float:

@@ -133,14 +133,14 @@ def _temp_dir() -> tuple[Path | None, str]:
     return folder, ""
 
 
-def _compile(compiler: str, flags: list[str], target: Path) -> str | None:
-    """Compile the sources with ``flags`` into ``target``; ``None`` on success, else why not."""
+def _compile(compiler: str, flags: list[str], target: Path, sources=SOURCES) -> str | None:
+    """Compile ``sources`` (the kernels') with ``flags`` into ``target``; ``None`` on success, else why not."""
     try:
         fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
         os.close(fd)
     except OSError as e:
         return _describe(e)
-    cmd = [compiler, *flags, "-shared", "-fPIC", "-o", tmp, *(str(path) for path in SOURCES)]
+    cmd = [compiler, *flags, "-shared", "-fPIC", "-o", tmp, *(str(path) for path in sources)]
     try:
         done = subprocess.run(cmd, capture_output=True, timeout=120)
         if done.returncode != 0:
@@ -170,6 +170,23 @@ def _build(compiler: str, folder: Path) -> tuple[ctypes.CDLL | None, str]:
             failure = f"{target} does not load"
         why = f"{compiler} {' '.join(flags)} failed ({failure})"
     return None, why
+
+
+def compile_like_kernels(sources, target: Path) -> str | None:
+    """Compile other C ``sources`` into the shared library ``target`` as the kernels are compiled:
+    the system compiler (``$CC``, else ``cc``), the first of their flag sets it takes. ``None`` on
+    success, else why not (the benchmarks' own C loops, ``benchmarks/stream_floor.py``)."""
+    name = os.environ.get("CC") or "cc"
+    compiler = shutil.which(name)
+    if compiler is None:
+        return f"no C compiler ({name!r} is not on PATH)"
+    why = ""
+    for flags in _FLAG_SETS:
+        failure = _compile(compiler, flags, Path(target), sources)
+        if failure is None:
+            return None
+        why = f"{compiler} {' '.join(flags)} failed ({failure})"
+    return why
 
 
 def _warn_once(message: str) -> None:

@@ -282,7 +282,7 @@ def test_stream_floor_loops_move_the_streams_they_count():
     it cannot run."""
     import shutil
 
-    if shutil.which(os.environ.get("CC", "cc")) is None:
+    if shutil.which(os.environ.get("CC") or "cc") is None:
         pytest.skip("no C compiler here: no floor loops")
     sys.path.insert(0, BENCH)
     try:
@@ -291,15 +291,15 @@ def test_stream_floor_loops_move_the_streams_they_count():
         sys.path.remove(BENCH)
     n = 1000  # (not a multiple of the tile or of 8: the tails)
     reads_only = stream_floor.FloorLoop(3, 0, n)
-    total = sum(b.double() for b in reads_only._buffers)
+    total = sum(b.double() for b in reads_only.buffers)
     summed = torch.cat([total[k:k + (min(256, n - k) & ~63)] for k in range(0, n, 256)])  # whole 64s of each tile
     assert reads_only() == pytest.approx(float((summed ** 2).sum()), rel=1e-5)
     loop = stream_floor.FloorLoop(2, 3, n)
-    a, b, c = (t.clone() for t in loop._buffers)
+    a, b, c = (t.clone() for t in loop.buffers)
     loop()
     s = a + b
-    assert torch.allclose(loop._buffers[0], s * 0.5) and torch.allclose(loop._buffers[1], s * 1.5)
-    assert torch.allclose(loop._buffers[2], s * 2.5) and not torch.equal(loop._buffers[2], c)
+    assert torch.allclose(loop.buffers[0], s * 0.5) and torch.allclose(loop.buffers[1], s * 1.5)
+    assert torch.allclose(loop.buffers[2], s * 2.5) and not torch.equal(loop.buffers[2], c)
     times = stream_floor.time_floors({"x": (1, 1), "y": (1, 1), "z": (2, 0)}, n, baseline=lambda: None, repeats=2)
     assert set(times) == {"x", "y", "z", None} and times["x"] == times["y"] and min(times.values()) >= 0
     for bad in ((0, 1), (9, 1), (1, -1)):

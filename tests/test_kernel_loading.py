@@ -206,3 +206,20 @@ def test_import_from_the_repository_root_without_an_editable_install_says_what_t
     assert done.returncode != 0
     assert "shadowing the installed package" in done.stderr, done.stderr
     assert "pip install -e ." in done.stderr and "circular import" not in done.stderr
+
+
+@needs_compiler
+def test_other_sources_compile_as_the_kernels_do_or_say_why(env, tmp_path):
+    """``cpu.compile_like_kernels`` (the benchmarks' own C loops): built with the kernels' compiler
+    and flags; without a compiler or with a source that does not compile, why not."""
+    import ctypes
+
+    good, bad = tmp_path / "good.c", tmp_path / "bad.c"
+    good.write_text("int seven(void) { return 7; }\n")
+    bad.write_text("int seven(void) { return }\n")
+    assert cpu.compile_like_kernels([good], tmp_path / "good.so") is None
+    assert ctypes.CDLL(str(tmp_path / "good.so")).seven() == 7
+    assert "failed" in cpu.compile_like_kernels([bad], tmp_path / "bad.so")
+    assert not (tmp_path / "bad.so").exists()
+    _no_compiler(env, tmp_path)
+    assert "no-such-cc" in cpu.compile_like_kernels([good], tmp_path / "again.so")
