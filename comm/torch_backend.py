@@ -10,7 +10,7 @@ now and then (seen here: 1 exit in about 50, under load; torch's ``destroy_proce
 not join those threads while a DDP module still holds the group; dropping that module joins
 them with the GIL held, which hangs a thread that has a tensor left to let go of). So the backend keeps the
 tensors of its recent collectives with their reference counts from before it sent them
-(:func:`_hold`), and at exit, while the interpreter is still whole, waits until torch has let go
+(:func:`hold`), and at exit, while the interpreter is still whole, waits until torch has let go
 of them (:func:`_drain`, registered with ``atexit``; at most :data:`DRAIN_TIMEOUT_S`).
 """
 from __future__ import annotations
@@ -43,10 +43,12 @@ def _released(entry) -> bool:
     return all(t._use_count() <= before for t, before in entry)
 
 
-def _hold(*tensors: torch.Tensor) -> None:
+def hold(*tensors: torch.Tensor) -> None:
     """Keep ``tensors`` (about to be sent) with their reference counts now, in an entry of the last
     16 calls; the entries torch has let go of since (every count back where it was) are dropped.
-    Cost per call: at most 32 reference counts read."""
+    Cost per call: at most 32 reference counts read. Every tensor the library hands to a
+    ``torch.distributed`` collective goes through here first (this backend's calls, and the few
+    made on torch's own terms: a DDP hook's future, a mesh's per-layer sums)."""
     entry = tuple((t, t._use_count()) for t in tensors)
     with _HELD_LOCK:
         kept = [e for e in _HELD if not _released(e)]
@@ -109,22 +111,22 @@ class TorchBackend(Backend):
         return work
 
     def _all_reduce(self, tensor, op, async_op):
-        _hold(tensor)
+        hold(tensor)
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
         return self._mean_after(work, tensor, op, async_op)
 
     def _all_gather(self, output, input, async_op) -> Work | None:
-        _hold(output, input)
+        hold(output, input)
         return _all_gather_single(output, input, group=self.group, async_op=async_op)
 
     def _all_to_all(self, output, input, async_op) -> Work | None:
-        _hold(output, input)
+        hold(output, input)
         return dist.all_to_all_single(output, input, group=self.group, async_op=async_op)
 
     def _reduce_scatter(self, output, input, op, async_op) -> Work | None:
         if self.process_group_backend == "gloo" and input.device.type == "cpu" and self.world_size > 1:
             return self._reduce_scatter_by_all_to_all(output, input, op, async_op)
-        _hold(output, input)
+        hold(output, input)
         work = _reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
         return self._mean_after(work, output, op, async_op)
 
@@ -142,7 +144,7 @@ class TorchBackend(Backend):
             if not slot or slot[0].numel() < input.numel():
                 slot[:] = [torch.empty_like(input)]
             received = slot[0][: input.numel()]
-        _hold(received, input)
+        hold(received, input)
         work = dist.all_to_all_single(received, input, group=self.group, async_op=async_op)
 
         def reduce():
@@ -160,7 +162,7 @@ class TorchBackend(Backend):
 
     def _broadcast(self, tensor, src, async_op) -> Work | None:
         global_src = dist.get_global_rank(self.group, src) if self.group is not None else src
-        _hold(tensor)
+        hold(tensor)
         return dist.broadcast(tensor, src=global_src, group=self.group, async_op=async_op)
 
     def _barrier(self) -> None:

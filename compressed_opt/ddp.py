@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from compressed_opt.comm.backend import nbytes
+from compressed_opt.comm.torch_backend import hold
 from compressed_opt.cuda import Segments, segment_sumsq
 
 logger = logging.getLogger("compressed_opt")
@@ -104,6 +105,7 @@ def _average(state: DDPHookState, bucket: dist.GradBucket):
     if observe:
         _observe_sums(state, opt, layout, averaged=False)  # the local gradients, before the average
     opt.backend.stats.record("all_reduce", 2 * (state.world_size - 1) / state.world_size * nbytes(buffer))
+    hold(layout.flat)  # until torch lets go of it (a Gloo thread letting go after the exit began aborts)
     fut = dist.all_reduce(layout.flat, group=state.process_group, async_op=True).get_future()
     world = state.world_size
 

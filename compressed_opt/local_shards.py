@@ -24,6 +24,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from compressed_opt.comm.torch_backend import hold
+
 try:  # (torch builds without distributed support have no DTensor)
     from torch.distributed.tensor import DTensor, Partial, Shard
 except ImportError:  # pragma: no cover - every supported torch has it
@@ -126,6 +128,7 @@ class LocalShards:
             return values
         keep = torch.tensor(mask, device=values.device)
         split = torch.where(keep, values, torch.zeros_like(values))
+        hold(split)  # until torch lets go of it (compressed_opt.comm.torch_backend)
         dist.all_reduce(split, group=self._group)
         return torch.where(keep, split, values)
 
@@ -142,6 +145,7 @@ class LocalShards:
             return values
         t = torch.tensor(values, dtype=torch.float64)
         found = t.clone()
+        hold(found)
         dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self._group)
         return torch.where(torch.tensor(mask), found, t).tolist()
 

@@ -124,3 +124,40 @@ def userns_link_possible() -> tuple[bool, str]:
     finally:
         sys.path.remove(bench)
     return slowlink.netns_supported("userns")
+
+
+class UnheldCollectives:
+    """Within ``with``: the shapes of the tensors handed to ``torch.distributed``'s
+    ``all_reduce``, ``all_to_all_single`` and ``broadcast`` that the library did not hold first
+    (:func:`compressed_opt.comm.torch_backend.hold`: a tensor a Gloo thread lets go of after the
+    interpreter began to exit aborts the process). Only the calls made inside are checked: a
+    test's own collectives belong outside."""
+
+    NAMES = ("all_reduce", "all_to_all_single", "broadcast")
+
+    def __init__(self):
+        self.unheld: list[tuple[str, tuple]] = []
+        self.calls = 0
+
+    def __enter__(self):
+        import torch.distributed as dist
+
+        from compressed_opt.comm import torch_backend
+
+        self._saved = {name: getattr(dist, name) for name in self.NAMES}
+        for name, real in self._saved.items():
+            def checked(tensor, *args, _name=name, _real=real, **kwargs):
+                newest = torch_backend._HELD[-1] if torch_backend._HELD else ()
+                self.calls += 1
+                if not any(t is tensor for t, _ in newest):
+                    self.unheld.append((_name, tuple(tensor.shape)))
+                return _real(tensor, *args, **kwargs)
+            setattr(dist, name, checked)
+        return self
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+
+        for name, real in self._saved.items():
+            setattr(dist, name, real)
+        return False

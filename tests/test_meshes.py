@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distributed import run_ranks
+from distributed import UnheldCollectives, run_ranks
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 
@@ -66,13 +66,17 @@ def _tensor_parallel(rank, world):
         opt = _optimizer(name, model.parameters(), mesh["dp"])
         reference = _optimizer(name, whole.parameters(), mesh["dp"])
         gap, replicas, tp_copies, compared = 0.0, True, True, 0
+        unheld, calls = [], 0
         for step in range(1, STEPS + 1):
             x = torch.randn(8, 16, generator=torch.Generator().manual_seed(100 * step + r_dp))
             full_precision = not opt.compressing
-            for m, o in ((model, opt), (whole, reference)):
-                o.zero_grad()
-                m(x).square().mean().backward()
-                o.step()
+            with UnheldCollectives() as sent:  # (1-bit LAMB's whole-layer norms over "tp" among them)
+                for m, o in ((model, opt), (whole, reference)):
+                    o.zero_grad()
+                    m(x).square().mean().backward()
+                    o.step()
+            unheld += sent.unheld
+            calls += sent.calls
             if full_precision:
                 gap = max(gap, max((p.full_tensor() - q.detach()).abs().max().item()
                                    for p, q in zip(model.parameters(), whole.parameters())))
@@ -83,6 +87,7 @@ def _tensor_parallel(rank, world):
             tp_copies &= _equal_over(mesh["tp"].get_group(), [model[2].bias.to_local().detach()])
         out[name] = dict(gap=gap, replicas=replicas, tp_copies=tp_copies, compared=compared,
                          compressing=opt.compressing, sent=opt.backend.stats.total_bytes,
+                         unheld=unheld, calls=calls,
                          exchange_ranks=sorted(dist.get_process_group_ranks(opt.backend.group)),
                          dp_ranks=sorted(dist.get_process_group_ranks(dp)))
     return out
@@ -97,6 +102,7 @@ def test_tensor_parallel_parameters_step_on_their_shards_and_exchange_over_dp():
             assert r["exchange_ranks"] == r["dp_ranks"] and len(r["dp_ranks"]) == 2, where
             assert r["gap"] < 1e-5, where
             assert r["replicas"] and r["compared"] >= 5 and r["tp_copies"], where
+            assert r["calls"] > 0 and r["unheld"] == [], where  # every tensor sent is drained at exit
 
 
 def _pipeline(rank, world):

@@ -146,3 +146,39 @@ def test_gloo_reduce_scatter_sums_the_ranks_chunks_in_rank_order():
                 expected = expected * (1.0 / world)
             assert torch.equal(torch.tensor(got, dtype=dtype), expected), (rank, numel, op, dtype_name)
             assert sent_bytes == int((world - 1) / world * numel * expected.element_size())
+
+
+def _every_sent_tensor_held(rank, world):
+    import torch
+    from torch import nn
+
+    import compressed_opt
+    from distributed import UnheldCollectives
+
+    out = {}
+    for name, cls, zero_stage, ddp in (("OnebitAdam under DDP's hook", compressed_opt.OnebitAdam, 0, True),
+                                       ("OnebitLamb, ZeRO-1, overlapped", compressed_opt.OnebitLamb, 1, False),
+                                       ("ZeroOneAdam under DDP's hook", compressed_opt.ZeroOneAdam, 0, True)):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+        net = nn.parallel.DistributedDataParallel(model) if ddp else model
+        kw = dict(var_freeze_step=2, var_update_scaler=1) if cls is compressed_opt.ZeroOneAdam \
+            else dict(freeze_step=2, zero_stage=zero_stage, overlap=True)
+        opt = cls(net.parameters(), lr=1e-2, **kw)
+        g = torch.Generator().manual_seed(rank)
+        with UnheldCollectives() as sent:  # warmup (the hook's fp32 average) and compression
+            for _ in range(5):
+                opt.zero_grad()
+                net(torch.randn(4, 8, generator=g)).square().mean().backward()
+                opt.step()
+        out[name] = (sent.calls, sent.unheld, opt.compressing)
+    return out
+
+
+def test_every_tensor_the_optimizers_send_is_held_first():
+    """The DDP hook's full-precision average goes to torch on torch's terms (a future DDP waits
+    for): it is held like the backend's own calls, so the exit waits for it too."""
+    for out in run_ranks(_every_sent_tensor_held, 2, timeout=120):
+        for name, (calls, unheld, compressing) in out.items():
+            assert compressing and calls > 0, name
+            assert unheld == [], f"{name}: sent without being held: {unheld}"
