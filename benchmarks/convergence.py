@@ -248,6 +248,8 @@ def _max_abs(model) -> dict[str, float]:
 
 
 def run_one(task, model_name: str, name: str, seed: int, steps: int, freeze: int, probe: int, rank: int) -> dict:
+    from compressed_opt.comm.torch_backend import hold
+
     torch.manual_seed(seed)
     model = task.model()
     model.train()
@@ -264,6 +266,7 @@ def run_one(task, model_name: str, name: str, seed: int, steps: int, freeze: int
         loss.backward()
         if plain:  # AdamW on the full-precision average, as DDP gives it
             flat = torch.cat([p.grad.reshape(-1) for p in params])
+            hold(flat)  # the exit waits until torch lets go of it (docs/comm.md)
             dist.all_reduce(flat)
             flat /= WORLD
             pieces = flat.split([p.numel() for p in params])
@@ -275,6 +278,7 @@ def run_one(task, model_name: str, name: str, seed: int, steps: int, freeze: int
             step_s.append(elapsed)
             step_bytes.append(opt.backend.stats.total_bytes - sent0)
         loss_buf.fill_(loss.item())
+        hold(loss_buf)
         dist.all_reduce(loss_buf)
         losses.append(loss_buf.item() / WORLD)
         if step % probe == 0 or step == steps:

@@ -42,6 +42,7 @@ def run_one(method: str, seed: int, steps: int, freeze: int, rank: int) -> dict:
     from torch.distributed.fsdp import fully_shard
 
     import compressed_opt
+    from compressed_opt.comm.torch_backend import hold
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     task = GPT2Task(seed)
@@ -68,6 +69,7 @@ def run_one(method: str, seed: int, steps: int, freeze: int, rank: int) -> dict:
         if not native and opt.compressing and step > freeze + 1:
             sent.append(opt.backend.stats.total_bytes - before)
         loss_buf.fill_(loss.item())
+        hold(loss_buf)  # the exit waits until torch lets go of it (docs/comm.md)
         dist.all_reduce(loss_buf)
         losses.append(loss_buf.item() / WORLD)
     model.eval()

@@ -98,12 +98,11 @@ def run_mode(mode: str, args, rank: int, world: int) -> dict:
         sent[stage].append(opt.backend.stats.total_bytes - before)
         memory["compression" if opt.frozen else "warmup"] = opt.state_bytes()
     numel = sum(p.numel() for p in model.parameters())
-    slowest = {}
-    for stage, ts in times.items():
-        ts = ts[1:] if len(ts) > 2 else ts  # the first step of a stage carries one-off setup
-        t = torch.tensor([statistics.median(ts) if ts else 0.0])
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        slowest[stage] = t.item()
+    medians = {stage: statistics.median(ts[1:] if len(ts) > 2 else ts) if ts else 0.0  # (the first step of a
+               for stage, ts in times.items()}  # stage carries one-off setup)
+    # the slowest rank's (the backend's gather returns once torch let go of its tensors: docs/comm.md)
+    every = opt.backend.all_gather_object(medians)
+    slowest = {stage: max(m[stage] for m in every) for stage in medians}
     return {
         "mode": mode, "params": numel, "buckets": len(opt.buckets),
         "state_bytes": memory,

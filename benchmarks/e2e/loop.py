@@ -252,6 +252,8 @@ def _calibrate_compute(module, opt, data, device, under_ddp: bool, steps: int, i
 def _evaluate(model: nn.Module, data: Batches, cfg: dict, device: torch.device) -> float:
     import torch.distributed as dist
 
+    from compressed_opt.comm.torch_backend import hold
+
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)
     for x, y in data.val_batches(cfg["eval_sequences"], per_batch=16):
@@ -260,6 +262,7 @@ def _evaluate(model: nn.Module, data: Batches, cfg: dict, device: torch.device) 
                                     reduction="sum").double()
         total[1] += y.numel()
     model.train()
+    hold(total)  # the exit waits until torch lets go of it (docs/comm.md)
     dist.all_reduce(total)
     return float(total[0] / total[1])
 
