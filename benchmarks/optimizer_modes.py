@@ -98,9 +98,10 @@ def run_mode(mode: str, args, rank: int, world: int) -> dict:
         sent[stage].append(opt.backend.stats.total_bytes - before)
         memory["compression" if opt.frozen else "warmup"] = opt.state_bytes()
     numel = sum(p.numel() for p in model.parameters())
-    medians = {stage: statistics.median(ts[1:] if len(ts) > 2 else ts) if ts else 0.0  # (the first step of a
-               for stage, ts in times.items()}  # stage carries one-off setup)
-    # the slowest rank's (the backend's gather returns once torch let go of its tensors: docs/comm.md)
+    # per stage, this rank's median step (the first step of a stage carries one-off setup), then the
+    # slowest rank's (the backend's gather returns once torch let go of its tensors: docs/comm.md)
+    medians = {stage: statistics.median(ts[1:] if len(ts) > 2 else ts) if ts else 0.0
+               for stage, ts in times.items()}
     every = opt.backend.all_gather_object(medians)
     slowest = {stage: max(m[stage] for m in every) for stage in medians}
     return {
