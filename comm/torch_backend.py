@@ -47,8 +47,8 @@ def hold(*tensors: torch.Tensor) -> None:
     """Keep ``tensors`` (about to be sent) with their reference counts now, in an entry of the last
     16 calls; the entries torch has let go of since (every count back where it was) are dropped.
     Cost per call: at most 32 reference counts read. Every tensor the library hands to a
-    ``torch.distributed`` collective goes through here first (this backend's calls, and the few
-    made on torch's own terms: a DDP hook's future, a mesh's per-layer sums)."""
+    ``torch.distributed`` collective goes through here first: this backend's calls, and the one
+    made on torch's own terms (the DDP hook's average, whose future DDP waits for)."""
     entry = tuple((t, t._use_count()) for t in tensors)
     with _HELD_LOCK:
         kept = [e for e in _HELD if not _released(e)]

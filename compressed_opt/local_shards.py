@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from compressed_opt.comm.torch_backend import hold
+from compressed_opt.comm.torch_backend import TorchBackend
 
 try:  # (torch builds without distributed support have no DTensor)
     from torch.distributed.tensor import DTensor, Partial, Shard
@@ -48,6 +48,7 @@ class LocalShards:
         #: (the layer's size over the mesh's ranks, the same on each: buckets are laid out alike)
         self._split: dict[int, int] = {}
         self._group = None  # the process group the split layers are split over
+        self._mesh_backend: TorchBackend | None = None  # its collectives (made at the first)
         self._dtensor_of: dict[int, torch.Tensor] = {}  # id of a shard parameter -> its DTensor
 
     def __bool__(self) -> bool:
@@ -128,8 +129,7 @@ class LocalShards:
             return values
         keep = torch.tensor(mask, device=values.device)
         split = torch.where(keep, values, torch.zeros_like(values))
-        hold(split)  # until torch lets go of it (compressed_opt.comm.torch_backend)
-        dist.all_reduce(split, group=self._group)
+        self._backend().all_reduce(split)
         return torch.where(keep, split, values)
 
     def whole_layer_norms(self, params, norms: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -139,15 +139,24 @@ class LocalShards:
         return [self.whole_layer_sums(params, n.double().square()).sqrt().to(n.dtype) for n in norms]
 
     def whole_layer_maxima(self, params, values: list[float]) -> list[float]:
-        """Per layer, the maximum over the mesh for the split layers."""
+        """Per layer, the maximum over the mesh for the split layers (every rank's values gathered:
+        one float per layer and rank; a maximum is exact in any order)."""
         mask = self._mask(params) if self._split else None
         if not mask or not any(mask):
             return values
+        backend = self._backend()
         t = torch.tensor(values, dtype=torch.float64)
-        found = t.clone()
-        hold(found)
-        dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self._group)
+        every = torch.empty(backend.world_size * t.numel(), dtype=t.dtype)
+        backend.all_gather(every, t)
+        found = every.view(backend.world_size, -1).amax(dim=0)
         return torch.where(torch.tensor(mask), found, t).tolist()
+
+    def _backend(self) -> TorchBackend:
+        """The collectives over the split layers' group, through the comm layer (which keeps what
+        it sends until torch lets go of it: ``compressed_opt.comm.torch_backend``)."""
+        if self._mesh_backend is None:
+            self._mesh_backend = TorchBackend(self._group)
+        return self._mesh_backend
 
     def check_backend(self, backend, sharded_state: bool) -> None:
         """The backend's ranks and the DTensors' mesh share only this rank: the exchange must pair
