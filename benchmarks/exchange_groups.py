@@ -72,7 +72,7 @@ def _measure(rank, world, args) -> dict:
             t0 = time.perf_counter()
             opt.step()
             times.append(time.perf_counter() - t0)
-        medians[mode] = (statistics.median(times[args.steps // 2:]), len(opt.buckets))
+        medians[mode] = (statistics.median(times[args.steps // 2:]), len(opt.engine.buckets))
         opt.close()
     # returns once torch let go of its tensors (docs/comm.md)
     slowest = compressed_opt.comm.TorchBackend().all_gather_object(medians)

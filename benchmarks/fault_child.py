@@ -254,8 +254,8 @@ def facts(run: Run | None) -> dict:
     if run is None:
         return {}
     opt = run.opt
-    out = {"it": run.it, "global_step": opt.global_step, "frozen": bool(opt.frozen),
-           "nonfinite_steps": opt.nonfinite_steps, "params_with_state": len(opt.state),
+    out = {"it": run.it, "global_step": opt.global_step, "frozen": bool(opt.compressing),
+           "nonfinite_steps": opt.engine.nonfinite_steps, "params_with_state": len(opt.state),
            "sha256": sha(run.model)}
     try:
         state = list(tensors(opt.state_dict()))

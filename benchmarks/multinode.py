@@ -115,7 +115,7 @@ def _measure(args, backend, hierarchy: str) -> dict:
     rows = torch.empty(backend.world_size, row.numel(), dtype=row.dtype)
     backend.all_gather(rows.view(-1), row)
     nodes = [r.tolist() for i, r in enumerate(rows) if i % args.ranks_per_node == 0]
-    return {"hierarchy": hierarchy, "launcher": args.launcher, "exchange": list(opt.averaging.key),
+    return {"hierarchy": hierarchy, "launcher": args.launcher, "exchange": list(opt.engine.exchange.averaging.key),
             "params": sum(p.numel() for p in model.parameters()),
             "per_node": [{"warmup_bytes_per_step": n[0], "compression_bytes_per_step": n[1]} for n in nodes],
             "median_step_s": {"warmup": nodes[0][2], "compression": nodes[0][3]}}

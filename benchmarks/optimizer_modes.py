@@ -69,6 +69,13 @@ def batches(rank, world, steps, width, batch):
         yield x[rank * batch:(rank + 1) * batch], y[rank * batch:(rank + 1) * batch]
 
 
+def frozen(opt) -> bool:
+    """Past the warmup: 1-bit Adam's and LAMB's compression stage, 0/1 Adam's phase B."""
+    import compressed_opt
+
+    return opt.schedule.frozen if isinstance(opt, compressed_opt.ZeroOneAdam) else opt.compressing
+
+
 def run_mode(mode: str, args, rank: int, world: int) -> dict:
     import compressed_opt
 
@@ -86,7 +93,7 @@ def run_mode(mode: str, args, rank: int, world: int) -> dict:
     sent = {"warmup": [], "compression": []}
     memory = {}
     for _step, (x, y) in enumerate(batches(rank, world, args.steps, args.width, args.batch), start=1):
-        stage = "compression" if opt.frozen else "warmup"  # 0/1 Adam: phase B, and A
+        stage = "compression" if frozen(opt) else "warmup"  # 0/1 Adam: phase B, and A
         dist.barrier()
         before = opt.backend.stats.total_bytes
         t0 = time.perf_counter()
@@ -96,7 +103,7 @@ def run_mode(mode: str, args, rank: int, world: int) -> dict:
         elapsed = time.perf_counter() - t0
         times[stage].append(elapsed)
         sent[stage].append(opt.backend.stats.total_bytes - before)
-        memory["compression" if opt.frozen else "warmup"] = opt.state_bytes()
+        memory["compression" if frozen(opt) else "warmup"] = opt.state_bytes()
     numel = sum(p.numel() for p in model.parameters())
     # per stage, this rank's median step (the first step of a stage carries one-off setup), then the
     # slowest rank's (the backend's gather returns once torch let go of its tensors: docs/comm.md)
@@ -105,7 +112,7 @@ def run_mode(mode: str, args, rank: int, world: int) -> dict:
     every = opt.backend.all_gather_object(medians)
     slowest = {stage: max(m[stage] for m in every) for stage in medians}
     return {
-        "mode": mode, "params": numel, "buckets": len(opt.buckets),
+        "mode": mode, "params": numel, "buckets": len(opt.engine.buckets),
         "state_bytes": memory,
         "bytes_per_step": {k: (statistics.median(v[1:] or v) if v else 0) for k, v in sent.items()},
         "ddp_adamw_bytes_per_step": 2 * (world - 1) / world * 4 * numel,

@@ -47,7 +47,8 @@ def job(rank, world, args):
         mine = (statistics.median(times[1:args.warmup]), statistics.median(times[args.warmup + 1:]))
         every = opt.backend.all_gather_object(mine)  # returns once torch let go of its tensors (docs/comm.md)
         out[path] = {"warmup_step_s": max(m[0] for m in every), "compression_step_s": max(m[1] for m in every),
-                     "buckets": len(opt.buckets), "paths": {str(k): v for k, v in opt.exchange_paths.items()}}
+                     "buckets": len(opt.engine.buckets),
+                     "paths": {str(k): v for k, v in opt.engine.exchange.paths.items()}}
         opt.close()
     return out
 

@@ -133,7 +133,7 @@ def measure(name: str, numel: int, tensors: int, exchange: str, zero_stage: int,
     for _ in range(4):  # the freeze (step 2), then the first compression steps: buffers made
         opt.step()
         adamw.step()
-    assert not opt.frozen if phase_a else opt.compressing != warmup
+    assert not opt.schedule.frozen if phase_a else opt.compressing != warmup
     ours, theirs, kinds = [], [], []
     timed = _whole_intervals(opt, steps) if not warmup else steps
     while len(ours) < timed:
@@ -169,8 +169,9 @@ def _whole_intervals(opt, steps: int) -> int:
     """How many compression steps to time: ``steps``, or for 1-bit LAMB measuring its live trust
     ratio (one step in ``trust_ratio_interval`` costs more) whole intervals of at least as many, so
     that the mean counts its measuring steps as a run does."""
-    interval = getattr(opt, "trust_ratio_interval", None)
-    if interval is None or getattr(opt, "trust_ratio", None) != "live":
+    algorithm = opt.engine.client  # (1-bit LAMB's trust-ratio options are its algorithm's)
+    interval = getattr(algorithm, "trust_ratio_interval", None)
+    if interval is None or getattr(algorithm, "trust_ratio", None) != "live":
         return steps
     return -(-steps // interval) * interval
 

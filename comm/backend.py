@@ -40,6 +40,10 @@ class CompletedWork(Work):
         return True
 
 
+#: the handle every finished collective returns (nothing to wait for)
+_DONE = CompletedWork()
+
+
 class ThenWork(Work):
     """A handle that runs ``then()`` once, after ``inner`` completes (e.g. divide after a sum)."""
 
@@ -57,23 +61,35 @@ class ThenWork(Work):
 
 
 class CommStats:
-    """Bytes sent and calls made by one backend, per collective name."""
+    """Bytes sent and calls made by one backend, per collective name; ``total`` of every
+    collective, ``inter_node`` of those recorded under ``"inter_node.*"`` (what crossed between
+    nodes: :mod:`compressed_opt.exchange`), kept as they are recorded."""
+
+    #: the prefix of what crossed between nodes
+    INTER_NODE = "inter_node."
 
     def __init__(self) -> None:
         self.bytes_sent: collections.Counter[str] = collections.Counter()
         self.calls: collections.Counter[str] = collections.Counter()
+        self.total = 0
+        self.inter_node = 0
 
     def record(self, op: str, nbytes: float) -> None:
-        self.bytes_sent[op] += int(nbytes)
+        n = int(nbytes)
+        self.bytes_sent[op] += n
         self.calls[op] += 1
+        self.total += n
+        if op.startswith(self.INTER_NODE):
+            self.inter_node += n
 
     @property
     def total_bytes(self) -> int:
-        return sum(self.bytes_sent.values())
+        return self.total
 
     def reset(self) -> None:
         self.bytes_sent.clear()
         self.calls.clear()
+        self.total = self.inter_node = 0
 
     def snapshot(self) -> dict:
         return {"bytes_sent": dict(self.bytes_sent), "calls": dict(self.calls), "total_bytes": self.total_bytes}
@@ -166,29 +182,43 @@ class Backend(abc.ABC):
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Work:
         """``output`` (``world_size * input.numel()``) gets every rank's ``input``, rank-major."""
-        check_flat("input", input)
-        check_flat("output", output)
+        if not (isinstance(input, torch.Tensor) and isinstance(output, torch.Tensor) and input.is_contiguous()
+                and output.is_contiguous()):
+            check_flat("input", input)
+            check_flat("output", output)
         if output.numel() != self.world_size * input.numel() or output.dtype != input.dtype:
             raise ValueError(
                 f"all_gather output must have world_size * {input.numel()} elements of {input.dtype}, "
                 f"got {output.numel()} of {output.dtype}"
             )
-        self.stats.record("all_gather", (self.world_size - 1) * nbytes(input))
-        return self._finish(self._all_gather(output, input, async_op), async_op)
+        self.stats.record("all_gather", (self.world_size - 1) * input.numel() * input.element_size())
+        work = self._all_gather(output, input, async_op)
+        if async_op:
+            return work if work is not None else _DONE
+        if work is not None:
+            work.wait()
+        return _DONE
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Work:
         """Equal splits: chunk ``j`` of ``input`` goes to rank ``j``; chunk ``i`` of ``output``
         comes from rank ``i``."""
-        check_flat("input", input)
-        check_flat("output", output)
-        if output.numel() != input.numel() or output.dtype != input.dtype or input.numel() % self.world_size:
+        if not (isinstance(input, torch.Tensor) and isinstance(output, torch.Tensor) and input.is_contiguous()
+                and output.is_contiguous()):
+            check_flat("input", input)
+            check_flat("output", output)
+        n = self.world_size
+        if output.numel() != input.numel() or output.dtype != input.dtype or input.numel() % n:
             raise ValueError(
                 "all_to_all needs input and output of equal size and dtype, divisible by world_size; "
-                f"got {input.numel()} {input.dtype} and {output.numel()} {output.dtype} for {self.world_size} ranks"
+                f"got {input.numel()} {input.dtype} and {output.numel()} {output.dtype} for {n} ranks"
             )
-        n = self.world_size
-        self.stats.record("all_to_all", (n - 1) / n * nbytes(input))
-        return self._finish(self._all_to_all(output, input, async_op), async_op)
+        self.stats.record("all_to_all", (n - 1) / n * input.numel() * input.element_size())
+        work = self._all_to_all(output, input, async_op)
+        if async_op:
+            return work if work is not None else _DONE
+        if work is not None:
+            work.wait()
+        return _DONE
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum",
                        async_op: bool = False) -> Work:

@@ -31,6 +31,9 @@ bits); elements past ``n`` take no part: they are not counted in any scale and c
 """
 from __future__ import annotations
 
+import contextlib
+from typing import Protocol
+
 import torch
 
 from compressed_opt import cuda as kernels
@@ -44,6 +47,7 @@ _DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 _PIECE_BYTES = 256 * 1024
 _MAX_PIECES = 4
 _HEADER_INTS = 4  # block, numel low 31 bits, numel high bits, dtype code
+_NO_SPAN = contextlib.nullcontext()  # (observe.span where nobody observes)
 _CHUNK_ALIGN = 32
 #: elements per 1-bit scale, by default (a multiple of 256)
 DEFAULT_BLOCK = 1024
@@ -103,16 +107,16 @@ class _RowExchange:
             buf = self._stage[name] = torch.empty(numel, dtype=torch.uint8, device=self.device)
         return buf
 
-    def _exchange(self, collective, out: torch.Tensor, row: torch.Tensor, send_rows: bool, name: str):
+    def _exchange(self, collective, out: torch.Tensor, row: torch.Tensor, send_rows: bool, name: str, pieces):
         """Launch ``collective(recv, send, async_op=True)`` (an all-to-all or all-gather of rows
         of ``row.numel()`` bytes into ``out``, ``world`` rows) as one call or, when large, as a
-        few concurrent column pieces; a function that waits and lays the pieces out in ``out``.
-        ``send_rows``: what goes out is ``world`` rows (all-to-all), else the one ``row``."""
-        world = self.backend.world_size
-        length = row.numel() // world if send_rows else row.numel()
-        pieces = self._column_pieces(length)
+        few concurrent column pieces (``pieces``: :meth:`_column_pieces` of a row's length); a
+        function that waits and lays the pieces out in ``out``. ``send_rows``: what goes out is
+        ``world`` rows (all-to-all), else the one ``row``."""
         if len(pieces) == 1:
             return collective(out, row, async_op=True).wait
+        world = self.backend.world_size
+        length = row.numel() // world if send_rows else row.numel()
         works = []
         for i, (a, b) in enumerate(pieces):
             recv = self._staging(f"{name}_recv{i}", world * (b - a))
@@ -168,6 +172,9 @@ class CompressedAllreduce(_RowExchange):
         self.fp32_scratch: torch.Tensor | None = None
         self._header_dtype = 0
         self._stage: dict[str, torch.Tensor] = {}  # staging of pieces, made on first use
+        self._pieces = self._column_pieces(self.row_len)
+        #: the kernels that serve this plan's device (chosen once: ``compressed_opt.cuda.implementation``)
+        self.impl = kernels.implementation(self.device)
 
     def _check_agreement(self) -> None:
         rows = self.header_recv.view(self.backend.world_size, _HEADER_INTS).tolist()  # one copy
@@ -182,29 +189,29 @@ class CompressedAllreduce(_RowExchange):
             raise ValueError(f"compressed_allreduce called with different blocks on different ranks ({blocks})")
 
     def __call__(self, tensor: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor,
-                 agreed: bool = False, pending=None, expand: bool = True) -> torch.Tensor:
+                 agreed: bool = False, producer: Producer | None = None, expand: bool = True) -> torch.Tensor:
         """One exchange (the module docstring's steps). ``agreed``: the caller checked these
         arguments (as :func:`compressed_allreduce` does) and made every rank agree on the numel,
         dtype and block (the hierarchical exchange's agreement, or an earlier exchange of the same
         buffers), so neither the checks nor the header all-gather of exchange 1 run; the kernels
         trust the buffers' sizes, so pass ``agreed=True`` only for arguments checked before.
-        ``pending``: an element-wise pass on ``tensor`` not run yet (a kernels pass such as
-        :class:`compressed_opt.cuda.LerpScaleClamp`), which the compression runs first, fused with
-        it where the kernels can (:func:`compress_pending_`). ``expand=False``: the result stays in
+        ``producer``: the element-wise pass that makes ``tensor``, not run yet (:class:`Producer`).
+        ``expand=False``: the result stays in
         its 1-bit rows (:attr:`gathered`, :func:`result_rows`), not decompressed into ``tensor``
         (whose values are then unspecified), for a caller that reads the rows itself."""
         if not agreed:
-            if pending is not None:
-                pending.apply_()
-                pending = None
+            realize(tensor, producer)
+            producer = None
             _validate(tensor, worker_error, server_error, self.backend)
             if tensor.numel() != self.numel or tensor.device != self.device:
                 raise ValueError(f"this plan exchanges {self.numel} elements on {self.device}, got {tensor.numel()} "
                                  f"on {tensor.device}")
-        return self._run(tensor, worker_error, server_error, agreed, pending, expand)
+        return self.run(tensor, worker_error, server_error, agreed, producer, expand)
 
-    def _run(self, tensor: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor,
-             agreed: bool, pending=None, expand: bool = True) -> torch.Tensor:
+    def run(self, tensor: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor,
+            agreed: bool, producer: Producer | None = None, expand: bool = True) -> torch.Tensor:
+        """The exchange itself (:meth:`__call__`'s), its arguments trusted: checked before by the
+        caller, as ``agreed`` says (see :meth:`__call__`)."""
         backend, world = self.backend, self.backend.world_size
         flat = tensor.view(-1) if tensor.is_contiguous() else None
         if flat is not None and tensor.dtype == torch.float32:
@@ -213,17 +220,15 @@ class CompressedAllreduce(_RowExchange):
             if self.fp32_scratch is None:
                 self.fp32_scratch = torch.empty(self.numel, dtype=torch.float32, device=self.device)
             x = self.fp32_scratch
-            if pending is not None:  # (on the tensor, before the copy)
-                pending.apply_()
-                pending = None
-            x.view(tensor.shape).copy_(tensor)
+            x.view(tensor.shape).copy_(realize(tensor, producer))  # (on the tensor, before the copy)
+            producer = None
 
         # 1. worker: compensate and compress every chunk into its row (the kernels unchecked: the
         # buffers are this plan's, made for its geometry, and the caller's were checked, see agreed)
-        impl = kernels.implementation(self.device)
-        with observe.span("kernel", "compress_rows_"):
-            compress_pending_(impl, x, worker_error, self.worker_rows.view(world, self.row_len), self.chunk,
-                              self.block, pending)
+        impl, observed = self.impl, observe.OBSERVERS
+        with observe.span("kernel", "compress_rows_") if observed else _NO_SPAN:
+            _compress(impl, x, worker_error, self.worker_rows.view(world, self.row_len), self.chunk, self.block,
+                      producer)
         code = _DTYPE_CODES[tensor.dtype]
         if code != self._header_dtype:
             self.header_send[3] = self._header_dtype = code
@@ -235,20 +240,20 @@ class CompressedAllreduce(_RowExchange):
                 self._check_agreement()
         if self.numel == 0:
             return tensor
-        self._exchange(backend.all_to_all, self.server_rows_in, self.worker_rows, True, "a2a")()
+        self._exchange(backend.all_to_all, self.server_rows_in, self.worker_rows, True, "a2a", self._pieces)()
 
         # 3. server: average this rank's chunk of every worker, compensate, compress
-        with observe.span("kernel", "average_compress_rows_"):
+        with observe.span("kernel", "average_compress_rows_") if observed else _NO_SPAN:
             impl.average_compress_rows_(self.server_rows_in.view(world, self.row_len),
                                         server_error[: self.server_numel], self.server_row, self.chunk, self.block)
 
         # 4. exchange 2: every server's row
-        self._exchange(backend.all_gather, self.gathered, self.server_row, False, "gather")()
+        self._exchange(backend.all_gather, self.gathered, self.server_row, False, "gather", self._pieces)()
 
         # 5. decompress the concatenation of the server chunks (unless the caller reads the rows)
         if not expand:
             return tensor
-        with observe.span("kernel", "decompress_rows_"):
+        with observe.span("kernel", "decompress_rows_") if observed else _NO_SPAN:
             impl.decompress_rows_(self.gathered.view(world, -1), x, self.chunk, self.block)
         if x is not flat:
             tensor.copy_(x.view(tensor.shape))
@@ -267,21 +272,44 @@ class _CoalescedRows(_RowExchange):
         self.server, self.gathered = torch.empty(total, **u8), torch.empty(world * total, **u8)
 
 
-def compress_pending_(impl, x: torch.Tensor, error: torch.Tensor, rows: torch.Tensor, chunk: int, block: int,
-                      pending=None) -> None:
-    """``impl.compress_rows_(x, error, rows, chunk, block)`` (the kernels' worker side), after the
-    element-wise pass ``pending`` on ``x`` has run (``None``: none is pending): fused with the
-    compression where the kernels can (``pending.compress_rows_``, bit for bit the same; ``x`` is
-    then not written, and the exchange's result overwrites it), else first, alone."""
-    if pending is not None:
-        if pending.compress_rows_(x, error, rows, chunk, block):
-            return
-        pending.apply_()
-    impl.compress_rows_(x, error, rows, chunk, block)
+class Producer(Protocol):
+    """What a compressed allreduce averages when its input is made by an element-wise pass not run
+    yet (an optimizer's local momentum, say): the one interface by which an optimizer's pass is
+    fused with the compression. The collective calls it exactly once per exchange, whichever path
+    the exchange takes:
+
+    * :meth:`compress_rows_` where the exchange compresses ``x`` right away (the flat exchange's
+      worker side): the pass and ``compress_rows_(x, error, rows, chunk, block)`` in one walk over
+      memory, bit for bit the two in turn, ``x`` neither read nor written; ``False``, with nothing
+      done, where it cannot (another device, a geometry it was not made for);
+    * :meth:`apply_` everywhere else (:func:`realize`): the pass alone, into ``x``.
+    """
+
+    def compress_rows_(self, x: torch.Tensor, error: torch.Tensor, rows: torch.Tensor, chunk: int,
+                       block: int) -> bool: ...
+
+    def apply_(self) -> None: ...
+
+
+def realize(x: torch.Tensor, producer: Producer | None) -> torch.Tensor:
+    """``x``, made by ``producer`` first where there is one (its :meth:`Producer.apply_`): what a
+    path that reads ``x`` before compressing it (the fp32 average, the hierarchical exchange's
+    reduce-scatter, a checked first call) runs at its start."""
+    if producer is not None:
+        producer.apply_()
+    return x
+
+
+def _compress(impl, x: torch.Tensor, error: torch.Tensor, rows: torch.Tensor, chunk: int, block: int,
+              producer: Producer | None) -> None:
+    """The worker side, ``impl.compress_rows_(x, error, rows, chunk, block)``, with ``x`` made by
+    ``producer`` (``None``: ``x`` holds its values): fused with it where it can, else after it."""
+    if producer is None or not producer.compress_rows_(x, error, rows, chunk, block):
+        impl.compress_rows_(realize(x, producer), error, rows, chunk, block)
 
 
 def coalesced_compressed_allreduce(plans: list, tensors: list, worker_errors: list, server_errors: list,
-                                   pendings: list | None = None, expands: list | None = None) -> list[torch.Tensor]:
+                                   producers: list | None = None, expands: list | None = None) -> list[torch.Tensor]:
     """The exchanges of several plans of one backend and device at once, each ``plans[i](tensors[i],
     worker_errors[i], server_errors[i], agreed=True)`` bit for bit, with their rows in one
     all-to-all and one all-gather instead of two collectives each: a small buffer's exchange on
@@ -290,8 +318,8 @@ def coalesced_compressed_allreduce(plans: list, tensors: list, worker_errors: li
     arguments checked before (the kernels trust the sizes); the same plan may come more than once.
     Returns each exchange's result as it travelled (``[world, row]`` bytes, what
     :func:`result_rows` gives after a call of its own: views of a reused buffer, valid until the
-    next coalesced exchange of the same sizes); the plans' own buffers are not used. ``pendings``:
-    per tensor, the element-wise pass on it not run yet, or ``None`` (as a plan's ``pending``);
+    next coalesced exchange of the same sizes); the plans' own buffers are not used. ``producers``:
+    per tensor, the element-wise pass that makes it, or ``None`` (as a plan's ``producer``);
     ``expands``: per tensor, whether its result is decompressed into it (as a plan's ``expand``)."""
     if not plans:
         return []
@@ -305,16 +333,17 @@ def coalesced_compressed_allreduce(plans: list, tensors: list, worker_errors: li
     for p in plans:
         spans.append((a, a + p.row_len))
         a += p.row_len
-    if pendings is None:
-        pendings = [None] * len(plans)
+    if producers is None:
+        producers = [None] * len(plans)
     with observe.span("kernel", "compress_rows_"):
-        for p, x, we, (a, b), pending in zip(plans, tensors, worker_errors, spans, pendings):
-            compress_pending_(impl, x.view(-1), we, send[:, a:b], p.chunk, p.block, pending)  # into its columns
-    rows._exchange(backend.all_to_all, rows.recv, rows.send, True, "a2a")()
+        for p, x, we, (a, b), producer in zip(plans, tensors, worker_errors, spans, producers):
+            _compress(impl, x.view(-1), we, send[:, a:b], p.chunk, p.block, producer)  # into its columns
+    pieces = rows._column_pieces(total)
+    rows._exchange(backend.all_to_all, rows.recv, rows.send, True, "a2a", pieces)()
     with observe.span("kernel", "average_compress_rows_"):
         for p, se, (a, b) in zip(plans, server_errors, spans):
             impl.average_compress_rows_(recv[:, a:b], se[: p.server_numel], rows.server[a:b], p.chunk, p.block)
-    rows._exchange(backend.all_gather, rows.gathered, rows.server, False, "gather")()
+    rows._exchange(backend.all_gather, rows.gathered, rows.server, False, "gather", pieces)()
     with observe.span("kernel", "decompress_rows_"):
         for p, x, (a, b), expand in zip(plans, tensors, spans, expands or [True] * len(plans)):
             if expand:
@@ -407,7 +436,7 @@ def compressed_allreduce(
     _validate(tensor, worker_error, server_error, backend)
     kernels.check_rows_geometry(chunk_numel(tensor.numel(), backend.world_size), block)
     plan = compressed_allreduce_plan(tensor.numel(), backend, tensor.device, block)
-    return plan._run(tensor, worker_error, server_error, agreed=False)  # (checked above; the header runs)
+    return plan.run(tensor, worker_error, server_error, agreed=False)  # (checked above; the header runs)
 
 
 def compressed_allreduce_plan(numel: int, backend: Backend, device, block: int = DEFAULT_BLOCK) -> CompressedAllreduce:

@@ -43,7 +43,7 @@ from typing import Callable
 Observer = Callable[[str, str, float, float], None]
 
 #: what a reporting site reads: replaced, never mutated (readers need no lock)
-_observers: tuple[Observer, ...] = ()
+OBSERVERS: tuple[Observer, ...] = ()
 _lock = threading.Lock()
 
 
@@ -51,20 +51,20 @@ def add_observer(observer: Observer) -> Observer:
     """Report every event from now on to ``observer`` (see the module doc); returns it."""
     if not callable(observer):
         raise TypeError(f"an observer must be callable as observer(kind, name, start, end), got {observer!r}")
-    global _observers
+    global OBSERVERS
     with _lock:
-        _observers = _observers + (observer,)
+        OBSERVERS = OBSERVERS + (observer,)
     return observer
 
 
 def remove_observer(observer: Observer) -> None:
     """Stop reporting to ``observer`` (added once per :func:`add_observer`; unknown: nothing)."""
-    global _observers
+    global OBSERVERS
     with _lock:
-        found = list(_observers)
+        found = list(OBSERVERS)
         if observer in found:
             found.remove(observer)
-            _observers = tuple(found)
+            OBSERVERS = tuple(found)
 
 
 @contextlib.contextmanager
@@ -112,7 +112,7 @@ _NO_SPAN = _NoSpan()
 def span(kind: str, name: str):
     """For the library's reporting sites: ``with span("kernel", "compress_"): ...`` reports the
     block to the observers; with none registered, a shared do-nothing context (no allocation)."""
-    observers = _observers
+    observers = OBSERVERS
     if not observers:
         return _NO_SPAN
     return _Span(kind, name, observers)

@@ -49,12 +49,19 @@ def hold(*tensors: torch.Tensor) -> None:
     Cost per call: at most 32 reference counts read. Every tensor the library hands to a
     ``torch.distributed`` collective goes through here first: this backend's calls, and the one
     made on torch's own terms (the DDP hook's average, whose future DDP waits for)."""
-    entry = tuple((t, t._use_count()) for t in tensors)
+    entry = []
+    for t in tensors:
+        entry.append((t, t._use_count()))
     with _HELD_LOCK:
-        kept = [e for e in _HELD if not _released(e)]
+        kept = []
+        for e in _HELD:
+            for t, before in e:
+                if t._use_count() > before:  # (not let go of yet: _released)
+                    kept.append(e)
+                    break
         _HELD.clear()
         _HELD.extend(kept)
-        _HELD.append(entry)
+        _HELD.append(tuple(entry))
 
 
 def _drain(timeout: float = DRAIN_TIMEOUT_S, tensors=None) -> bool:

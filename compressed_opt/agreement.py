@@ -51,10 +51,8 @@ class RankAgreement:
 
     def __init__(self, backend, name: str):
         self.backend, self.name = backend, name
-
-    @property
-    def alone(self) -> bool:
-        return self.backend.world_size == 1
+        #: one rank: nothing to compare
+        self.alone = backend.world_size == 1
 
     def _gather(self, row: torch.Tensor) -> torch.Tensor:
         world = self.backend.world_size
@@ -99,7 +97,10 @@ class RankAgreement:
         (``layout_hash``: :func:`layout_hash` of their buckets)."""
         if self.alone:
             return
-        rows = self._gather(torch.tensor([layout_hash, entry, step], dtype=torch.int64, device=device)).tolist()
+        gathered = self._gather(torch.tensor([layout_hash, entry, step], dtype=torch.int64, device=device))
+        if bool((gathered == gathered[0]).all()):
+            return  # (as a rule: the rest only says what differs)
+        rows = gathered.tolist()
         self._check_entries([row[1] for row in rows], step)
         differ = [r for r, row in enumerate(rows) if row[0] != rows[0][0]]
         if differ:
@@ -138,10 +139,13 @@ class RankAgreement:
             return StepVerdict(touched, nonfinite, statistics.view(1, -1))
         # the statistics travel as the bits of their float64 values
         payload = torch.cat([torch.tensor(mine, dtype=torch.int64, device=device), statistics.view(torch.int64)])
-        rows = self._gather(payload)
-        stats = rows[:, len(mine):].contiguous().view(torch.float64)
-        rows = rows[:, :len(mine)].tolist()
-        problems = []
+        gathered = self._gather(payload)
+        stats = gathered[:, len(mine):].contiguous().view(torch.float64)
+        ints = gathered[:, :len(mine)]
+        flags = ints[:, 3:].any(0).tolist()
+        if bool((ints[:, :3] == ints[0, :3]).all()):  # (as a rule: the rest only says what differs)
+            return StepVerdict(flags[0], flags[1], stats)
+        rows, problems = ints.tolist(), []
         for r, row in enumerate(rows[1:], start=1):
             if row[:2] != rows[0][:2]:
                 problems.append(f"rank {r} is at step {row[0]} (stage {row[1]}), rank 0 at step {rows[0][0]} "
@@ -154,7 +158,7 @@ class RankAgreement:
                 + ". Change hyperparameters on every rank alike (an LR scheduler on every rank) and resume "
                 "every rank from the checkpoint of the same step."
             )
-        return StepVerdict(any(row[3] for row in rows), any(row[4] for row in rows), stats)
+        return StepVerdict(flags[0], flags[1], stats)
 
     # --- rank 0 decides ------------------------------------------------------------------------------
     def rank0_decides(self, wants: bool, device) -> bool:

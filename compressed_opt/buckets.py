@@ -1,27 +1,30 @@
-"""Flat gradient buckets: parameters grouped into contiguous fp32 buffers, one collective each.
+"""Flat buckets: parameters grouped into contiguous fp32 buffers, one exchange each.
 
 A bucket holds parameters of one param group on one device, in reverse registration order (the
 order backward produces gradients), up to ``cap_bytes`` of fp32 each (a parameter larger than the
 cap gets a bucket of its own). Every rank builds the same buckets from the same parameters, so
-bucket ``i`` means the same elements everywhere. The optimizer state that takes part in
-collectives (momentum, variance, error buffers) lives in per-bucket flat buffers; the per-parameter
-tensors users see in ``optimizer.state`` are views into them.
+bucket ``i`` means the same elements everywhere.
+
+A :class:`Bucket` is the geometry (its parameters, their offsets in the flat buffers, the
+segments the kernels walk) and the typed state of the parts that keep per-bucket buffers, each a
+dataclass declared where it is made (:mod:`compressed_opt.state`): ``sync``, the engine's
+workspace; ``feedback``, the exchange's error feedback; ``state``, the algorithm's buffers. The
+per-parameter tensors users see in ``optimizer.state`` are views into the algorithm's buffers.
 """
 from __future__ import annotations
 
 import functools
 import operator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from compressed_opt.comm import chunk_numel
-from compressed_opt.cuda import Destinations, Segments, gather_
-
-from .buffers import BucketBuffers
+from compressed_opt.cuda import Kernels, Segments, kernels_for
 
 
-@dataclass
+@dataclass(eq=False)
 class Bucket:
     index: int
     group_index: int
@@ -29,31 +32,12 @@ class Bucket:
     offsets: list[int]
     numel: int
     device: torch.device
-    #: the bucket's buffers by name (declared by the optimizer: compressed_opt.buffers)
-    flats: BucketBuffers = field(default_factory=BucketBuffers)
-    #: views of the bucket's own buffers, by (address, dtype, device): made once (a model with
-    #: thousands of parameters would otherwise spend most of a step slicing)
-    _views: dict = field(default_factory=dict, repr=False, compare=False)
-    _own: tuple | None = field(default=None, repr=False, compare=False)  # ((flats, version), their keys)
-    #: values an optimizer derives from the bucket's buffers and keeps while they last (keyed by
-    #: what they were made from; runtime only, never saved); keys that start with "step." hold one
-    #: step's values (its gradients left in place, a pass not run yet) and go at its end
-    derived: dict = field(default_factory=dict, repr=False, compare=False)
-
-    def step_destinations(self) -> list[torch.Tensor]:
-        """The parameters for this step's C passes: checked and addressed once per step
-        (:class:`~compressed_opt.cuda.Destinations`, kept in :attr:`derived` until the step ends), or
-        the plain list where a C pass cannot write them (the passes then decline, and the caller
-        composes). Only within ``step()``: no loop code runs between its passes."""
-        dests = self.derived.get("step.destinations")
-        if dests is None:
-            dests = self.derived["step.destinations"] = Destinations.of(self.params, self.segments.sizes) or self.params
-        return dests
-
-    def forget_step(self) -> None:
-        """Drop this step's values from :attr:`derived` (no reference to its gradients stays)."""
-        for key in [k for k in self.derived if k.startswith("step.")]:
-            del self.derived[key]
+    #: the engine's workspace (:class:`compressed_opt.engine.BucketSync`)
+    sync: Any = field(default=None, repr=False)
+    #: the exchange's error feedback (:class:`compressed_opt.exchange.ErrorFeedback`)
+    feedback: Any = field(default=None, repr=False)
+    #: the algorithm's buffers (its own dataclass, e.g. :class:`compressed_opt.onebit_adam.AdamBuffers`)
+    state: Any = field(default=None, repr=False)
 
     @functools.cached_property
     def low_precision(self) -> bool:
@@ -73,55 +57,24 @@ class Bucket:
         return torch.tensor([max(p.numel(), 1) for p in self.params], dtype=torch.float64, device=self.device)
 
     @functools.cached_property
+    def kernels(self) -> Kernels:
+        """The passes that serve the bucket's device, bound once (:func:`compressed_opt.cuda.kernels_for`)."""
+        return kernels_for(self.device)
+
+    @functools.cached_property
     def segments(self) -> Segments:
         """The parameters as consecutive segments of the bucket's flat buffers, for the segmented
-        passes of :mod:`compressed_opt.cuda.segmented`."""
+        passes of :mod:`compressed_opt.cuda`."""
         return Segments([p.numel() for p in self.params])
 
-    def flat(self, name: str) -> torch.Tensor:
-        """The fp32 buffer ``name`` of this bucket (zeros on first use)."""
-        buf = self.flats.get(name)
-        if buf is None:
-            buf = self.flats[name] = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
-        return buf
+    def zeros(self, numel: int | None = None, dtype=torch.float32) -> torch.Tensor:
+        """A new buffer of ``numel`` (default: the bucket's) zeros on the bucket's device."""
+        return torch.zeros(self.numel if numel is None else numel, dtype=dtype, device=self.device)
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Per-parameter views of a flat buffer, shaped like the parameters (do not modify the
-        list). Views of one of the bucket's ``flats`` (or of a slice starting where it starts)
-        are kept until that buffer leaves ``flats``; views of other tensors are made each call."""
-        own, stamp = self._own, (id(self.flats), self.flats.version)
-        if own is None or own[0] != stamp:  # which tensors the names hold changed
-            own = self._own = (stamp, {(t.data_ptr(), t.dtype, t.device) for t in self.flats.values()})
-            for stale in [k for k in self._views if k not in own[1]]:
-                del self._views[stale]  # the buffer was dropped: let it go
-        own = own[1]
-        key = (flat.data_ptr(), flat.dtype, flat.device)
-        views = self._views.get(key)
-        if views is None:
-            views = [flat[o : o + p.numel()].view_as(p) for p, o in zip(self.params, self.offsets)]
-            if key in own and flat.is_contiguous():
-                self._views[key] = views
-        return views
-
-    def gather_grads(self, out: torch.Tensor, inv_scale: float | None = None,
-                     square_sums: torch.Tensor | None = None) -> None:
-        """``out`` <- this bucket's gradients (zeros where a parameter has none), times ``inv_scale``;
-        with ``square_sums`` (float64, one per parameter), their sums of squares, in the same pass."""
-        if square_sums is not None:
-            gather_([p.grad for p in self.params], out, self.segments, inv_scale, square_sums)
-            return
-        have, views = [], []
-        for p, view in zip(self.params, self.views(out)):
-            if p.grad is None:
-                view.zero_()
-            else:
-                have.append(p.grad)
-                views.append(view)
-        if views:
-            torch._foreach_copy_(views, have)
-        if inv_scale is not None:
-            out.mul_(inv_scale)
-
+        """Per-parameter views of a flat buffer, shaped like the parameters (made on each call: a
+        part keeps those of its own buffers where it reads them every step)."""
+        return [flat[o: o + p.numel()].view_as(p) for p, o in zip(self.params, self.offsets)]
 
     def scatter_grads(self, flat: torch.Tensor) -> None:
         """Each parameter's ``p.grad`` <- its slice of ``flat`` (a parameter without one gets a
@@ -181,11 +134,19 @@ def trained_ids(params: list) -> tuple[int, ...]:
     return tuple(id(p) for p in params if p.requires_grad)
 
 
-def param_states(state, bucket: Bucket) -> list[dict]:
-    """``[state[p] for p in bucket.params]`` (``state``: an optimizer's), made once per state
-    mapping and kept in ``bucket.derived``: a step's per-layer scalars are read and written through
-    it without hashing a tensor per layer (``load_state_dict`` makes a new mapping, and a new list)."""
-    cached = bucket.derived.get("param_states")
-    if cached is None or cached[0] is not state:
-        cached = bucket.derived["param_states"] = (state, [state[p] for p in bucket.params])
-    return cached[1]
+def exchange_groups(buckets: list[Bucket], cap_bytes: int) -> list[list[int]]:
+    """Consecutive buckets whose fp32 bytes together stay within ``cap_bytes``, as runs of their
+    indices: their 1-bit exchanges share collectives. Buckets are cut at the cap, so only buckets
+    a param group's end cut short merge (a per-layer group's, a no-decay group's): each small
+    exchange's time on a link is its collectives' latency. The same on every rank (the layout is)."""
+    groups: list[list[int]] = []
+    size = 0
+    for b in buckets:
+        nbytes = 4 * b.numel
+        if groups and size + nbytes <= cap_bytes:
+            groups[-1].append(b.index)
+            size += nbytes
+        else:
+            groups.append([b.index])
+            size = nbytes
+    return groups

@@ -1,4 +1,14 @@
-"""Strict checks of an optimizer checkpoint before anything is loaded, and the ranks' agreement on it.
+"""A compressed optimizer's checkpoints and copies: what a state dict holds, its strict checks
+before anything is loaded and the ranks' agreement on them, the load, ``copy.deepcopy`` and pickling.
+
+What ``state_dict()`` holds: torch's ``state`` and ``param_groups``, plus ``"compressed_opt"``
+(:func:`with_extra`): the format version, the algorithm, ``global_step``, the saving rank and world
+size, per bucket its ``SAVED`` buffers (every part's, as declared: error feedback, ZeRO's shards;
+:mod:`compressed_opt.state`), the exchange the error buffers belong to, the algorithm's stage
+fields, and after ``consolidate_state_dict`` every rank's part (:mod:`compressed_opt.consolidate`).
+The per-parameter ``STATE`` buffers and ``LAYER`` rows are torch's part (views in
+``optimizer.state[p]``). A copy (:func:`deep_copy`, :func:`pickled`) carries the same, with the
+constructor's configuration, and makes its runtime parts anew.
 
 :func:`validate_state_dict` runs first in ``CompressedOptimizer.load_state_dict``. It checks, on
 each rank, that the state dict is one this version of the library wrote for this optimizer (the
@@ -17,18 +27,22 @@ does. Hence every rank must call ``load_state_dict`` (as resuming a data-paralle
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import numbers
 import struct
+import warnings
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from compressed_opt.comm import chunk_numel, row_bytes
+from compressed_opt.comm import Backend, chunk_numel, get_backend, row_bytes
 
+from . import consolidate, state
 from . import variance_tracking as tracking
-from .averaging import error_sizes_of
+from .exchange import error_sizes_of
 
 #: the version of the ``state_dict()["compressed_opt"]`` layout this library writes
 FORMAT = 3
@@ -49,9 +63,42 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded into this optimizer (a ``ValueError``)."""
 
 
-def validate_state_dict(optimizer, state_dict) -> None:
+@dataclass(frozen=True)
+class Schema:
+    """What a checkpoint of one optimizer holds beyond torch's state dict, from its algorithm's
+    declarations, and what the checks compare it with."""
+
+    name: str
+    engine: object
+    algorithm: object
+    param_groups: list
+    #: the per-parameter whole-bucket buffers (``STATE``) and per-layer rows (``LAYER``: name -> width)
+    tensor_names: tuple
+    layer_state: dict
+    #: the per-parameter state that is each rank's own
+    rank_state_names: tuple
+    #: the algorithm's stage fields (what a load must read)
+    stage_fields: tuple
+
+    @property
+    def backend(self):
+        return self.engine.backend
+
+    @property
+    def scale_block(self) -> int:
+        return self.engine.scale_block
+
+
+def schema_of(engine, algorithm) -> Schema:
+    """The :class:`Schema` of the optimizer that holds ``engine`` and ``algorithm``."""
+    return Schema(engine.name, engine, algorithm, engine.param_groups, algorithm.tensor_names(),
+                  algorithm.layer_state(), algorithm.rank_state_names, tuple(algorithm.stage_fields()))
+
+
+def validate_state_dict(optimizer: Schema, state_dict) -> None:
     """Raise :class:`CheckpointError` (a ``ValueError``) if ``state_dict`` cannot be loaded into
-    ``optimizer``, on *every* rank if it cannot be on some rank (see the module docstring)."""
+    ``optimizer`` (its :class:`Schema`), on *every* rank if it cannot be on some rank (see the
+    module docstring)."""
     local_error = None
     try:
         _check_locally(optimizer, state_dict)
@@ -72,7 +119,7 @@ def validate_state_dict(optimizer, state_dict) -> None:
     if local_error is not None:
         raise local_error
     bad = [r for r, row in enumerate(rows) if row[0] == 0]
-    name = type(optimizer).__name__
+    name = optimizer.name
     if bad:
         raise CheckpointError(
             f"{name}.load_state_dict: the checkpoint of rank(s) {', '.join(map(str, bad))} failed validation "
@@ -120,7 +167,7 @@ def _counters(extra: Mapping) -> dict:
 
 # --- the local checks ------------------------------------------------------------------------------
 def _fail(optimizer, message: str):
-    raise CheckpointError(f"{type(optimizer).__name__}.load_state_dict: {message}")
+    raise CheckpointError(f"{optimizer.name}.load_state_dict: {message}")
 
 
 def _is_int(value) -> bool:
@@ -128,7 +175,7 @@ def _is_int(value) -> bool:
 
 
 def _check_locally(optimizer, state_dict) -> None:
-    name = type(optimizer).__name__
+    name = optimizer.name
     if not isinstance(state_dict, Mapping):
         _fail(optimizer, f"expected a state dict (a dict), got {type(state_dict).__name__}")
     extra = state_dict.get("compressed_opt")
@@ -181,7 +228,7 @@ def _check_locally(optimizer, state_dict) -> None:
     if block is not None and block != optimizer.scale_block and any("momentum_rows" in e for e in entries):
         _fail(optimizer, f"this checkpoint's 1-bit momentum rows (ZeRO) hold one scale per {block} elements, this "
                          f"optimizer's scale_block is {optimizer.scale_block}: resume with scale_block={block}")
-    problem = optimizer.layout.checkpoint_problem(optimizer, rank, world, consolidated)
+    problem = optimizer.algorithm.checkpoint_problem(rank, world, consolidated)
     if problem is not None:
         _fail(optimizer, problem)
 
@@ -223,7 +270,7 @@ def _check_rank_parts(optimizer, state_dict: Mapping, parts, world: int, key: tu
             for field, value in own.items():
                 if field not in optimizer.rank_state_names:
                     _fail(optimizer, f"ranks[{r}]['state'][{i}] has {field!r}, which is no per-rank state of "
-                                     f"{type(optimizer).__name__}")
+                                     f"{optimizer.name}")
                 _check_like(optimizer, f"ranks[{r}]['state'][{i}][{field!r}]", value, params[i])
         for i, value in part["params"].items():
             if not (_is_int(i) and 0 <= i < len(params)):
@@ -281,7 +328,7 @@ def _check_param_state(optimizer, state_dict: Mapping) -> None:
         i = place[pid]
         if not isinstance(st, Mapping):
             _fail(optimizer, f"the state of parameter {i} must be a dict, got {type(st).__name__}")
-        for field in optimizer.bucket_state_names:
+        for field in optimizer.tensor_names:
             if field not in st:
                 continue
             value = st[field]
@@ -423,3 +470,314 @@ def upgrade(optimizer, state_dict: Mapping) -> Mapping:
         rows = st.get("layer_variance") if isinstance(st, Mapping) else None
         state[pid] = st if rows is None else dict(st, layer_variance=tracking.upgrade_rows(rows))
     return dict(state_dict, compressed_opt=extra, state=state)
+
+
+# --- saving -----------------------------------------------------------------------------------------
+def bucket_entries(engine) -> list[dict]:
+    """Per bucket, what ``state_dict()["compressed_opt"]["buckets"]`` (and a copy) carries: its
+    size and every part's ``SAVED`` buffers (loaded but not yet placed, before the first step after
+    a load: as loaded)."""
+    if engine._buckets is None and engine._pending_bucket_state is not None:
+        return [dict(entry) for entry in engine._pending_bucket_state]
+    return [{"numel": b.numel, **state.saved(b.feedback), **state.saved(b.state)} for b in engine._buckets or ()]
+
+
+def state_bytes(engine) -> int:
+    """Bytes of optimizer state this rank holds: every part's buffers of every bucket that are not
+    workspace (:func:`compressed_opt.state.held_bytes`)."""
+    return sum(state.held_bytes(b.feedback) + state.held_bytes(b.state) for b in engine._buckets or ())
+
+
+def rank_part(engine, algorithm, param_groups, opt_state) -> dict:
+    """What of the state is this rank's own (see :mod:`compressed_opt.consolidate`): its bucket
+    entries, its per-rank per-parameter state, and its parameters where the algorithm says they are
+    its own."""
+    params = [p for g in param_groups for p in g["params"]]
+    own = {}
+    for i, p in enumerate(params):
+        found = {name: opt_state[p][name] for name in algorithm.rank_state_names if name in opt_state.get(p, {})}
+        if found:
+            own[i] = found
+    values = {i: p.detach() for i, p in enumerate(params)} if algorithm.rank_parameters() else {}
+    return {"rank": engine.backend.rank, "buckets": bucket_entries(engine), "state": own, "params": values}
+
+
+def with_extra(sd: dict, engine, algorithm, consolidated, local_shards) -> dict:
+    """torch's state dict ``sd`` with ``"compressed_opt"`` (see the module docstring); where every
+    rank's parts were gathered for this step (``consolidated``), they go with it."""
+    backend = engine.backend
+    sd["compressed_opt"] = {
+        "format": FORMAT,
+        "algorithm": engine.name,
+        "global_step": engine.global_step,
+        "rank": backend.rank,
+        "world_size": backend.world_size,
+        "buckets": bucket_entries(engine),
+        "averaging": None if engine.exchange.chosen is None else list(engine.exchange.chosen.key),
+        "paths": {str(n): p for n, p in sorted(engine.exchange.paths.items())},
+        "scale_block": engine.scale_block,
+        "param_fields": field_counts(sd["state"]),
+        "shards": local_shards.position(),
+        **algorithm.stage_fields(),
+    }
+    if consolidated is not None and consolidated[0] == engine.global_step:
+        parts = list(consolidated[1])
+        parts[backend.rank] = rank_part(engine, algorithm, engine.param_groups, algorithm.state)
+        sd["compressed_opt"]["ranks"] = parts
+    return sd
+
+
+def restore_buckets(engine, entries: list[dict]) -> None:
+    """A loaded checkpoint's bucket entries into the buckets just made (every part's ``SAVED``
+    buffers), where they match them."""
+    buckets = engine._buckets
+    if not any(set(s) - {"numel"} for s in entries):
+        return  # saved before any bucket held state (e.g. accelerate's prepare round trip)
+    if len(entries) != len(buckets) or any(s["numel"] != b.numel for s, b in zip(entries, buckets)):
+        if any(set(s) - {"numel", "worker_error", "server_error"} for s in entries):
+            # (ZeRO: the shards of m, v and the masters are laid out by the buckets)
+            raise ValueError(
+                f"{engine.name}: the checkpoint's buckets ({[s['numel'] for s in entries]} elements) do not match "
+                f"this optimizer's ({[b.numel for b in buckets]}): the sharded state cannot be placed. Resume with "
+                "the same parameters and bucket_cap_mb"
+            )
+        warnings.warn("the checkpoint's buckets do not match this optimizer's (different parameters or "
+                      "bucket_cap_mb): the error-feedback buffers were reset to zero", RuntimeWarning, stacklevel=5)
+        return
+    for s, b in zip(entries, buckets):
+        state.restore(b.feedback, s, b.device)
+        state.restore(b.state, s, b.device)
+
+
+# --- loading ----------------------------------------------------------------------------------------
+def prepare_load(schema: Schema, state_dict: dict) -> tuple[dict, dict, dict]:
+    """``(torch's part, "compressed_opt", this rank's parameters of a consolidated part)`` of a state
+    dict, checked (:func:`validate_state_dict`, on every rank), upgraded from an older format and
+    with this rank's part of a consolidated one in place."""
+    validate_state_dict(schema, state_dict)  # strict checks; every rank agrees or raises
+    state_dict = upgrade(schema, state_dict)  # an older format, laid out as this one
+    state_dict, own_params = consolidate.own_part(schema.engine, state_dict)
+    extra = state_dict["compressed_opt"]
+    return {k: v for k, v in state_dict.items() if k != "compressed_opt"}, extra, own_params
+
+
+def finish_load(schema: Schema, opt_state, param_groups: list, plain: dict, extra: dict, own_params: dict) -> None:
+    """After torch loaded ``plain`` (``state``, ``param_groups``): the per-parameter buffers as the
+    algorithm keeps them (fp32, float64 rows: torch casts floating state to the parameter's dtype),
+    a consolidated part's parameters, the step, the exchange's choice, the algorithm's stage; the
+    buckets are made again at the next step, with the checkpoint's bucket entries where they are
+    this rank's."""
+    engine, algorithm = schema.engine, schema.algorithm
+    # the state's keys are what the saved groups list, by position (indices, or names as torch.optim allows)
+    index_to_param = dict(zip((i for g in plain["param_groups"] for i in g["params"]),
+                              (p for g in param_groups for p in g["params"])))
+    for idx, saved in plain.get("state", {}).items():
+        p = index_to_param[idx]
+        for name in schema.tensor_names:
+            if name in saved:
+                opt_state[p][name] = saved[name].to(device=p.device, dtype=torch.float32).clone()
+        for name in schema.layer_state:
+            if name in saved:
+                opt_state[p][name] = saved[name].to(device=p.device, dtype=torch.float64).clone()
+    with torch.no_grad():  # (0/1 Adam between synchronisations: this rank's own parameters)
+        positional = [p for g in param_groups for p in g["params"]]
+        for idx, values in own_params.items():  # (a consolidated part's: positions)
+            positional[int(idx)].copy_(values)
+    engine.global_step = int(extra["global_step"])
+    # (a checkpoint from before the choice was saved: the flat exchange's buffers)
+    engine.exchange.saved_key = tuple(extra.get("averaging") or ["flat", extra["world_size"]])
+    engine.exchange.paths = {int(n): p for n, p in extra.get("paths", {}).items()}
+    algorithm.load_stage(extra)
+    engine.forget_buckets()  # (made again at the next step; the ranks are checked again)
+    if extra["world_size"] == engine.backend.world_size and extra["rank"] == engine.backend.rank:
+        engine._pending_bucket_state = [
+            {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
+            for entry in extra["buckets"]]
+    elif any("worker_error" in e for e in extra["buckets"]):
+        warnings.warn(
+            f"{engine.name}: checkpoint of rank {extra['rank']} of {extra['world_size']} loaded on "
+            f"rank {engine.backend.rank} of {engine.backend.world_size}: the error-feedback buffers "
+            "(worker and server error) were reset to zero; momentum, variance and stage were kept",
+            RuntimeWarning, stacklevel=4,
+        )
+
+
+def check_load(schema: Schema, state_dict) -> None:
+    """The checks of a load that come before torch reads anything: a state dict of this optimizer."""
+    extra = state_dict.get("compressed_opt") if isinstance(state_dict, Mapping) else None
+    if extra is None:
+        raise ValueError(
+            f"this state dict has no 'compressed_opt' entry: it was not saved by a {schema.name} (to start from "
+            "another optimizer's state, load its parameters and let this optimizer warm up)"
+        )
+    if extra.get("algorithm") != schema.name:
+        raise ValueError(f"state dict of {extra.get('algorithm')} given to {schema.name}")
+
+
+# --- copies and pickles -----------------------------------------------------------------------------
+def _carried(optimizer, how: str) -> dict:
+    """What a copy of ``optimizer`` carries (see :func:`deep_copy`), before it is copied."""
+    engine, name = optimizer.engine, type(optimizer).__name__
+    if engine.averager is not None:
+        raise RuntimeError(
+            f"{how} of a {name} that drives a DistributedDataParallel communication hook is not "
+            "supported: the hook belongs to the DDP model. Save state_dict() and load it into a new "
+            "optimizer (whose first forward through the DDP model attaches it again)"
+        )
+    if engine.local_shards.pairs:
+        raise RuntimeError(f"{how} of a {name} holding DTensor parameters (HSDP, tensor parallelism) is not "
+                           "supported: they belong to the sharded model. Save state_dict() (or use "
+                           "compressed_opt.dcp.OptimizerState) and load it into a new optimizer")
+    if not engine.idle:
+        raise RuntimeError(
+            f"{how} of a {name} between backward() and step(): this step's gradient communication "
+            "has started (and may have changed the momentum and error feedback), which a copy cannot "
+            "carry. Copy the optimizer between steps (after step(), before the next backward)"
+        )
+    return {"own": _own(optimizer), "engine": engine.carried(), "buckets": bucket_entries(engine)}
+
+
+def _own(optimizer) -> dict:
+    """The optimizer's own attributes a copy carries: not the runtime parts, nor methods patched
+    onto the instance (an LR scheduler wraps ``step``: that wrapper would step the original), as
+    torch's optimizers' copies drop them."""
+    cls = type(optimizer)
+    return {k: v for k, v in optimizer.__dict__.items()
+            if k not in _RUNTIME and not k.startswith("_optimizer_")
+            and not (callable(v) and callable(getattr(cls, k, None)))}
+
+
+#: the optimizer's attributes a copy makes anew (the engine; torch's hook dictionaries; what was
+#: gathered for a checkpoint)
+_RUNTIME = frozenset({"engine", "_consolidated", "_local_shards", "_pending_engine", "_unpickled_place"})
+
+
+def deep_copy(optimizer, memo: dict):
+    """``copy.deepcopy(optimizer)``: an independent, working optimizer in the same state (see
+    ``CompressedOptimizer.__deepcopy__``): the carried state deep-copied with ``memo``, a backend of
+    the same kind over the same communicator."""
+    copied = type(optimizer).__new__(type(optimizer))
+    pending = optimizer.__dict__.get("_pending_engine")
+    if pending is not None:  # (unpickled and not used yet: the copy too, made where it is first used)
+        memo[id(optimizer)] = copied
+        place = optimizer.__dict__.get("_unpickled_place")
+        unpickled(copied, copy.deepcopy({"_copy": {**pending, "own": _own(optimizer)}, "_unpickled_place": place},
+                                        memo))
+        return copied
+    carried = _carried(optimizer, "copy.deepcopy()")
+    memo[id(optimizer)] = copied
+    carried = copy.deepcopy(carried, memo)
+    carried["backend"] = _backend_like(optimizer.engine.backend)
+    _revive(copied, carried)
+    return copied
+
+
+def pickled(optimizer) -> dict:
+    """``optimizer.__getstate__()``: what a copy carries, with the backend as the kind
+    :func:`compressed_opt.comm.get_backend` makes again and the rank and world size it was on."""
+    pending = optimizer.__dict__.get("_pending_engine")
+    if pending is not None:  # (unpickled and not used yet: as it was carried)
+        return {"_copy": {**pending, "own": _own(optimizer)},
+                "_unpickled_place": optimizer.__dict__.get("_unpickled_place")}
+    carried = _carried(optimizer, "pickling")
+    backend = optimizer.engine.backend
+    carried["backend_spec"] = _backend_spec(backend, type(optimizer).__name__)
+    return {"_copy": carried, "_unpickled_place": (backend.rank, backend.world_size)}
+
+
+def unpickled(optimizer, state: dict) -> None:
+    """``optimizer.__setstate__(state)`` of a pickled optimizer: its parts as carried; its engine is
+    made when first used (``optimizer.engine``), so that it may be unpickled before
+    ``init_process_group``, on the rank and world size it was pickled on (else it raises)."""
+    carried = state["_copy"]
+    _restore_own(optimizer, carried["own"])
+    optimizer.__dict__["_pending_engine"] = carried
+    optimizer.__dict__["_unpickled_place"] = state.get("_unpickled_place")
+
+
+def revive_pending(optimizer):
+    """The engine of an unpickled optimizer, made now from what it carried (its backend made by
+    ``get_backend`` on the same rank of the same world size, else ``RuntimeError``)."""
+    carried = optimizer.__dict__.pop("_pending_engine")
+    place = optimizer.__dict__.pop("_unpickled_place", None)
+    kind, kwargs = carried.pop("backend_spec")
+    backend = get_backend(kind, **kwargs)
+    if place is not None and tuple(place) != (backend.rank, backend.world_size):
+        optimizer.__dict__["_pending_engine"] = {**carried, "backend_spec": (kind, kwargs)}
+        optimizer.__dict__["_unpickled_place"] = place
+        raise RuntimeError(
+            f"this {type(optimizer).__name__} was pickled on rank {place[0]} of {place[1]} and is used on rank "
+            f"{backend.rank} of {backend.world_size}: its error-feedback buffers (and ZeRO shards) belong "
+            "to that rank. Unpickle it on the same rank of the same world size, or move between world "
+            "sizes with state_dict() / load_state_dict()"
+        )
+    carried["backend"] = backend
+    _revive(optimizer, carried, unpickled=True)
+    return optimizer.__dict__["engine"]
+
+
+def _revive(optimizer, carried: dict, unpickled: bool = False) -> None:
+    """A copy's runtime parts made anew from what it carried: its engine over ``carried["backend"]``
+    (its buckets made at its next step, with the carried bucket entries), bound to its algorithm."""
+    from .engine import GradientSync
+    from .local_shards import LocalShards
+
+    d = optimizer.__dict__
+    if not unpickled:
+        _restore_own(optimizer, carried["own"])
+    d["_local_shards"] = LocalShards(type(optimizer).__name__)
+    d["_consolidated"] = None
+    algorithm = d["_algorithm"]
+    engine = GradientSync.from_carried(type(optimizer).__name__, optimizer.param_groups, carried["backend"],
+                                       algorithm, d["_local_shards"], carried["engine"])
+    d["engine"] = engine
+    algorithm.bind(optimizer.param_groups, optimizer.state, engine)
+    engine._pending_bucket_state = carried["buckets"] or None
+    if not engine.closed:
+        engine.start()
+
+
+def _restore_own(optimizer, own: dict) -> None:
+    """The optimizer's own attributes as carried, through torch's ``__setstate__`` (its step hooks
+    and wrapper), without the ``differentiable`` default torch adds (ours take none)."""
+    had_differentiable = "differentiable" in own.get("defaults", {})
+    optimizer.__dict__.update(own)
+    torch.optim.Optimizer.__setstate__(optimizer, {"state": optimizer.state, "param_groups": optimizer.param_groups})
+    if not had_differentiable:
+        optimizer.defaults.pop("differentiable", None)
+
+
+def _backend_like(backend: Backend) -> Backend:
+    """A new backend of the same kind over the same communicator, for a deep copy (its own
+    workspaces and byte counts); a backend of another class is shared."""
+    from compressed_opt.comm import SingleProcessBackend
+
+    kind = type(backend)
+    if kind is SingleProcessBackend:
+        return SingleProcessBackend()
+    if kind.__name__ == "TorchBackend" and kind.__module__ == "compressed_opt.comm.torch_backend":
+        return kind(group=backend.group)
+    if kind.__name__ == "MPIBackend" and kind.__module__ == "compressed_opt.comm.mpi_backend":
+        return kind(comm=backend.comm, cuda_aware=backend.cuda_aware)
+    return backend
+
+
+def _backend_spec(backend: Backend, owner: str) -> tuple[str, dict]:
+    """``(kind, kwargs)`` for ``get_backend`` that makes ``backend`` again in another process;
+    ``TypeError`` if none can."""
+    from compressed_opt.comm import SingleProcessBackend
+
+    kind = type(backend)
+    if kind is SingleProcessBackend:
+        return "single", {}
+    if kind.__name__ == "TorchBackend" and kind.__module__ == "compressed_opt.comm.torch_backend":
+        if backend.group is None or backend.group is dist.group.WORLD:
+            return "torch", {}
+    elif kind.__name__ == "MPIBackend" and kind.__module__ == "compressed_opt.comm.mpi_backend":
+        if backend.comm is backend._mpi.COMM_WORLD:
+            return "mpi", {"cuda_aware": backend.cuda_aware}
+    raise TypeError(
+        f"cannot pickle a {owner} whose backend is {backend!r}: only backends that get_backend() can make "
+        "again in the loading process are pickled (single process, torch.distributed's default group, "
+        "MPI's COMM_WORLD). Save state_dict() instead, or deep-copy within this process"
+    )

@@ -32,16 +32,16 @@ import warnings
 import torch
 
 
-def gather_rank_parts(optimizer, to: int) -> list[dict] | None:
-    """Collective: every rank's part on rank ``to`` (``None`` on the others). Each part is
-    serialised (``torch.save``), its length all-gathered, and each rank's bytes broadcast from it
-    in turn: one small all-gather and ``N - 1`` broadcasts, run only when a checkpoint is taken."""
-    backend = optimizer.backend
+def gather_rank_parts(engine, mine: dict, to: int) -> list[dict] | None:
+    """Collective over ``engine``'s backend: every rank's part (this rank's: ``mine``) on rank ``to``
+    (``None`` on the others). Each part is serialised (``torch.save``), its length all-gathered,
+    and each rank's bytes broadcast from it in turn: one small all-gather and ``N - 1`` broadcasts,
+    run only when a checkpoint is taken."""
+    backend = engine.backend
     world, rank = backend.world_size, backend.rank
-    mine = optimizer.rank_part()
     if world == 1:
         return [mine]
-    device = optimizer.comm_device
+    device = engine.device
     payload = _serialise(mine)
     lengths = torch.empty(world, dtype=torch.int64, device=device)
     backend.all_gather(lengths, torch.tensor([payload.numel()], dtype=torch.int64, device=device))
@@ -71,7 +71,7 @@ def _serialise(part: dict) -> torch.Tensor:
     return torch.frombuffer(bytearray(out.getvalue()), dtype=torch.uint8)
 
 
-def own_part(optimizer, state_dict):
+def own_part(engine, state_dict):
     """``(state_dict, params)``: a consolidated state dict (validated: see
     ``compressed_opt.checkpoint``) with the loading rank's part in place of the saver's, and the
     parameter values of that part (``{index: tensor}``, possibly empty). A state dict without
@@ -80,15 +80,15 @@ def own_part(optimizer, state_dict):
     parts = extra.get("ranks")
     if parts is None:
         return state_dict, {}
-    backend = optimizer.backend
+    backend = engine.backend
     extra = {k: v for k, v in extra.items() if k != "ranks"}
     if extra["world_size"] != backend.world_size:
         warnings.warn(
-            f"{type(optimizer).__name__}: the checkpoint holds the state of {extra['world_size']} ranks and is loaded "
+            f"{engine.name}: the checkpoint holds the state of {extra['world_size']} ranks and is loaded "
             f"on {backend.world_size}: each rank's error-feedback buffers were reset to zero (momentum, variance and "
             "stage were kept)",
             RuntimeWarning,
-            stacklevel=4,
+            stacklevel=5,
         )
         extra["buckets"] = [{"numel": e["numel"]} for e in extra["buckets"]]
         return {**state_dict, "compressed_opt": extra}, {}

@@ -99,10 +99,10 @@ class OptimizerState(Stateful):
         if reshard and legacy:
             raise ValueError("OptimizerState(reshard=True, legacy=True): a legacy checkpoint holds no tensors to "
                              "reshard; resume it on the ranks that saved it")
-        if reshard and optimizer.layout.sharded:
+        if reshard and optimizer.engine.client.zero_stage:
             raise ValueError(f"OptimizerState(reshard=True) with {type(optimizer).__name__}(zero_stage="
-                             f"{optimizer.layout.stage}): ZeRO's state lives in the buckets' shards and is not "
-                             "resharded; resume it on the same world size with OptimizerState(optimizer)")
+                             f"{optimizer.engine.client.zero_stage}): ZeRO's state lives in the buckets' shards and "
+                             "is not resharded; resume it on the same world size with OptimizerState(optimizer)")
         self.optimizer = optimizer
         self.reshard = reshard
         self.legacy = legacy
@@ -114,14 +114,14 @@ class OptimizerState(Stateful):
     def _as_saved(self, p, local: torch.Tensor) -> torch.Tensor:
         """``local`` (state of ``p``'s shape) as the checkpoint holds it: a DTensor laid out as the
         model's parameter for the shard of a DTensor parameter, else as it is."""
-        model_param = self.optimizer.model_parameter(p)
-        if model_param is p:
+        model_param = self.optimizer.engine.local_shards.dtensor_of(p)
+        if model_param is None:
             return local
         return DTensor.from_local(local, model_param.device_mesh, model_param.placements, run_check=False,
                                   shape=model_param.shape, stride=model_param.stride())
 
     def _tensor_names(self) -> tuple[str, ...]:
-        return self.optimizer.bucket_state_names
+        return self.optimizer.engine.client.tensor_names()
 
     # --- Stateful ----------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -138,7 +138,8 @@ class OptimizerState(Stateful):
         # a state that differs between the ranks (0/1 Adam between synchronisations): the backend's
         # rank 0's on every rank, so that the tensors are one replica's whichever rank DCP has write
         # them (every rank is here, in the same order: dcp.save and dcp.load are collective)
-        own_values = opt.rank_parameters()
+        algorithm = opt.engine.client  # (its declared state: compressed_opt.optimizer.Algorithm)
+        own_values = algorithm.rank_parameters()
         tensors, present = {}, {}
         for i, (pid, p) in enumerate(zip(positions, params)):
             st = sd["state"].get(pid, {})
@@ -148,12 +149,12 @@ class OptimizerState(Stateful):
             for name in self._tensor_names():
                 value = st.get(name)
                 local = value.detach() if value is not None else torch.zeros_like(p, dtype=torch.float32)
-                if own_values and name in opt.rank_state_names and opt.backend.world_size > 1:
+                if own_values and name in algorithm.rank_state_names and opt.backend.world_size > 1:
                     local = local.clone()
                     opt.backend.broadcast(local, src=0)
                 tensors[f"state.{i}.{name}"] = self._as_saved(p, local)
         own = dict(sd, state={pid: {k: v for k, v in st.items()
-                                    if k not in self._tensor_names() or k in opt.rank_state_names}
+                                    if k not in self._tensor_names() or k in algorithm.rank_state_names}
                               for pid, st in sd["state"].items()})
         part = {"state_dict": own, "present": present,
                 "local_shapes": [tuple(p.shape) for p in params]}
@@ -243,7 +244,7 @@ def _agree(optimizer, problem: ValueError | None) -> None:
     ``dcp.load(process_group=...)``, another)."""
     backend = optimizer.backend
     if backend.world_size > 1:
-        device = optimizer.comm_device
+        device = optimizer.engine.device
         flags = torch.empty(backend.world_size, dtype=torch.int64, device=device)
         backend.all_gather(flags, torch.tensor([0 if problem is None else 1], dtype=torch.int64, device=device))
         if problem is None and bool(flags.any()):

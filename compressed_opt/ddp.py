@@ -9,10 +9,11 @@ the optimizer's stage, so a DDP-wrapped model sends exactly what the optimizer a
 
 Found automatically: frameworks (transformers' Trainer, Lightning's DDP strategy, accelerate)
 wrap the model in DDP themselves, after the optimizer was made. Until its first step, every
-compressed optimizer watches the forward passes (one global forward pre-hook, removed once no
-optimizer is waiting); the first forward of a ``DistributedDataParallel`` module that holds its
-parameters registers the hook on it, before any backward. :func:`register_ddp_comm_hook` does the
-same by hand.
+compressed optimizer's engine (:class:`compressed_opt.engine.GradientSync`) watches the forward
+passes (one global forward pre-hook, removed once no engine is waiting); the first forward of a
+``DistributedDataParallel`` module that holds its parameters registers the hook on it, before any
+backward. :func:`register_ddp_comm_hook` does the same by hand. The hook drives the engine (and
+through it its algorithm), never the optimizer.
 
 The all-reduce runs on the bucket's parameters in the optimizer's own order (descending
 parameter index, as the optimizer's buckets), not in DDP's: DDP rebuilds its buckets after the
@@ -35,11 +36,11 @@ logger = logging.getLogger("compressed_opt")
 
 
 class DDPHookState:
-    """What the hook needs: the optimizer (weakly), the process group, and per DDP bucket the
-    scratch buffer that lays it out in the optimizer's order."""
+    """What the hook needs: the optimizer's engine (weakly), the process group, and per DDP bucket
+    the scratch buffer that lays it out in the optimizer's order."""
 
-    def __init__(self, optimizer, process_group=None):
-        self._optimizer = weakref.ref(optimizer)
+    def __init__(self, engine, process_group=None):
+        self._optimizer = weakref.ref(engine)
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.scratch = {}  # key -> torch.Tensor
@@ -51,6 +52,7 @@ class DDPHookState:
 
     @property
     def optimizer(self):
+        """The engine whose averaging the hook carries (``None`` once it is gone)."""
         return self._optimizer()
 
 
@@ -94,14 +96,14 @@ def _observe_sums(state: DDPHookState, opt, layout: CanonicalLayout, averaged: b
         known = state.segments[layout.key] = (Segments([p.numel() for p in layout.params]), indices)
     segments, indices = known
     segment_sumsq(flat, segments, sums)
-    opt.observe_local_square_sums(indices, sums, averaged)
+    opt.client.observe_hooked_sums(indices, sums, averaged)
 
 
 def _average(state: DDPHookState, bucket: dist.GradBucket):
     buffer, grads = bucket.buffer(), bucket.gradients()
     opt = state.optimizer
     layout = CanonicalLayout(state, bucket.parameters(), grads, buffer)
-    observe = opt.observes_square_sums
+    observe = opt.client.observes_square_sums
     if observe:
         _observe_sums(state, opt, layout, averaged=False)  # the local gradients, before the average
     opt.backend.stats.record("all_reduce", 2 * (state.world_size - 1) / state.world_size * nbytes(buffer))
@@ -143,7 +145,7 @@ def compressed_comm_hook(state: DDPHookState, bucket: dist.GradBucket) -> torch.
     opt = state.optimizer
     if opt is not None and bucket.index() == 0:  # (DDP runs its buckets in index order)
         opt.enter_backward()  # every rank in backward, or every rank raises
-    if opt is not None and opt.averages_next_step():
+    if opt is not None and opt.full_precision_next():
         return _average(state, bucket)
     if opt is not None:
         _share_nonfinite(state, opt, bucket)
@@ -153,15 +155,18 @@ def compressed_comm_hook(state: DDPHookState, bucket: dist.GradBucket) -> torch.
 def register_ddp_comm_hook(ddp_model, optimizer, process_group=None) -> DDPHookState:
     """Let ``ddp_model``'s reducer carry ``optimizer``'s full-precision averaging and send
     nothing else (see the module docstring). Done automatically at the first forward of a
-    DDP-wrapped model; calling it by hand, before the first backward, is still allowed."""
-    if not callable(getattr(optimizer, "attach_averager", None)):  # (a CompressedOptimizer)
+    DDP-wrapped model; calling it by hand, before the first backward, is still allowed.
+    ``optimizer``: a compressed optimizer, or its engine."""
+    engine = getattr(optimizer, "engine", None) if not hasattr(optimizer, "attach_averager") else optimizer
+    if engine is None or not callable(getattr(engine, "attach_averager", None)):  # (a CompressedOptimizer)
         raise TypeError(f"optimizer must be a compressed_opt optimizer, got {type(optimizer).__name__}")
+    optimizer = engine
     if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
         raise TypeError(f"ddp_model must be a DistributedDataParallel module, got {type(ddp_model).__name__}")
     if optimizer.averager is not None:
         if getattr(ddp_model, "_compressed_opt_state", None) is optimizer.averager:
             return optimizer.averager  # already attached (automatically or by an earlier call)
-        raise ValueError(f"this {type(optimizer).__name__} already drives another DDP model's hook")
+        raise ValueError(f"this {optimizer.name} already drives another DDP model's hook")
     if getattr(ddp_model, "_comm_hooks", None):
         raise ValueError(
             "this DistributedDataParallel model already has a communication hook; a compressed_opt "
@@ -184,7 +189,7 @@ def _check_same_group(optimizer, process_group) -> None:
     ddp_ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
     backend = optimizer.backend
     fix = (f"pass backend=compressed_opt.comm.TorchBackend(group=<the DDP model's process_group>) to "
-           f"{type(optimizer).__name__}")
+           f"{optimizer.name}")
     if len(ddp_ranks) != backend.world_size:
         raise ValueError(f"the DDP model averages over {len(ddp_ranks)} ranks and the optimizer's backend over "
                          f"{backend.world_size}: {fix}")
@@ -201,15 +206,16 @@ _waiting: weakref.WeakSet = weakref.WeakSet()
 _handle = None
 
 
-def watch_for_ddp(optimizer) -> None:
-    """Until ``forget(optimizer)`` (its first step, or attached), the first forward of a DDP
-    module holding its parameters attaches the optimizer to it."""
+def watch_for_ddp(optimizer) -> bool:
+    """Until ``forget(optimizer)`` (an engine: its first step, or attached), the first forward of a
+    DDP module holding its parameters attaches it to it; whether it is watched (one rank: never)."""
     global _handle
     if optimizer.backend.world_size == 1 or not dist.is_available() or not dist.is_initialized():
-        return
+        return False
     _waiting.add(optimizer)
     if _handle is None:
         _handle = torch.nn.modules.module.register_module_forward_pre_hook(_on_forward)
+    return True
 
 
 def forget(optimizer) -> None:
@@ -227,11 +233,11 @@ def _on_forward(module, args):
         ours = {id(p) for g in opt.param_groups for p in g["params"]}
         if any(id(p) in ours for p in module.module.parameters()):
             try:
-                opt.layout.check_ddp(opt)  # (a sharded layout cannot: DDP keeps whole replicas)
+                opt.client.check_ddp()  # (ZeRO cannot: DDP keeps whole replicas)
             except ValueError:
                 forget(opt)
                 raise
             register_ddp_comm_hook(module, opt, module.process_group)
             logger.info("%s: found its parameters in a DistributedDataParallel model; its communication "
-                        "hook now sends only what the optimizer needs", type(opt).__name__)
+                        "hook now sends only what the optimizer needs", opt.name)
     return None

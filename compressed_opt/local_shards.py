@@ -42,7 +42,8 @@ class LocalShards:
 
     def __init__(self, owner: str):
         self._owner = owner
-        self._pairs: list[tuple[torch.Tensor, torch.nn.Parameter]] = []
+        #: (the DTensor parameter, the plain parameter that is its local tensor), in order
+        self.pairs: list[tuple[torch.Tensor, torch.nn.Parameter]] = []
         self._mesh_ranks: set[int] = set()
         #: id of a shard parameter whose layer is split over the mesh -> its nominal size there
         #: (the layer's size over the mesh's ranks, the same on each: buckets are laid out alike)
@@ -50,9 +51,6 @@ class LocalShards:
         self._group = None  # the process group the split layers are split over
         self._mesh_backend: TorchBackend | None = None  # its collectives (made at the first)
         self._dtensor_of: dict[int, torch.Tensor] = {}  # id of a shard parameter -> its DTensor
-
-    def __bool__(self) -> bool:
-        return bool(self._pairs)
 
     def localize_group(self, param_group: dict) -> dict:
         """A param group (as ``add_param_group`` takes it) with its DTensors localized; anything
@@ -85,7 +83,7 @@ class LocalShards:
             with torch.no_grad():
                 local = p.to_local()
             shard = torch.nn.Parameter(local, requires_grad=p.requires_grad)
-            self._pairs.append((p, shard))
+            self.pairs.append((p, shard))
             self._dtensor_of[id(shard)] = p
             self._mesh_ranks.update(int(r) for r in mesh.mesh.flatten().tolist())
             if any(isinstance(pl, Shard) for pl in p.placements) and mesh.size() > 1:
@@ -101,7 +99,7 @@ class LocalShards:
     def position(self) -> list[int] | None:
         """``[rank, world size]`` of the whole job when the optimizer holds shards (its state is
         this rank's shards'; a checkpoint records it, and another rank's is refused), else ``None``."""
-        return [dist.get_rank(), dist.get_world_size()] if self._pairs else None
+        return [dist.get_rank(), dist.get_world_size()] if self.pairs else None
 
     def dtensor_of(self, shard) -> torch.Tensor | None:
         """The DTensor parameter whose local tensor ``shard`` is (``None`` for a plain parameter)."""
@@ -162,7 +160,7 @@ class LocalShards:
         """The backend's ranks and the DTensors' mesh share only this rank: the exchange must pair
         the same shard of every replica, never two shards of one replica. ZeRO is refused: the
         state is the shard's already."""
-        if not self._pairs:
+        if not self.pairs:
             return
         if sharded_state:
             raise ValueError(f"{self._owner}: zero_stage=1/2 with DTensor parameters: the optimizer state is "
@@ -192,13 +190,13 @@ class LocalShards:
         here, so its unscaling found none (the optimizer tells it that it handles scaling itself,
         else it stops at torch's assertion), and a rank that found inf in its own shard would
         skip ``step()`` alone."""
-        if scaled and self._pairs:
+        if scaled and self.pairs:
             raise RuntimeError(
                 f"{self._owner} with DTensor parameters (HSDP, tensor parallelism) under torch.amp.GradScaler: not "
                 "supported (a rank that finds inf/NaN in its shard would skip step() alone). Train in bf16 "
                 "(torch.autocast(dtype=torch.bfloat16) needs no scaler), or without a GradScaler"
             )
-        for p, shard in self._pairs:
+        for p, shard in self.pairs:
             with torch.no_grad():
                 local = p.to_local()
             if local.shape != shard.shape or (local.numel() and local.data_ptr() != shard.data_ptr()):
@@ -221,7 +219,7 @@ class LocalShards:
 
     def clear_grads(self, set_to_none: bool) -> None:
         """The DTensor gradients, as ``zero_grad`` leaves the shards'."""
-        for p, _ in self._pairs:
+        for p, _ in self.pairs:
             if p.grad is None:
                 continue
             if set_to_none:

@@ -1,5 +1,6 @@
 """1-bit Adam (Tang et al., "1-bit Adam: Communication Efficient Large-Scale Training with Adam's
-Convergence Speed", ICML 2021).
+Convergence Speed", ICML 2021): Adam's formulas, the compression stage's exchange, the algorithm,
+and the optimizer.
 
 Warmup, steps ``1..freeze_step``: gradients averaged at full precision; the step is exactly AdamW::
 
@@ -15,334 +16,621 @@ every rank); ``p <- p (1 - lr wd) - lr * (m / (1 - b1^t)) / (sqrt(v_f) + eps)``.
 The paper exchanges ``m_i`` itself. One 1-bit scale then serves a whole bucket, so a coordinate
 whose frozen variance is tiny (GPT-2's attention key bias: gradients ~1e-11, ``v_f`` ~1e-24)
 receives ``+-scale`` of the bucket's typical momentum, and ``scale / (sqrt(v_f) + eps)``
-moves it by up to ``lr * scale / eps`` per step: a key bias of 5e-6 jumped to 145 at the first
-compressed step. Since ``v_f`` is the same on every rank, the average commutes with any fixed
-per-coordinate factor, so we exchange the *preconditioned* momentum instead::
+moves it by up to ``lr * scale / eps`` per step. Since ``v_f`` is the same on every rank, the
+average commutes with any fixed per-coordinate factor, so we exchange the *preconditioned*
+momentum instead::
 
-    R = c_l / (sqrt(v_f) + eps)          per coordinate, fixed from the freeze on (0 where v_f == 0)
+    R = c_l / sqrt(v_f)                   per coordinate, fixed from the freeze on (0 where v_f == 0)
     y = compressed_allreduce(clip(s_l R m_i, +-K c_l))    (error feedback in this space)
-    m = y / (s_l R);   p <- p (1 - lr wd) - lr (f_l / s_l) (y / c_l) / (1 - b1^t)
+    m = y / (s_l R);   p <- p (1 - lr wd) - lr (f_l / s_l) (y / (c_l + eps R)) / (1 - b1^t)
 
-``R m`` is Adam's own update direction, times a per-layer coefficient ``c_l = mean_k s_k / s_l``
-(``s_l``: the RMS of layer ``l``'s ``m / (sqrt(v_f) + eps)`` at the first compressed step, the same
-on every rank, kept in ``state[p]["scaling_coeff"]``; :mod:`compressed_opt.scaling`). ``f_l`` is
-the layer's variance-tracking factor (:mod:`compressed_opt.variance_tracking`), and ``s_l`` its
-value of the last update, applied before the exchange (docs/design.md 2.3.3; 1 without
-tracking): every layer reaches the compressor at the size of its step, and what 1-bit noise a
-coordinate gets is at most the size of its own layer's steps, never ``scale / eps``. The clip
-``K`` (:data:`~compressed_opt.moments.COMPRESSED_STEP_BOUND`, 1.25) keeps any coordinate from
+``c_l = mean_k s_k / s_l`` (``s_l``: the RMS of layer ``l``'s ``m / sqrt(v_f)`` at the first
+compressed step, the same on every rank, kept in ``state[p]["scaling_coeff"]``;
+:mod:`compressed_opt.scaling`). ``f_l`` is the layer's variance-tracking factor
+(:mod:`compressed_opt.variance_tracking`), and ``s_l`` its value of the last update, applied before
+the exchange (docs/design.md 2.3.3; 1 without tracking): every layer reaches the compressor at the
+size of its step. The clip ``K`` (:data:`COMPRESSED_STEP_BOUND`, 1.25) keeps any coordinate from
 stepping further than ``K lr``. ``exchange="momentum"`` is the paper's exchange.
 
-Beyond the paper: a coordinate whose frozen variance is exactly 0 (it never received a gradient
-in warmup, e.g. the weight of an input that is always 0) is not moved by the momentum in the
-compression stage. 1-bit compression sends it ``+-scale`` like every other coordinate, and
-``scale / eps`` would blow it up (to inf, then NaN as ``inf * 0``); its denominator is ``inf``.
+Beyond the paper: a coordinate whose frozen variance is exactly 0 (it never received a gradient in
+warmup) is not moved by the momentum in the compression stage: 1-bit compression sends it
+``+-scale`` like every other coordinate, and ``scale / eps`` would blow it up; its denominator is
+``inf``.
 
-``bias_correction=False`` reproduces DeepSpeed's update (no bias correction).
+The pieces, each a transform of a bucket's typed state (:class:`AdamBuffers`), which 1-bit LAMB
+composes too: Adam's formulas (written once, here), :class:`FreezeSchedule` (when the warmup ends),
+:class:`Preconditioned` and :class:`Momentum` (what the exchange carries, chosen by ``exchange=``),
+:class:`compressed_opt.variance_tracking.VarianceTracking` and, with ``zero_stage`` 1 or 2, ZeRO's
+shards (:mod:`compressed_opt.zero`). :class:`AdamAlgorithm` is the engine's client that composes
+them; :class:`OnebitAdam` the optimizer. ``bias_correction=False`` reproduces DeepSpeed's update.
 """
 from __future__ import annotations
 
 import logging
+import math
+import operator
+from dataclasses import dataclass, field
 
 import torch
 
 from compressed_opt import cuda as kernels
 from compressed_opt.comm import DEFAULT_BLOCK
 
-from . import exchange_variant, scaling, zero
+from . import scaling
 from . import variance_tracking as tracking
-from .buckets import param_states
-from .buffers import DERIVED, STATE, Buffer
+from .exchange import Request
 from .freeze import VarianceStabilityRule, resolve_rule, restore_rule
-from .moments import (COMPRESSED_STEP_BOUND, bias_corrections, denominator_, frozen_denominator_of,
-                      momentum_, preconditioned_denominator, variance_)
-from .optimizer import CompressedOptimizer, common_args
-from .validation import check_adam_group, check_step_count
+from .optimizer import Algorithm, CompressedOptimizer, common_args
+from .state import DERIVED, SCRATCH, STATE, STEP, buffer, names
+from .validation import check_adam_group, check_choice, check_step_count
 
 logger = logging.getLogger("compressed_opt")
 
 #: ``freeze_step``'s default: long enough to be safe for a long run, so a shorter run never
-#: compresses (rank 0 says so at the first step; docs/guarantees: "Visible")
+#: compresses (rank 0 says so at the first step; docs/guarantees.md: "Visible")
 DEFAULT_FREEZE_STEP = 100_000
 
+# --- Adam's formulas, each written once (1-bit LAMB and 0/1 Adam take them from here) ----------------
+#: The compression stage's bound on a coordinate's step ``|m / sqrt(v_f)|`` times its tracking
+#: factor, in units of ``lr`` (OnebitAdam, 0/1 Adam; times ``c_l`` on the exchanged values). Adam's
+#: step is 1 for a gradient that keeps its sign and size, and up to :func:`spike_bound` (3.16) for a
+#: while after a rise, until ``v`` catches up, which a frozen ``v_f`` never does. 1.25 is measured
+#: (docs/benchmarks.md, "The step bound").
+COMPRESSED_STEP_BOUND = 1.25
+#: 0/1 Adam's bound on a local gradient's ``|g_i / sqrt(v_hat)|`` in its phase-A 1-bit exchange:
+#: one coordinate's outlier would set the scale of its whole block (docs/design.md 2.5).
+PRECONDITIONED_GRADIENT_BOUND = 3.0
 
-class _FreezingAdam(tracking.LayerVarianceTracking, CompressedOptimizer):
-    """Adam-family optimizers with one variance freeze: warmup, then compression."""
 
-    buffers = {
-        "exp_avg": Buffer(STATE),  # m
-        "exp_avg_sq": Buffer(STATE),  # v (frozen: v_f)
-        "frozen_denominator": Buffer(DERIVED),  # sqrt(v_f) + eps
-        "preconditioner": Buffer(DERIVED),  # R = c_l / sqrt(v_f), the preconditioned exchange's factor
-        "no_variance": Buffer(DERIVED, torch.int64),  # the indices where v_f == 0
-    }
-    #: whether the compression stage needs this rank's chunk of the previous momentum (a sharded
-    #: layout keeps it when it forms the local momentum)
-    keeps_previous_momentum = False
+def spike_bound(beta1: float, beta2: float) -> float:
+    """``max(1, (1 - b1) / sqrt(1 - b2))``: the largest ``|m / sqrt(v)|`` one gradient spike gives
+    Adam (3.16 at the default betas)."""
+    return max(1.0, (1 - beta1) / math.sqrt(1 - beta2))
 
-    #: the exchange variants it takes (``exchange=``), :mod:`compressed_opt.exchange_variant`
-    EXCHANGES = exchange_variant.ADAM
-    #: whether the compression stage still divides by ``sqrt(v_f) + eps`` itself (1-bit LAMB's
-    #: factor does), or needs only the exchange's factor ``R``
-    keeps_denominator = False
 
-    def __init__(self, params, defaults, freeze_step, backend, bucket_cap_mb, overlap=True, accumulation_steps=1,
-                 zero_stage=0, master_resync_interval=100, exchange="preconditioned", variance_tracking=False,
-                 hierarchy="auto", path=None, scale_block=DEFAULT_BLOCK):
-        self.exchange_variant = exchange_variant.choose(exchange, self.EXCHANGES)
-        self._init_variance_tracking(variance_tracking)
-        freeze_step = check_step_count("freeze_step", freeze_step, allow_auto=True, minimum=1) \
-            if not isinstance(freeze_step, VarianceStabilityRule) else freeze_step
+def momentum_(m: torch.Tensor, g: torch.Tensor, beta1: float) -> None:
+    """``m = b1 m + (1 - b1) g``."""
+    m.lerp_(g, 1 - beta1)
+
+
+def variance_(v: torch.Tensor, g: torch.Tensor, beta2: float) -> None:
+    """``v = b2 v + (1 - b2) g^2``."""
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+
+
+def bias_corrections(beta1: float, beta2: float, step: int, enabled: bool) -> tuple[float, float]:
+    """``(1 - beta1^t, sqrt(1 - beta2^t))``, or ``(1, 1)`` without bias correction."""
+    if not enabled:
+        return 1.0, 1.0
+    return 1.0 - beta1**step, math.sqrt(1.0 - beta2**step)
+
+
+def denominator_(v: torch.Tensor, out: torch.Tensor, eps: float, bc2_sqrt: float = 1.0) -> torch.Tensor:
+    """``sqrt(v) / bc2_sqrt + eps`` into ``out`` (``bc2_sqrt``: the square root of ``v``'s bias
+    correction)."""
+    torch.sqrt(v, out=out)
+    if bc2_sqrt != 1.0:
+        out.div_(bc2_sqrt)
+    return out.add_(eps)
+
+
+def frozen_denominator_of(v: torch.Tensor, group: dict, freeze_step: int) -> torch.Tensor:
+    """``sqrt(v / (1 - b2^freeze_step)) + eps`` (a new tensor), ``inf`` where ``v == 0``: the
+    compression stage's divisor; an infinite one keeps a coordinate without variance in place."""
+    _, bc2_sqrt = bias_corrections(*group["betas"], freeze_step, group["bias_correction"])
+    return torch.sqrt(v).div_(bc2_sqrt).add_(group["eps"]).masked_fill_(v == 0, float("inf"))
+
+
+def preconditioned_denominator(r: torch.Tensor, split, coeffs: list[float], eps: float) -> torch.Tensor:
+    """``sqrt(v_f) + eps`` made from ``R = c_l / sqrt(v_f)`` (ZeRO keeps only ``R``): ``(1 / R) c_l +
+    eps``, ``inf`` where ``R == 0``; ``split`` gives a flat tensor's per-layer views."""
+    denom = torch.reciprocal(r)
+    if any(c != 1.0 for c in coeffs):
+        torch._foreach_mul_(split(denom), list(coeffs))
+    return denom.add_(eps)
+
+
+def descend_(params: list[torch.Tensor], directions: list[torch.Tensor], decay: float, alpha: float) -> None:
+    """``p = p decay + alpha d`` for each parameter and its direction (no multiplication where
+    ``decay`` is 1: no weight decay)."""
+    if decay != 1.0:
+        torch._foreach_mul_(params, decay)
+    torch._foreach_add_(params, directions, alpha=alpha)
+
+
+# --- the state ---------------------------------------------------------------------------------------
+@dataclass(eq=False)
+class AdamBuffers:
+    """A bucket's Adam state where every rank holds it whole (``zero_stage=0``)."""
+
+    exp_avg: torch.Tensor | None = buffer(STATE)  # m
+    exp_avg_sq: torch.Tensor | None = buffer(STATE)  # v (frozen: v_f)
+    #: sqrt(v_f) + eps (inf where v_f == 0): the momentum exchange's divisor, 1-bit LAMB's
+    frozen_denominator: torch.Tensor | None = buffer(DERIVED)
+    #: R = c_l / sqrt(v_f), the preconditioned exchange's factor (0 where v_f == 0)
+    preconditioner: torch.Tensor | None = buffer(DERIVED)
+    #: the indices where v_f == 0 (usually none)
+    no_variance: torch.Tensor | None = buffer(DERIVED, torch.int64)
+    #: fused AdamW's step count (a 0-dim tensor on the bucket's device)
+    step_count: torch.Tensor | None = buffer(SCRATCH)
+
+
+@dataclass(eq=False)
+class AdamBucket:
+    """A bucket's 1-bit Adam state: its moments (:class:`AdamBuffers`, or ZeRO's
+    :class:`compressed_opt.zero.Shards`), its tracking (``None`` without), and per layer the dicts of
+    ``optimizer.state[p]`` that hold its numbers (``scaling_coeff``, ``exchange_factor``)."""
+
+    buffers: object
+    tracked: tracking.TrackedLayers | None
+    states: list = field(repr=False)
+    #: per layer, the preconditioned exchange's ``c_l`` and bounds ``K c_l`` (made with ``R``), and
+    #: the betas the bounds are of
+    coefficients: list | None = buffer(DERIVED)
+    bounds: list | None = buffer(DERIVED)
+    bounds_of: tuple | None = buffer(DERIVED)
+    #: ``s_l``, per layer, of this step's exchange (the tracked exchange; docs/design.md 2.3.3)
+    exchange_factors: list | None = buffer(STEP)
+    #: the error buffers hold errors of ``s_l = 1`` (a checkpoint of format 2): carried over at the next exchange
+    unit_errors: bool = False
+
+
+@dataclass
+class FreezeSchedule:
+    """When the warmup ends: at ``freeze_step``, or, with a ``rule`` (``freeze_step="auto"``), when
+    the variance has stabilised (rank 0 decides, every rank follows)."""
+
+    freeze_step: int | None
+    rule: VarianceStabilityRule | None
+    frozen: bool = False
+
+    @classmethod
+    def of(cls, freeze_step) -> FreezeSchedule:
+        if not isinstance(freeze_step, VarianceStabilityRule):
+            freeze_step = check_step_count("freeze_step", freeze_step, allow_auto=True, minimum=1)
+        rule = resolve_rule(freeze_step)
+        return cls(None if rule is not None else freeze_step, rule)
+
+    def fields(self) -> dict:
+        return {"frozen": self.frozen, "freeze_step": self.freeze_step,
+                "freeze_rule": None if self.rule is None else self.rule.state_dict()}
+
+    def load(self, extra: dict) -> None:
+        self.frozen = bool(extra["frozen"])
+        self.freeze_step = extra["freeze_step"]
+        self.rule = restore_rule(self.rule, extra.get("freeze_rule"))
+
+    def signature(self) -> tuple:
+        rule = None if self.rule is None else self.rule.state_dict()
+        return self.freeze_step, rule and (rule["window"], rule["rtol"], rule["min_step"], rule["max_step"])
+
+
+# --- what the compression stage's 1-bit exchange carries --------------------------------------------------
+class Preconditioned:
+    """The preconditioned exchange (the default): ``clip(s_l R m_i, +-K c_l)`` goes out, ``m = y /
+    (s_l R)`` comes back (see the module doc). ``bound(betas)`` is ``K``. Its state is the bucket's:
+    ``R`` and the indices without variance in the buffers, ``c_l`` in ``state[p]["scaling_coeff"]``."""
+
+    name = "preconditioned"
+    preconditioned = True
+
+    def __init__(self, bound):
+        self.bound = bound  # (a module-level function: copies and pickles carry it)
+
+    def preconditioner(self, st: AdamBucket, bucket, eps: float, denominator, momentum) -> torch.Tensor:
+        """``R = c_l / sqrt(v_f)`` per element (0 where ``v_f == 0``), made at the first compressed
+        exchange from ``v_f`` (``denominator()``: ``sqrt(v_f) + eps``, ``inf`` where ``v_f == 0``)
+        and the momentum (``momentum()``, whole), both the same on every rank; after a load, from
+        ``v_f`` and the saved ``c_l``."""
+        buffers = st.buffers
+        r = buffers.preconditioner
+        if r is None:
+            denom = denominator()
+            # sqrt(v_f), from the denominator (inf where v_f == 0); floored where it sank below
+            # eps's rounding (R and A only need to agree with each other)
+            root = torch.sub(denom, eps).clamp_(min=eps * 2.0**-20)
+            r = torch.reciprocal(root)  # 0 where v_f == 0
+            if any("scaling_coeff" not in s for s in st.states):
+                m = momentum()
+                if m is None:
+                    raise RuntimeError("the exchange's scaling coefficients are missing from the state of a "
+                                       "checkpoint saved in the compression stage")
+                for s, c in zip(st.states, scaling.coefficients_of(bucket.views(torch.mul(m, r)))):
+                    s["scaling_coeff"] = c
+            st.coefficients = st.bounds = None  # (made again from the state's c_l)
+            scaling.scale_(bucket.views(r), self.coefficients(st))
+            buffers.preconditioner = r
+        return r
+
+    @staticmethod
+    def coefficients(st: AdamBucket) -> list[float]:
+        """Per layer, ``c_l`` (kept in the bucket's state once ``R`` is made)."""
+        if st.coefficients is None:
+            st.coefficients = [s["scaling_coeff"] for s in st.states]
+        return st.coefficients
+
+    def bounds(self, st: AdamBucket, betas) -> list[float]:
+        """Per layer, ``K c_l``: no coordinate steps further than ``K lr`` (kept in the bucket's state
+        while the betas stay)."""
+        if st.bounds is None or st.bounds_of != betas:
+            k = self.bound(betas)
+            st.bounds, st.bounds_of = [k * c for c in self.coefficients(st)], betas
+        return st.bounds
+
+    def no_variance(self, st: AdamBucket) -> torch.Tensor:
+        """The indices where ``v_f == 0`` (``R == 0``): ``m = y / R`` is 0 / 0 there, set to 0."""
+        buffers = st.buffers
+        if buffers.no_variance is None:
+            buffers.no_variance = torch.nonzero(buffers.preconditioner == 0).view(-1)
+        return buffers.no_variance
+
+    def momentum_from_exchange(self, st: AdamBucket, bucket, y: torch.Tensor, out: torch.Tensor) -> None:
+        """``m = y / (s_l R)`` into ``out`` (0 where ``v_f == 0``)."""
+        n, factors = bucket.numel, st.exchange_factors
+        segments = (bucket.segments, factors) if factors is not None else ()
+        kernels.divide_where_nonzero_(y[:n], st.buffers.preconditioner[:n], out[:n], self.no_variance(st), *segments)
+
+
+class Momentum:
+    """The paper's exchange: ``m_i`` itself (``coefficients``: 1-bit LAMB's per-layer ``c_l m_i``,
+    ``c_l = mean_k RMS(m_k) / RMS(m_l)`` set from the momentum at the first compression step)."""
+
+    name = "momentum"
+    preconditioned = False
+
+    def __init__(self, layer_coefficients: bool = False):
+        self.layer_coefficients = layer_coefficients
+
+    def preconditioner(self, st, bucket, eps, denominator, momentum) -> None:
+        return None
+
+    def coefficients(self, st: AdamBucket) -> list[float] | None:
+        """The per-layer ``c_l`` (``None`` for 1-bit Adam's, which has none)."""
+        if not self.layer_coefficients:
+            return None
+        return [s["scaling_coeff"] for s in st.states]
+
+    def momentum_from_exchange(self, st: AdamBucket, bucket, y: torch.Tensor, out: torch.Tensor) -> None:
+        """``m = y / c_l`` into ``out`` (no ``c_l``: ``m = y``)."""
+        n = bucket.numel
+        if out is not y:
+            out[:n].copy_(y[:n])
+        coeffs = self.coefficients(st)
+        if coeffs is not None:
+            scaling.unscale_(bucket.views(out), coeffs)
+
+
+def adam_bound(betas) -> float:
+    """1-bit Adam's ``K``: :data:`COMPRESSED_STEP_BOUND`, whatever the betas."""
+    return COMPRESSED_STEP_BOUND
+
+
+def choose_exchange(name, variants: dict):
+    """The exchange called ``name`` (the ``exchange=`` argument) of ``variants`` (name -> maker)."""
+    check_choice("exchange", name, tuple(variants))
+    return variants[name]()
+
+
+# --- the algorithm -----------------------------------------------------------------------------------------
+class AdamAlgorithm(Algorithm):
+    """1-bit Adam's steps (see the module doc): the engine's client and the update, composed of the
+    freeze schedule, the exchange, the variance tracking and, under ZeRO, the shards."""
+
+    def __init__(self, name: str, freeze_step, exchange: str, variance_tracking: bool, zero_stage: int,
+                 master_resync_interval: int):
+        super().__init__(name)
+        self.exchange = choose_exchange(exchange, {"preconditioned": lambda: Preconditioned(adam_bound),
+                                                   "momentum": Momentum})
+        if not isinstance(variance_tracking, bool):
+            raise TypeError(f"variance_tracking must be True or False, got {variance_tracking!r}")
+        self.schedule_ = FreezeSchedule.of(freeze_step)
         if zero_stage not in (0, 1, 2) or isinstance(zero_stage, bool):
             raise ValueError(f"Invalid zero_stage: {zero_stage!r} (must be 0, 1 or 2)")
         self.zero_stage = zero_stage
         self.master_resync_interval = check_step_count("master_resync_interval", master_resync_interval, minimum=1)
-        self.freeze_rule = resolve_rule(freeze_step)
-        self.freeze_step = None if self.freeze_rule is not None else freeze_step
-        self.frozen = False
-        self._unit_factor_errors: set[int] = set()  # buckets whose loaded errors are of s = 1
-        super().__init__(params, defaults, backend=backend, bucket_cap_mb=bucket_cap_mb,
-                         overlap=overlap, accumulation_steps=accumulation_steps, hierarchy=hierarchy, path=path,
-                         layout=zero.for_stage(zero_stage), scale_block=scale_block)
+        self.tracking = tracking.VarianceTracking(self._clock) if variance_tracking else None
+        self.zero = None
+        if zero_stage:
+            from .zero import Sharding
 
-    def _validate_group(self, group):
+            self.zero = Sharding(name, zero_stage, self.master_resync_interval)
+
+    def validate_group(self, group):
         check_adam_group(group)
 
     @property
-    def compressing(self) -> bool:
-        return self.frozen
+    def observes_square_sums(self) -> bool:
+        return self.tracking is not None
 
-    def _needs_average(self, step):
-        return not self.frozen
+    def bind(self, param_groups, state, engine) -> None:
+        super().bind(param_groups, state, engine)
+        if engine is not None and self.zero is not None:
+            self.zero.bind(engine)
 
-    def _end_step(self, step):
-        if self.frozen:
-            return
-        if self.freeze_rule is None:
-            freeze = step >= self.freeze_step
-        else:
-            freeze = self._auto_decision(step)
-        if freeze:
-            self._freeze(step)
+    def tensor_names(self) -> tuple[str, ...]:
+        return () if self.zero is not None else names(AdamBuffers, STATE)
 
-    def _mean_bias_corrected_variance(self, step) -> float:
-        """The auto rule's statistic: the mean of ``v_hat`` over every element. Each rank sums
-        the variance it holds (sharded: its chunks; one all-gather of two floats adds them up in
-        rank order)."""
-        total = numel = 0.0
-        for b in self._buckets:
-            group = self.param_groups[b.group_index]
-            _, bc2 = bias_corrections(*group["betas"], step, group["bias_correction"])
-            v = self.layout.state(self, b, "exp_avg_sq")
-            total += float(v.sum()) / (bc2 * bc2)
-            numel += v.numel()
-        total, numel = self.layout.sum_over_ranks(self, [total, numel])
-        return total / max(numel, 1.0)
+    # --- progress ---------------------------------------------------------------------------------
+    def full_precision(self, step: int) -> bool:
+        return not self.compressing
 
-    def _auto_decision(self, step) -> bool:
-        return self.rank0_decides(self.freeze_rule.observe(step, self._mean_bias_corrected_variance(step)))
+    @property
+    def last_warmup_step(self):
+        return self.schedule_.freeze_step
 
-    def _freeze(self, step):
-        self.frozen = True
-        self.freeze_step = step
-        self.reset_error_buffers()
-        for b in self._buckets:
-            b.derived.pop("exchange_factors", None)
-            for p in b.params:
-                self.state[p].pop("exchange_factor", None)
-        for b in self._buckets:
-            self._start_variance_tracking(b, self.layout.freeze(self, b))
-        logger.info("%s: variance frozen at the end of step %d; compression starts", type(self).__name__, step)
+    def warmup_at_default(self) -> bool:
+        return self.schedule_.rule is None and self.schedule_.freeze_step == DEFAULT_FREEZE_STEP
+
+    def _clock(self, step: int) -> tuple[int, int, int]:
+        freeze = self.schedule_.freeze_step
+        return step - freeze, step, freeze
+
+    def signature(self):
+        return (*self.schedule_.signature(), self.exchange.name, self.tracking is not None)
+
+    # --- buckets --------------------------------------------------------------------------------------
+    def new_bucket_state(self, bucket) -> AdamBucket:
+        buffers = self.zero.shards(bucket) if self.zero is not None else AdamBuffers()
+        tracked = self.tracking.layers(bucket) if self.tracking is not None else None
+        return AdamBucket(buffers, tracked, [self.state[p] for p in bucket.params])
+
+    def layer_state(self) -> dict[str, int]:
+        return {"layer_variance": len(tracking.COLUMNS)} if self.tracking is not None else {}
+
+    def check_rebuild(self) -> None:
+        if self.zero is not None:
+            self.zero.check_rebuild(self.engine.global_step)
+
+    def checkpoint_problem(self, rank, world, consolidated):
+        return None if self.zero is None else self.zero.checkpoint_problem(self.engine.backend, rank, world,
+                                                                          consolidated)
+
+    def check_ddp(self) -> None:
+        if self.zero is not None:
+            self.zero.check_ddp()
 
     def frozen_denominator(self, bucket) -> torch.Tensor:
-        """``sqrt(v_f) + eps`` of the bucket (``inf`` where ``v_f == 0``), made once at the freeze
-        (or after a checkpoint load) from ``exp_avg_sq`` and the freeze step."""
-        denom = bucket.flats.get("frozen_denominator")
-        r = bucket.flats.get("preconditioner")
-        if denom is None and r is not None:  # (sharded: only R = c_l / sqrt(v_f) is kept) made for one step
-            return preconditioned_denominator(r, bucket.views, self.exchange_coefficients(bucket),
-                                              self.param_groups[bucket.group_index]["eps"])
-        if denom is None:
-            group = self.param_groups[bucket.group_index]
-            denom = frozen_denominator_of(bucket.flat("exp_avg_sq"), group, self.freeze_step)
-            bucket.flats["frozen_denominator"] = denom
-        return denom
+        """``sqrt(v_f) + eps`` of the bucket (``inf`` where ``v_f == 0``), made once at the freeze (or
+        after a checkpoint load) from ``exp_avg_sq`` and the freeze step (ZeRO: gathered at the
+        freeze, then made for one step at a time from ``R``)."""
+        st, group = bucket.state, self.param_groups[bucket.group_index]
+        if self.zero is not None:
+            return self.zero.frozen_denominator(bucket, st, group)
+        buffers = st.buffers
+        if buffers.frozen_denominator is None:
+            buffers.frozen_denominator = frozen_denominator_of(buffers.exp_avg_sq, group, self.schedule_.freeze_step)
+        return buffers.frozen_denominator
 
-    # --- per-layer variance tracking (compressed_opt.variance_tracking) ------------------------
-    def _tracking_clock(self, step):
-        return step - self.freeze_step, step, self.freeze_step
+    def preconditioner(self, bucket) -> torch.Tensor | None:
+        """The exchange's ``R`` of the bucket (``None``: the momentum exchange), made at first use."""
+        st = bucket.state
+        r = st.buffers.preconditioner
+        if r is not None or not self.exchange.preconditioned:
+            return r
+        r = self.exchange.preconditioner(st, bucket, self.param_groups[bucket.group_index]["eps"],
+                                         lambda: self.frozen_denominator(bucket), lambda: st.buffers.exp_avg)
+        if self.zero is not None or not self.keeps_denominator:  # (A y: a division in the update's pass;
+            st.buffers.frozen_denominator = None  # ZeRO makes sqrt(v_f) + eps from R for a step that needs it)
+        return r
 
-    def _gather(self, bucket, grad, step):
-        if self.frozen:  # g_i, or (sharded) the local momentum formed from p.grad directly
-            self.layout.gather_local(self, bucket, grad)
-        else:
-            self.gather_observed(bucket, grad)
+    #: whether the compression stage still divides by ``sqrt(v_f) + eps`` itself (1-bit LAMB's factor does)
+    keeps_denominator = False
 
-    def _reads_gradients_in_place(self, step) -> bool:
-        return self.exchange_variant.preconditioned  # (its local momentum: a pass inside the compression)
+    # --- warmup ------------------------------------------------------------------------------------------
+    def _warmup(self, bucket, group, step: int) -> None:
+        """AdamW on the averaged gradient, over the part of the bucket this rank holds: torch's fused
+        AdamW kernel (``torch._fused_adamw_``, what ``torch.optim.AdamW(fused=True)`` runs) where it
+        applies (fp32 gradients on a CPU or CUDA device, bias correction on: the kernel always
+        corrects), else composed; the same AdamW, rounded as the kernel or the composition rounds it."""
+        st, grad = bucket.state, bucket.sync.padded[: bucket.numel]
+        if self.tracking is not None:
+            self.tracking.observe_update(bucket, st.tracked, grad, step)
+        beta1, beta2 = group["betas"]
+        lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]  # lr: a float or a 1-element tensor
+        fused = getattr(torch, "_fused_adamw_", None)
+        if (fused is not None and group["bias_correction"] and bucket.params and grad.device.type in ("cpu", "cuda")):
+            count = st.buffers.step_count
+            if count is None or count.device != grad.device:
+                count = st.buffers.step_count = torch.zeros((), dtype=torch.float32, device=grad.device)
+            count.fill_(float(step))
+            hp = dict(lr=lr, beta1=beta1, beta2=beta2, weight_decay=wd, eps=eps, amsgrad=False, maximize=False,
+                      grad_scale=None, found_inf=None)
 
-    def exchange_scales(self, bucket) -> list[float] | None:
-        """Per parameter of the bucket, the factor its momentum is multiplied by for the 1-bit
-        exchange (``None``: not scaled; the exchange variant's)."""
-        return self.exchange_variant.exchange_scales(self, bucket)
+            def kernel(p, g, m, v):
+                fused(p, g, m, v, [], [count] * len(p), **hp)
 
-    # --- the preconditioned exchange ----------------------------------------------------------
-    def exchange_preconditioner(self, bucket) -> torch.Tensor | None:
-        """Per element of the bucket, the fixed factor its momentum is multiplied by for the 1-bit
-        exchange, ``R = c_l / sqrt(v_f)`` (``None``: the momentum itself is exchanged; the exchange
-        variant's, :mod:`compressed_opt.exchange_variant`)."""
-        return self.exchange_variant.preconditioner(self, bucket)
+            if self.zero is not None:
+                self.zero.adamw_(bucket, st.buffers, kernel)
+                return
+            if all(kernels.plain_memory(p) and p.dtype is torch.float32 and p.device == grad.device
+                   for p in bucket.params):
+                kernel(bucket.params, bucket.sync.views, [s["exp_avg"] for s in st.states],
+                       [s["exp_avg_sq"] for s in st.states])
+                return
+        bc1, bc2_sqrt = bias_corrections(beta1, beta2, step, group["bias_correction"])
+        if self.zero is not None:
+            self.zero.adam_(bucket, st.buffers, beta1, beta2, eps, bc2_sqrt, 1 - lr * wd, -lr / bc1)
+            return
+        m, v = st.buffers.exp_avg, st.buffers.exp_avg_sq
+        momentum_(m, grad, beta1)
+        variance_(v, grad, beta2)
+        torch.div(m, denominator_(v, grad, eps, bc2_sqrt), out=grad)  # (the direction, in the gradient's place)
+        values = kernels.Destinations.of(bucket.params, bucket.segments.sizes) or bucket.params
+        descend_(values, bucket.sync.views, 1 - lr * wd, -lr / bc1)
 
-    def _bound_constant(self, betas) -> float:
-        """``K``, the bound on a coordinate's exchanged ``|m_i / sqrt(v_f)|`` in units of its step
-        (:data:`~compressed_opt.moments.COMPRESSED_STEP_BOUND`)."""
-        return COMPRESSED_STEP_BOUND
+    def observe_average(self, bucket, mean, stepped):
+        if self.tracking is not None:
+            self.tracking.observe_average(bucket, bucket.state.tracked, mean, stepped, self.engine.global_step + 1)
 
-    def exchange_bounds(self, bucket) -> list[float]:
-        """Per layer, the bound ``c_l K`` on the exchanged ``|s_l R m_i|`` (:meth:`_bound_constant`;
-        ``s_l`` the layer's exchange factor, :meth:`exchange_factors`): no coordinate steps further
-        than ``lr K``. Made once per preconditioner (``c_l`` is set with it) and betas."""
-        betas = tuple(self.param_groups[bucket.group_index]["betas"])
-        key = (self.exchange_preconditioner(bucket), betas)
-        cached = bucket.derived.get("exchange_bounds")
-        if cached is None or cached[0][0] is not key[0] or cached[0][1] != betas:
-            k = self._bound_constant(betas)
-            cached = (key, [k * c for c in self.exchange_coefficients(bucket)])
-            bucket.derived["exchange_bounds"] = cached
-        return cached[1]
+    def observe_hooked_sums(self, indices, sums, averaged):
+        if self.tracking is not None:
+            self.tracking.observe_hooked(indices, sums, averaged, sum(len(g["params"]) for g in self.param_groups),
+                                         self.engine.global_step + 1)
 
-    def exchange_coefficients(self, bucket) -> list[float]:
-        """Per layer, the preconditioned exchange's ``c_l`` (``state[p]["scaling_coeff"]``, set with
-        ``R``): read from the state once per preconditioner, not every step."""
-        r = self.exchange_preconditioner(bucket)
-        cached = bucket.derived.get("exchange_coefficients")
-        if cached is None or cached[0] is not r:
-            cached = bucket.derived["exchange_coefficients"] = (r, [st["scaling_coeff"] for st in
-                                                                    param_states(self.state, bucket)])
-        return cached[1]
+    def statistics(self, step: int, buckets: list) -> torch.Tensor:
+        if self.tracking is None:
+            return torch.zeros(0, dtype=torch.float64)
+        return self.tracking.statistics(buckets, step, self.compressing, not self.compressing, self.engine.param_index)
 
-    def preconditioned_descend(self, bucket, decay: float, alpha: float):
-        """The preconditioned exchange's update, ``p <- p decay + alpha (f_l / s_l) y / (c_l + eps R)``
-        (0 where ``v_f == 0``), as its arguments but ``y``, ``R`` and the segments
-        (:class:`compressed_opt.cuda.Descend`): what both layouts' ``step_preconditioned_`` take."""
-        factors = self.update_factors(bucket) or [1.0] * len(bucket.params)  # f_l / s_l
-        return kernels.Descend(bucket.params, self.param_groups[bucket.group_index]["eps"],
-                               self.exchange_coefficients(bucket), factors, decay, alpha)
+    # --- the freeze -----------------------------------------------------------------------------------
+    def end_step(self, step: int, took: bool) -> None:
+        for b in self.engine._buckets or ():
+            st = b.state
+            st.exchange_factors = None  # (STEP)
+            if st.tracked is not None:
+                st.tracked.mean = st.tracked.warmup_local = None
+        if took and not self.compressing:
+            rule = self.schedule_.rule
+            if step >= self.schedule_.freeze_step if rule is None else self._auto_decision(step):
+                self._freeze(step)
 
-    def bound_exchanged_(self, bucket, x: torch.Tensor) -> None:
-        """Clip the exchanged ``s_l R m_i`` to ``+-c_l K`` (:meth:`exchange_bounds`)."""
-        views, bounds = bucket.views(x), self.exchange_bounds(bucket)
-        if views:
-            torch._foreach_clamp_max_(views, bounds)
-            torch._foreach_clamp_min_(views, [-b for b in bounds])
+    def _auto_decision(self, step: int) -> bool:
+        """The auto rule's decision at ``step``, rank 0's on every rank: it watches the mean of
+        ``v_hat`` over every element (each rank sums the variance it holds, ZeRO: its chunks; one
+        all-gather of two floats adds them up in rank order)."""
+        total = numel = 0.0
+        for b in self.engine.buckets:
+            group = self.param_groups[b.group_index]
+            _, bc2 = bias_corrections(*group["betas"], step, group["bias_correction"])
+            v = b.state.buffers.exp_avg_sq if self.zero is None else self.zero.variance(b)
+            total += float(v.sum()) / (bc2 * bc2)
+            numel += v.numel()
+        if self.zero is not None:
+            total, numel = self.zero.sum_over_ranks(self.engine, [total, numel])
+        wants = self.schedule_.rule.observe(step, total / max(numel, 1.0))
+        return self.engine.agreement.rank0_decides(wants, self.engine.device)
 
-    # --- the tracked exchange: each layer reaches the compressor at the size of its step ----------
+    def _freeze(self, step: int) -> None:
+        self.schedule_.frozen = self.compressing = True
+        self.stage = 1
+        self.schedule_.freeze_step = step
+        for b in self.engine.buckets:
+            b.feedback.reset()
+            b.state.exchange_factors = None
+            for s in b.state.states:
+                s.pop("exchange_factor", None)
+        for b in self.engine.buckets:
+            group = self.param_groups[b.group_index]
+            v = self.zero.freeze(self.engine, b, group, step) if self.zero is not None else b.state.buffers.exp_avg_sq
+            if self.tracking is not None:
+                self.tracking.start(b, b.state.tracked, v)
+        logger.info("%s: variance frozen at the end of step %d; compression starts", self.name, step)
+
+    # --- the compression stage ---------------------------------------------------------------------------
     def exchange_factors(self, bucket) -> list[float] | None:
-        """Per layer, ``s_l``, what the preconditioned exchange multiplies ``R m_i`` by before the
-        1-bit exchange: the layer's variance-tracking factor of the last update (the latest there
-        is before this step's all-gather), so that every layer reaches the compressor at the size
-        of its step and the scales of the blocks it shares with other layers fit it
-        (docs/design.md 2.3.3). ``None`` (1) with the paper's exchange or without tracking.
-        Called once per exchange: the factors are kept with the bucket for the rest of the step
-        (:meth:`_applied_exchange_factors`), and after it in ``state[p]["exchange_factor"]``."""
-        s = self.exchange_variant.exchange_factors(lambda: self._last_variance_factors(bucket))
-        if s is None:
+        """``s_l``, per layer, what the preconditioned exchange multiplies ``R m_i`` by: the layer's
+        variance-tracking factor of the last update (docs/design.md 2.3.3), kept for this step's update
+        (``None``: not tracked, or the momentum exchange). Called once per exchange."""
+        st = bucket.state
+        if self.tracking is None or not self.exchange.preconditioned:
             return None
-        bucket.derived["exchange_factors"] = s
-        if bucket.index in self._unit_factor_errors:  # a checkpoint of format 2: errors made with s = 1
-            scaling.rescale_errors(self, bucket, [1.0] * len(s), s)
-            self._unit_factor_errors.discard(bucket.index)
+        s = self.tracking.last_factors(bucket, st.tracked, self.param_groups[bucket.group_index],
+                                       self.engine.global_step)
+        st.exchange_factors = s
+        if st.unit_errors:  # a checkpoint of format 2: errors made with s = 1
+            scaling.rescale_errors(bucket, self.engine.exchange.error_ranges(bucket), [1.0] * len(s), s)
+            st.unit_errors = False
         return s
 
-    def _applied_exchange_factors(self, bucket) -> list[float] | None:
-        """The ``s_l`` of this step's exchange (``None``: not tracked, or the exchange variant does
-        not scale by them: :meth:`exchange_factors` then keeps none)."""
-        if not (self.variance_tracking and self.frozen):
-            return None
-        return bucket.derived.get("exchange_factors")
+    def reads_in_place(self, bucket, step: int, inline: bool, native: bool) -> bool:
+        # either exchange's local momentum is a pass inside the compression (LerpScaleClamp, Lerp),
+        # which reads p.grad where the exchange runs next (inline); ZeRO's reads them at once else
+        return (inline and native) or self.zero is not None
 
-    def kept_exchange_factors(self, bucket) -> list[float]:
-        """The ``s_l`` of the last exchange, whose result a sharded layout keeps as 1-bit rows (1
-        for a checkpoint of format 2, or before any tracked exchange)."""
-        return [st.get("exchange_factor", 1.0) for st in param_states(self.state, bucket)]
+    def outgoing(self, bucket, gradients, step: int) -> Request:
+        """Compression stage: the local momentum ``m_i = b1 m + (1 - b1) g_i`` (``clip(s_l R m_i, +-K
+        c_l)`` for the preconditioned exchange) as the pass that makes it inside the compression, and
+        its 1-bit average, left in its rows for :meth:`update`. Into the gradient buffer: ``m``
+        changes only in the update (a skipped step leaves it alone)."""
+        st, group = bucket.state, self.param_groups[bucket.group_index]
+        beta1 = group["betas"][0]
+        r = st.buffers.preconditioner
+        if r is None:
+            r = self.preconditioner(bucket)
+        if self.zero is not None:
+            producer = self.zero.local_momentum(self, bucket, gradients, beta1, r)
+            return Request(gradients.buffer, bucket.feedback, producer, True, self.engine.exchange.flat, False)
+        sources = None if gradients.gathered else gradients.sources
+        if r is None:
+            producer = bucket.kernels.Lerp(gradients.buffer, st.buffers.exp_avg, 1 - beta1, bucket.segments, sources)
+        else:
+            producer = bucket.kernels.LerpScaleClamp(gradients.buffer, st.buffers.exp_avg, 1 - beta1, r,
+                                                     self.exchange.bounds(st, group["betas"]), bucket.segments,
+                                                     self.exchange_factors(bucket), sources)
+        return Request(gradients.buffer, bucket.feedback, producer, True, expand=False)
 
-    def update_factors(self, bucket) -> list[float] | None:
-        """Per layer, what the exchanged ``y`` is multiplied by in the update on top of ``A``:
-        ``f_l / s_l`` (this step's tracking factor over the exchange's), ``f_l`` when the exchange
-        was not tracked, ``None`` without tracking."""
-        f = self._variance_factors_of(bucket)
-        s = self._applied_exchange_factors(bucket)
-        if f is None or s is None:
-            return f
-        return [a / b for a, b in zip(f, s)]
+    def update(self, step: int, buckets: list) -> None:
+        """Every bucket's update. Warmup: AdamW (:meth:`_warmup`). Compression stage, from this
+        step's exchange: with the preconditioned exchange ``m = y / (s_l R)`` and ``p <- p decay +
+        alpha (f_l / s_l) y / (c_l + eps R)`` in one pass over memory (``m`` and the direction never
+        written apart: ``cuda.divide_descend_``, from the result's rows); with the momentum exchange
+        ``m <- y`` and ``p <- p decay + alpha f_l y / (sqrt(v_f) + eps)`` (``cuda.keep_descend_``),
+        both else composed (the same bits). ``f_l / s_l`` is this step's tracking factor over the
+        exchange's (``f_l`` where the exchange was not tracked; none without tracking)."""
+        tracker, frozen = self.tracking, self.compressing
+        if tracker is not None:
+            tracker.before_update(buckets, step, not frozen, frozen, self.engine.statistics, self.param_groups)
+        for b in buckets:
+            group = self.param_groups[b.group_index]
+            if not frozen:
+                self._warmup(b, group, step)
+                continue
+            st, sync = b.state, b.sync
+            beta1, beta2 = group["betas"]
+            lr, wd = float(group["lr"]), group["weight_decay"]
+            bc1, _ = bias_corrections(beta1, beta2, step, group["bias_correction"])
+            decay, alpha = 1 - lr * wd, -lr / bc1
+            result = sync.result if sync.result is not None else sync.padded[: b.numel]
+            factors, s = (None, None) if tracker is None else (st.tracked.factors, st.exchange_factors)
+            if s is not None:
+                factors = list(map(operator.truediv, factors, s))
+            if self.zero is not None:
+                self.zero.update_(self, b, result, decay, alpha, factors, step)
+            elif self.exchange.preconditioned:
+                descend = kernels.Descend(b.params, float(group["eps"]), st.coefficients,
+                                          factors or [1.0] * len(b.params), decay, alpha)
+                no_variance = st.buffers.no_variance
+                b.kernels.divide_descend_(result, st.buffers.preconditioner, st.buffers.exp_avg, b.segments, s,
+                                        descend, no_variance if no_variance is not None else
+                                        self.exchange.no_variance(st))
+            else:  # m <- y; p <- p decay + alpha f_l y / (sqrt(v_f) + eps)
+                b.kernels.keep_descend_(result, self.frozen_denominator(b), st.buffers.exp_avg, factors, b.params,
+                                        b.segments, decay, alpha)
+            if s is not None:  # (ZeRO's rows are in its units; checkpoints carry it)
+                for state, v in zip(st.states, s):
+                    state["exchange_factor"] = v
 
-    def _record_exchange_factors(self, bucket) -> None:
-        """After the update: the exchange's ``s_l`` into ``state[p]["exchange_factor"]`` (the
-        sharded layout's rows are in its units; checkpoints carry it)."""
-        s = self._applied_exchange_factors(bucket)
-        if s is not None:
-            for st, v in zip(param_states(self.state, bucket), s):
-                st["exchange_factor"] = v
+    # --- checkpoints ------------------------------------------------------------------------------------
+    def stage_fields(self) -> dict:
+        return {**self.schedule_.fields(), "exchange": self.exchange.name,
+                "variance_tracking": self.tracking is not None}
 
-    def no_variance_indices(self, bucket) -> torch.Tensor:
-        """Indices of the bucket's elements with ``v_f == 0`` (usually none): ``m = y / R`` is
-        0 / 0 there, and is set to 0."""
-        idx = bucket.flats.get("no_variance")
-        if idx is None:
-            idx = bucket.flats["no_variance"] = torch.nonzero(self.exchange_preconditioner(bucket) == 0).view(-1)
-        return idx
-
-    def momentum_from_exchange(self, bucket, y: torch.Tensor, out: torch.Tensor, descend=None) -> None:
-        """The momentum ``m`` from the exchanged average ``y`` into ``out``: ``y / (s_l R)`` (0 where
-        ``v_f == 0``), or ``y / c_l`` with the paper's exchange (the exchange variant's).
-        ``descend`` (the preconditioned exchange): the update of ``y``, a
-        :class:`compressed_opt.cuda.Descend`, run in the same pass; then the
-        :class:`compressed_opt.cuda.KeptMomentum` of ``out`` where the pass formed it from the
-        result's rows (else ``None``)."""
-        factors = self._applied_exchange_factors(bucket)
-        if descend is None:
-            self.exchange_variant.momentum_from_exchange(self, bucket, y, out, factors)
-            return None
-        return self.exchange_variant.momentum_and_update_(self, bucket, y, out, factors, descend)
-
-    def _load_extra_state(self, extra):
-        self._load_tracking_of(extra)
-        # a compression-stage checkpoint of format 2: its error buffers hold errors of s = 1
-        unit = extra["frozen"] and extra.get("unit_exchange_factors", False) and self.variance_tracking
-        self._unit_factor_errors = set(range(len(extra["buckets"]))) if unit else set()
+    def load_stage(self, extra: dict) -> None:
+        tracking.check_checkpoint(self.name, self.tracking is not None, extra)
         # checkpoints from before the preconditioned exchange carry no "exchange": the paper's
         saved = extra.get("exchange", "momentum")
-        if extra["frozen"] and saved != self.exchange_variant.name:
-            name = self.exchange_variant.name
+        if extra["frozen"] and saved != self.exchange.name:
             raise ValueError(
-                f"this checkpoint was saved in the compression stage of {type(self).__name__}(exchange={saved!r}); "
-                f"its error-feedback buffers hold errors of that exchange, not of exchange={name!r}. "
-                f"Resume it with {type(self).__name__}(..., exchange={saved!r})"
+                f"this checkpoint was saved in the compression stage of {self.name}(exchange={saved!r}); "
+                f"its error-feedback buffers hold errors of that exchange, not of exchange={self.exchange.name!r}. "
+                f"Resume it with {self.name}(..., exchange={saved!r})"
             )
-        self.frozen = bool(extra["frozen"])
-        self.freeze_step = extra["freeze_step"]
-        self.freeze_rule = restore_rule(self.freeze_rule, extra.get("freeze_rule"))
+        self.schedule_.load(extra)
+        self.compressing = self.schedule_.frozen
+        self.stage = int(self.compressing)
+        #: a compression-stage checkpoint of format 2: its error buffers hold errors of s = 1
+        self._unit_errors = bool(extra["frozen"] and extra.get("unit_exchange_factors", False)
+                                 and self.tracking is not None)
 
-    def _extra_state(self):
-        return {
-            "frozen": self.frozen,
-            "freeze_step": self.freeze_step,
-            "freeze_rule": None if self.freeze_rule is None else self.freeze_rule.state_dict(),
-            "exchange": self.exchange_variant.name,
-            "variance_tracking": self.variance_tracking,
-        }
-
-    def _warmup_left_at_default(self):
-        return self.freeze_rule is None and self.freeze_step == DEFAULT_FREEZE_STEP
-
-    def _extra_signature(self):
-        rule = None if self.freeze_rule is None else self.freeze_rule.state_dict()
-        return (self.freeze_step, rule and (rule["window"], rule["rtol"], rule["min_step"], rule["max_step"]),
-                self.exchange_variant.name, self.variance_tracking)
+    def restore_buckets(self, entries: list[dict]) -> None:
+        super().restore_buckets(entries)
+        if self.__dict__.pop("_unit_errors", False):
+            for b in self.engine.buckets:
+                b.state.unit_errors = True
 
 
 @common_args
-class OnebitAdam(_FreezingAdam):
+class OnebitAdam(CompressedOptimizer):
     """1-bit Adam: AdamW during warmup, then 1-bit compressed momentum with a frozen variance.
 
     Warmup, steps ``1..freeze_step`` (gradients averaged at full precision): AdamW exactly::
@@ -381,7 +669,7 @@ class OnebitAdam(_FreezingAdam):
             compression-stage steps the parameters are replaced by the gathered fp32 master
             chunks (:mod:`compressed_opt.zero`).
         exchange: ``"preconditioned"`` (default): the compression stage exchanges
-            ``c_l m / (sqrt(v_f) + eps)``, so no coordinate's 1-bit noise exceeds its layer's
+            ``c_l m / sqrt(v_f)``, bounded, so no coordinate's 1-bit noise exceeds its layer's
             Adam step; ``"momentum"``: the paper's exchange of ``m`` (see the module doc).
         variance_tracking: ``True`` (default): in the compression stage each layer's step follows
             the change of its gradients' second moment since the freeze, measured on the ranks'
@@ -395,61 +683,13 @@ class OnebitAdam(_FreezingAdam):
                  zero_stage=0, master_resync_interval=100, exchange="preconditioned", variance_tracking=True,
                  hierarchy="auto", path=None, scale_block=DEFAULT_BLOCK):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bool(bias_correction))
-        super().__init__(params, defaults, freeze_step, backend, bucket_cap_mb, overlap, accumulation_steps,
-                         zero_stage, master_resync_interval, exchange, variance_tracking, hierarchy, path, scale_block)
+        algorithm = AdamAlgorithm(type(self).__name__, freeze_step, exchange, variance_tracking, zero_stage,
+                                  master_resync_interval)
+        super().__init__(params, defaults, algorithm, backend=backend, bucket_cap_mb=bucket_cap_mb, overlap=overlap,
+                         accumulation_steps=accumulation_steps, hierarchy=hierarchy, path=path,
+                         scale_block=scale_block)
 
-    def _reads_gradients_in_place(self, step) -> bool:
-        return True  # either exchange's local momentum is a pass inside the compression (LerpScaleClamp, Lerp)
-
-    def _bucket_communicate(self, bucket, group, grad, step):
-        """Compression stage: local momentum ``m_i = b1 m + (1 - b1) g_i`` into ``grad`` (as
-        ``R m_i``, bounded, for the preconditioned exchange), then its compressed average over the
-        ranks, in place (``m`` takes it in :meth:`_bucket_step`). Into the gradient buffer: ``m``
-        changes only in :meth:`_bucket_step` (a skipped step leaves it alone). The pass that forms
-        the local momentum runs inside the exchange's compression where the layout and the kernels
-        can (:meth:`~compressed_opt.layout.Layout.local_momentum_pass`): nothing reads it before."""
-        pending = self.layout.local_momentum_pass(self, bucket, grad, group["betas"][0])
-        yield from self.layout.exchange(self, bucket, grad, pending,
-                                        keep_result=self.exchange_variant.reads_compressed_result(self))
-
-    def _fused_warmup_(self, bucket, group, grad, step) -> bool:
-        """A warmup step as torch's fused AdamW kernel (``torch._fused_adamw_``, what
-        ``torch.optim.AdamW(fused=True)`` runs: one pass where the composition below takes about
-        eight) on what the layout hands it (:meth:`~compressed_opt.layout.Layout.adamw_`: the
-        parameters and views of the bucket's flat ``m``, ``v`` and gradient; under ZeRO this rank's
-        chunk of them, fp32), where it applies: an fp32 gradient on a device the kernel runs on,
-        Adam's bias correction on (the kernel always corrects). The same AdamW, rounded as the
-        kernel rounds it. ``False``, nothing done, elsewhere."""
-        fused = getattr(torch, "_fused_adamw_", None)
-        if (fused is None or not group["bias_correction"] or not bucket.params or grad.dtype != torch.float32
-                or grad.device.type not in ("cpu", "cuda")):
-            return False
-        count = bucket.derived.get("warmup_step_count")
-        if count is None or count.device != grad.device:
-            count = bucket.derived["warmup_step_count"] = torch.zeros((), dtype=torch.float32, device=grad.device)
-        count.fill_(float(step))
-        beta1, beta2 = group["betas"]
-        hp = dict(lr=float(group["lr"]), beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
-                  eps=group["eps"], amsgrad=False, maximize=False, grad_scale=None, found_inf=None)
-        return self.layout.adamw_(self, bucket, grad, lambda p, g, m, v: fused(p, g, m, v, [], [count] * len(p), **hp))
-
-    def _bucket_step(self, bucket, group, grad, step, averaged):
-        beta1, beta2 = group["betas"]
-        lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]  # lr: a float or a 1-element tensor
-        bc1, bc2_sqrt = bias_corrections(beta1, beta2, step, group["bias_correction"])
-        layout = self.layout
-        if averaged:  # warmup: AdamW on the averaged gradient, over the part of the bucket this rank holds
-            self._observe_averaged_gradient(bucket, grad)
-            if self._fused_warmup_(bucket, group, grad, step):
-                return
-            g = layout.own(self, bucket, grad)
-            m, v = layout.state(self, bucket, "exp_avg"), layout.state(self, bucket, "exp_avg_sq")
-            momentum_(m, g, beta1)
-            variance_(v, g, beta2)
-            direction = layout.direction_buffer(self, bucket, grad)
-            torch.div(m, denominator_(v, direction, eps, bc2_sqrt), out=direction)
-            layout.step_(self, bucket, layout.own_values(self, bucket), direction, 1 - lr * wd, -lr / bc1)
-            return
-        # compression stage: grad holds the compressed average (_bucket_communicate)
-        self.exchange_variant.update_(self, bucket, grad, 1 - lr * wd, -lr / bc1, step)
-        self._record_exchange_factors(bucket)
+    @property
+    def freeze_step(self) -> int | None:
+        """The last full-precision step (``None`` with ``freeze_step="auto"`` until the rule decides)."""
+        return self._algorithm.schedule_.freeze_step

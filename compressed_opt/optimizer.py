@@ -1,53 +1,36 @@
-"""The base of the compressed optimizers: parameters, buckets, the algorithm's hooks, the public API.
+"""A compressed optimizer: a ``torch.optim.Optimizer`` made of its param groups, a gradient-sync
+engine and an algorithm.
 
-A compressed optimizer is a ``torch.optim.Optimizer`` made of parts, each with one job:
+* the **engine** (:class:`compressed_opt.engine.GradientSync`, ``optimizer.engine``): the buckets,
+  the gradient hooks and the communication thread, the rank agreement, the exchange and its paths,
+  the bytes per step;
+* the **algorithm** (an :class:`Algorithm`: 1-bit Adam's, 1-bit LAMB's, 0/1 Adam's): the engine's
+  client, which says what each step is (full precision or compressed) and what each bucket sends,
+  the update of each bucket from what came back, and its declared state (per bucket a dataclass of
+  its parts, :mod:`compressed_opt.state`; per layer, numbers in ``optimizer.state[p]``);
+* :class:`CompressedOptimizer`, this module's optimizer: ``step()`` is the engine's
+  :meth:`~compressed_opt.engine.GradientSync.synchronize`, then the algorithm's update; checkpoints
+  and copies are :mod:`compressed_opt.checkpoint`'s functions of the two.
 
-* this module, :class:`CompressedOptimizer`: the parameters and their flat buckets (built at the
-  first step, again after ``add_param_group`` or a ``requires_grad`` change), the buffers the
-  algorithm declares (:mod:`compressed_opt.buffers`), the hooks an algorithm implements
-  (``_needs_average``, ``_bucket_communicate``, ``_bucket_step``, ``_end_step``, ...), and the
-  public API (``comm_stats``, ``close``, ``rank0_decides``, ...);
-* :mod:`compressed_opt.stepping` (a part of this class): the life cycle of a step, from backward's
-  hooks and from ``step()``;
-* :mod:`compressed_opt.agreement`: the collectives by which every rank takes the same decisions;
-* :mod:`compressed_opt.exchanges`: which exchange averages the buckets, the path of each, the
-  error-feedback buffers, and running exchange groups;
-* :mod:`compressed_opt.layout`: where the state lives (replicated, or ZeRO's shards);
-* :mod:`compressed_opt.persistence` (a part of this class): checkpoints and copies;
-* :mod:`compressed_opt.traffic`: bytes per step and what rank 0 reports.
-
-The subclasses (:class:`~compressed_opt.OnebitAdam`, ...) implement the algorithm per bucket;
-docs/design.md 3 has the module table and the sequence of a step.
+docs/design.md 3 has the module table and the flow of one step.
 """
 from __future__ import annotations
 
 import logging
 import os
-import warnings
-import weakref
 
 import torch
 from torch.optim import Optimizer
 
 from compressed_opt.comm import DEFAULT_BLOCK, resolve_backend
 
-from . import agreement, averaging, ddp, traffic
-from .agreement import RankAgreement
-from .buckets import Bucket, build_buckets, trained_ids
-from .buffers import SAVED, SCRATCH, STATE, Buffer, names, overlay
-from .exchanges import Exchanges, exchange_groups
-from .layout import Layout, Replicated
+from . import checkpoint, consolidate, exchange, integrations, traffic
+from .engine import COMPRESSION, WARMUP, GradientSync
 from .local_shards import LocalShards
-from .persistence import Persistence
-from .stepping import Stepping
-from .traffic import Reporting
+from .state import LAYER, STATE, names, parts
 from .validation import check_choice, check_nonneg_float, check_scale_block, check_step_count
 
 logger = logging.getLogger("compressed_opt")
-
-
-#: which open compressed optimizer holds each parameter (by id; the optimizer holds the parameter)
-_OWNERS: weakref.WeakValueDictionary[int, CompressedOptimizer] = weakref.WeakValueDictionary()
 
 
 #: the constructor arguments every compressed optimizer takes, documented once: a class decorated
@@ -67,17 +50,17 @@ COMMON_ARGS_DOC = """backend: a :class:`compressed_opt.comm.Backend`, or one dim
             docs/design.md 2.2): each block of a rank's chunk is sent with a scale of its own, so
             small values are not drowned by large ones elsewhere in the bucket; the scales add
             ``4 / scale_block`` bytes per element to the bits' ``1/8`` (3% at 1024).
-        hierarchy: where the 1-bit exchange runs (:mod:`compressed_opt.averaging`): ``"auto"``
+        hierarchy: where the 1-bit exchange runs (:mod:`compressed_opt.exchange`): ``"auto"``
             (hierarchical on two or more nodes of two or more ranks: fp32 inside a node, 1-bit
             between nodes; else flat), ``"node"`` (hierarchical), ``"flat"`` (over all ranks).
         path: per bucket, ``"1bit"`` (the compressed exchange; ``"auto"`` is the same), ``"fp32"``
             (the exact fp32 average instead: no compression), or ``"measure"`` (at the first step
             the ranks time both for each bucket size on their link and every bucket takes the
-            faster; kept in ``exchange_paths``, in checkpoints and in rank 0's cache, so a rerun
-            takes the same choice: docs/design.md 2.2.2). ``None`` (the default): the
+            faster; kept in ``engine.exchange.paths``, in checkpoints and in rank 0's cache, so a
+            rerun takes the same choice: docs/design.md 2.2.2). ``None`` (the default): the
             ``COMPRESSED_OPT_PATH`` environment variable, else ``"1bit"``: decided by the
             arguments alone, so the same seeded job gives the same result every run. The
-            resolved path is ``optimizer.path``."""
+            resolved path is ``optimizer.engine.path``."""
 
 
 def common_args(cls):
@@ -87,130 +70,276 @@ def common_args(cls):
     return cls
 
 
-class CompressedOptimizer(Stepping, Reporting, Persistence, Optimizer):
+class Algorithm:
+    """What a compressed optimizer's algorithm provides: the engine's client (what a step is,
+    what a bucket sends), the update, and its declared state. Each optimizer's algorithm is a
+    subclass of this protocol (its defaults: no per-step statistics, nothing sharded, no per-rank
+    state); it keeps its state in its buckets' dataclasses and ``optimizer.state[p]``, and is
+    handed the param groups, the per-parameter state and the engine by :meth:`bind`."""
+
+    #: the ``zero_stage`` it runs (1 and 2: ZeRO's shards, :mod:`compressed_opt.zero`)
+    zero_stage = 0
+    #: per-parameter state that differs between the ranks by the algorithm (each rank's own,
+    #: carried per rank by ``consolidate_state_dict``; the bucket entries always are)
+    rank_state_names: tuple[str, ...] = ()
+
+    def __init__(self, name: str):
+        self.name = name
+        self.param_groups: list = []
+        self.state: dict = {}
+        self.engine: GradientSync | None = None
+        #: whether it is past its full-precision warmup (the traffic meter's stage of a step)
+        self.compressing = False
+        #: a number for where it is, which every rank must share (compared every step)
+        self.stage = 0
+
+    def bind(self, param_groups: list, state, engine: GradientSync | None) -> None:
+        """The optimizer's param groups and per-parameter state (``load_state_dict`` replaces them)."""
+        self.param_groups, self.state = param_groups, state
+        if engine is not None:
+            self.engine = engine
+
+    def __getstate__(self) -> dict:
+        """A copy carries the algorithm's own state, not the optimizer's parts it is bound to."""
+        return {**self.__dict__, "param_groups": [], "state": {}, "engine": None}
+
+    # --- the engine's client ----------------------------------------------------------------------
+    def full_precision(self, step: int) -> bool:
+        """Whether step ``step`` (1-based) averages the gradients at full precision."""
+        raise NotImplementedError
+
+    def reads_in_place(self, bucket, step: int, inline: bool, native: bool) -> bool:
+        """Whether compression step ``step``'s request for ``bucket`` reads the gradients where they
+        lie (``gradients.sources``), so that the engine need not copy them: where the exchange runs
+        next on this thread (``inline``) and the C passes can read them there (``native``), or where
+        :meth:`outgoing` reads them at once."""
+        return False
+
+    def outgoing(self, bucket, gradients, step: int):
+        """A compression step's :class:`compressed_opt.exchange.Request` for ``bucket`` (``None``: it
+        sends nothing now), made from its ``gradients`` (:class:`compressed_opt.engine.Gradients`)
+        when they were gathered (on the autograd thread during backward, or in ``synchronize()``);
+        it runs with its exchange group's. It must not read the learning rate (schedulers change it
+        after ``step()``)."""
+        return None
+
+    def statistics(self, step: int, buckets: list) -> torch.Tensor:
+        """Floats of this rank that the step's agreement all-gather carries to every rank (the same
+        number on every rank); the engine's ``statistics`` holds everyone's, one row per rank."""
+        return torch.zeros(0, dtype=torch.float64)
+
+    def observe_average(self, bucket, mean: torch.Tensor, stepped: bool) -> None:
+        """A full-precision step's average of ``bucket`` as backward (``stepped``: ``step()``) made it."""
+
+    def observe_hooked_sums(self, indices: torch.Tensor, sums: torch.Tensor, averaged: bool) -> None:
+        """From a DDP hook averaging a full-precision step's gradients: the sums of squares of the
+        local gradients (``averaged``: of the average) of the parameters with these indices."""
+
+    #: whether a DDP hook should hand the warmup gradients' sums of squares to :meth:`observe_hooked_sums`
+    observes_square_sums = False
+
+    def signature(self) -> tuple:
+        """The algorithm's options every rank must share (compared before the first step)."""
+        return ()
+
+    def validate_group(self, group: dict) -> None:
+        """Check a param group's hyperparameters (every group added), normalising them in place."""
+
+    def new_bucket_state(self, bucket):
+        """The dataclass of ``bucket``'s state (its ``STATE`` buffers left ``None``: made here from
+        ``optimizer.state[p]`` by :meth:`buckets_built`; its ``LAYER`` rows made, at their start)."""
+        raise NotImplementedError
+
+    def buckets_built(self, buckets: list, rebuilt: bool) -> None:
+        """The buckets were (re)made: each one's state, its ``STATE`` buffers and ``LAYER`` rows
+        carrying what ``optimizer.state[p]`` held (each parameter's entries become views of them)."""
+        for b in buckets:
+            b.state = self.new_bucket_state(b)
+            for part in parts(b.state):
+                for name in names(part, STATE):
+                    flat = b.zeros()
+                    for p, view in zip(b.params, b.views(flat)):
+                        old = self.state[p].get(name)
+                        if old is not None:
+                            view.copy_(old)
+                        else:
+                            self.new_state(p, name, view)
+                        self.state[p][name] = view
+                    setattr(part, name, flat)
+                for name in names(part, LAYER):
+                    rows = getattr(part, name)
+                    for p, row in zip(b.params, () if rows is None else rows):
+                        old = self.state[p].get(name)
+                        if old is not None:
+                            row.copy_(old)
+                        self.state[p][name] = row
+
+    def new_state(self, param, name: str, view: torch.Tensor) -> None:
+        """A parameter's state ``name`` was just made (zeros), as ``view``: set its first value
+        where zero is wrong."""
+
+    def tensor_names(self) -> tuple[str, ...]:
+        """The per-parameter tensors of ``optimizer.state[p]`` that are views of whole-bucket buffers
+        (the ``STATE`` fields of its buckets' dataclasses)."""
+        raise NotImplementedError
+
+    def layer_state(self) -> dict[str, int]:
+        """The per-layer rows of ``optimizer.state[p]``: name -> width."""
+        return {}
+
+    def restore_buckets(self, entries: list[dict]) -> None:
+        """A loaded checkpoint's bucket entries (error feedback, ZeRO's shards) into the buckets."""
+        checkpoint.restore_buckets(self.engine, entries)
+
+    def check_rebuild(self) -> None:
+        """Raise if the state cannot follow the parameters into new buckets."""
+
+    # --- the step --------------------------------------------------------------------------------------
+    def update(self, step: int, buckets: list) -> None:
+        """Every bucket's update of step ``step``, after the engine synchronised it."""
+        raise NotImplementedError
+
+    def end_step(self, step: int, took: bool) -> None:
+        """After ``step()``'s update (``took``) or its skip: stage changes, made the same on every rank."""
+
+    # --- checkpoints --------------------------------------------------------------------------------------
+    def stage_fields(self) -> dict:
+        """The algorithm's stage and counters, saved in ``state_dict()["compressed_opt"]``."""
+        return {}
+
+    def load_stage(self, extra: dict) -> None:
+        """The algorithm's stage and counters from a (validated) checkpoint."""
+
+    def rank_parameters(self) -> bool:
+        """Whether this rank's parameters are its own now (differ from the other ranks')."""
+        return False
+
+    def checkpoint_problem(self, rank: int, world: int, consolidated: bool) -> str | None:
+        """Why a checkpoint saved by rank ``rank`` of ``world`` cannot be loaded here (``None``: it can)."""
+        return None
+
+    def check_ddp(self) -> None:
+        """Raise ``ValueError`` if the algorithm cannot drive a ``DistributedDataParallel`` model."""
+
+    # --- what it tells the user ----------------------------------------------------------------------------
+    @property
+    def last_warmup_step(self) -> int | None:
+        """The last full-precision step (``None``: not decided yet)."""
+        return None
+
+    def schedule(self) -> str:
+        """When it compresses, in words (rank 0's line at its first step)."""
+        step = self.last_warmup_step
+        if step is None:
+            return "full precision until the variance settles (freeze_step='auto'), then the 1-bit exchange"
+        return f"full precision through step {step}, then the 1-bit exchange"
+
+    def warmup_at_default(self) -> bool:
+        """Whether the warmup's length is the constructor's default (a run may never compress)."""
+        return False
+
+
+class CompressedOptimizer(Optimizer):
+    """The base of the compressed optimizers (see the module docstring). Subclasses make their
+    :class:`Algorithm` and pass it with their ``defaults``."""
+
+    def __init__(self, params, defaults: dict, algorithm: Algorithm, *, backend=None, bucket_cap_mb: float = 25.0,
+                 overlap: bool = True, accumulation_steps: int = 1, hierarchy: str = "auto", path: str | None = None,
+                 scale_block: int = DEFAULT_BLOCK):
+        check_choice("hierarchy", hierarchy, exchange.HIERARCHIES)
+        scale_block = check_scale_block(scale_block)
+        cap = check_nonneg_float("bucket_cap_mb", bucket_cap_mb)
+        if cap == 0:
+            raise ValueError("Invalid bucket_cap_mb: 0 (must be > 0)")
+        if not isinstance(overlap, bool):
+            raise TypeError(f"overlap must be True or False, got {overlap!r}")
+        accumulation_steps = check_step_count("accumulation_steps", accumulation_steps, minimum=1)
+        sharded = algorithm.zero_stage > 0
+        if sharded and hierarchy == "node":
+            raise ValueError("hierarchy='node' with zero_stage > 0: ZeRO's shards are the flat exchange's server "
+                             "chunks; use hierarchy='auto' or 'flat' (flat) or zero_stage=0")
+        self._algorithm = algorithm
+        #: DTensor parameters, stepped on their local shards (compressed_opt.local_shards)
+        self._local_shards = LocalShards(type(self).__name__)
+        super().__init__(params, defaults)
+        backend = resolve_backend(backend)  # (None: from the launch; a DeviceMesh dimension: its group)
+        self._local_shards.check_backend(backend, sharded)
+        path_from_env = path is None and bool(os.environ.get(exchange.PATH_ENV))
+        path = exchange.resolve_path(path, sharded, backend.world_size)
+        #: the gradient-sync engine (compressed_opt.engine): buckets, hooks, agreement, exchange
+        self.engine = GradientSync(
+            type(self).__name__, self.param_groups, backend, algorithm, self._local_shards,
+            bucket_cap_bytes=max(4, int(cap * 2**20)), overlap=overlap, accumulation_steps=accumulation_steps,
+            hierarchy=hierarchy, path=path, scale_block=scale_block, sharded=sharded,
+            shard_gradients=algorithm.zero_stage == 2)
+        self.engine.path_from_env = path_from_env
+        algorithm.bind(self.param_groups, self.state, self.engine)
+        self._consolidated: tuple[int, list[dict]] | None = None  # (global_step, every rank's part)
+        self._announced: set[str] = set()  # the rank-0 log lines already written ("start", "compression")
+        self.engine.start()
+
     @property
     def _step_supports_amp_scaling(self) -> bool:
         """``False``, as torch's own optimizers: ``GradScaler.step`` unscales ``p.grad`` in place, then
         calls ``step()`` only where it found no inf/NaN. A compression step's gradients are each rank's
         own, so at the end of backward the ranks share whether any holds inf/NaN and mark every rank's
-        alike (:mod:`compressed_opt.stepping`): every rank's scaler skips and backs off together.
+        alike (:mod:`compressed_opt.engine`): every rank's scaler skips and backs off together.
         ``True`` with DTensor parameters: ``step()`` is then called at once, and refuses the scaler."""
-        return bool(self.__dict__.get("_local_shards"))
+        return bool(self.__dict__.get("_local_shards") and self._local_shards.pairs)
 
-    #: the per-bucket buffers this class adds (name -> role and dtype, compressed_opt.buffers);
-    #: ``declared`` merges the tables along the class hierarchy (a sharded layout overlays its
-    #: own, :mod:`compressed_opt.zero`, with ``sharded_buffers``: how it lays out this class's)
-    buffers: dict[str, Buffer] = {
-        "grad": Buffer(SCRATCH),  # this rank's gradients, then what the step averages or exchanges
-        "worker_error": Buffer(SAVED),  # e_i of the compressed allreduce (docs/design.md 2.2)
-        "server_error": Buffer(SAVED),  # E_i, this rank's chunk
-    }
-    declared: dict[str, Buffer]
-    #: made from ``declared``: the ``STATE`` buffers (shown per parameter in
-    #: ``optimizer.state[p][name]``), the ``SAVED`` ones (in ``state_dict()["compressed_opt"]
-    #: ["buckets"]``) and the ``SCRATCH`` ones
-    bucket_state_names: tuple[str, ...] = ()
-    saved_bucket_buffers: tuple[str, ...] = ()
-    scratch_names: frozenset[str] = frozenset()
-    #: per-parameter state that is a row of a small float64 per-bucket tensor of per-layer
-    #: numbers, ``(layers, width)``: name -> width (declared ``LAYER`` buffers)
-    layer_state: dict[str, int] = {}
-    #: per-parameter state that differs between the ranks by the algorithm (each rank's own,
-    #: carried per rank by :meth:`consolidate_state_dict`; the bucket entries always are)
-    rank_state_names: tuple[str, ...] = ()
+    # --- what a user reads ---------------------------------------------------------------------------------
+    @property
+    def backend(self):
+        """The :class:`compressed_opt.comm.Backend` the optimizer communicates over (its ``stats``
+        count the bytes)."""
+        return self.engine.backend
 
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        table: dict[str, Buffer] = {}
-        for klass in reversed(cls.__mro__):
-            table.update(klass.__dict__.get("buffers", {}))
-        cls._declare(cls, table)
+    @property
+    def global_step(self) -> int:
+        """Steps taken (a skipped step does not count)."""
+        return self.engine.global_step
 
-    @staticmethod
-    def _declare(target, table: dict[str, Buffer]) -> None:
-        """Set ``target``'s (a class, or an instance with another layout) declared buffers and
-        the name lists made from them."""
-        target.declared = table
-        target.bucket_state_names = names(table, STATE)
-        target.saved_bucket_buffers = names(table, SAVED)
-        target.scratch_names = frozenset(names(table, SCRATCH))
+    @property
+    def compressing(self) -> bool:
+        """Whether the optimizer is past its full-precision warmup."""
+        return self._algorithm.compressing
 
-    #: how a sharded layout declares this class's buffers (over compressed_opt.zero.BUFFERS)
-    sharded_buffers: dict[str, Buffer] = {}
+    def comm_stats(self) -> traffic.CommReport:
+        """This rank's communication so far, by stage: bytes per step in warmup and in the
+        compression stage (counted on the backend), against an fp32 all-reduce of the same
+        parameters, with the freeze step, the exchange and the path of each bucket
+        (:class:`compressed_opt.traffic.CommReport`; ``print()`` it for a summary)."""
+        return traffic.report(self.engine, self._algorithm)
 
-    def overlay_buffers(self, table: dict[str, Buffer]) -> None:
-        """This optimizer keeps its state in another layout (ZeRO's shards): its buffers are the
-        class's overlaid with ``table`` (:func:`compressed_opt.buffers.overlay`)."""
-        self._declare(self, overlay(type(self).declared, table))
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds (the buckets' buffers that are not workspace:
+        moments, error feedback, ZeRO's shards, derived values): what ZeRO sharding reduces."""
+        return checkpoint.state_bytes(self.engine)
 
-    def __init__(self, params, defaults: dict, backend=None, bucket_cap_mb: float = 25.0,
-                 overlap: bool = True, accumulation_steps: int = 1, hierarchy: str = "auto", path: str | None = None,
-                 layout: Layout | None = None, scale_block: int = DEFAULT_BLOCK):
-        check_choice("hierarchy", hierarchy, averaging.HIERARCHIES)
-        #: elements per 1-bit scale of the compressed exchange (the same on every rank)
-        self.scale_block = check_scale_block(scale_block)
-        #: where the state lives, replicated or sharded (compressed_opt.layout): chosen here, once
-        self.layout = Replicated() if layout is None else layout
-        self.layout.check_options(self, path, hierarchy)
-        self.layout.declare_buffers(self)
-        self.hierarchy = hierarchy
-        self._buckets: list[Bucket] | None = None
-        #: DTensor parameters, stepped on their local shards (compressed_opt.local_shards)
-        self._local_shards = LocalShards(type(self).__name__)
-        super().__init__(params, defaults)
-        backend = resolve_backend(backend)  # (None: from the launch; a DeviceMesh dimension: its group)
-        self._local_shards.check_backend(backend, self.layout.sharded)
-        self.backend = backend
-        self._path_from_env = path is None and bool(os.environ.get(averaging.PATH_ENV))
-        self.path = averaging.resolve_path(path, self.layout.sharded, backend.world_size)
-        cap = check_nonneg_float("bucket_cap_mb", bucket_cap_mb)
-        if cap == 0:
-            raise ValueError("Invalid bucket_cap_mb: 0 (must be > 0)")
-        self.bucket_cap_bytes = max(4, int(cap * 2**20))
-        if not isinstance(overlap, bool):
-            raise TypeError(f"overlap must be True or False, got {overlap!r}")
-        self.overlap = overlap
-        self.accumulation_steps = check_step_count("accumulation_steps", accumulation_steps, minimum=1)
-        self.global_step = 0
-        self._layout_key = None
-        self._layout_hash = 0
-        self._pending_bucket_state: list[dict] | None = None
-        self._consolidated: tuple[int, list[dict]] | None = None  # (global_step, every rank's part)
-        self._averager = None  # what averages the warmup gradients in the optimizer's place (attach_averager)
-        self._closed = False
-        #: steps skipped on every rank because some rank's gradients held inf/NaN (no GradScaler)
-        self.nonfinite_steps = 0
-        self._announced: set[str] = set()  # the rank-0 log lines already written ("start", "compression")
-        self._start_runtime()
-        self._init_stepping()
-        self._start_hooks()
+    def no_sync(self):
+        """Context manager: backward passes inside accumulate gradients without communicating
+        (gradient accumulation, as ``DistributedDataParallel.no_sync``); the next backward outside
+        communicates them all."""
+        return self.engine.no_sync()
 
-    def _start_runtime(self, carried: dict | None = None) -> None:
-        """The parts that belong to this process's run, made anew by a copy: the rank agreement,
-        the exchanges (with a copy's ``carried`` paths and choice) and the traffic meter."""
-        self._agreement = RankAgreement(self.backend, type(self).__name__)
-        self._exchanges = Exchanges(self.backend, self.hierarchy, self.path, self.layout.sharded, self.scale_block,
-                                   type(self).__name__)
-        if carried:
-            self._exchanges.paths = dict(carried.get("paths") or {})
-            self._exchanges.saved_key = carried.get("saved_key")
-        #: bytes per step by stage, from the backend's counters (:meth:`comm_stats`)
-        self._traffic = traffic.TrafficMeter(self.backend)
+    def close(self) -> None:
+        """Stop communicating: wait for what is in flight, remove the gradient hooks and the
+        communication thread. The optimizer cannot step afterwards. Also done when the optimizer
+        is garbage collected, when it is used as a context manager and leaves it, and when a new
+        compressed optimizer takes the same parameters."""
+        self.engine.close()
 
-    def _start_hooks(self) -> None:
-        """The runtime side of an optimizer that was just made or copied: it owns its parameters
-        (an older optimizer on them is closed), hooks their gradients, and, before its first step
-        in a multi-rank job, watches for a DDP wrapper (:func:`compressed_opt.ddp.watch_for_ddp`)."""
-        self._take_parameters()
-        self._launcher.watch(p for g in self.param_groups for p in g["params"])
-        if self.global_step == 0 and torch.distributed.is_available() and torch.distributed.is_initialized():
-            ddp.watch_for_ddp(self)
+    def __enter__(self):
+        return self
 
-    # --- parameters and buckets ---------------------------------------------------------------
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- parameters -----------------------------------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
-        if self._buckets is not None:
-            self._check_rebuild()
-        self._param_places = None
+        engine = self.__dict__.get("engine")
+        if engine is not None and engine._buckets is not None:
+            self._algorithm.check_rebuild()
         super().add_param_group(self._local_shards.localize_group(param_group))
         group = self.param_groups[-1]
         try:
@@ -224,276 +353,175 @@ class CompressedOptimizer(Stepping, Reporting, Persistence, Optimizer):
                     raise TypeError(f"{type(self).__name__} does not support complex parameters (got {p.dtype})")
                 if not p.is_floating_point():
                     raise TypeError(f"{type(self).__name__} needs floating-point parameters, got {p.dtype}")
-            self._validate_group(group)
+            self._algorithm.validate_group(group)
         except (TypeError, ValueError):
             self.param_groups.pop()  # a rejected group must not stay behind
             raise
-        if self._buckets is not None:
-            self._ranks_checked = False  # new parameters: check the ranks agree again
-        launcher = getattr(self, "_launcher", None)
-        if launcher is not None:
-            launcher.watch(group["params"])
+        if engine is not None:
+            engine.bind(self.param_groups)
+            engine.watch(group["params"])
+            if engine._buckets is not None:
+                engine._ranks_checked = False  # new parameters: check the ranks agree again
 
-    def _validate_group(self, group: dict) -> None:
-        """Subclasses check a param group's hyperparameters (called for every group added)."""
+    # --- a step -----------------------------------------------------------------------------------------------
+    # Always eager, also when called from code torch.compile traces (torch's own optimizers do the
+    # same for what dynamo cannot trace): traced, the counters' Python attribute writes were dropped
+    # (global_step stayed 0: no freeze, step-1 bias correction forever), and the collectives,
+    # threads and C kernels cannot be traced. torch._disable_dynamo imports dynamo at the first
+    # call, not at import.
+    @torch._disable_dynamo
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One step on every rank alike: the engine synchronises (the gradients averaged at full
+        precision in the warmup, the algorithm's 1-bit exchange in the compression stage; every
+        rank agrees to take the step, or to skip it), then the algorithm's update. Returns the
+        closure's loss, if a closure was given."""
+        engine, algorithm = self.engine, self._algorithm
+        if engine.closed:
+            raise RuntimeError(f"this {type(self).__name__} was closed; make a new optimizer to keep training")
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._consolidated = None  # (the parts gathered for a checkpoint describe the step before)
+        if self._local_shards.pairs or "found_inf" in self.__dict__:  # (GradScaler.step sets found_inf)
+            self._local_shards.bind_grads(scaled="found_inf" in self.__dict__)
+        stage = COMPRESSION if algorithm.compressing else WARMUP  # (of this step: before it ends)
+        step, took = engine.global_step + 1, False
+        try:
+            took = engine.synchronize()
+            if took:
+                algorithm.update(step, engine.ensure_buckets())
+        finally:
+            algorithm.end_step(step, took)
+            engine.end_step(stage, took)
+        if took and len(self._announced) < 2:
+            traffic.announce(self, engine, algorithm, stage)
+        return loss
 
-    @property
-    def buckets(self) -> list[Bucket]:
-        self._ensure_buckets()
-        return self._buckets
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As torch's, after what backward launched has landed; the gradients of this step start
+        again (the next backward communicates them anew, as under DDP)."""
+        self.engine.zero_grad()
+        super().zero_grad(set_to_none)
+        if self._local_shards.pairs:
+            self._local_shards.clear_grads(set_to_none)
 
-    def _ensure_buckets(self) -> None:
-        key = tuple(trained_ids(g["params"]) for g in self.param_groups)
-        if self._buckets is not None and key == self._layout_key:
-            return
-        rebuilt = self._buckets is not None
-        if rebuilt:
-            self._check_rebuild()
-            # what backward launched belongs to the old layout: let it land, then drop it
-            self._launcher.wait()
-            self._launcher.reset()
-        shards = self._local_shards
-        self._buckets = build_buckets(self.param_groups, self.bucket_cap_bytes, shards.numel_for_buckets,
-                                      shards.bucket_kind if shards else None)
-        for b in self._buckets:
-            b.flats.declared = self.declared
-        self._layout_key = key
-        self._layout_hash = agreement.layout_hash(self._buckets)
-        for b in self._buckets:
-            for name in self.bucket_state_names:
-                flat = b.flat(name)
-                for p, view in zip(b.params, b.views(flat)):
-                    old = self.state[p].get(name)
-                    if old is not None:
-                        view.copy_(old)
-                    else:
-                        self._new_state(p, name, view)
-                    self.state[p][name] = view
-            for name in self.layer_state:
-                rows = b.flats[name] = self._new_layer_rows(name, b)
-                for p, row in zip(b.params, rows):
-                    old = self.state[p].get(name)
-                    if old is not None:
-                        row.copy_(old)
-                    self.state[p][name] = row
-        self._launcher.attach(self._buckets, exchange_groups(self._buckets, self.bucket_cap_bytes))
-        self._ranks_checked = False if rebuilt else self._ranks_checked
-        pending, self._pending_bucket_state = self._pending_bucket_state, None
-        if pending is not None:
-            self._restore_bucket_state(pending)
-        elif rebuilt and self.compressing:
-            warnings.warn(
-                "parameters changed during the compression stage: the error-feedback buffers "
-                "start again from zero",
-                RuntimeWarning,
-                stacklevel=3,
+    # --- checkpoints and copies (compressed_opt.checkpoint) -----------------------------------------------------
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Collective, between steps: gather what of the state is each rank's own (error feedback,
+        ZeRO shards, 0/1 Adam's local state between synchronisations) onto rank ``to``, whose
+        ``state_dict()`` until the next step carries it, so that one file resumes every rank
+        exactly: each rank that loads it takes its own part. Every rank must call it, as torch's
+        ``ZeroRedundancyOptimizer.consolidate_state_dict``; Lightning does before it saves, and
+        under the HF Trainer and accelerate's ``save_state`` one line makes it run
+        (:mod:`compressed_opt.integrations`). Without it, ``state_dict()`` holds this rank's state
+        only (resume with each rank's own file)."""
+        world = self.engine.backend.world_size
+        if isinstance(to, bool) or not isinstance(to, int) or not 0 <= to < world:
+            raise ValueError(f"consolidate_state_dict: to must be a rank in [0, {world}), got {to!r}")
+        if not self.engine.idle:
+            raise RuntimeError(
+                f"{type(self).__name__}.consolidate_state_dict between backward() and step(): this step's gradient "
+                "communication has started. Consolidate (and save) between steps"
             )
+        part = checkpoint.rank_part(self.engine, self._algorithm, self.param_groups, self.state)
+        parts = consolidate.gather_rank_parts(self.engine, part, to)
+        self._consolidated = None if parts is None else (self.engine.global_step, parts)
 
-    def _new_state(self, param, name: str, view: torch.Tensor) -> None:
-        """A parameter's state ``name`` was just made (zeros), as ``view``: subclasses set its
-        first value where zero is wrong."""
+    @torch._disable_dynamo
+    def state_dict(self) -> dict:
+        """torch's state dict (``state``, ``param_groups``) plus ``"compressed_opt"``: the stage,
+        counters and this rank's error-feedback buffers (:mod:`compressed_opt.checkpoint`).
+        State-dict pre hooks run first and post hooks last, on the whole dict (``"compressed_opt"``
+        included), as ``torch.optim.Optimizer.state_dict`` runs them."""
+        post_hooks = self._optimizer_state_dict_post_hooks
+        self._optimizer_state_dict_post_hooks = type(post_hooks)()  # run below, on the whole dict
+        try:
+            sd = super().state_dict()
+        finally:
+            self._optimizer_state_dict_post_hooks = post_hooks
+        if self._consolidated is None and self.engine.backend.world_size > 1:
+            integrations.check_consolidated(self)  # under a framework that saves from one rank: warns what to add
+        sd = checkpoint.with_extra(sd, self.engine, self._algorithm, self._consolidated, self._local_shards)
+        for hook in list(post_hooks.values()):
+            result = hook(self, sd)
+            if result is not None:
+                sd = result
+        return sd
 
-    def _new_layer_rows(self, name: str, bucket: Bucket) -> torch.Tensor:
-        """The ``(layers, layer_state[name])`` float64 tensor of the bucket's per-layer state
-        ``name`` before any step (each parameter's ``state[p][name]`` becomes a view of its row)."""
-        raise NotImplementedError
+    @torch._disable_dynamo
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a state dict of this optimizer class (see ``state_dict()``), after strict checks on
+        every rank (:func:`compressed_opt.checkpoint.validate_state_dict`). The optimizer keeps
+        copies: the given dict's tensors are not used afterwards. Load-state-dict pre hooks get (a
+        shallow copy of) the whole dict and may return a replacement; post hooks run once the
+        optimizer is fully restored, as with ``torch.optim.Optimizer.load_state_dict``."""
+        state_dict = dict(state_dict)  # shallow copy, as torch's
+        pre_hooks = self._optimizer_load_state_dict_pre_hooks
+        post_hooks = self._optimizer_load_state_dict_post_hooks
+        for hook in list(pre_hooks.values()):
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        self._optimizer_load_state_dict_pre_hooks = type(pre_hooks)()
+        self._optimizer_load_state_dict_post_hooks = type(post_hooks)()
+        try:
+            schema = checkpoint.schema_of(self.engine, self._algorithm)
+            plain, extra, own_params = checkpoint.prepare_load(schema, state_dict)
+            super().load_state_dict(plain)
+            checkpoint.finish_load(schema, self.state, self.param_groups, plain, extra, own_params)
+        finally:
+            self._optimizer_load_state_dict_pre_hooks = pre_hooks
+            self._optimizer_load_state_dict_post_hooks = post_hooks
+        self._consolidated = None
+        for hook in list(post_hooks.values()):
+            hook(self)
 
-    def _check_rebuild(self) -> None:
-        """Raise if this optimizer cannot carry its state over to new buckets."""
-        self.layout.check_rebuild(self)
+    def __copy__(self):
+        raise TypeError(
+            f"copy.copy() of a {type(self).__name__} is not supported: the copy would share the original's "
+            "state tensors and parameters, and both would hook the same gradients. Use copy.deepcopy() "
+            "(a working, independent optimizer), or state_dict() and load_state_dict() of a new one"
+        )
 
-    # --- the exchange (compressed_opt.exchanges) ------------------------------------------------------
-    @property
-    def exchanges(self) -> Exchanges:
-        """How the buckets are averaged: the exchange, the path per bucket, the error buffers."""
-        return self._exchanges
+    def __deepcopy__(self, memo):
+        """An independent, working optimizer in the same state: ``step()`` on the same gradients
+        gives the same result as the original's. It carries what ``state_dict()`` carries (stage,
+        counters, moments, error-feedback buffers) and the constructor's arguments, deep-copied
+        with ``memo`` (deep-copy ``(model, optimizer)`` together and the copy optimizes the copied
+        model's parameters); its runtime parts are made anew: the engine (buckets at its first
+        step, gradient hooks on its own parameters, a backend of the same kind over the same
+        communicator: a backend of another class is shared with the original). Hooks registered
+        with ``register_*_hook`` are not copied, as with ``torch.optim``. Raises between
+        ``backward()`` and ``step()`` and under a DDP communication hook."""
+        return checkpoint.deep_copy(self, memo)
 
-    @property
-    def averaging(self):
-        """How the 1-bit exchange averages a bucket (:mod:`compressed_opt.averaging`): chosen at
-        the first step."""
-        return self.exchanges.averaging
+    def __getstate__(self) -> dict:
+        """Pickling (``pickle``, ``torch.save(optimizer)``): what ``copy.deepcopy`` carries, with the
+        backend as its kind (``"single"``, ``"torch"`` on the default process group, ``"mpi"`` on
+        ``COMM_WORLD``), made when the unpickled optimizer first needs it (so it may be unpickled
+        before ``init_process_group``), on the same rank of the same world size (else it raises: the
+        error-feedback buffers belong to that rank; to move between world sizes use
+        ``state_dict()``). A backend that cannot be made again that way raises ``TypeError`` here."""
+        return checkpoint.pickled(self)
 
-    @property
-    def exchange_paths(self) -> dict[int, str]:
-        """Per bucket size (elements), ``"1bit"`` or ``"fp32"`` (``path="measure"``: what the link
-        measured; empty otherwise)."""
-        return self.exchanges.paths
-
-    def error_buffers(self, bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor]:
-        """The bucket's (worker_error, server_error), zero on first use, sized for the exchange."""
-        return self.exchanges.error_buffers(bucket)
-
-    def error_ranges(self, bucket: Bucket) -> tuple[tuple[int, int], tuple[int, int]]:
-        """The bucket elements ``[lo, hi)`` the worker and the server error cover (their first
-        ``hi - lo`` elements): what a per-element rescaling of the errors multiplies."""
-        return self.exchanges.error_ranges(bucket)
-
-    def reset_error_buffers(self) -> None:
-        """Zero every bucket's error-feedback buffers (they hold another quantity from now on)."""
-        self.exchanges.reset_errors(self._buckets or [])
-
-    def state_bytes(self) -> int:
-        """Bytes of optimizer state this rank holds (bucket buffers that are not workspace, plus
-        per-parameter state that is not a view of them): what ZeRO sharding reduces."""
-        total = 0
-        for b in self._buckets or ():
-            total += sum(t.numel() * t.element_size() for name, t in b.flats.items() if name not in self.scratch_names)
-        return total
-
-    # --- the algorithm's hooks -----------------------------------------------------------------
-    @property
-    def compressing(self) -> bool:
-        """Whether the optimizer is past its full-precision warmup."""
-        raise NotImplementedError
-
-    def _needs_average(self, step: int) -> bool:
-        """Whether step ``step`` (1-based) averages the gradients at full precision first."""
-        raise NotImplementedError
-
-    def _bucket_communicate(self, bucket: Bucket, group: dict, grad: torch.Tensor, step: int):
-        """The algorithm's exchange for a step that does not average gradients at full precision,
-        run as soon as the bucket's gradients are ready (possibly on the communication thread,
-        during backward): ``None``, or a generator that runs the passes before its compressed
-        average, yields the request ``(bucket, x, averaging)`` (as ``Layout.exchange`` does; at
-        most once), then runs the passes after it (:meth:`compressed_opt.exchanges.Exchanges.run`). It must not read the
-        learning rate (schedulers change it after ``step()``, not before). By default there is
-        none here: ``_bucket_step`` communicates."""
-
-    def _place(self, param) -> tuple[int, int]:
-        """``(index in state_dict() order, index of its param group)``; made once per set of
-        groups (``add_param_group`` and ``load_state_dict`` start it again)."""
-        places = getattr(self, "_param_places", None)
-        if places is None:
-            places = self._param_places = {
-                p: (i, gi)
-                for i, (gi, p) in enumerate((gi, p) for gi, g in enumerate(self.param_groups) for p in g["params"])
-            }
-        return places[param]
-
-    def param_index(self, param) -> int:
-        """A parameter's index in ``state_dict()`` order (all groups' params, in order)."""
-        return self._place(param)[0]
-
-    def group_of(self, param) -> dict:
-        """The param group holding ``param`` (the current dict: ``load_state_dict`` replaces them)."""
-        return self.param_groups[self._place(param)[1]]
-
-    @property
-    def averager(self):
-        """What carries the full-precision averaging in place of the optimizer (``None``: the
-        optimizer averages itself); see :meth:`attach_averager`."""
-        return self._averager
-
-    def attach_averager(self, averager) -> None:
-        """From now on ``averager`` averages the warmup gradients into ``p.grad`` during backward
-        and has made the ranks' initial parameters equal (DDP's reducer through the hook of
-        :mod:`compressed_opt.ddp`, which owns its own state): the optimizer launches no averaging
-        of its own and broadcasts nothing. The compression stage's exchange stays the optimizer's."""
-        self._averager = averager
-        self._launcher.enabled = False
-
-    #: whether a DDP hook should hand the warmup gradients' sums of squares to
-    #: :meth:`observe_local_square_sums` (the variance tracking does)
-    observes_square_sums = False
-
-    def observe_local_square_sums(self, indices: torch.Tensor, sums: torch.Tensor, averaged: bool = False) -> None:
-        """From a DDP hook averaging a full-precision step's gradients: the sums of squares of the
-        local gradients, before the average (``averaged``: of the average, before the loop sees
-        it), of the parameters with these indices (:meth:`param_index`, int64); what the variance
-        tracking calibrates with (nothing here)."""
-
-    def observe_mean_square_sums(self, bucket: Bucket, mean: torch.Tensor, stepped: bool = False) -> None:
-        """The bucket's average as backward (or, ``stepped``, step() for this step's update) made it
-        (the variance tracking's calibration; nothing here)."""
-
-    def _step_statistics(self, step: int) -> torch.Tensor:
-        """Floats of this rank that the step's agreement all-gather carries to every rank (the same
-        number on every rank; :attr:`_rank_statistics` holds everyone's, one row per rank)."""
-        return torch.zeros(0, dtype=torch.float64)
-
-    def _before_update(self, step: int, averaged: bool) -> None:
-        """After the ranks agreed to take the step and the exchanges ran, before any bucket's
-        update."""
-
-    def _stage_code(self) -> int:
-        """A number for where the algorithm is (every rank must be at the same)."""
-        return int(self.compressing)
-
-    def _signature(self) -> list[int]:
-        """What the ranks compare before the first step (:func:`compressed_opt.agreement.signature`)."""
-        return agreement.signature(self._buckets, self.param_groups,
-                                   (self._extra_signature(), self.hierarchy, self.path, self.scale_block),
-                                   self.bucket_cap_bytes)
-
-    def _extra_signature(self) -> tuple:
-        """The algorithm's options every rank must share (compared before the first step)."""
-        return ()
-
-    def averages_next_step(self) -> bool:
-        """Whether the next step is a full-precision one (its gradients averaged, not compressed)."""
-        return self._needs_average(self.global_step + 1)
-
-    def _bucket_step(self, bucket: Bucket, group: dict, grad: torch.Tensor, step: int, averaged: bool) -> None:
-        """The update of the bucket's parameters; ``grad`` holds the averaged gradient (when
-        ``averaged``) or this rank's gradient, after ``_bucket_communicate``."""
-        raise NotImplementedError
-
-    def _end_step(self, step: int) -> None:
-        """After every bucket's update: stage changes. Must decide the same on every rank."""
-
-    def _extra_state(self) -> dict:
-        return {}
-
-    def _load_extra_state(self, extra: dict) -> None:
-        pass
-
-    def _grad_buffer(self, bucket: Bucket) -> torch.Tensor:
-        """The bucket's flat fp32 gradient workspace."""
-        return self.layout.grad_buffer(self, bucket)
-
-    def _gather(self, bucket: Bucket, grad: torch.Tensor, step: int) -> None:
-        """``grad`` <- this rank's gradients of the bucket (unscaled)."""
-        bucket.gather_grads(grad)
-
-    def _before_step(self) -> None:
-        """At the start of ``step()``, before any collective."""
-        self._consolidated = None  # the parts gathered for a checkpoint describe the step before
-        self._local_shards.bind_grads(scaled="found_inf" in self.__dict__)  # (GradScaler.step sets found_inf)
-
-    def rank0_decides(self, wants: bool) -> bool:
-        """Rank 0's ``wants``, on every rank (a one-element broadcast): for decisions computed
-        from floats that might differ between ranks in the last bit, such as an auto freeze."""
-        return self._agreement.rank0_decides(wants, self.comm_device)
-
-    def _take_parameters(self) -> None:
-        """A compressed optimizer made on parameters that another one holds replaces it: the old
-        one is closed (its hooks and thread would otherwise keep communicating)."""
-        for p in (p for g in self.param_groups for p in g["params"]):
-            old = _OWNERS.get(id(p))
-            if old is not None and old is not self and not old._closed:
-                warnings.warn(
-                    f"a new {type(self).__name__} took the parameters of an existing {type(old).__name__}; "
-                    "the old one was closed (call optimizer.close() when you replace an optimizer)",
-                    RuntimeWarning, stacklevel=3,
-                )
-                old.close()
-            _OWNERS[id(p)] = self
-
-    def close(self) -> None:
-        """Stop communicating: wait for what is in flight, remove the gradient hooks and the
-        communication thread. The optimizer cannot step afterwards. Also done when the optimizer
-        is garbage collected, when it is used as a context manager and leaves it, and when a new
-        compressed optimizer takes the same parameters."""
-        if self._closed:
+    def __setstate__(self, state: dict) -> None:
+        if "_copy" not in state:
+            had_differentiable = "differentiable" in self.__dict__.get("defaults", {})
+            super().__setstate__(state)  # torch's own use: load_state_dict sets ``state`` and ``param_groups``
+            if not had_differentiable:
+                self.defaults.pop("differentiable", None)  # (torch adds it; we take none)
+            algorithm = self.__dict__.get("_algorithm")
+            if algorithm is not None:
+                algorithm.bind(self.param_groups, self.state, None)
+                self.engine.bind(self.param_groups)
             return
-        self._closed = True
-        self._launcher.close()
-        ddp.forget(self)
+        checkpoint.unpickled(self, state)
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
+    def __getattr__(self, name: str):
+        # only reached for attributes that are missing: an unpickled optimizer's engine, made on
+        # first use (its backend made then, on the rank and world size it was pickled on)
+        if name == "engine" and "_pending_engine" in self.__dict__:
+            return checkpoint.revive_pending(self)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")

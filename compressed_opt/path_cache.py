@@ -2,7 +2,7 @@
 
 ``path="measure"`` times the 1-bit exchange against the fp32 average for each bucket size (and,
 on several nodes, the flat against the hierarchical exchange) at the first step, and takes the
-faster (:func:`compressed_opt.averaging.choose_measured`). Two runs of the same seed could then
+faster (:func:`choose_measured`). Two runs of the same seed could then
 choose differently wherever both take about as long, and end up in different places. So the
 first run's choice is written to a small JSON file on rank 0's machine, and a later run of the
 same job reuses it instead of measuring again:
@@ -31,12 +31,13 @@ from pathlib import Path
 
 import torch
 
-from compressed_opt.cuda.cpu import cache_dir  # the kernels' per-user cache folder
+from compressed_opt.cuda.build import cache_dir  # the kernels' per-user cache folder
 
 logger = logging.getLogger("compressed_opt")
 
 _FORMAT = 1
 _PATH_CODES = {"1bit": 1, "fp32": 2}
+_PATH_REPS = 5
 
 
 def cache_key(backend, candidates, sizes: list[int], device: torch.device, block: int) -> str:
@@ -95,11 +96,10 @@ def _store(path: Path, what: dict, averaging, paths: dict[int, str], times) -> N
         logger.info("compressed_opt: could not keep the measured path choice in %s (%s)", path, exc)
 
 
-def choose(candidates, backend, numels, device, block: int, measure):
+def choose(candidates, backend, numels, device, block: int):
     """``(averaging, paths)`` for ``path="measure"``: rank 0's cached choice where it has one,
-    else ``measure(candidates, backend, numels, device)`` (collective; returns ``(averaging,
-    paths, times)``), kept in rank 0's cache. Collective: every rank calls it, at the same point;
-    every rank returns the same choice."""
+    else :func:`choose_measured` (collective), kept in rank 0's cache. Collective: every rank calls
+    it, at the same point; every rank returns the same choice."""
     sizes = sorted(set(int(n) for n in numels if n > 0))
     found = None
     path = None
@@ -124,7 +124,7 @@ def choose(candidates, backend, numels, device, block: int, measure):
                            "(%s: the %s exchange, %s); delete the file to measure again", path,
                            averaging.key[0], _summary(paths))
         return averaging, paths
-    averaging, paths, times = measure(candidates, backend, numels, device)
+    averaging, paths, times = choose_measured(candidates, backend, numels, device)
     if backend.rank == 0 and path is not None:
         _store(path, what, averaging, paths, times)
         logger.warning("compressed_opt: path='measure' timed the exchanges on this link: the %s exchange, %s; "
@@ -142,3 +142,62 @@ def _summary(paths: dict[int, str]) -> str:
     if fp32:
         parts.append(f"fp32 (measured faster) for {fp32}")
     return " and ".join(parts) or "no buckets"
+
+
+# --- measuring ------------------------------------------------------------------------------------
+def _time_paths(averaging, backend, numel: int, device) -> tuple[float, float]:
+    """Median seconds of this rank's 1-bit exchange and fp32 all-reduce of ``numel`` elements
+    (scratch buffers; one untimed call of each first)."""
+    import time
+
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(numel)).to(device)
+    we, se = (torch.zeros(k, dtype=torch.float32, device=device) for k in averaging.error_sizes(numel))
+    times = {"1bit": [], "fp32": []}
+    for rep in range(_PATH_REPS + 1):
+        for path in ("1bit", "fp32"):
+            y = x.clone()
+            start = time.perf_counter()
+            if path == "1bit":
+                averaging(y, we, se)
+            else:
+                averaging.average(y)
+            if rep:
+                times[path].append(time.perf_counter() - start)
+    return sorted(times["1bit"])[_PATH_REPS // 2], sorted(times["fp32"])[_PATH_REPS // 2]
+
+
+def measure_times(averaging, backend, numels, device) -> dict[int, tuple[float, float]]:
+    """Per bucket size, the seconds of ``averaging``'s 1-bit exchange and of the fp32 all-reduce
+    on this link, as the slowest rank timed them (collective: every rank times both, one
+    all-gather shares the times, so every rank holds the same numbers)."""
+    sizes = sorted(set(int(n) for n in numels if n > 0))
+    mine = torch.tensor([t for n in sizes for t in _time_paths(averaging, backend, n, device)], dtype=torch.float64)
+    everyone = torch.empty(backend.world_size * mine.numel(), dtype=torch.float64, device=device)
+    backend.all_gather(everyone, mine.to(device))
+    slowest = everyone.view(backend.world_size, len(sizes), 2).amax(dim=0).cpu().tolist()
+    return {n: (onebit, fp32) for n, (onebit, fp32) in zip(sizes, slowest)}
+
+
+def faster_paths(times: dict[int, tuple[float, float]]) -> dict[int, str]:
+    """Per bucket size, ``"fp32"`` where the fp32 all-reduce took less time, else ``"1bit"``."""
+    return {n: ("fp32" if fp32 < onebit else "1bit") for n, (onebit, fp32) in times.items()}
+
+
+def choose_measured(candidates, backend, numels, device):
+    """``(averaging, paths, times)``: of ``candidates`` (flat and hierarchical exchanges), the one
+    whose buckets, each on its faster path, take the least time in all on this link, its paths per
+    bucket size, and its measured ``(1-bit, fp32)`` seconds per size (collective; every rank
+    decides from the same shared times). :func:`compressed_opt.path_cache.choose` keeps the
+    choice for a rerun."""
+    best = None
+    for averaging in candidates:
+        times = measure_times(averaging, backend, numels, device)
+        total = sum(min(times[int(n)]) for n in numels if n > 0)
+        paths = faster_paths(times)
+        if backend.rank == 0:
+            timings = ", ".join(f"{n}: {a * 1e3:.2f} / {b * 1e3:.2f} -> {paths[n]}" for n, (a, b) in times.items())
+            logger.info("compressed_opt: measured the %s exchange per bucket size (elements: 1-bit ms / fp32 ms -> "
+                        "path): %s; %.2f ms per step", averaging.key[0], timings, total * 1e3)
+        if best is None or total < best[0]:
+            best = (total, averaging, paths, times)
+    return best[1:]

@@ -61,16 +61,17 @@ def unscale_(views: list[torch.Tensor], coeffs: list[float]) -> None:
         torch._foreach_div_(views, coeffs)
 
 
-def rescale_errors(opt, bucket, old: list[float], new: list[float]) -> None:
-    """Carry the bucket's error-feedback buffers from coefficients ``old`` to ``new``: both hold
-    errors of scaled values (the worker's of its whole input, the server's of its chunk), so each
-    element is multiplied by ``new / old`` of its layer."""
-    if "worker_error" not in bucket.flats or old == new:
+def rescale_errors(bucket, ranges, old: list[float], new: list[float]) -> None:
+    """Carry the bucket's error-feedback buffers (``bucket.feedback``) from coefficients ``old`` to
+    ``new``: both hold errors of scaled values (the worker's of its whole input, the server's of its
+    chunk), so each element is multiplied by ``new / old`` of its layer. ``ranges``: the bucket
+    elements each error covers (:meth:`compressed_opt.exchange.Exchange.error_ranges`)."""
+    worker_error, server_error = bucket.feedback.worker_error, bucket.feedback.server_error
+    if worker_error is None or old == new:
         return
     ratios = [n / o for n, o in zip(new, old)]
-    worker_error, server_error = opt.error_buffers(bucket)
     per_element = torch.ones(bucket.numel, dtype=server_error.dtype, device=server_error.device)
     torch._foreach_mul_(bucket.views(per_element), ratios)
-    (wlo, whi), (slo, shi) = opt.error_ranges(bucket)  # the elements each error covers
+    (wlo, whi), (slo, shi) = ranges  # the elements each error covers
     worker_error[: whi - wlo].mul_(per_element[wlo:whi])
     server_error[: shi - slo].mul_(per_element[slo:shi])

@@ -44,16 +44,21 @@ neither (a checkpoint of an older version), ``ref_l`` falls back to ``cal_l`` ti
 
 The eight numbers per layer (:data:`COLUMNS`) are one row of a ``(L, 8)`` float64 tensor per
 bucket; each parameter's ``optimizer.state[p]["layer_variance"]`` is a view of its row, so
-checkpoints carry them exactly. :class:`LayerVarianceTracking` plugs this into an optimizer.
+checkpoints carry them exactly. :class:`VarianceTracking` is the transform an algorithm holds:
+its per-bucket state is a :class:`TrackedLayers`, and it reads the per-layer sums of squares of
+the local gradients that the engine takes while it gathers them
+(:class:`compressed_opt.engine.BucketSync`).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from compressed_opt.cuda import segment_sumsq, sumsq_each
+from compressed_opt.cuda import segment_sumsq
 
-from .buffers import LAYER, Buffer
 from .reductions import norms
+from .state import DERIVED, LAYER, STEP, buffer
 
 #: the columns of a layer's row: the warmup EMA of the sum of squares of the averaged gradient
 #: (whole on every rank in every mode, ZeRO included), the EMA's number of updates, rho, the
@@ -150,264 +155,206 @@ def factors(rows: torch.Tensor, step: int, freeze_step: int, beta2: float, bias_
     return f.tolist()
 
 
-class LayerVarianceTracking:
-    """The tracking in an optimizer (a mixin of :class:`~compressed_opt.optimizer.CompressedOptimizer`
-    with a ``frozen`` flag): it calls :meth:`_observe_averaged_gradient` with each warmup (or
-    refresh) step's averaged gradient, :meth:`_start_variance_tracking` at the freeze,
-    :meth:`gather_observed` to gather a compression step's gradients (ZeRO, which reads
-    ``p.grad`` itself: :meth:`observe_local_gradient`), applies :meth:`_variance_factors_of`
-    (or :meth:`_variance_factors_`) to each compression-stage update, and says where the frozen
-    variance's updates are counted (:meth:`_tracking_clock`). The per-step all-gather and
-    the update of ``rho`` come through the base class's hooks."""
 
-    buffers = {"layer_variance": Buffer(LAYER, torch.float64)}  # the rows of state[p]["layer_variance"]
 
-    def _init_variance_tracking(self, enabled) -> None:
-        if not isinstance(enabled, bool):
-            raise TypeError(f"variance_tracking must be True or False, got {enabled!r}")
-        self.variance_tracking = enabled
-        self.layer_state = {"layer_variance": len(COLUMNS)} if enabled else {}
-        self._local_square_sums = {}  # bucket index -> this step's per-layer sums of g_i^2
-        self._summed_buffers = {}  # bucket index -> (address, version) of the buffer they were summed from
-        self._summed_step = {}  # bucket index -> the step whose local gradients they are
-        #: bucket index -> (step, per-layer sums of squares of the raw average, the address of the
-        #: buffer the update reads where step() averaged it, else None)
-        self._mean_sums = {}
+@dataclass(eq=False)
+class TrackedLayers:
+    """A bucket's tracking state (:mod:`compressed_opt.state`)."""
+
+    #: one row of :data:`COLUMNS` per layer; ``optimizer.state[p]["layer_variance"]`` are its rows
+    layer_variance: torch.Tensor | None = buffer(LAYER, torch.float64)
+    #: per layer, the factors of the latest update (made again from the rows after a load)
+    factors: list | None = buffer(DERIVED)
+    #: ``(step, per-layer sums of squares of the raw average, the address of the buffer the update
+    #: reads where the step averaged it, else None)``
+    mean: tuple | None = buffer(STEP)
+    #: a full-precision step's ``(ranks' mean of their local sums, the average's sums)``
+    warmup_local: tuple | None = buffer(STEP)
+
+
+def _betas(param_groups: list) -> list:
+    """What the rows' update depends on in the param groups: each one's ``beta2`` and bias correction."""
+    out = []
+    for g in param_groups:
+        out.append((g["betas"][1], g["bias_correction"]))
+    return out
+
+
+def check_checkpoint(name: str, enabled: bool, extra: dict) -> None:
+    """A checkpoint saved in the compression stage must have been tracked as this optimizer tracks
+    (older checkpoints: not tracked)."""
+    tracked = extra.get("variance_tracking", False)
+    if extra["frozen"] and tracked != enabled:
+        raise ValueError(
+            f"this checkpoint was saved in the compression stage of {name}(variance_tracking={tracked}); its "
+            f"per-layer variance tracking cannot be {'made up' if enabled else 'dropped'} "
+            f"mid-run. Resume it with {name}(..., variance_tracking={tracked})"
+        )
+
+
+class VarianceTracking:
+    """The tracking of an algorithm's buckets (see the module doc). ``clock(step)`` gives ``(t - F,
+    t', F')``: the compression steps so far, and the number of updates in Adam's ``v`` now and at
+    the freeze (``c(t) = (1 - b2^F') / (1 - b2^t')``). The algorithm calls
+    :meth:`observe_average` with each full-precision step's average as backward (or ``step()``)
+    made it, :meth:`observe_update` with the average its update reads, :meth:`start` at the freeze,
+    :meth:`statistics` for the step's agreement all-gather and :meth:`before_update` with every
+    rank's, then applies :meth:`last_factors` (before the exchange) and ``tracked.factors`` (after it)."""
+
+    def __init__(self, clock):
+        self.clock = clock
         #: from a DDP hook, by whether they are of the average: (per parameter in state_dict order,
         #: its last sum of squares, the step it is of)
-        self._hooked = {}
-        self._warmup_local = {}  # bucket index -> a warmup step's ranks' mean of those sums
-        self._layer_factors = {}  # bucket index -> this step's per-layer factors
+        self._hooked: dict = {}
+        self._batches = None  # the buckets one update of the rows serves at once (see _batches_of)
 
-    @property
-    def observes_square_sums(self) -> bool:
-        return self.variance_tracking
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_batches": None}
 
-    def _load_tracking_of(self, extra: dict) -> None:
-        """A checkpoint saved in the compression stage must have been tracked as this optimizer
-        tracks (older checkpoints: not tracked). The factors of the steps before the load are
-        forgotten (:meth:`_last_variance_factors` makes them again from the loaded rows)."""
-        self._layer_factors.clear()
-        tracked = extra.get("variance_tracking", False)
-        if extra["frozen"] and tracked != self.variance_tracking:
-            name = type(self).__name__
-            raise ValueError(
-                f"this checkpoint was saved in the compression stage of {name}(variance_tracking={tracked}); its "
-                f"per-layer variance tracking cannot be {'made up' if self.variance_tracking else 'dropped'} "
-                f"mid-run. Resume it with {name}(..., variance_tracking={tracked})"
-            )
+    @staticmethod
+    def layers(bucket) -> TrackedLayers:
+        """A new bucket's state: no EMA yet, ``rho = 1``."""
+        return TrackedLayers(layer_variance=new_rows(len(bucket.params), bucket.device))
 
-    def _tracking_clock(self, step: int) -> tuple[int, int, int]:
-        """``(t - F, t', F')`` at step ``t``: the compression steps so far, and the number of
-        updates in Adam's ``v`` now and at the freeze (``c(t) = (1 - b2^F') / (1 - b2^t')``)."""
-        raise NotImplementedError
+    # --- the sums of squares -----------------------------------------------------------------------
+    def observe_average(self, bucket, tracked: TrackedLayers, mean: torch.Tensor, stepped: bool, step: int) -> None:
+        """End of a full-precision step's backward: the bucket's average ``mean`` as backward made
+        it, before it goes into ``p.grad`` (and before the loop clips or unscales it). ``stepped``:
+        ``step()`` averaged it, and the update reads this buffer next, as it is (its sums serve both)."""
+        sums = torch.empty(len(bucket.params), dtype=torch.float64, device=mean.device)
+        segment_sumsq(mean, bucket.segments, sums)
+        tracked.mean = (step, sums, mean.data_ptr() if stepped else None)
 
-    def _new_layer_rows(self, name, bucket):
-        return new_rows(len(bucket.params), bucket.device)
-
-    def _observe_averaged_gradient(self, bucket, grad) -> None:
-        """Warmup: the averaged gradient's per-layer sums of squares into the EMA, and the ranks'
-        local ones of the same step (when the gather saw them) into the local EMA."""
-        if self.variance_tracking:  # (the C pass where it runs: a fifth of PyTorch's float64 norm's time)
-            kept = self._mean_sums.get(bucket.index)
-            if kept is not None and kept[0] == self.global_step + 1 and kept[2] == grad.data_ptr():
-                sums = kept[1]  # step() averaged this very buffer for this update and took its sums then
-            else:
-                sums = segment_sumsq(grad, bucket.segments,
-                                     torch.empty(len(bucket.params), dtype=torch.float64, device=grad.device))
-            observe_warmup(bucket.flats["layer_variance"], sums, self._warmup_local.get(bucket.index))
-
-    def _start_variance_tracking(self, bucket, v) -> None:
-        """At the freeze, from the bucket's whole raw variance ``v`` (not bias-corrected), the
-        same on every rank."""
-        if self.variance_tracking:
-            rows = bucket.flats["layer_variance"]
-            start(rows, sums(bucket.views(v[: bucket.numel]), bucket.device), bucket.layer_numels)
-
-    def observe_local_gradient(self, bucket) -> None:
-        """Compression stage, ZeRO (the local momentum is formed from ``p.grad`` directly): this
-        rank's per-layer sums of ``g_i^2`` from ``p.grad`` as the loop left it, unscaled."""
-        if self.variance_tracking and self.frozen:  # (summed as the gather's sums: kernels.gather_)
-            self._local_square_sums[bucket.index] = sumsq_each(
-                [p.grad for p in bucket.params], bucket.segments,
-                torch.empty(len(bucket.params), dtype=torch.float64, device=bucket.device))
-            self._summed_step[bucket.index] = self.global_step + 1
-
-    def gather_observed(self, bucket, grad: torch.Tensor) -> None:
-        """The bucket's gradients into ``grad`` (unscaled); where they are this rank's own (not
-        an average a DDP hook or this step's full-precision average wrote into ``p.grad``), their
-        per-layer sums of ``g_i^2`` in the same pass."""
-        if not (self.variance_tracking and self._gathers_local()):
-            bucket.gather_grads(grad)
-            if self.variance_tracking:
-                self._take_hooked_sums(bucket, grad.device)
-            return
-        out = self._local_sums_buffer(bucket, grad.device)
-        bucket.gather_grads(grad, square_sums=out)
-        self._summed_buffers[bucket.index] = (grad.data_ptr(), grad._version)
-        self._summed_step[bucket.index] = self.global_step + 1
-
-    def observe_in_place(self, bucket, grad: torch.Tensor, sources: list) -> None:
-        """A compression step's gather that leaves the bucket's gradients (``sources``) in ``p.grad``
-        (the exchange's passes read them there; ``grad`` is not written): their per-layer sums of
-        ``g_i^2`` only, as :meth:`gather_observed` sums them, for the step's finiteness check and
-        (with tracking) its statistics."""
-        out = self._local_sums_buffer(bucket, grad.device)
-        sumsq_each(sources, bucket.segments, out)
-        self._summed_buffers[bucket.index] = (grad.data_ptr(), grad._version)
-        if self.variance_tracking:
-            self._summed_step[bucket.index] = self.global_step + 1
-
-    def _local_sums_buffer(self, bucket, device) -> torch.Tensor:
-        out = self._local_square_sums.get(bucket.index)
-        if out is None or out.numel() != len(bucket.params) or out.device != device:
-            out = torch.empty(len(bucket.params), dtype=torch.float64, device=device)
-            self._local_square_sums[bucket.index] = out
-        return out
-
-    def observe_local_square_sums(self, indices: torch.Tensor, sums: torch.Tensor, averaged: bool = False) -> None:
+    def observe_hooked(self, indices: torch.Tensor, sums: torch.Tensor, averaged: bool, count: int,
+                       step: int) -> None:
         """From a DDP hook, during a full-precision step's backward: the sums of squares (float64,
         one per parameter, as the gather computes them) of the local gradients of the parameters
         ``indices`` before DDP averages them (``averaged``: of the average, before the loop sees
-        it)."""
-        count = sum(len(g["params"]) for g in self.param_groups)
+        it); ``count`` parameters in all."""
         values, steps = self._hooked.get(averaged, (None, None))
         if values is None or values.numel() != count or values.device != sums.device:
             values = torch.zeros(count, dtype=torch.float64, device=sums.device)
             steps = torch.zeros(count, dtype=torch.int64, device=sums.device)
             self._hooked[averaged] = (values, steps)
         values.index_copy_(0, indices, sums)
-        steps.index_fill_(0, indices, self.global_step + 1)
+        steps.index_fill_(0, indices, step)
 
-    def observe_mean_square_sums(self, bucket, mean: torch.Tensor, stepped: bool = False) -> None:
-        """End of a full-precision step's backward: the bucket's average ``mean`` as backward made
-        it, before it goes into ``p.grad`` (and before the loop clips or unscales it). ``stepped``:
-        step() averaged it, and the update reads this buffer next, as it is (its sums serve both)."""
-        if self.variance_tracking:
-            sums = torch.empty(len(bucket.params), dtype=torch.float64, device=mean.device)
-            segment_sumsq(mean, bucket.segments, sums)
-            self._mean_sums[bucket.index] = (self.global_step + 1, sums, mean.data_ptr() if stepped else None)
-
-    def _take_hooked_sums(self, bucket, device) -> None:
-        """The bucket's sums of this step from a DDP hook, where it saw every parameter."""
+    def _hooked_sums(self, bucket, tracked: TrackedLayers, step: int, index_of) -> torch.Tensor | None:
+        """This rank's per-layer sums of its own gradients of ``step`` from a DDP hook (which also
+        gave the average's), where it saw every parameter of ``bucket``; else ``None``."""
         if len(self._hooked) != 2 or not bucket.params:
-            return
-        indices = bucket.derived.get("param_indices")
+            return None
         (local, local_steps), (mean, mean_steps) = self._hooked[False], self._hooked[True]
-        if indices is None or indices.device != local.device:
-            indices = bucket.derived["param_indices"] = torch.tensor(
-                [self.param_index(p) for p in bucket.params], dtype=torch.int64, device=local.device)
-        step = self.global_step + 1
+        indices = torch.tensor([index_of(p) for p in bucket.params], dtype=torch.int64, device=local.device)
         if not bool(torch.cat([local_steps[indices], mean_steps[indices]]).eq(step).all()):
-            return
-        self._local_sums_buffer(bucket, device).copy_(local[indices])
-        self._summed_step[bucket.index] = step
-        self._mean_sums[bucket.index] = (step, mean[indices].to(device), None)
+            return None
+        sync = bucket.sync
+        sync.local.copy_(local[indices])
+        sync.local_step = step
+        tracked.mean = (step, mean[indices].to(bucket.device), None)
+        return sync.local
 
-    def _gathered_finite(self, buckets):
-        """From the sums of squares where they were taken of the buffers as they are now: float64
-        sums of fp32 squares are finite exactly when every element is (no extra pass)."""
-        sums = []
+    def statistics(self, buckets: list, step: int, frozen: bool, full: bool, index_of) -> torch.Tensor:
+        """The per-layer sums of this step's local ``g_i^2`` (the engine's, where its gather read them,
+        else a DDP hook's): every compression step, and the full-precision steps whose local gradients
+        were seen (every rank alike: the same mode everywhere); else none."""
+        found = []
+        if not (frozen or full):
+            return torch.zeros(0, dtype=torch.float64)
         for b in buckets:
-            grad = self._grad_buffer(b)
-            if self._summed_buffers.get(b.index) != (grad.data_ptr(), grad._version):
-                return super()._gathered_finite(buckets)
-            sums.append(self._local_square_sums[b.index])
-        return not sums or bool(torch.cat(sums).sum().isfinite())
+            sync = b.sync
+            sums = sync.local if sync.local_step == step else self._hooked_sums(b, b.state.tracked, step, index_of)
+            if sums is None and not frozen:
+                return torch.zeros(0, dtype=torch.float64)
+            found.append(sums)
+        return torch.cat(found) if found else torch.zeros(0, dtype=torch.float64)
 
-    def _step_statistics(self, step):
-        """The per-layer sums of this step's local ``g_i^2``: every compression step, and the
-        full-precision steps whose local gradients the gather saw (every rank alike: the same
-        mode everywhere)."""
-        if not self.variance_tracking or not self._buckets:
-            return super()._step_statistics(step)
-        local = all(self._summed_step.get(b.index) == step for b in self._buckets)
-        if self.frozen or (local and self._needs_average(step)):
-            return torch.cat([self._local_square_sums[b.index].to(b.device) for b in self._buckets])
-        return super()._step_statistics(step)
+    # --- the update ----------------------------------------------------------------------------------
+    def observe_update(self, bucket, tracked: TrackedLayers, grad: torch.Tensor, step: int) -> None:
+        """A full-precision step's update reads the average ``grad``: its per-layer sums of squares
+        into the EMA, and the ranks' local ones of the same step (where they were seen) into the
+        local EMA."""
+        kept = tracked.mean
+        if kept is not None and kept[0] == step and kept[2] == grad.data_ptr():
+            sums = kept[1]  # step() averaged this very buffer for this update and took its sums then
+        else:  # (the C pass where it runs: a fifth of PyTorch's float64 norm's time)
+            sums = segment_sumsq(grad, bucket.segments,
+                                 torch.empty(len(bucket.params), dtype=torch.float64, device=grad.device))
+        observe_warmup(tracked.layer_variance, sums, tracked.warmup_local)
 
-    def _before_update(self, step, averaged):
-        """Compression stage: every rank's per-layer sums into ``rho``, and this step's factors.
-        A full-precision step: the ranks' mean of their sums, for :meth:`_observe_averaged_gradient`."""
-        super()._before_update(step, averaged)
-        if not self.variance_tracking:
-            return
-        if not self.frozen:
-            self._warmup_local.clear()
-            if averaged and self._rank_statistics.numel():
-                local, offset = self._rank_statistics.mean(dim=0), 0
-                for b in self._buckets:
-                    mean = self._mean_sums.get(b.index)
+    def start(self, bucket, tracked: TrackedLayers, v: torch.Tensor) -> None:
+        """At the freeze, from the bucket's whole raw variance ``v`` (not bias-corrected), the same
+        on every rank."""
+        start(tracked.layer_variance, sums(bucket.views(v[: bucket.numel]), bucket.device), bucket.layer_numels)
+
+    def before_update(self, buckets: list, step: int, full: bool, frozen: bool, statistics: torch.Tensor,
+                      param_groups: list) -> None:
+        """Compression stage: every rank's per-layer sums (``statistics``, one row per rank) into
+        ``rho``, and this step's factors (each bucket's ``tracked.factors``). A full-precision step:
+        the ranks' mean of their sums, for :meth:`observe_update`."""
+        if not frozen:
+            if full and statistics.numel():
+                local, offset = statistics.mean(dim=0), 0
+                for b in buckets:
+                    tracked = b.state.tracked
+                    mean = tracked.mean
                     if mean is not None and mean[0] == step:
-                        self._warmup_local[b.index] = (local[offset: offset + len(b.params)], mean[1])
+                        tracked.warmup_local = (local[offset: offset + len(b.params)], mean[1])
                     offset += len(b.params)
             return
-        means = self._rank_statistics.mean(dim=0)  # (the same rows, in rank order, on every rank)
-        since, now, then = self._tracking_clock(step)
+        means = statistics.mean(dim=0)  # (the same rows, in rank order, on every rank)
+        since, now, then = self.clock(step)
+        batches = self._batches
+        if batches is None or batches[1] is not buckets or batches[3] != _betas(param_groups):
+            batches = self._batches_of(buckets, param_groups)
         # the buckets of one (beta2, bias_correction) at once: the same element-wise math on their
         # layers' rows stacked (a few small ops per step, not per bucket), written back after
-        for (beta2, bias_correction, _), (buckets, layers, numels) in self._tracking_batches().items():
-            rows = buckets[0].flats["layer_variance"] if len(buckets) == 1 else torch.cat(
-                [b.flats["layer_variance"] for b in buckets])
+        for (beta2, bias_correction, _), (members, layers, numels) in batches[2].items():
+            if len(members) == 1:
+                rows = buckets[members[0]].state.tracked.layer_variance
+            else:
+                rows = torch.cat([buckets[i].state.tracked.layer_variance for i in members])
             w = means.to(rows) if layers is None else means.to(rows.device)[layers].to(rows)
             track(rows, w / numels, since, beta2)
             f = factors(rows, now, then, beta2, bias_correction)
-            if len(buckets) > 1:
-                torch._foreach_copy_([b.flats["layer_variance"] for b in buckets],
-                                     list(rows.split([len(b.params) for b in buckets])))
+            if len(members) > 1:
+                torch._foreach_copy_([buckets[i].state.tracked.layer_variance for i in members],
+                                     list(rows.split([len(buckets[i].params) for i in members])))
             offset = 0
-            for b in buckets:
-                self._layer_factors[b.index] = f[offset: offset + len(b.params)]
-                offset += len(b.params)
+            for i in members:
+                n = len(buckets[i].params)
+                buckets[i].state.tracked.factors = f[offset: offset + n]
+                offset += n
 
-    def _tracking_batches(self) -> dict:
-        """``{(beta2, bias_correction, device): (buckets, layers, numels)}``: the buckets whose rows one
-        update serves, the positions of their layers in the step's per-layer statistics (``None``:
-        all of them, in order) and the layers' numels; made again when the buckets or the groups'
-        ``betas`` change."""
-        # (the cache holds the buckets, so their ids cannot be reused while it is kept)
-        key = (tuple(map(id, self._buckets)), tuple((g["betas"][1], g["bias_correction"]) for g in self.param_groups))
-        cached = getattr(self, "_tracking_batches_cache", None)
-        if cached is not None and cached[0] == key:
-            return cached[1]
+    def _batches_of(self, buckets: list, param_groups: list) -> tuple:
+        """``(None, buckets, {(beta2, bias_correction, device): (bucket positions, layers, numels)},
+        the groups' betas)``: the buckets whose rows one update serves, the positions of their layers
+        in the step's per-layer statistics (``None``: all of them, in order) and the layers' numels;
+        kept until the buckets or the groups' ``betas`` change."""
         batches, offset = {}, 0
-        for b in self._buckets:
-            group = self.param_groups[b.group_index]
+        for i, b in enumerate(buckets):
+            group = param_groups[b.group_index]
             members = batches.setdefault((group["betas"][1], group["bias_correction"], b.device), ([], []))
-            members[0].append(b)
+            members[0].append(i)
             members[1].extend(range(offset, offset + len(b.params)))
             offset += len(b.params)
         out = {}
-        for k, (buckets, layers) in batches.items():
-            device = buckets[0].device
-            numels = torch.cat([b.layer_numels for b in buckets]) if len(buckets) > 1 else buckets[0].layer_numels
+        for k, (members, layers) in batches.items():
+            device = buckets[members[0]].device
+            numels = (torch.cat([buckets[i].layer_numels for i in members]) if len(members) > 1
+                      else buckets[members[0]].layer_numels)
             whole = layers == list(range(offset))
-            out[k] = (buckets, None if whole else torch.tensor(layers, dtype=torch.int64, device=device), numels)
-        self._tracking_batches_cache = (key, out)
-        return out
+            out[k] = (members, None if whole else torch.tensor(layers, dtype=torch.int64, device=device), numels)
+        self._batches = (None, buckets, out, _betas(param_groups))
+        return self._batches
 
-    def _last_variance_factors(self, bucket) -> list[float] | None:
-        """Compression stage: the per-layer factors of the last update (``None``: not tracked, or
-        still warming up), for the bound of the next exchange, which runs before this step's
-        factors exist. 1 before the first compressed update; after a load, made again from the
-        rows, which are the last update's."""
-        if not (self.variance_tracking and self.frozen):
-            return None
-        f = self._layer_factors.get(bucket.index)
+    def last_factors(self, bucket, tracked: TrackedLayers, group: dict, global_step: int) -> list[float]:
+        """Compression stage: the per-layer factors of the last update, for the bound of the next
+        exchange, which runs before this step's factors exist. 1 before the first compressed update;
+        after a load, made again from the rows, which are the last update's."""
+        f = tracked.factors
         if f is None:
-            group = self.param_groups[bucket.group_index]
-            _, now, then = self._tracking_clock(self.global_step)
-            f = factors(bucket.flats["layer_variance"], now, then, group["betas"][1], group["bias_correction"])
-            self._layer_factors[bucket.index] = f
+            _, now, then = self.clock(global_step)
+            beta2 = group["betas"][1]
+            f = tracked.factors = factors(tracked.layer_variance, now, then, beta2, group["bias_correction"])
         return f
-
-    def _variance_factors_of(self, bucket) -> list[float] | None:
-        """This compression step's per-layer factors of the bucket (``None``: not tracked)."""
-        return self._layer_factors[bucket.index] if self.variance_tracking else None
-
-    def _variance_factors_(self, bucket, direction) -> None:
-        """Compression stage: each layer's part of ``direction`` times its factor."""
-        if self.variance_tracking:
-            views = bucket.views(direction[: bucket.numel])
-            if views:
-                torch._foreach_mul_(views, self._layer_factors[bucket.index])

@@ -1,41 +1,32 @@
-"""Element-wise kernels of error-feedback 1-bit compression, dispatched by tensor device.
+"""The kernels: error-feedback 1-bit compression and the element-wise passes around it, each with a
+PyTorch reference, a C implementation for CPU tensors and, where it pays, a CUDA one.
 
-Three kernels carry all element-wise work of the compressed allreduce (docs/design.md 2.1, 2.2).
-A buffer of ``world`` chunks of ``chunk`` elements travels as ``world`` *rows* of bytes, row ``j``
-holding chunk ``j``: ``nb = ceil(chunk / block)`` fp32 scales, one per block of ``block``
-elements of the chunk, then the chunk's ``chunk / 8`` bytes of sign bits (:func:`rows_layout`).
-Each kernel works in place on flat buffers that the caller owns and reuses; rows may lie
-``rows.stride(0) >= row_len`` bytes apart:
+=====================  =================================================================================
+module                 what it holds
+=====================  =================================================================================
+``rows``               the 1-bit rows a buffer travels as; the compression kernels on them, checked;
+                       which implementation serves a device (``kernel_path``, ``implementation``);
+                       :class:`CompressedResult`, an exchange's result as its rows
+``segments``           :class:`Segments`, a flat buffer's partition into layers
+``reference``          every pass in PyTorch: the definition the native passes give bit for bit
+``cpu``                the C implementation (``*_cpu.c``, built by ``build``); where the C passes may
+                       read and write (:class:`Sources`, :class:`Destinations`)
+``gpu``                the CUDA implementation (``onebit.cu`` through CuPy)
+``registry``           :class:`Kernels`: the passes of the 1-bit exchange bound to the implementation
+                       that serves a device, chosen once (``kernels_for``)
+``harness``            the one check of a native pass against its reference, once per process
+``segmented``          the segmented passes, checked, for any caller
+``lamb_passes``,       the optimizers' own passes: 1-bit LAMB's compression step and warmup, its
+``lamb_warmup``,       trust-ratio directions' norms, ZeRO's local momentum and updates, 0/1 Adam's
+``direction_norms``,   local steps
+``zero_passes``,
+``local_steps``
+=====================  =================================================================================
 
-``compress_rows_(x, error, rows, chunk, block)``
-    the worker side, over the ``n = error.numel()`` valid elements: ``u = x + error`` (``x=None``
-    means ``x = 0``); per block ``s = sqrt(sum u^2 / count)`` over its valid elements (0 when none);
-    bits ``[u >= 0]``; ``error <- u - s (2b - 1)``. ``rows`` is ``uint8 [world, row_len]`` with
-    ``world * chunk >= n``.
-``average_compress_rows_(rows, error, out_row, chunk, block)``
-    the server side, over this rank's ``m = error.numel() <= chunk`` valid elements: ``z = error +
-    sum_i (s_ib / world) (2 b_i - 1)`` (``s_ib`` the scale of row ``i``'s block ``b``, added in rank
-    order), then compress ``z`` with ``error`` into ``out_row`` (``uint8 [row_len]``).
-``decompress_rows_(rows, out, chunk, block)``
-    ``out[k] = s (2 b_k - 1)`` from row ``k // chunk``, block ``(k % chunk) // block``: the
-    concatenation of every row's decompressed chunk.
-
-``chunk`` is a multiple of 32 and ``block`` a multiple of 256 (a CUDA warp tile); at most 1024
-rows for the server side. :mod:`~compressed_opt.cuda.segmented` holds the segmented element-wise
-passes around them (the gather of the gradients with their per-segment sums of squares, the
-update's preconditioning and its inverse); :mod:`~compressed_opt.cuda.update` the preconditioned
-exchange's last pass (the momentum and the update, from the result's rows),
-:mod:`~compressed_opt.cuda.lamb_passes` 1-bit LAMB's two compression-step passes,
-:mod:`~compressed_opt.cuda.lamb_warmup` its warmup's two,
-:mod:`~compressed_opt.cuda.zero_passes` ZeRO's two (the preconditioned exchange),
-:mod:`~compressed_opt.cuda.local_steps` 0/1 Adam's passes (phase B's local step, a
-synchronisation's work before and after its exchange; phase A's compressed step after its exchange).
-
-Bits: bit ``k`` of a row's bits is bit ``k % 8`` of byte ``k // 8``; bits of invalid elements
-are 1. Float buffers are fp32. CUDA tensors run the CuPy kernels of ``onebit.cu`` on the current
-stream (no synchronisation); CPU tensors run ``onebit_cpu.c`` (compiled at first use, or loaded
-from the cache: :mod:`~compressed_opt.cuda.cpu`), or the PyTorch reference where it can be neither
-loaded nor built. ``COMPRESSED_OPT_KERNELS=reference`` forces the reference.
+Float buffers are fp32. CUDA tensors run the CuPy kernels on the current stream (no
+synchronisation); CPU tensors run the C library (compiled at first use, or loaded from the cache),
+or the PyTorch reference where it can be neither loaded nor built. ``COMPRESSED_OPT_KERNELS=reference``
+forces the reference. The submodules never import this package's names: it only gathers theirs.
 """
 from __future__ import annotations
 
@@ -48,201 +39,29 @@ if __name__ != "compressed_opt.cuda":  # pragma: no cover - only when the repo r
         "compressed-opt source root on sys.path (run Python with -P, or from another folder)"
     )
 
-import warnings
-
-import torch
-
-from . import lamb_passes, lamb_warmup, reference, zero_passes
-from .segmented import (Lerp, LerpScaleClamp, ScaleClamp, Segments, divide_where_nonzero_, gather_,
-                        lerp_scale_clamp_, scale_clamp_, segment_sumsq)
+from . import cpu, harness, lamb_passes, lamb_warmup, local_steps, reference, registry, zero_passes
+from .cpu import Destinations, Sources, library_allowed, readable_in_place
+from .cpu import addressable as plain_memory
+from .direction_norms import direction_sumsq
 from .local_steps import (ZeroOneSyncBefore, signed_denominator, zero_one_local_step_, zero_one_passes_serve,
                           zero_one_phase_a_update_, zero_one_sync_after_, zero_one_sync_before_)
-from .addresses import addressable as plain_memory
-from .addresses import Destinations, Sources, library_allowed, readable_in_place
-from .direction_norms import direction_sumsq
-from .sumsq import sumsq_each, sumsq_native_
-from .update import CompressedResult, Descend, KeptMomentum, divide_descend_, rows_keep_descend_
+from .reference import Descend, Lerp, LerpScaleClamp, ScaleClamp
+from .registry import Kernels, kernels_for
+from .rows import (MAX_SERVER_ROWS, CompressedResult, average_compress_rows_, check_block, check_rows_geometry,
+                   compress_rows_, decompress_rows_, implementation, kernel_path, rows_layout)
+from .segmented import (divide_descend_, divide_where_nonzero_, gather_, keep_descend_, lerp, lerp_scale_clamp,
+                        lerp_scale_clamp_, scale_clamp, scale_clamp_, segment_sumsq, sumsq_each, sumsq_native_)
+from .segments import Segments
 
 __all__ = [
-    "compress_rows_",
-    "average_compress_rows_",
-    "decompress_rows_",
-    "rows_layout",
-    "check_rows_geometry",
-    "check_block",
-    "kernel_path",
-    "implementation",
-    "plain_memory",
-    "reference",
-    "Segments",
-    "segment_sumsq",
-    "sumsq_each",
-    "sumsq_native_",
-    "direction_sumsq",
-    "gather_",
-    "lerp_scale_clamp_",
-    "LerpScaleClamp",
-    "readable_in_place",
-    "Destinations",
-    "Sources",
-    "Lerp",
-    "ScaleClamp",
-    "scale_clamp_",
-    "divide_where_nonzero_",
-    "Descend",
-    "CompressedResult",
-    "KeptMomentum",
-    "divide_descend_",
-    "rows_keep_descend_",
-    "lamb_passes",
-    "lamb_warmup",
-    "zero_passes",
-    "signed_denominator",
-    "zero_one_passes_serve",
-    "zero_one_local_step_",
-    "zero_one_sync_before_",
-    "zero_one_phase_a_update_",
-    "zero_one_sync_after_",
-    "ZeroOneSyncBefore",
+    "compress_rows_", "average_compress_rows_", "decompress_rows_", "rows_layout", "check_rows_geometry",
+    "check_block", "kernel_path", "implementation", "MAX_SERVER_ROWS", "CompressedResult",
+    "plain_memory", "library_allowed", "readable_in_place", "Destinations", "Sources",
+    "Segments", "segment_sumsq", "sumsq_each", "sumsq_native_", "gather_",
+    "lerp_scale_clamp_", "scale_clamp_", "divide_where_nonzero_", "lerp_scale_clamp", "scale_clamp", "lerp",
+    "LerpScaleClamp", "ScaleClamp", "Lerp", "Descend", "divide_descend_", "keep_descend_",
+    "Kernels", "kernels_for", "direction_sumsq",
+    "cpu", "harness", "reference", "registry", "lamb_passes", "lamb_warmup", "zero_passes", "local_steps",
+    "signed_denominator", "zero_one_passes_serve", "zero_one_local_step_", "zero_one_sync_before_",
+    "zero_one_phase_a_update_", "zero_one_sync_after_", "ZeroOneSyncBefore",
 ]
-
-
-#: the most rows the server side averages (``onebit_cpu.c`` keeps one weight per row on its stack)
-MAX_SERVER_ROWS = 1024
-
-
-_warned_cuda_fallback = False
-
-
-def kernel_path(device: torch.device) -> str:
-    """Which implementation serves tensors on ``device``: ``"cuda"``, ``"cpu"`` or ``"reference"``."""
-    if not library_allowed():
-        return "reference"
-    if device.type == "cuda":
-        from . import gpu
-
-        if gpu.is_available(device):
-            return "cuda"
-        global _warned_cuda_fallback
-        if not _warned_cuda_fallback:
-            _warned_cuda_fallback = True
-            warnings.warn(
-                "compressed_opt: the CuPy compression kernels cannot run here (CuPy missing, or "
-                "it cannot use this GPU); using the slower PyTorch reference implementation on "
-                "CUDA tensors. Install CuPy with pip install 'compressed-opt[cuda12]' (or "
-                "'compressed-opt[cuda13]', matching your CUDA driver).",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-        return "reference"
-    if device.type != "cpu":
-        return "reference"
-    from . import cpu
-
-    # None: library() has said why, once per process (no compiler, no writable folder)
-    return "cpu" if cpu.library() is not None else "reference"
-
-
-def implementation(device: torch.device):
-    """The module whose ``compress_rows_``, ``average_compress_rows_`` and ``decompress_rows_``
-    serve ``device`` now (:func:`kernel_path`), called without this module's checks: for a caller
-    that made its buffers for one geometry (``check_rows_geometry``, at most
-    :data:`MAX_SERVER_ROWS` rows) and checked its arguments once, as the compressed allreduce's
-    plan does. Anyone else: the checked functions of this module."""
-    return _impl(device)
-
-
-def _impl(device: torch.device):
-    path = kernel_path(device)
-    if path == "cuda":
-        from . import gpu
-
-        return gpu
-    if path == "cpu":
-        from . import cpu
-
-        return cpu
-    return reference
-
-
-def _check_flat(name: str, t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if not plain_memory(t):
-        raise TypeError(f"{name} must be a plain torch.Tensor with its own memory, got a {type(t).__name__} "
-                        "(a tensor subclass such as DTensor: the kernels address elements directly)")
-    if t.dtype != dtype:
-        raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
-    if t.device != device:
-        raise ValueError(f"{name} is on {t.device}, expected {device} like the other buffers")
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
-
-
-def rows_layout(chunk: int, block: int) -> tuple[int, int]:
-    """``(blocks per chunk, bytes per row)`` of chunks of ``chunk`` elements with one scale per
-    ``block``: ``ceil(chunk / block)`` fp32 scales, then ``chunk / 8`` bytes of bits."""
-    return reference.rows_layout(chunk, block)
-
-
-def check_block(block, name: str = "block") -> int:
-    """``block`` if it is a positive multiple of 256 elements (a CUDA warp tile), else raise."""
-    if not isinstance(block, int) or isinstance(block, bool) or block <= 0 or block % 256:
-        raise ValueError(f"{name} must be a positive multiple of 256 elements, got {block!r}")
-    return block
-
-
-def check_rows_geometry(chunk: int, block: int) -> None:
-    """Raise unless ``chunk`` is a multiple of 32 and ``block`` a positive multiple of 256."""
-    check_block(block)
-    if chunk < 0 or chunk % 32:
-        raise ValueError(f"chunk must be a multiple of 32 elements, got {chunk}")
-
-
-def _check_rows(name: str, rows: torch.Tensor, row_len: int, device: torch.device, count: int | None = None) -> None:
-    if not isinstance(rows, torch.Tensor) or rows.dtype != torch.uint8 or rows.device != device:
-        raise TypeError(f"{name} must be a uint8 tensor on {device}")
-    if rows.dim() != 2 or rows.shape[1] != row_len or rows.stride(1) != 1 or rows.stride(0) < row_len:
-        raise ValueError(f"{name} must be [rows, {row_len}] bytes with contiguous, non-overlapping rows, "
-                         f"got shape {tuple(rows.shape)} strides {rows.stride()}")
-    if count is not None and rows.shape[0] != count:
-        raise ValueError(f"{name} must have {count} rows, got {rows.shape[0]}")
-
-
-def compress_rows_(x, error, rows, chunk: int, block: int) -> None:
-    check_rows_geometry(chunk, block)
-    device = error.device
-    _check_flat("error", error, torch.float32, device)
-    if x is not None:
-        _check_flat("x", x, torch.float32, device)
-        if x.numel() != error.numel():
-            raise ValueError(f"x has {x.numel()} elements but error has {error.numel()}")
-    _check_rows("rows", rows, rows_layout(chunk, block)[1], device)
-    if error.numel() > rows.shape[0] * chunk:
-        raise ValueError(f"{rows.shape[0]} rows of {chunk} elements cannot hold {error.numel()}")
-    _impl(device).compress_rows_(x, error, rows, chunk, block)
-
-
-def average_compress_rows_(rows, error, out_row, chunk: int, block: int) -> None:
-    check_rows_geometry(chunk, block)
-    device = error.device
-    _check_flat("error", error, torch.float32, device)
-    _check_flat("out_row", out_row, torch.uint8, device)
-    _, row_len = rows_layout(chunk, block)
-    _check_rows("rows", rows, row_len, device)
-    if rows.shape[0] > MAX_SERVER_ROWS:
-        raise ValueError(f"at most {MAX_SERVER_ROWS} ranks are supported by the compression kernels")
-    if error.numel() > chunk or out_row.numel() != row_len:
-        raise ValueError(f"error must hold at most {chunk} elements and out_row {row_len} bytes, got "
-                         f"{error.numel()} and {out_row.numel()}")
-    _impl(device).average_compress_rows_(rows, error, out_row, chunk, block)
-
-
-def decompress_rows_(rows, out, chunk: int, block: int) -> None:
-    check_rows_geometry(chunk, block)
-    device = out.device
-    _check_flat("out", out, torch.float32, device)
-    _check_rows("rows", rows, rows_layout(chunk, block)[1], device)
-    if out.numel() > rows.shape[0] * chunk:
-        raise ValueError(f"out has {out.numel()} elements but {rows.shape[0]} rows hold {rows.shape[0] * chunk}")
-    _impl(device).decompress_rows_(rows, out, chunk, block)

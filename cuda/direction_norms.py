@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from . import cpu
-from .addresses import destination_addresses, plain_cpu_float
-from .segmented import Segments, _c_doubles, _library_allowed
-from .sumsq import sumsq_each
+from . import cpu, harness, reference
+from .cpu import c_doubles, destination_addresses, plain_cpu_float
+from .segments import Segments
 
 
 def compose_direction_sumsq(x: torch.Tensor, den: torch.Tensor | None, scales: list[float], params: list | None,
@@ -30,7 +29,10 @@ def compose_direction_sumsq(x: torch.Tensor, den: torch.Tensor | None, scales: l
     direction = torch._foreach_mul(segments.split(q), list(scales))
     if params is not None:
         torch._foreach_add_(direction, [p.detach().view(-1) for p in params], alpha=wd)
-    return sumsq_each(direction, segments, torch.empty(len(segments), dtype=torch.float64, device=x.device))
+    out = torch.empty(len(segments), dtype=torch.float64, device=x.device)
+    if x.is_cpu and cpu.library_allowed() and cpu.library() is not None:
+        return cpu.sumsq_each(direction, segments, out)
+    return reference.sumsq_each(direction, segments, out)
 
 
 def direction_sumsq(x: torch.Tensor, den: torch.Tensor | None, scales: list[float], params: list | None,
@@ -43,34 +45,28 @@ def direction_sumsq(x: torch.Tensor, den: torch.Tensor | None, scales: list[floa
     if len(scales) != len(segments):
         raise ValueError(f"one scale per segment is needed ({len(segments)}), got {len(scales)}")
     flats = [x] if den is None else [x, den]
-    lib = cpu.library() if _library_allowed() else None
+    lib = cpu.library() if cpu.library_allowed() else None
     if lib is not None and all(plain_cpu_float(t) and t.dim() == 1 and t.numel() >= n for t in flats):
         dests = None if params is None else destination_addresses(params, segments.sizes)
-        if (params is None or dests is not None) and _agrees(lib):
+        if (params is None or dests is not None) and harness.agrees("direction_sumsq"):
             return _native(lib, x, den, scales, dests, wd, segments)
     return compose_direction_sumsq(x, den, scales, params, wd, segments)
 
 
 def _native(lib, x, den, scales, dests, wd, segments: Segments) -> torch.Tensor:
     out = torch.empty(len(segments), dtype=torch.float64)
-    _, a = _c_doubles(scales, len(segments))
+    _, a = c_doubles(scales, len(segments))
     lib.co_direction_sumsq(x.data_ptr(), None if den is None else den.data_ptr(), a,
                            None if dests is None else dests.data_ptr(), float(wd), segments.offsets.data_ptr(),
                            len(segments), out.data_ptr())
     return out
 
 
-_agreement: list = []  # [whether the pass gave the composition's bits here]
-
-
-def _agrees(lib) -> bool:
-    if not _agreement:
-        _agreement.append(all(_agrees_on(lib, seed, divided, decayed)
-                              for seed, divided, decayed in ((41, False, True), (42, True, True), (43, True, False))))
-    return _agreement[0]
-
-
-def _agrees_on(lib, seed: int, divided: bool, decayed: bool) -> bool:
+def _check(seed: int, divided: bool, decayed: bool, native: bool):
+    """The harness's case: the pass against its composition."""
+    lib = cpu.library()
+    if lib is None:
+        return None
     g = torch.Generator().manual_seed(seed)
     segments = Segments([37, 0, 1000, 5, 8, 64, 1, 17])
     n = segments.numel
@@ -80,6 +76,9 @@ def _agrees_on(lib, seed: int, divided: bool, decayed: bool) -> bool:
     params = [torch.randn(k, generator=g) for k in segments.sizes] if decayed else None
     scales = [0.37 * (i + 1) for i in range(len(segments))]
     dests = None if params is None else destination_addresses(params, segments.sizes)
-    mine = _native(lib, x, den, scales, dests, 0.01, segments)
-    theirs = compose_direction_sumsq(x, den, scales, params, 0.01, segments)
-    return torch.equal(mine.view(torch.int64), theirs.view(torch.int64))
+    if native:
+        return _native(lib, x, den, scales, dests, 0.01, segments)
+    return compose_direction_sumsq(x, den, scales, params, 0.01, segments)
+
+
+harness.register("direction_sumsq", harness.Check(((41, False, True), (42, True, True), (43, True, False)), _check))

@@ -1,7 +1,7 @@
 """CuPy path of the compression kernels: ``onebit.cu``, compiled with NVRTC at first use.
 
 Same three functions as :mod:`compressed_opt.cuda.cpu`, on CUDA tensors (validated by the
-dispatcher in ``compressed_opt.cuda``), with the contract of its module docstring: a buffer of
+checked forms in :mod:`compressed_opt.cuda.rows`), with the contract of its module docstring: a buffer of
 ``world`` chunks travels as ``world`` rows ``[nb fp32 scales | chunk / 8 bytes of bits]``, one
 scale per block of ``block`` elements (docs/design.md 2.1, 2.2):
 
@@ -18,6 +18,11 @@ workspace, no grid-wide reduction. The launches run on torch's current stream of
 device and never synchronise with the host. The launch plans (``*_plan``) are pure functions of
 sizes and pointers, so they can be checked without a GPU.
 
+The local momentum's passes (:class:`LerpScaleClamp`, :class:`ScaleClamp`, :class:`Lerp`) run
+inside the compression (``co_lerp_scale_clamp_compress_rows``) where the registry's harness found
+that kernel giving PyTorch's bits on the device; the other segmented passes are the reference's,
+PyTorch's multi-tensor ops on the device.
+
 CuPy is imported lazily: importing this module works without it, using it raises ImportError.
 :func:`is_available` says whether the kernels can actually run here.
 """
@@ -28,6 +33,9 @@ import functools
 from pathlib import Path
 
 import torch
+
+from . import reference
+from .segments import doubles
 
 SOURCE = Path(__file__).with_name("onebit.cu")
 BLOCK = 256  # CO_BLOCK in onebit.cu: threads per block
@@ -251,3 +259,62 @@ def is_available(device=None) -> bool:
         return _works_on(torch.cuda.current_device())
     except Exception:  # e.g. a broken driver
         return False
+
+
+# --- the local momentum's passes inside the compression ----------------------------------------------
+def _fusable(pass_, x, error, rows, *tensors) -> bool:
+    """Whether the fused kernel may compress ``x`` (the pass's own gathered buffer) into ``rows``."""
+    return (pass_.sources is None and x.dim() == 1 and x.data_ptr() == pass_.x.data_ptr()
+            and x.numel() == pass_.x.numel() and error.numel() <= x.numel() and rows.dtype == torch.uint8
+            and rows.dim() == 2 and rows.stride(1) == 1 and rows.device == x.device
+            and all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.device == x.device
+                    and t.dtype == torch.float32 and t.is_contiguous() for t in (x, error, *tensors)))
+
+
+def _launch(pass_, x, m, weight, r, bounds, scales, error, rows, chunk, block) -> None:
+    """The fused kernel: ``bounds`` and ``scales`` as fp32 on the device (as PyTorch's ops on CUDA
+    round their scalars; scale 1 exact), copied from pinned memory (the host goes on)."""
+    segments, scalars = pass_.segments, None
+    if bounds is not None:
+        count = segments.count
+        ones = torch.ones(count, dtype=torch.float64) if scales is None else doubles(scales, count)
+        scalars = torch.cat([doubles(bounds, count), ones]).to(torch.float32)
+        scalars = scalars.pin_memory().to(x.device, non_blocking=True)
+    lerp_scale_clamp_compress_rows_(x, m, weight, r, scalars, segments.offsets_on(x.device), error, rows, chunk,
+                                    block)
+
+
+class LerpScaleClamp(reference.LerpScaleClamp):
+    """The pass inside the compression in one CUDA kernel (``x`` gathered; read, not written)."""
+
+    __slots__ = ()
+
+    def compress_rows_(self, x, error, rows, chunk: int, block: int) -> bool:
+        if not _fusable(self, x, error, rows, self.m, self.r):
+            return False
+        _launch(self, x, self.m, self.weight, self.r, self.bounds, self.scales, error, rows, chunk, block)
+        return True
+
+
+class ScaleClamp(reference.ScaleClamp):
+    """The pass inside the compression in one CUDA kernel (``x`` gathered)."""
+
+    __slots__ = ()
+
+    def compress_rows_(self, x, error, rows, chunk: int, block: int) -> bool:
+        if not _fusable(self, x, error, rows, self.r):
+            return False
+        _launch(self, x, None, 0.0, self.r, self.bounds, None, error, rows, chunk, block)
+        return True
+
+
+class Lerp(reference.Lerp):
+    """``torch.lerp`` inside the compression in one CUDA kernel (``x`` gathered)."""
+
+    __slots__ = ()
+
+    def compress_rows_(self, x, error, rows, chunk: int, block: int) -> bool:
+        if not _fusable(self, x, error, rows, self.m):
+            return False
+        _launch(self, x, self.m, self.weight, None, None, None, error, rows, chunk, block)
+        return True

@@ -19,7 +19,7 @@ sqrt(v_f) + eps`` (``inf`` where ``v_f == 0``), segment ``l`` a layer:
 written through each parameter's own memory (``alpha_l = -lr coeff_l / (1 - b1^t)``, ``decay_l = 1 - lr
 coeff_l wd``). ``g``, the variance ratio and the direction ``m / denom`` never travel to memory.
 
-``y`` may also be a :class:`~compressed_opt.cuda.update.CompressedResult`, the 1-bit rows the
+``y`` may also be a :class:`~compressed_opt.cuda.rows.CompressedResult`, the 1-bit rows the
 compressed allreduce's result travelled as (OnebitLamb's stage 0, as OnebitAdam's update): pass 1
 then decompresses them tile by tile into the stack, as ``co_rows_divide_zero_descend`` does, and ``y``
 never travels to memory (the same bits as decompressing it first: the same operations per element,
@@ -47,20 +47,20 @@ import ctypes
 
 import torch
 
-from . import cpu
-from .addresses import addressable, destination_addresses, plain_cpu_floats
-from .segmented import Segments, _c_doubles, _check, _library_allowed
-from .update import CompressedResult, KeptMomentum, kept_pass_agrees
+from . import cpu, harness
+from .cpu import addressable, c_doubles, destination_addresses, plain_cpu_floats
+from .rows import CompressedResult
+from .segments import Segments, check
 
 
 def ready(tensors: list, params: list, segments: Segments) -> bool:
     """Whether :func:`variance_maxima_` and :func:`descend_` run natively on these flat buffers
-    (``None`` entries: absent; a :class:`~compressed_opt.cuda.update.CompressedResult`: its rows
+    (``None`` entries: absent; a :class:`~compressed_opt.cuda.rows.CompressedResult`: its rows
     and its buffer) and parameters: all contiguous fp32 CPU tensors, flat buffers of
     ``segments.numel`` elements, CPU rows of at least that many elements, and one parameter per
     segment of its size; the C library loaded and allowed; its passes found equal to the composition
     bit for bit here (checked once per process)."""
-    if not _library_allowed() or len(params) != len(segments):
+    if not cpu.library_allowed() or len(params) != len(segments):
         return False
     flats = []
     for t in tensors:
@@ -74,8 +74,7 @@ def ready(tensors: list, params: list, segments: Segments) -> bool:
         return False
     if destination_addresses(params, segments.sizes) is None:
         return False
-    lib = cpu.library()
-    return lib is not None and _agrees(lib)
+    return cpu.library() is not None and harness.agrees("lamb_passes")
 
 
 def _holds(y: CompressedResult, n: int) -> bool:
@@ -90,15 +89,15 @@ def variance_maxima_(y, r: torch.Tensor | None, divisors, m: torch.Tensor, v: to
     ``r == 0``; ``r`` ``None``: ``y / divisors[l]`` per layer, or ``y`` without ``divisors``), ``v``
     <- the fresh variance; returns the per-layer maxima of the variance ratio. Natively; the caller
     has checked :func:`ready`. ``y``: a flat tensor, or a
-    :class:`~compressed_opt.cuda.update.CompressedResult` (CPU rows), read from its 1-bit rows
+    :class:`~compressed_opt.cuda.rows.CompressedResult` (CPU rows), read from its 1-bit rows
     256 elements at a time, decompressed into the stack (``y`` never travels to memory; the same
     bits as decompressing it first)."""
     compressed = isinstance(y, CompressedResult)
-    _check(segments, m, v, denom, *(() if compressed else (y,)))
+    check(segments, m, v, denom, *(() if compressed else (y,)))
     if compressed and not _holds(y, segments.numel):
         raise ValueError(f"{y.rows.shape[0]} rows of {y.chunk} elements for {segments.numel} elements")
     nseg = len(segments)
-    c, cp = (None, None) if divisors is None else _c_doubles(divisors, nseg)
+    c, cp = (None, None) if divisors is None else c_doubles(divisors, nseg)
     out = (ctypes.c_float * nseg)()
     tail = (None if r is None else r.data_ptr(), cp, m.data_ptr(), v.data_ptr(), denom.data_ptr(),
             segments.offsets.data_ptr(), nseg, float(beta1), float(beta2), _variance_scale(beta1, beta2),
@@ -115,11 +114,11 @@ def descend_(params: list, m: torch.Tensor, denom: torch.Tensor, segments: Segme
     """Pass 2 (the module doc): ``params[l] <- params[l] decays[l] + alphas[l] (m / denom)`` over
     segment ``l`` (``decays`` ``None``: no multiplication), natively; the caller has checked
     :func:`ready`."""
-    _check(segments, m, denom)
+    check(segments, m, denom)
     nseg = len(segments)
     addresses = destination_addresses(params, segments.sizes)  # (ready() checked them: Destinations, as a rule)
-    a, ap = _c_doubles(alphas, nseg)
-    d, dp = (None, None) if decays is None else _c_doubles(decays, nseg)
+    a, ap = c_doubles(alphas, nseg)
+    d, dp = (None, None) if decays is None else c_doubles(decays, nseg)
     cpu.library().co_lamb_descend(addresses.data_ptr(), m.data_ptr(), denom.data_ptr(), segments.offsets.data_ptr(),
                                   nseg, dp, ap)
 
@@ -164,50 +163,13 @@ def compose_descend_(params: list, m, denom, segments: Segments, decays, alphas)
 #: how far (relative) the passes' maxima may be from the composition's (see the module doc)
 MAXIMA_TOLERANCE = 2.0**-20
 
-_agreement: list = []  # [whether the native passes gave the composition's bits here]
 
-
-def kept_momentum(y, r: torch.Tensor | None, divisors, m: torch.Tensor, segments: Segments):
-    """After :func:`variance_maxima_` formed ``m = y / R`` (the preconditioned exchange: no
-    divisors) from a result's rows: the :class:`~compressed_opt.cuda.update.KeptMomentum` of ``m``,
-    so that the next local momentum's pass may form it from those rows instead of reading it (the
-    same bits: checked once per process, :func:`kept_agrees`); else ``None``."""
-    if not isinstance(y, CompressedResult) or r is None or divisors is not None:
+def _check_case(seed: int, form: str, native: bool):
+    """The harness's case: both passes against their compositions, each of the exchanges' forms of
+    ``m_t`` (layers with and without a vector loop's tail, empty, and coordinates with ``v_f == 0``,
+    ``R == 0``, ``v == 0``); the maxima within :data:`MAXIMA_TOLERANCE`."""
+    if cpu.library() is None:
         return None
-    return KeptMomentum(y.rows, y.chunk, y.block, r, m, segments, None, agrees=kept_agrees)
-
-
-_kept_agreement: list = []
-
-
-def kept_agrees() -> bool:
-    """Whether the local momentum's pass forms, from a result's rows, the ``m`` pass 1 wrote from
-    them (:func:`~compressed_opt.cuda.update.kept_pass_agrees`), checked once per process."""
-    if not _kept_agreement:
-        lib = cpu.library()
-        _kept_agreement.append(lib is not None and _agrees(lib) and kept_pass_agrees(lib, _write_m, False))
-    return _kept_agreement[0]
-
-
-def _write_m(lib, prev, chunk, block, r, segments, divisors, m) -> None:
-    """``m`` <- ``y / r`` from the rows ``prev``, as pass 1 writes it (its own generator: a check
-    at first use leaves the caller's random numbers alone)."""
-    n, g = segments.numel, torch.Generator().manual_seed(47)
-    v, denom = torch.rand(n, generator=g) * 1e-3, torch.rand(n, generator=g) * 1e-2 + 1e-8
-    variance_maxima_(CompressedResult(prev, chunk, block, torch.empty(n)), r, divisors, m, v, denom, segments, 0.9,
-                     0.999, 0.0316, 1e-8)
-
-
-def _agrees(lib) -> bool:
-    """Whether the native passes give the composition's result bit for bit in this process (each of
-    the exchanges' forms of ``m_t``; layers with and without a vector loop's tail, empty, and
-    coordinates with ``v_f == 0``, ``R == 0``, ``v == 0``): checked once, at first use."""
-    if not _agreement:
-        _agreement.append(all(_agrees_on(seed, form) for seed in (29, 30) for form in ("r", "divisors", "none")))
-    return _agreement[0]
-
-
-def _agrees_on(seed: int, form: str) -> bool:
     g = torch.Generator().manual_seed(seed)
     segments = Segments([37, 0, 1000, 5, 8, 64, 1])
     n = segments.numel
@@ -224,16 +186,17 @@ def _agrees_on(seed: int, form: str) -> bool:
     r = r if form == "r" else None
     divisors = [0.5 + 0.25 * i for i in range(len(segments))] if form == "divisors" else None
     args = (segments, 0.9, 0.999, 0.0316, 1e-8)
-    mine, theirs = (m.clone(), v.clone()), (m.clone(), v.clone())
-    got = variance_maxima_(y, r, divisors, *mine, denom, *args)
-    want = compose_variance_maxima_(y, r, divisors, *theirs, denom, *args)
-    same = all(abs(a - b) <= MAXIMA_TOLERANCE * abs(b) for a, b in zip(got, want))
-    same = same and all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(mine, theirs))
+    m, v = m.clone(), v.clone()
+    maxima = (variance_maxima_ if native else compose_variance_maxima_)(y, r, divisors, m, v, denom, *args)
+    stepped = []
     for decays in (None, [1.0 - 0.01 * i for i in range(len(segments))]):
         alphas = [-0.03 * (i + 1) for i in range(len(segments))]
         params = [(torch.randn(k, generator=g) * 0.1) for k in segments.sizes]
-        copies = [p.clone() for p in params]
-        descend_(params, m, denom, segments, decays, alphas)
-        compose_descend_(copies, m, denom, segments, decays, alphas)
-        same = same and all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(params, copies))
-    return same
+        (descend_ if native else compose_descend_)(params, m, denom, segments, decays, alphas)
+        stepped += params
+    return maxima, m, v, stepped
+
+
+harness.register("lamb_passes", harness.Check(
+    tuple((seed, form) for seed in (29, 30) for form in ("r", "divisors", "none")), _check_case,
+    close=MAXIMA_TOLERANCE))

@@ -33,18 +33,18 @@ from __future__ import annotations
 
 import torch
 
-from . import cpu
-from .addresses import destination_addresses, plain_cpu_float
-from .segmented import Segments, _c_doubles, _check, _library_allowed
+from . import cpu, harness
+from .cpu import c_doubles, destination_addresses, plain_cpu_float
+from .segments import Segments, check
 
 
 def ready(*tensors: torch.Tensor) -> bool:
     """Whether the passes run natively on these flat buffers (contiguous fp32 CPU tensors), the C
     library loaded and allowed and its passes found equal to the composition here (once per process)."""
-    if not _library_allowed() or not all(plain_cpu_float(t) and t.dim() == 1 for t in tensors):
+    if not cpu.library_allowed() or not all(plain_cpu_float(t) and t.dim() == 1 for t in tensors):
         return False
     lib = cpu.library()
-    return lib is not None and _agrees(lib)
+    return lib is not None and harness.agrees("lamb_warmup")
 
 
 def warmup_moments_(g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, beta1: float, beta2: float) -> bool:
@@ -64,8 +64,8 @@ def warmup_direction_(u: torch.Tensor, m: torch.Tensor, values, segments: Segmen
     flat = isinstance(values, torch.Tensor)
     if flat:
         segments = Segments([u.numel()])
-        _check(segments, m, *((values,) if wd != 0 else ()))
-    _check(segments, u, m)
+        check(segments, m, *((values,) if wd != 0 else ()))
+    check(segments, u, m)
     if not ready(u, m, *((values,) if flat and wd != 0 else ())):
         return False
     dests = None if flat else destination_addresses(values, segments.sizes)
@@ -79,7 +79,7 @@ def step_layers_(params: list, u: torch.Tensor, segments: Segments, scales: list
     """``params[s] <- params[s] + u_s scales[s]`` over segment ``s`` of ``u`` (the module doc; ``u``
     only read), natively, through each parameter's own memory; ``False``, nothing done, where it
     cannot run here."""
-    _check(segments, u)
+    check(segments, u)
     if len(params) != len(segments) or len(scales) != len(segments) or not ready(u):
         return False
     dests = destination_addresses(params, segments.sizes)
@@ -90,7 +90,7 @@ def step_layers_(params: list, u: torch.Tensor, segments: Segments, scales: list
 
 
 def _step_layers(lib, dests, u, segments: Segments, scales) -> None:
-    keep, at = _c_doubles(scales, len(segments))  # (keep: alive through the call)
+    keep, at = c_doubles(scales, len(segments))  # (keep: alive through the call)
     lib.co_lamb_step_layers(dests.data_ptr(), u.data_ptr(), segments.offsets.data_ptr(), len(segments), at)
 
 
@@ -122,19 +122,13 @@ def compose_warmup_(g, m, v, u, values, segments: Segments, beta1, beta2, bc2_sq
             torch._foreach_add_([x.view_as(p) for x, p in zip(segments.split(u), values)], values, alpha=wd)
 
 
-_agreement: list = []  # [whether the native passes gave the composition's bits here]
-
-
-def _agrees(lib) -> bool:
-    if not _agreement:
-        _agreement.append(all(_agrees_on(lib, seed, beta1, wd, bc2_sqrt, flat)
-                              for seed, beta1, wd, bc2_sqrt, flat in ((29, 0.9, 0.01, 0.3, False),
-                                                                      (30, 0.3, 0.0, 1.0, False),
-                                                                      (31, 0.9, 0.1, 0.7, True))))
-    return _agreement[0]
-
-
-def _agrees_on(lib, seed: int, beta1: float, wd: float, bc2_sqrt: float, flat: bool) -> bool:
+def _check_case(seed: int, beta1: float, wd: float, bc2_sqrt: float, flat: bool, native: bool):
+    """The harness's case: the two passes and the square root against :func:`compose_warmup_` (layers
+    with and without a vector loop's tail, an empty one, zeros in the gradient and the variance),
+    then the layers' step."""
+    lib = cpu.library()
+    if lib is None:
+        return None
     g = torch.Generator().manual_seed(seed)
     segments = Segments([37, 0, 1000, 5, 8, 64, 1])
     n = segments.numel
@@ -144,20 +138,27 @@ def _agrees_on(lib, seed: int, beta1: float, wd: float, bc2_sqrt: float, flat: b
     v[::17] = 0.0
     params = [torch.randn(k, generator=g) for k in segments.sizes]
     values = torch.cat(params) if flat else params
-    mine, theirs = (m.clone(), v.clone(), torch.empty(n)), (m.clone(), v.clone(), torch.empty(n))
+    u = torch.empty(n)
     scalars = (bc2_sqrt, 1e-8, 1.0 - beta1 ** 3, wd)
-    _moments(lib, grad, mine[0], mine[1], beta1, 0.999)
-    torch.sqrt(mine[1], out=mine[2])
-    dests = None if flat else destination_addresses(values, segments.sizes)
-    _direction(lib, mine[2], mine[0], values if flat else None, dests, segments, *scalars)
-    compose_warmup_(grad, *theirs, values, segments, beta1, 0.999, *scalars)
-    same = all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(mine, theirs))
+    if native:
+        _moments(lib, grad, m, v, beta1, 0.999)
+        torch.sqrt(v, out=u)
+        dests = None if flat else destination_addresses(values, segments.sizes)
+        _direction(lib, u, m, values if flat else None, dests, segments, *scalars)
+    else:
+        compose_warmup_(grad, m, v, u, values, segments, beta1, 0.999, *scalars)
     if flat:
-        return same
+        return m, v, u
     scales = [-0.01 * (i + 1) for i in range(len(segments))]
-    stepped, expected = [p.clone() for p in params], [p.clone() for p in params]
-    _step_layers(lib, destination_addresses(stepped, segments.sizes), mine[2], segments, scales)
-    views = segments.split(theirs[2])
-    torch._foreach_mul_(views, scales)
-    torch._foreach_add_(expected, views)
-    return same and all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(stepped, expected))
+    stepped = [p.clone() for p in params]
+    if native:
+        _step_layers(lib, destination_addresses(stepped, segments.sizes), u, segments, scales)
+    else:
+        views = segments.split(u.clone())
+        torch._foreach_mul_(views, scales)
+        torch._foreach_add_(stepped, views)
+    return m, v, u, stepped
+
+
+harness.register("lamb_warmup", harness.Check(((29, 0.9, 0.01, 0.3, False), (30, 0.3, 0.0, 1.0, False),
+                                               (31, 0.9, 0.1, 0.7, True)), _check_case))

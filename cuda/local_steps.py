@@ -18,16 +18,13 @@ Per element of segment ``s``:
     that pass, then (with ``r``) the exchange's ``clamp(r acc, -bounds[s], bounds[s])``, not run
     yet: the exchange's compression runs both inside its worker side (``compress_rows_``, one pass
     over memory; ``acc`` read, not written), bit for bit as the passes then the compression.
-    ``accumulator_zero=True``: the caller knows ``acc`` holds ``+0`` (an interval of one step), and
-    the fused pass does not read it (``0 + q`` in place of ``acc + q``: the same bits).
 ``zero_one_sync_after_(params, y, sden, m, anchor, segments, lr_sum, decay, steps, r=None, divisors=None)``
     ``y <- y / r / divisors[s]`` (each where given), 0 where ``v == 0``; ``m <- y / lr_sum``;
     ``anchor <- anchor decay + (steps[s] y) / den``; ``p <- anchor``; ``y <- 0``. ``y`` may be
     the exchange's result as its 1-bit rows (a :class:`~compressed_opt.cuda.CompressedResult`
     whose buffer is the accumulator): they are then decompressed tile by tile inside the pass
-    and the accumulator only written (``<- 0``), bit for bit as decompressing them into it first;
-    not written at all with ``accumulator_zero=True`` (it holds ``+0`` already: the pass before
-    neither read nor wrote it). ``m`` and the parameters are only written: the C passes store them
+    and the accumulator only written (``<- 0``), bit for bit as decompressing them into it first.
+    ``m`` and the parameters are only written: the C passes store them
     without reading them for ownership (non-temporal stores where the CPU has AVX2).
 ``zero_one_phase_a_update_(params, result, r, sden, m, segments, weight, decay, alpha)``
     phase A: ``g = y / r`` (0 where ``v == 0``); ``m`` as above from ``g``; ``p <- p decay + alpha m /
@@ -54,13 +51,14 @@ from __future__ import annotations
 
 import torch
 
-from .addresses import destination_addresses, readable_in_place, source_addresses
-from .segmented import Segments, _c_doubles, _check, _native, gather_, scale_clamp_
-from .update import CompressedResult
+from .cpu import c_doubles, destination_addresses, native, readable_in_place, source_addresses
+from .rows import CompressedResult
+from .segmented import gather_, scale_clamp_
+from .segments import Segments, check
 
 
 def _flat_buffers(segments: Segments, *tensors: torch.Tensor) -> int:
-    _check(segments, *tensors)
+    check(segments, *tensors)
     n = tensors[0].numel()
     if any(t.numel() != n for t in tensors):
         raise ValueError(f"flat buffers of one size are needed, got {[t.numel() for t in tensors]}")
@@ -70,7 +68,7 @@ def _flat_buffers(segments: Segments, *tensors: torch.Tensor) -> int:
 def zero_one_passes_serve(params: list, segments: Segments, *tensors: torch.Tensor) -> bool:
     """Whether the passes run here on these parameters and flat buffers (contiguous fp32 CPU tensors,
     the C library allowed and loaded)."""
-    return _native(*tensors) is not None and destination_addresses(params, segments.sizes) is not None
+    return native(*tensors) is not None and destination_addresses(params, segments.sizes) is not None
 
 
 def signed_denominator(v: torch.Tensor, denom: torch.Tensor) -> torch.Tensor:
@@ -99,12 +97,12 @@ def zero_one_local_step_(params: list, g: torch.Tensor, m: torch.Tensor, sden: t
     ``steps[s]`` is ``-lr f_s`` (the step's scalar of segment ``s``). ``sources``: the gradients
     where they lie, one per segment, in place of ``g``'s segments (not gathered into it)."""
     n = _flat_buffers(segments, g, m, sden, acc)
-    lib = _native(g, m, sden, acc)
+    lib = native(g, m, sden, acc)
     dests = destination_addresses(params, segments.sizes)
     srcs = _sources(sources, segments)
     if lib is None or dests is None or srcs is None:
         return False
-    c, cp = _c_doubles(steps, len(segments))
+    c, cp = c_doubles(steps, len(segments))
     lib.co_zo_local_step(dests.data_ptr(), g.data_ptr(), srcs[1], m.data_ptr(), sden.data_ptr(), acc.data_ptr(),
                          segments.offsets.data_ptr(), len(segments), n, float(weight), float(lr), float(decay),
                          decay != 1.0, cp)
@@ -118,7 +116,7 @@ def zero_one_sync_before_(params: list, g: torch.Tensor, m: torch.Tensor, sden: 
     only checked: ``False`` (nothing done) where :func:`zero_one_sync_after_` could not write them.
     ``sources``: as for :func:`zero_one_local_step_`."""
     _flat_buffers(segments, g, m, sden, acc)
-    lib = _native(g, m, sden, acc)
+    lib = native(g, m, sden, acc)
     if destination_addresses(params, segments.sizes) is None or lib is None or _sources(sources, segments) is None:
         return False
     _sync_before(lib, g, m, sden, acc, segments, weight, lr, scales, sources)
@@ -126,7 +124,7 @@ def zero_one_sync_before_(params: list, g: torch.Tensor, m: torch.Tensor, sden: 
 
 
 def _sync_before(lib, g, m, sden, acc, segments: Segments, weight: float, lr: float, scales, sources=None) -> None:
-    c, cp = (None, None) if scales is None else _c_doubles(scales, len(segments))
+    c, cp = (None, None) if scales is None else c_doubles(scales, len(segments))
     srcs = _sources(sources, segments)
     if srcs is None:  # (not readable where they lie: gathered)
         gather_(sources, g, segments)
@@ -137,7 +135,7 @@ def _sync_before(lib, g, m, sden, acc, segments: Segments, weight: float, lr: fl
 
 def zero_one_sync_after_(params: list, y, sden: torch.Tensor, m: torch.Tensor, anchor: torch.Tensor,
                          segments: Segments, lr_sum: float, decay: float, steps, r: torch.Tensor | None = None,
-                         divisors=None, accumulator_zero: bool = False) -> bool:
+                         divisors=None) -> bool:
     """A synchronising step's pass after its exchange (``y``: its result; see the module doc):
     ``m``, ``anchor``, the parameters, and ``y <- 0``. ``steps[s]`` is ``-f_s``; ``r``: the
     element-wise divisor of the preconditioned exchange; ``divisors``: per segment.
@@ -146,25 +144,24 @@ def zero_one_sync_after_(params: list, y, sden: torch.Tensor, m: torch.Tensor, a
     travelled as, whose ``buffer`` is the accumulator: the pass then decompresses the rows tile by
     tile into the stack (``co_zo_sync_after_rows``; ``y`` never travels to memory) and writes the
     buffer's ``+0`` without reading it, bit for bit as decompressing them into the buffer then the
-    pass on it; with ``accumulator_zero`` (the buffer holds ``+0``: :attr:`ZeroOneSyncBefore.leaves_zero`)
-    not even that."""
+    pass on it."""
     compressed = isinstance(y, CompressedResult)
     acc = y.buffer if compressed else y
     n = _flat_buffers(segments, acc, sden, m, anchor, *(() if r is None else (r,)))
     if compressed and y.rows.shape[0] * y.chunk < n:
         raise ValueError(f"{y.rows.shape[0]} rows of {y.chunk} elements for {n} elements")
-    lib = _native(acc, sden, m, anchor, *(() if r is None else (r,)))
+    lib = native(acc, sden, m, anchor, *(() if r is None else (r,)))
     dests = destination_addresses(params, segments.sizes)
     if lib is None or dests is None or (compressed and not y.rows.is_cpu):
         return False
-    c, cp = _c_doubles(steps, len(segments))
-    d, dp = (None, None) if divisors is None else _c_doubles(divisors, len(segments))
+    c, cp = c_doubles(steps, len(segments))
+    d, dp = (None, None) if divisors is None else c_doubles(divisors, len(segments))
     rp = None if r is None else r.data_ptr()
     tail = (sden.data_ptr(), m.data_ptr(), anchor.data_ptr(), segments.offsets.data_ptr(), len(segments), n,
             float(lr_sum), float(decay), decay != 1.0, dp, cp)
     if compressed:
         lib.co_zo_sync_after_rows(dests.data_ptr(), y.rows.data_ptr(), y.rows.stride(0), y.chunk, y.block,
-                                  None if accumulator_zero else acc.data_ptr(), rp, *tail)
+                                  acc.data_ptr(), rp, *tail)
     else:
         lib.co_zo_sync_after(dests.data_ptr(), acc.data_ptr(), rp, *tail)
     return True
@@ -185,7 +182,7 @@ def zero_one_phase_a_update_(params: list, result: CompressedResult, r: torch.Te
     n = _flat_buffers(segments, r, sden, m)
     if not result.rows.is_cpu or result.rows.shape[0] * result.chunk < n:
         return False
-    lib = _native(r, sden, m)
+    lib = native(r, sden, m)
     dests = destination_addresses(params, segments.sizes)
     if lib is None or dests is None:
         return False
@@ -198,33 +195,27 @@ def zero_one_phase_a_update_(params: list, result: CompressedResult, r: torch.Te
 class ZeroOneSyncBefore:
     """:func:`zero_one_sync_before_` then, with ``r``, the exchange's ``scale_clamp_(acc, r, bounds,
     segments)``, not run yet: the pending pass of a synchronisation's exchange (as
-    :class:`~compressed_opt.cuda.LerpScaleClamp`). Its :meth:`compress_rows_` runs both inside the
+    :class:`~compressed_opt.cuda.reference.LerpScaleClamp`). Its :meth:`compress_rows_` runs both inside the
     worker side of the compression of ``acc`` (one pass over memory, ``acc`` read and not written,
     ``m`` written), bit for bit as :meth:`apply_` then the compression; :meth:`apply_` runs them
     alone. Made only where :func:`zero_one_passes_serve` (the caller checks); the arguments are
-    kept, not copied. ``accumulator_zero``: ``acc`` holds ``+0`` (the caller knows: the last
-    synchronisation zeroed it and nothing wrote it since), so :meth:`compress_rows_` does not read
-    it; :attr:`leaves_zero` says afterwards whether ``acc`` still holds ``+0`` (:meth:`apply_`
-    writes it)."""
+    kept, not copied."""
 
     def __init__(self, g: torch.Tensor, m: torch.Tensor, sden: torch.Tensor, acc: torch.Tensor, segments: Segments,
-                 weight: float, lr: float, scales=None, r: torch.Tensor | None = None, bounds=None, sources=None,
-                 accumulator_zero: bool = False):
+                 weight: float, lr: float, scales=None, r: torch.Tensor | None = None, bounds=None, sources=None):
         _flat_buffers(segments, g, m, sden, acc, *(() if r is None else (r,)))
         if (r is None) != (bounds is None):
             raise ValueError("r and bounds go together")
         self.g, self.m, self.sden, self.acc, self.segments = g, m, sden, acc, segments
         self.weight, self.lr, self.scales, self.r, self.bounds = float(weight), float(lr), scales, r, bounds
         self.sources = sources  # (the gradients where they lie, in place of g's segments)
-        self.leaves_zero = accumulator_zero
 
     def apply_(self) -> None:
         """The passes on ``acc``, alone (the C passes, or where they cannot run, which the caller
         has excluded, a ``RuntimeError``)."""
-        lib = _native(self.g, self.m, self.sden, self.acc)
+        lib = native(self.g, self.m, self.sden, self.acc)
         if lib is None:
             raise RuntimeError("0/1 Adam's pass before the exchange cannot run here")
-        self.leaves_zero = False
         _sync_before(lib, self.g, self.m, self.sden, self.acc, self.segments, self.weight, self.lr, self.scales,
                      self.sources)
         if self.r is not None:
@@ -238,16 +229,15 @@ class ZeroOneSyncBefore:
         if (x.dim() != 1 or x.data_ptr() != self.acc.data_ptr() or x.numel() != self.acc.numel() or n != x.numel()
                 or rows.dtype != torch.uint8 or rows.dim() != 2 or rows.stride(1) != 1 or not rows.is_cpu):
             return False
-        lib = _native(x, self.g, self.m, self.sden, error, *(() if self.r is None else (self.r,)))
+        lib = native(x, self.g, self.m, self.sden, error, *(() if self.r is None else (self.r,)))
         srcs = _sources(self.sources, self.segments)
         if lib is None or srcs is None:
             return False
         nseg = len(self.segments)
-        c, cp = (None, None) if self.scales is None else _c_doubles(self.scales, nseg)
-        b, bp = (None, None) if self.bounds is None else _c_doubles(self.bounds, nseg)
-        acc = None if self.leaves_zero else x.data_ptr()
+        c, cp = (None, None) if self.scales is None else c_doubles(self.scales, nseg)
+        b, bp = (None, None) if self.bounds is None else c_doubles(self.bounds, nseg)
         lib.co_zo_sync_before_compress_rows(
-            self.g.data_ptr(), srcs[1], self.m.data_ptr(), self.sden.data_ptr(), acc, self.weight, self.lr, cp,
+            self.g.data_ptr(), srcs[1], self.m.data_ptr(), self.sden.data_ptr(), x.data_ptr(), self.weight, self.lr, cp,
             None if self.r is None else self.r.data_ptr(), bp, self.segments.offsets.data_ptr(), nseg,
             error.data_ptr(), rows.data_ptr(), rows.stride(0), rows.shape[0], chunk, block, n)
         return True

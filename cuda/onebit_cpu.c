@@ -340,54 +340,6 @@ void co_lerp_scale_clamp_compress_sources(const int64_t *srcs, const float *x, c
     compress_each_row(NULL, error, rows, row_stride, world, chunk, block, n, lsc_compensate_any, &pass);
 }
 
-/*
- * The same pass with m not read but formed from the last result's kept rows, as the update that
- * wrote it formed it: m = (y / r) / v_s (0 where r == 0; divisors == NULL: v_s = 1), y decompressed
- * tile by tile into the stack (next_tile; prev: world rows of chunk elements, prev_stride bytes
- * apart, in the compression's geometry). Where m is what co_rows_divide_zero_descend wrote from
- * those rows, bit for bit co_lerp_scale_clamp_compress_sources (srcs == NULL: _rows) on m, with the
- * rows (1/32 of a stream) read in place of m.
- */
-struct co_lsc_kept {
-    struct co_lsc lsc;
-    const uint8_t *prev;
-    int64_t prev_stride, chunk, block, n;
-    const double *divisors;
-    float *error; /* the error of element lo, while a block is compensated */
-    int64_t lo;
-};
-
-static void lsc_kept_span(void *pass, const float *restrict ys, int64_t k, int64_t stop, int64_t s) {
-    const struct co_lsc_kept *q = (const struct co_lsc_kept *)pass;
-    const struct co_lsc *p = &q->lsc;
-    const int64_t n = stop - k; /* (within one tile: at most CO_TILE) */
-    float mt[CO_TILE];
-    if (s < p->nseg) {
-        const float *restrict rs = p->r + k;
-        const float v = q->divisors ? (float)q->divisors[s] : 1.0f;
-        for (int64_t i = 0; i < n; ++i) mt[i] = quotient_or_zero(ys[i], rs[i]) / v;
-    }
-    lsc_piece(p, s, k, n, mt, q->error + (k - q->lo));
-}
-
-static void lsc_kept_compensate(void *pass, int64_t lo, int64_t len, float *error) {
-    struct co_lsc_kept *q = (struct co_lsc_kept *)pass;
-    q->error = error;
-    q->lo = lo;
-    walk_rows_range(q->prev, q->prev_stride, q->chunk, q->block, q->n, q->lsc.off, q->lsc.nseg, &q->lsc.seg, lo,
-                    lo + len, lsc_kept_span, q);
-}
-
-void co_lerp_scale_clamp_compress_kept(const uint8_t *prev, int64_t prev_stride, const double *divisors,
-                                       const int64_t *srcs, const float *x, float w, const float *r,
-                                       const double *bounds, const double *scales, const int64_t *off, int64_t nseg,
-                                       float *error, uint8_t *rows, int64_t row_stride, int64_t world, int64_t chunk,
-                                       int64_t block, int64_t n) {
-    struct co_lsc_kept pass = {{x, NULL, r, srcs, w, bounds, scales, off, nseg, 0}, prev, prev_stride, chunk, block, n,
-                               divisors, NULL, 0};
-    compress_each_row(NULL, error, rows, row_stride, world, chunk, block, n, lsc_kept_compensate, &pass);
-}
-
 /* x[0, m_n) <- lerp(m, x, w) (torch.lerp's formulas, as this compiler contracts them), then
  * co_compress_rows(x, error, ...), in one pass over memory as co_lerp_scale_clamp_compress_rows (x
  * only read). */

@@ -198,7 +198,7 @@ CO_INTERNAL void walk_result_rows(const uint8_t *rows, int64_t row_stride, int64
 
 /* The same walk over the elements [lo, end) of a result of n valid elements, *seg the segment of
  * the last element walked (advanced; pieces past the segments have s == nseg): a pass fused into
- * a compression walks each block's elements so (ZeRO's local momentum, stage 0's from kept rows). */
+ * a compression walks each block's elements so (ZeRO's local momentum from its kept rows). */
 CO_INTERNAL void walk_rows_range(const uint8_t *rows, int64_t row_stride, int64_t chunk, int64_t block, int64_t n,
                                  const int64_t *off, int64_t nseg, int64_t *seg, int64_t lo, int64_t end,
                                  co_result_span span, void *pass);

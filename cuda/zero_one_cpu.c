@@ -111,7 +111,7 @@ CO_EXACT void co_zo_sync_before(const float *g, const int64_t *srcs, float *m, c
                 ZO_MOMENTUM(mi, ms[i], gs[i], ds[i], coeff, small);
                 const float den = fabsf(ds[i]);
                 ms[i] = mi;
-                const float a = as[i] + (lr * mi) / den;
+                const float a = as[i] + (lr * mi) / den;\
                 const float x = a * den;
                 as[i] = x * c;
             }
@@ -120,7 +120,7 @@ CO_EXACT void co_zo_sync_before(const float *g, const int64_t *srcs, float *m, c
                 ZO_MOMENTUM(mi, ms[i], gs[i], ds[i], coeff, small);
                 const float den = fabsf(ds[i]);
                 ms[i] = mi;
-                const float a = as[i] + (lr * mi) / den;
+                const float a = as[i] + (lr * mi) / den;\
                 as[i] = a * den;
             }
         }
@@ -217,8 +217,8 @@ CO_EXACT void co_zo_sync_after(const int64_t *dests, float *y, const float *r, c
  * y in memory: y (the exchange's result as its 1-bit rows, row_stride bytes apart, chunk elements
  * each, one scale per block) is decompressed tile by tile (at most CO_TILE elements of one block of
  * one row) into the stack and consumed there by the same loops (zo_after_segment on the tile), and
- * acc <- +0 tile by tile (co_stream_zeros: acc is only written, not read for ownership either;
- * acc == NULL: not written, the caller knows it holds +0 already). Reads the rows, r, sden, anchor
+ * acc <- +0 tile by tile (co_stream_zeros: acc is only written, not read for ownership either).
+ * Reads the rows, r, sden, anchor
  * and writes m, anchor, the destinations and acc; m and the destinations with non-temporal stores
  * (zo_after_piece).
  */
@@ -242,7 +242,7 @@ void co_zo_sync_after_rows(const int64_t *dests, const uint8_t *rows, int64_t ro
                            p ? p + (k - off[s]) : NULL, stop - k, d, c, lr_sum, decay, kind);
             k = stop;
         }
-        if (acc) co_stream_zeros(acc + k0, len);
+        co_stream_zeros(acc + k0, len);
         k0 = end;
     }
     co_store_fence();
@@ -254,9 +254,7 @@ void co_zo_sync_after_rows(const int64_t *dests, const uint8_t *rows, int64_t ro
  * over memory: per block of the compression, the passes' values are formed and added to the
  * worker error in one loop (error <- u), then packed, summed and corrected while the block is in
  * cache, as co_lerp_scale_clamp_compress_rows does. m is written; acc is only read (the exchange's
- * result overwrites it), and not even read where acc == NULL: the caller knows it holds +0 (an
- * interval of one step, 0/1 Adam's default for its first local_step_scaler steps of phase B).
- * Reads g, m, sden, acc, r and error once, writes m, error and the rows.
+ * result overwrites it). Reads g, m, sden, acc, r and error once, writes m, error and the rows.
  */
 struct zo_before {
     const float *g, *sden, *acc, *r;
@@ -270,34 +268,29 @@ struct zo_before {
 };
 
 /* error[0, len) <- x + error for x the passes' values of len elements of one segment (kind: 1 times
- * c, 2 clamp(r x, -b, b), 4 acc is +0 and not read: 0.0f + q, which is q but where q is -0, as
- * acc[i] + q rounds it); m written. A function of its own, as zo_after_segment. */
+ * c, 2 clamp(r x, -b, b)); m written. A function of its own, as zo_after_segment. */
 static CO_EXACT __attribute__((noinline)) void zo_before_segment(
     const float *restrict gs, float *restrict ms, const float *restrict ds, const float *restrict as,
     const float *restrict rs, float *restrict e, int64_t len, float coeff, int small, float lr, float c, float b,
     int kind) {
     CO_NO_CONTRACT
     const float nb = -b;
-#define ZO_BEFORE_LOOP(SCALE, CLAMP, ZERO)                                                                           \
+#define ZO_BEFORE_LOOP(SCALE, CLAMP)                                                                                \
     for (int64_t i = 0; i < len; ++i) {                                                                             \
         ZO_MOMENTUM(mi, ms[i], gs[i], ds[i], coeff, small);                                                         \
         const float den = fabsf(ds[i]);                                                                             \
         ms[i] = mi;                                                                                                 \
-        const float a = ((ZERO) ? 0.0f : as[i]) + (lr * mi) / den;                                                  \
+        const float a = as[i] + (lr * mi) / den;                                                                    \
         float x = a * den;                                                                                          \
         if (SCALE) x = x * c;                                                                                       \
         if (CLAMP) x = sc_value(x, rs[i], b, nb);                                                                   \
         e[i] = x + e[i];                                                                                            \
     }
     switch (kind) {
-    case 0: ZO_BEFORE_LOOP(0, 0, 0); break;
-    case 1: ZO_BEFORE_LOOP(1, 0, 0); break;
-    case 2: ZO_BEFORE_LOOP(0, 1, 0); break;
-    case 3: ZO_BEFORE_LOOP(1, 1, 0); break;
-    case 4: ZO_BEFORE_LOOP(0, 0, 1); break;
-    case 5: ZO_BEFORE_LOOP(1, 0, 1); break;
-    case 6: ZO_BEFORE_LOOP(0, 1, 1); break;
-    default: ZO_BEFORE_LOOP(1, 1, 1); break;
+    case 0: ZO_BEFORE_LOOP(0, 0); break;
+    case 1: ZO_BEFORE_LOOP(1, 0); break;
+    case 2: ZO_BEFORE_LOOP(0, 1); break;
+    default: ZO_BEFORE_LOOP(1, 1); break;
     }
 #undef ZO_BEFORE_LOOP
 }
@@ -308,9 +301,9 @@ static void zo_before_compensate(struct zo_before *p, int64_t lo, int64_t len, f
     while (k < end) {
         const int64_t stop = segment_piece(p->off, p->nseg, &s, k, end);
         const int in = s < p->nseg;
-        const int kind = (in ? (p->scales ? 1 : 0) | (p->r ? 2 : 0) : 0) | (p->acc ? 0 : 4);
+        const int kind = in ? (p->scales ? 1 : 0) | (p->r ? 2 : 0) : 0;
         const float *gs = p->srcs && in ? (const float *)(intptr_t)p->srcs[s] + (k - p->off[s]) : p->g + k;
-        zo_before_segment(gs, p->m + k, p->sden + k, (p->acc ? p->acc : p->sden) + k, (p->r ? p->r : p->sden) + k,
+        zo_before_segment(gs, p->m + k, p->sden + k, p->acc + k, (p->r ? p->r : p->sden) + k,
                           error + (k - lo), stop - k, p->coeff, p->small, p->lr,
                           in && p->scales ? (float)p->scales[s] : 1.0f, in && p->r ? (float)p->bounds[s] : 0.0f, kind);
         k = stop;

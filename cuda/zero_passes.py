@@ -27,18 +27,18 @@ as the last result's 1-bit rows (``R m`` times the last exchange factor) and ste
 All are bit for bit the composition the layout runs with PyTorch (:func:`compose_momentum_`,
 :func:`compose_descend_`, :func:`compose_previous_momentum_`, :func:`compose_lamb_descend_`: every
 operation rounded on its own, torch's add-with-alpha one FMA in its
-vector kernels); a check at first use (:func:`agrees`) compares the two on this machine, tails of
+vector kernels); the harness (:func:`agrees`) compares the two on this machine, tails of
 its vector loops included, and the composition runs wherever they differ.
 """
 from __future__ import annotations
 
 import torch
 
-from . import cpu
-from .addresses import destination_addresses, plain_cpu_floats, source_addresses
-from .segmented import Segments, _c_doubles, _native
-from .update import CompressedResult, check_case, compose_descend_
-from .update import zero_where_no_variance as _zero_where_no_variance
+from . import cpu, harness
+from .cpu import c_doubles, destination_addresses, native, plain_cpu_floats, source_addresses
+from .reference import compose_descend_, zero_where_no_variance
+from .rows import CompressedResult
+from .segments import Segments
 
 
 def compose_momentum_(x: torch.Tensor, t: torch.Tensor, r: torch.Tensor, keep, gain, bounds, segments: Segments,
@@ -83,11 +83,11 @@ class ZeroLocalMomentum:
         each with what keeps it alive)`` for a native run over ``buffer`` (``x`` or the error), or
         ``(None, None)`` where it cannot run here (the library, a buffer or a gradient the C cannot
         take, the check at first use)."""
-        lib = _native(buffer, *(() if self.r is None else (self.r,)))
+        lib = native(buffer, *(() if self.r is None else (self.r,)))
         if lib is None or not plain_cpu_floats(self.sources) or not agrees():
             return None, None
         nseg = len(self.segments)
-        scalars = [(None, None) if v is None else _c_doubles(v, nseg) for v in (self.keep, self.gain, self.bounds)]
+        scalars = [(None, None) if v is None else c_doubles(v, nseg) for v in (self.keep, self.gain, self.bounds)]
         return lib, (source_addresses(self.sources, self.segments.sizes), scalars)
 
     def form_(self) -> bool:
@@ -133,7 +133,7 @@ def _update_targets(result: CompressedResult, r: torch.Tensor, dests: list, segm
     C cannot take, the check at first use failed)."""
     if not result.rows.is_cpu or result.rows.shape[0] * result.chunk < segments.numel or r.numel() < segments.numel:
         return None, None
-    lib = _native(r)
+    lib = native(r)
     addresses = destination_addresses(dests, segments.sizes) if lib is not None else None
     if addresses is None or not agrees():
         return None, None
@@ -148,7 +148,7 @@ def rows_descend_(result: CompressedResult, r: torch.Tensor, eps: float, coeffs,
     if lib is None:
         return False
     nseg = len(segments)
-    c, f = _c_doubles(coeffs, nseg), _c_doubles(factors, nseg)  # (kept alive through the call)
+    c, f = c_doubles(coeffs, nseg), c_doubles(factors, nseg)  # (kept alive through the call)
     lib.co_zero_rows_descend(result.rows.data_ptr(), result.rows.stride(0), result.chunk, result.block, r.data_ptr(),
                              float(eps), c[1], f[1], segments.offsets.data_ptr(), nseg, addresses.data_ptr(),
                              float(decay), decay != 1.0, float(alpha))
@@ -168,7 +168,7 @@ def previous_momentum_(prev: CompressedResult, r: torch.Tensor, lo: int, hi: int
     if (not prev.rows.is_cpu or prev.rows.shape[0] * prev.chunk < hi or r.numel() < hi or out.numel() < hi - lo
             or not 0 <= lo <= hi or lo % 8):
         return False
-    lib = _native(r, out)
+    lib = native(r, out)
     if lib is None or not agrees():
         return False
     lib.co_rows_quotient_finite(prev.rows.data_ptr(), prev.rows.stride(0), prev.chunk, prev.block, r.data_ptr(),
@@ -182,7 +182,7 @@ def compose_lamb_descend_(y: torch.Tensor, r: torch.Tensor, eps: float, coeffs, 
     decompressed ``y`` (overwritten: ``m``, then the direction's step)."""
     n = segments.numel
     torch.div(y[:n], r[:n], out=y[:n])  # m = y / R, 0 where R == 0 (the momentum from the exchange)
-    _zero_where_no_variance(y, r, n, zero_index)
+    zero_where_no_variance(y, r, n, zero_index)
     denom = torch.reciprocal(r[:n])  # sqrt(v_f) + eps, made from R = c_l / sqrt(v_f)
     torch._foreach_mul_(segments.split(denom), list(coeffs))
     denom.add_(eps)
@@ -202,91 +202,89 @@ def lamb_rows_descend_(result: CompressedResult, r: torch.Tensor, eps: float, co
     if lib is None:
         return False
     nseg = len(segments)
-    c, a = _c_doubles(coeffs, nseg), _c_doubles(alphas, nseg)  # (kept alive through the call)
-    d = (None, None) if decays is None else _c_doubles(decays, nseg)
+    c, a = c_doubles(coeffs, nseg), c_doubles(alphas, nseg)  # (kept alive through the call)
+    d = (None, None) if decays is None else c_doubles(decays, nseg)
     lib.co_zero_lamb_rows_descend(result.rows.data_ptr(), result.rows.stride(0), result.chunk, result.block,
                                   r.data_ptr(), float(eps), c[1], segments.offsets.data_ptr(), nseg,
                                   addresses.data_ptr(), d[1], a[1])
     return True
 
 
-_agreement: list = []  # [whether the C passes gave the compositions' bits on this machine]
-
-
 def agrees() -> bool:
-    """Whether both C passes give their compositions' bits here (checked once per process, at
-    first use: segments of sizes with and without vector tails, ``r == 0``, a missing gradient,
-    values beyond the bounds, decay and none)."""
-    if not _agreement:
-        _agreement.append(False)  # (while checking: the check calls the passes directly)
-        lib = cpu.library()
-        _agreement[0] = lib is not None and _check(lib)
-    return _agreement[0]
+    """Whether the C passes give their compositions' bits here (the harness's check, once per process)."""
+    return harness.agrees("zero_passes")
 
 
-def _check(lib) -> bool:
-    g, segs, chunk, block, prev, t = check_case(31)
-    sizes, n, (world, row_len) = segs.sizes, segs.numel, prev.shape
+def _check_case(seed: int, native: bool):
+    """The harness's case: segments of sizes with and without vector tails, ``r == 0``, a missing
+    gradient, values beyond the bounds; both exchanges' local momentum compressed, the update with
+    decay and without, then 1-bit LAMB's two passes."""
+    lib = cpu.library()
+    if lib is None:
+        return None
+    g, segs, chunk, block, prev, t = harness.rows_case(seed)
+    sizes, n, count, (world, row_len) = segs.sizes, segs.numel, segs.count, prev.shape
     r = torch.rand(n, generator=g) * 3
     r[::9] = 0.0
     sources = [torch.randn(k, generator=g) * 2 for k in sizes]
     sources[3] = None
-    keep, gain = [0.9 * (1 + 0.1 * i) for i in range(len(sizes))], [0.1 * (1 - 0.05 * i) for i in range(len(sizes))]
-    bounds = [0.3 + 0.2 * i for i in range(len(sizes))]
-    coeffs, factors = [1.0 + 0.3 * i for i in range(len(sizes))], [1.0 - 0.01 * i for i in range(len(sizes))]
+    keep, gain = [0.9 * (1 + 0.1 * i) for i in range(count)], [0.1 * (1 - 0.05 * i) for i in range(count)]
+    bounds = [0.3 + 0.2 * i for i in range(count)]
+    coeffs, factors = [1.0 + 0.3 * i for i in range(count)], [1.0 - 0.01 * i for i in range(count)]
     error = torch.randn(n, generator=g) * 0.1
-    x = torch.empty(n)
-    compose_momentum_(x, t, r, keep, gain, bounds, segs, sources)
-    e1, rows1 = error.clone(), torch.zeros(world, row_len, dtype=torch.uint8)
-    cpu.compress_rows_(x, e1, rows1, chunk, block)
-    e2, rows2 = error.clone(), torch.zeros(world, row_len, dtype=torch.uint8)
-    held = [_c_doubles(v, len(sizes)) for v in (keep, gain, bounds, coeffs, factors)]  # (alive through the calls)
-    addresses = source_addresses(sources, sizes)
-    lib.co_zero_momentum_compress_rows(prev.data_ptr(), r.data_ptr(), addresses.data_ptr(),
-                                       *(a for _, a in held[:3]), segs.offsets.data_ptr(), len(sizes),
-                                       e2.data_ptr(), rows2.data_ptr(), rows2.stride(0), world, chunk, block)
-    ok = torch.equal(e1.view(torch.int32), e2.view(torch.int32)) and torch.equal(rows1, rows2)
-    # the momentum exchange's: no r, no bounds, one gain
-    compose_momentum_(x, t, None, keep, [0.1] * len(sizes), None, segs, sources)
-    e1, e3, rows3 = error.clone(), error.clone(), torch.zeros(world, row_len, dtype=torch.uint8)
-    cpu.compress_rows_(x, e1, rows1, chunk, block)
-    one_gain = _c_doubles([0.1] * len(sizes), len(sizes))  # (alive through the call)
-    lib.co_zero_momentum_compress_rows(prev.data_ptr(), None, addresses.data_ptr(), held[0][1], one_gain[1], None,
-                                       segs.offsets.data_ptr(), len(sizes), e3.data_ptr(), rows3.data_ptr(),
-                                       rows3.stride(0), world, chunk, block)
-    ok = ok and torch.equal(e1.view(torch.int32), e3.view(torch.int32)) and torch.equal(rows1, rows3)
+    held = [c_doubles(v, count) for v in (keep, gain, bounds, coeffs, factors, [0.1] * count)]  # (alive)
+    addresses, outs = source_addresses(sources, sizes), []
+    for rr, gains, bounded in ((r, gain, bounds), (None, [0.1] * count, None)):  # (the momentum exchange's: one gain)
+        e, rows = error.clone(), torch.zeros(world, row_len, dtype=torch.uint8)
+        if native:
+            lib.co_zero_momentum_compress_rows(prev.data_ptr(), None if rr is None else rr.data_ptr(),
+                                               addresses.data_ptr(), held[0][1], held[1 if rr is not None else 5][1],
+                                               None if bounded is None else held[2][1], segs.offsets.data_ptr(), count,
+                                               e.data_ptr(), rows.data_ptr(), rows.stride(0), world, chunk, block)
+        else:
+            x = torch.empty(n)
+            compose_momentum_(x, t, rr, keep, gains, bounded, segs, sources)
+            cpu.compress_rows_(x, e, rows, chunk, block)
+        outs += [e, rows]
     for decay in (1.0, 0.999):
         params = [torch.randn(k, generator=g) for k in sizes]
-        expected = [p.clone() for p in params]
-        compose_descend_(t.clone(), r, 1e-8, coeffs, factors, expected, segs, decay, -1e-3)
-        dests = destination_addresses(params, sizes)
-        lib.co_zero_rows_descend(prev.data_ptr(), prev.stride(0), chunk, block, r.data_ptr(), 1e-8, held[3][1],
-                                 held[4][1], segs.offsets.data_ptr(), len(sizes), dests.data_ptr(), decay,
-                                 decay != 1.0, -1e-3)
-        ok = ok and all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(params, expected))
-    return ok and _check_lamb(lib, g, segs, prev, t, r, world, chunk, block)
+        if native:
+            dests = destination_addresses(params, sizes)
+            lib.co_zero_rows_descend(prev.data_ptr(), prev.stride(0), chunk, block, r.data_ptr(), 1e-8, held[3][1],
+                                     held[4][1], segs.offsets.data_ptr(), count, dests.data_ptr(), decay, decay != 1.0,
+                                     -1e-3)
+        else:
+            compose_descend_(t.clone(), r, 1e-8, coeffs, factors, params, segs, decay, -1e-3)
+        outs += params
+    return outs + _lamb_case(lib, g, segs, prev, t, r, chunk, block, native)
 
 
-def _check_lamb(lib, g, segs: Segments, prev: torch.Tensor, t: torch.Tensor, r: torch.Tensor, world: int, chunk: int,
-                block: int) -> bool:
-    """1-bit LAMB's two passes against their compositions (see :func:`agrees`)."""
-    sizes, n = segs.sizes, segs.numel
-    ok = True
+def _lamb_case(lib, g, segs: Segments, prev: torch.Tensor, t: torch.Tensor, r: torch.Tensor, chunk: int, block: int,
+               native: bool) -> list:
+    """1-bit LAMB's two passes or their compositions (see :func:`_check_case`)."""
+    sizes, n, count, outs = segs.sizes, segs.numel, segs.count, []
     for lo, hi in ((0, n), (chunk, n), (8, chunk + 3)):
-        out, expected = torch.full((n + 2,), 3.0), torch.full((n + 2,), 3.0)
-        lib.co_rows_quotient_finite(prev.data_ptr(), prev.stride(0), chunk, block, r.data_ptr(), lo, hi, out.data_ptr())
-        compose_previous_momentum_(t, r, lo, hi, expected)
-        ok = ok and torch.equal(out.view(torch.int32), expected.view(torch.int32))
-    coeffs = [0.5 + 0.25 * i for i in range(len(sizes))]
-    alphas = [-1e-3 * (1 + 0.1 * i) for i in range(len(sizes))]
-    for decays in (None, [1.0 - 1e-4 * (i + 1) for i in range(len(sizes))]):
+        out = torch.full((n + 2,), 3.0)
+        if native:
+            lib.co_rows_quotient_finite(prev.data_ptr(), prev.stride(0), chunk, block, r.data_ptr(), lo, hi,
+                                        out.data_ptr())
+        else:
+            compose_previous_momentum_(t, r, lo, hi, out)
+        outs.append(out)
+    coeffs = [0.5 + 0.25 * i for i in range(count)]
+    alphas = [-1e-3 * (1 + 0.1 * i) for i in range(count)]
+    for decays in (None, [1.0 - 1e-4 * (i + 1) for i in range(count)]):
         params = [torch.randn(k, generator=g) for k in sizes]
-        expected = [p.clone() for p in params]
-        compose_lamb_descend_(t.clone(), r, 1e-8, coeffs, expected, segs, decays, alphas)
-        held = [_c_doubles(v, len(sizes)) for v in (coeffs, alphas, decays or [1.0] * len(sizes))]
-        dests = destination_addresses(params, sizes)
-        lib.co_zero_lamb_rows_descend(prev.data_ptr(), prev.stride(0), chunk, block, r.data_ptr(), 1e-8, held[0][1],
-                                      segs.offsets.data_ptr(), len(sizes), dests.data_ptr(),
-                                      None if decays is None else held[2][1], held[1][1])
-        ok = ok and all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(params, expected))
-    return ok
+        if native:
+            held = [c_doubles(v, count) for v in (coeffs, alphas, decays or [1.0] * count)]  # (alive through the call)
+            dests = destination_addresses(params, sizes)
+            lib.co_zero_lamb_rows_descend(prev.data_ptr(), prev.stride(0), chunk, block, r.data_ptr(), 1e-8,
+                                          held[0][1], segs.offsets.data_ptr(), count, dests.data_ptr(),
+                                          None if decays is None else held[2][1], held[1][1])
+        else:
+            compose_lamb_descend_(t.clone(), r, 1e-8, coeffs, params, segs, decays, alphas)
+        outs += params
+    return outs
+
+
+harness.register("zero_passes", harness.Check(((31,),), _check_case))

@@ -1,8 +1,5 @@
-"""Flat buckets: layout, and the per-parameter views kept for the bucket's own buffers (made once,
-let go with the buffer)."""
-import gc
-import weakref
-
+"""Flat buckets: their layout, the views of their buffers, and the declared buffers an
+optimizer's buckets hold."""
 import pytest
 import torch
 from torch import nn
@@ -23,114 +20,65 @@ def test_reverse_order_and_offsets():
     assert bucket.offsets == [0, 2, 10, 14]
 
 
-def test_views_of_own_buffers_are_made_once_and_alias_them():
+def test_views_alias_the_flat_buffer():
     _, bucket = _bucket()
-    flat = bucket.flat("exp_avg")
+    flat = torch.zeros(bucket.numel)
     views = bucket.views(flat)
-    assert bucket.views(flat) is views
-    padded = bucket.flats["padded"] = torch.zeros(bucket.numel + 7)
-    assert bucket.views(padded[: bucket.numel]) is bucket.views(padded)  # a prefix: the same views
     views[1].fill_(3.0)
-    assert flat[2:10].eq(3.0).all() and [v.shape for v in views] == [tuple(p.shape) for p in bucket.params]
+    assert flat[2:10].eq(3.0).all() and flat[:2].eq(0.0).all() and flat[10:].eq(0.0).all()
+    assert [v.shape for v in views] == [tuple(p.shape) for p in bucket.params]
 
 
-def test_views_of_other_tensors_are_not_kept():
-    _, bucket = _bucket()
-    other = torch.zeros(bucket.numel)
-    assert bucket.views(other) is not bucket.views(other)
-    assert not bucket._views
+_CONFIGS = [
+    ("OnebitAdam", {"freeze_step": 2}),
+    ("OnebitAdam", {"freeze_step": 2, "zero_stage": 1}),
+    ("OnebitLamb", {"freeze_step": 2}),
+    ("OnebitLamb", {"freeze_step": 2, "zero_stage": 2}),
+    ("ZeroOneAdam", {"var_freeze_step": 2}),
+]
 
 
-def test_a_dropped_buffer_is_let_go():
-    _, bucket = _bucket()
-    flat = bucket.flat("exp_avg")
-    bucket.views(flat)
-    gone = weakref.ref(flat)
-    del bucket.flats["exp_avg"], flat
-    bucket.views(bucket.flat("grad"))  # the next call forgets the dropped buffer's views
-    gc.collect()
-    assert gone() is None
+@pytest.mark.parametrize("name,kw", _CONFIGS)
+def test_every_bucket_buffer_is_declared_with_its_role_and_dtype(name, kw):
+    """After warmup and compression steps, each part of every bucket (the engine's, the exchange's
+    error feedback, the algorithm's and ZeRO's) holds only its declared fields, each tensor in its
+    declared dtype; nothing of one step (``STEP``) outlives it; the names the checkpoint lists come
+    from the declarations."""
+    import dataclasses
 
-
-@pytest.mark.parametrize("how", ["assign", "pop", "update", "setdefault", "clear"])
-def test_a_replaced_buffer_is_let_go_and_its_successor_viewed(how):
-    """The kept views follow which tensor each name holds, however the name changed hands (the
-    bucket looks again only when its buffers changed)."""
-    _, bucket = _bucket()
-    flat = bucket.flat("exp_avg")
-    bucket.views(flat)
-    gone = weakref.ref(flat)
-    new = torch.full((bucket.numel,), 2.0)
-    if how == "assign":
-        bucket.flats["exp_avg"] = new
-    elif how == "pop":
-        bucket.flats.pop("exp_avg")
-        bucket.flats["exp_avg"] = new
-    elif how == "update":
-        bucket.flats.update(exp_avg=new)
-    elif how == "setdefault":
-        bucket.flats.clear()
-        assert bucket.flats.setdefault("exp_avg", new) is new
-    else:
-        bucket.flats.clear()
-        bucket.flats["exp_avg"] = new
-    del flat
-    views = bucket.views(new)
-    assert bucket.views(new) is views and all(v.eq(2.0).all() for v in views)
-    views[0].fill_(5.0)
-    assert new[: bucket.params[0].numel()].eq(5.0).all()
-    gc.collect()
-    assert gone() is None
-
-
-def test_an_optimizers_buckets_hold_only_declared_buffers():
-    """Every bucket buffer is declared once with its role and dtype (compressed_opt.buffers): an
-    undeclared name, or a tensor of another dtype, raises; the lists the library reads come from
-    the declarations, and ZeRO's sharded layout overlays its own."""
     import compressed_opt
-    from compressed_opt.buffers import SAVED, SCRATCH
+    from compressed_opt import state
     from compressed_opt.comm import SingleProcessBackend
 
-    model = torch.nn.Linear(4, 3)
-    opt = compressed_opt.OnebitAdam(model.parameters(), freeze_step=1, backend=SingleProcessBackend())
-    bucket = opt.buckets[0]
-    with pytest.raises(KeyError, match="'exp_avg_typo' is not declared"):
-        bucket.flat("exp_avg_typo")
-    with pytest.raises(KeyError, match="not declared"):
-        bucket.flats.get("grad_padded")  # ZeRO's, not this layout's
-    with pytest.raises(TypeError, match="declared torch.float32"):
-        bucket.flats["worker_error"] = torch.zeros(3, dtype=torch.float64)
-    assert compressed_opt.OnebitAdam.bucket_state_names == ("exp_avg", "exp_avg_sq")
-    assert compressed_opt.OnebitLamb.bucket_state_names == ("exp_avg", "exp_avg_sq", "exp_avg_sq_fresh")
-    assert compressed_opt.ZeroOneAdam.saved_bucket_buffers == ("worker_error", "server_error")
-    assert "no_variance" in compressed_opt.ZeroOneAdam.scratch_names
-
-    sharded = compressed_opt.OnebitLamb(torch.nn.Linear(4, 3).parameters(), freeze_step=1, zero_stage=1,
-                                        backend=SingleProcessBackend())
-    assert sharded.bucket_state_names == ()  # no whole-bucket per-parameter state when sharded
-    assert "exp_avg_sq" not in sharded.declared and sharded.declared["exp_avg"].role == SAVED
-    assert {"exp_avg_shard", "momentum_rows", "exp_avg_sq_fresh_shard"} <= set(sharded.saved_bucket_buffers)
-    assert sharded.declared["layer_ids"].role == SCRATCH and sharded.declared["layer_ids"].dtype == torch.int64
-    assert type(sharded).saved_bucket_buffers == ("worker_error", "server_error")  # the class keeps its own
-
-
-def test_step_destinations_are_checked_once_per_step_and_dropped_at_its_end():
-    from compressed_opt.cuda.addresses import Destinations, destination_addresses
-
-    model, bucket = _bucket()
-    dests = bucket.step_destinations()
-    assert isinstance(dests, Destinations) and list(dests) == bucket.params
-    assert bucket.step_destinations() is dests  # (the same step: not walked again)
-    assert destination_addresses(dests, bucket.segments.sizes) is dests.addresses
-    assert dests.addresses.tolist() == [p.data_ptr() for p in bucket.params]
-    with pytest.raises(ValueError, match="one destination per segment"):
-        destination_addresses(dests, bucket.segments.sizes[:-1])
-    bucket.forget_step()
-    with torch.no_grad():
-        model[0].weight.data = model[0].weight.data.t().contiguous().t()  # (between steps: not contiguous now)
-    plain = bucket.step_destinations()
-    assert not isinstance(plain, Destinations) and plain is bucket.params  # a C pass cannot write it
-    assert destination_addresses(plain, bucket.segments.sizes) is None
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 2))
+    opt = getattr(compressed_opt, name)(model.parameters(), backend=SingleProcessBackend(), **kw)
+    for _ in range(5):
+        opt.zero_grad()
+        model(torch.randn(4, 6)).square().sum().backward()
+        opt.step()
+    seen = set()
+    for b in opt.engine.buckets:
+        for part in state.parts(b.state) + [b.feedback, b.sync]:
+            fields = {f.name: f for f in dataclasses.fields(part)}
+            assert set(vars(part)) <= set(fields), (type(part).__name__, set(vars(part)) - set(fields))
+            for n, f in fields.items():
+                value, role = getattr(part, n), f.metadata.get("role")
+                if role == state.STEP:
+                    assert value is None, (type(part).__name__, n)
+                elif role is not None and isinstance(value, torch.Tensor):
+                    declared = f.metadata["dtype"]  # (one dtype, or a tuple: either)
+                    assert value.dtype in (declared if isinstance(declared, tuple) else (declared,)), (
+                        type(part).__name__, n, value.dtype)
+                    seen.add(n)
+    assert {"worker_error", "server_error"} <= seen  # (the compression stage made its error feedback)
+    names = opt.engine.client.tensor_names()
+    if "zero_stage" in kw:
+        assert names == ()  # no whole-bucket per-parameter state when sharded
+    else:
+        assert names == {"OnebitAdam": ("exp_avg", "exp_avg_sq"),
+                         "OnebitLamb": ("exp_avg", "exp_avg_sq", "exp_avg_sq_fresh"),
+                         "ZeroOneAdam": ("exp_avg", "exp_avg_sq", "momentum_accumulator", "sync_params")}[name]
 
 
 def test_addresses_are_checked_as_they_are_walked():
@@ -161,17 +109,21 @@ def test_param_states_follow_the_optimizers_state_mapping():
     """The per-layer scalars a step writes land in the state a checkpoint saves, also after
     ``load_state_dict`` made a new mapping: a run resumed from its own state in the compression
     stage saves what the uninterrupted run saves, bit for bit."""
-    from collections import defaultdict
-
     import compressed_opt
-    from compressed_opt.buckets import param_states
     from compressed_opt.comm import SingleProcessBackend
 
-    _, bucket = _bucket()
-    first, second = defaultdict(dict), defaultdict(dict)
-    states = param_states(first, bucket)
-    assert param_states(first, bucket) is states and all(st is first[p] for st, p in zip(states, bucket.params))
-    assert all(st is second[p] for st, p in zip(param_states(second, bucket), bucket.params))  # (another mapping)
+    # (param_states(opt.state, b) is now b.state.states, made with the bucket from the optimizer's state)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    opt = compressed_opt.OnebitAdam(model.parameters(), backend=SingleProcessBackend())
+    [bucket] = opt.engine.buckets
+    first = opt.state
+    states = bucket.state.states
+    assert opt.engine.buckets[0].state.states is states and all(st is first[p] for st, p in zip(states, bucket.params))
+    opt.load_state_dict(opt.state_dict())
+    second = opt.state
+    assert second is not first  # (another mapping)
+    [bucket] = opt.engine.buckets
+    assert all(st is second[p] for st, p in zip(bucket.state.states, bucket.params))
 
     def run(reload_at=None):
         g = torch.Generator().manual_seed(0)

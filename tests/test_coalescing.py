@@ -1,4 +1,4 @@
-"""Exchange groups (compressed_opt.optimizer.exchange_groups): consecutive buckets that a param
+"""Exchange groups (compressed_opt.buckets.exchange_groups): consecutive buckets that a param
 group's end cut short share their 1-bit exchange's collectives (comm.coalesced_compressed_allreduce),
 bit for bit the exchanges one by one, on 2 Gloo ranks, from backward and from step(), replicated
 and ZeRO."""
@@ -15,7 +15,7 @@ from compressed_opt.comm import (
     error_buffer_sizes,
     result_rows,
 )
-from compressed_opt.optimizer import exchange_groups
+from compressed_opt.buckets import exchange_groups
 from distributed import run_ranks
 
 STEPS, FREEZE = 8, 3
@@ -71,15 +71,15 @@ def _train(rank, world, name, coalesce, overlap):
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(12, 12) for _ in range(4)])
     groups = [{"params": [p], "lr": 1e-3 * (i + 1)} for i, p in enumerate(model.parameters())]  # a bucket each
-    import compressed_opt.optimizer as optimizer
+    import compressed_opt.engine as engine  # (where the engine looks the groups up)
 
-    grouped = optimizer.exchange_groups
+    grouped = engine.exchange_groups
     if not coalesce:
-        optimizer.exchange_groups = lambda buckets, cap: [[b.index] for b in buckets]
+        engine.exchange_groups = lambda buckets, cap: [[b.index] for b in buckets]
     try:
         return _steps(rank, model, cls(groups, path="1bit", overlap=overlap, **kwargs))
     finally:
-        optimizer.exchange_groups = grouped
+        engine.exchange_groups = grouped
 
 
 def _steps(rank, model, opt):
@@ -92,7 +92,8 @@ def _steps(rank, model, opt):
         opt.step()
         opt.zero_grad()
         calls.append({k: v - before.get(k, 0) for k, v in opt.backend.stats.calls.items()})
-    out = {"params": [p.detach().clone() for p in model.parameters()], "calls": calls, "buckets": len(opt.buckets)}
+    out = {"params": [p.detach().clone() for p in model.parameters()], "calls": calls,
+           "buckets": len(opt.engine.buckets)}
     opt.close()
     return out
 

@@ -17,6 +17,7 @@ import torch
 from distributed import run_ranks
 
 import compressed_opt
+from compressed_opt import state
 from compressed_opt.checkpoint import CheckpointError
 
 SAVE_AT, STEPS = 6, 10
@@ -56,10 +57,12 @@ def _snapshot(model, opt) -> dict:
         for k, v in opt.state[p].items():
             if isinstance(v, torch.Tensor):
                 out[f"state.{i}.{k}"] = v.detach().clone()
-    for j, b in enumerate(opt.buckets):
-        for k in ("worker_error", "server_error", *opt.saved_bucket_buffers):
-            if k in b.flats:
-                out[f"bucket.{j}.{k}"] = b.flats[k].clone()
+    for j, b in enumerate(opt.engine.buckets):
+        # the error feedback (worker_error, server_error) and the algorithm's saved buffers
+        for part in state.parts(b.state) + [b.feedback, b.sync]:
+            for k in state.names(part, state.SAVED):
+                if getattr(part, k) is not None:
+                    out[f"bucket.{j}.{k}"] = getattr(part, k).clone()
     return out
 
 
@@ -73,7 +76,7 @@ def _resume_from_rank0(rank, world, name, folder, consolidated):
     model = _model(0)
     opt = _make(name, model)
     _train(model, opt, rank, range(1, SAVE_AT + 1))
-    facts = {"own_parameters": opt.rank_parameters()}
+    facts = {"own_parameters": opt.engine.client.rank_parameters()}
     if consolidated:
         opt.consolidate_state_dict(0)
     if rank == 0:
@@ -151,7 +154,7 @@ def test_consolidated_file_on_another_world_size_and_damaged(tmp_path):
     opt = compressed_opt.OnebitAdam(model.parameters(), lr=1e-2, freeze_step=3, bucket_cap_mb=0.001, backend=single)
     with pytest.warns(RuntimeWarning, match="holds the state of 2 ranks and is loaded on 1"):
         opt.load_state_dict(sd)
-    assert opt.frozen and opt.global_step == SAVE_AT
+    assert opt.compressing and opt.global_step == SAVE_AT
     _train(model, opt, 0, range(SAVE_AT + 1, STEPS + 1))  # error feedback from zero, training goes on
     assert all(torch.isfinite(p).all() for p in model.parameters())
 

@@ -37,7 +37,7 @@ def _moments(opt, whole=lambda p, t: t) -> dict:
     """``{(i, name): tensor}``: the per-parameter buffers, each made whole by ``whole``."""
     params = [p for g in opt.param_groups for p in g["params"]]
     return {(i, name): whole(p, opt.state[p][name].detach().clone())
-            for i, p in enumerate(params) for name in opt.bucket_state_names if name in opt.state[p]}
+            for i, p in enumerate(params) for name in opt.engine.client.tensor_names() if name in opt.state[p]}
 
 
 # --- replicated: 2 ranks -> 1 process and -> 3 ranks ------------------------------------------------
@@ -49,7 +49,7 @@ def _save_replicated(rank, world, root):
         opt = getattr(compressed_opt, name)(model.parameters(), lr=1e-2, **kw)
         _train(model, opt, rank, range(1, SAVE_AT + 1))
         dcp.save({"model": model.state_dict(), "optim": OptimizerState(opt)}, checkpoint_id=os.path.join(root, name))
-        out[name] = (_moments(opt), opt.global_step, opt.compressing, opt.rank_parameters())
+        out[name] = (_moments(opt), opt.global_step, opt.compressing, opt.engine.client.rank_parameters())
     return out
 
 
@@ -146,7 +146,8 @@ def _whole(opt):
     from torch.distributed.tensor import DTensor
 
     def whole(p, local):
-        dt = opt.model_parameter(p)
+        dt = opt.engine.local_shards.dtensor_of(p)
+        dt = p if dt is None else dt
         return DTensor.from_local(local, dt.device_mesh, dt.placements, run_check=False, shape=dt.shape,
                                   stride=dt.stride()).full_tensor()
     return whole

@@ -39,8 +39,8 @@ def test_zero_one_adam_section():
                                                  "local_step_scaler": 1000, "local_step_clipper": 16}}
     opt = from_deepspeed_config(params(), section)
     assert isinstance(opt, ZeroOneAdam) and opt.param_groups[0]["lr"] == 1e-3
-    assert (opt.var_freeze_step, opt.var_update_scaler, opt.local_step_scaler, opt.local_step_clipper) == (
-        100, 16, 1000, 16)
+    assert (opt.var_freeze_step, opt.schedule.var_update_scaler, opt.schedule.local_step_scaler,
+            opt.schedule.local_step_clipper) == (100, 16, 1000, 16)
 
 
 @pytest.mark.parametrize(
@@ -61,12 +61,12 @@ def test_zero_stage_from_the_whole_config_and_options():
     config = {"optimizer": {"type": "OneBitLamb", "params": {"lr": 1e-3, "freeze_step": 10}},
               "zero_optimization": {"stage": 2}}
     opt = from_deepspeed_config(params(), config, backend=SingleProcessBackend())
-    assert isinstance(opt, OnebitLamb) and opt.zero_stage == 2
+    assert isinstance(opt, OnebitLamb) and opt.engine.client.zero_stage == 2
     opt = from_deepspeed_config(params(), config, backend=SingleProcessBackend(), zero_stage=0, overlap=False,
                                 bucket_cap_mb=1.0)
-    assert opt.zero_stage == 0 and opt.overlap is False and opt.bucket_cap_bytes == 2**20
+    assert opt.engine.client.zero_stage == 0 and opt.engine.overlap is False and opt.engine.bucket_cap_bytes == 2**20
     section_only = from_deepspeed_config(params(), config["optimizer"], backend=SingleProcessBackend())
-    assert section_only.zero_stage == 0  # a section alone carries no ZeRO setting
+    assert section_only.engine.client.zero_stage == 0  # a section alone carries no ZeRO setting
 
 
 @pytest.mark.parametrize("config, match", [

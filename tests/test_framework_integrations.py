@@ -47,7 +47,8 @@ def _launcher_env(rank: int, world: int) -> None:
 
 def _own_errors(opt) -> list:
     """This rank's own error feedback, per bucket (what its part of a consolidated file must hold)."""
-    return [{k: v.clone() for k, v in e.items() if k != "numel"} for e in opt.rank_part()["buckets"]]
+    part = compressed_opt.checkpoint.rank_part(opt.engine, opt.engine.client, opt.param_groups, opt.state)
+    return [{k: v.clone() for k, v in e.items() if k != "numel"} for e in part["buckets"]]
 
 
 def _file_facts(sd: dict) -> dict:

@@ -1,4 +1,4 @@
-"""The optimizers on the hierarchical exchange (compressed_opt.averaging): 4 Gloo ranks as 2 nodes of 2
+"""The optimizers on the hierarchical exchange (compressed_opt.exchange): 4 Gloo ranks as 2 nodes of 2
 (``COMPRESSED_OPT_RANKS_PER_NODE=2``). Checked, for every optimizer: the exchange chosen is the
 hierarchical one (``hierarchy="auto"`` on 2 x 2) and identical on every rank; the ranks' parameters
 stay identical; the training loss falls as on the flat exchange (within the flat run's bounds); the
@@ -82,11 +82,11 @@ def _run(rank, world, name, hierarchy, per_node_env):
     more, total, inter = _compression_bytes(opt, model, rank, range(FREEZE + 2, STEPS + 1), calls)
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     if name == "zerooneadam":  # between synchronisations each rank's own: the anchors of the last one
-        flat = torch.cat([b.flat("sync_params") for b in opt.buckets])
-    return {"key": opt.averaging.key, "losses": losses + more, "params": flat,
+        flat = torch.cat([b.state.buffers.sync_params for b in opt.engine.buckets])
+    return {"key": opt.engine.exchange.averaging.key, "losses": losses + more, "params": flat,
             "bytes_per_step": total / (STEPS - FREEZE - 1), "inter_per_step": inter / (STEPS - FREEZE - 1),
             "warmup_bytes_per_step": warmup_total / (FREEZE - 1), "warmup_inter_per_step": warmup_inter / (FREEZE - 1),
-            "calls_per_step": calls, "buckets": len(opt.buckets)}
+            "calls_per_step": calls, "buckets": len(opt.engine.buckets)}
 
 
 @pytest.mark.multiprocess
@@ -186,7 +186,8 @@ def _measured_exchange(rank, world, folder):
 
     import torch.distributed as dist
 
-    import compressed_opt.averaging as averaging
+    import compressed_opt.exchange as exchange
+    import compressed_opt.path_cache as path_cache
 
     os.environ["COMPRESSED_OPT_RANKS_PER_NODE"] = "2"
     cache = os.path.join(folder, "cache")
@@ -194,14 +195,14 @@ def _measured_exchange(rank, world, folder):
 
     def timings(flat_faster):
         def fake(avg, backend, numel, device):  # (1-bit seconds, fp32 seconds), the same on every rank
-            flat = isinstance(avg, averaging.FlatAveraging)
+            flat = isinstance(avg, exchange.FlatAveraging)
             return (1e-3 if flat == flat_faster else 5e-3), 1e-2
         return fake
 
-    averaging._time_paths = timings(flat_faster=True)
+    path_cache._time_paths = timings(flat_faster=True)
     opt, opt2, _, same, caught = _save_and_resume(
         rank, folder, _onebit_adam, {"path": "measure"}, {"path": "measure"},
-        between=lambda: setattr(averaging, "_time_paths", timings(flat_faster=False)))
+        between=lambda: setattr(path_cache, "_time_paths", timings(flat_faster=False)))
     model3 = _model()  # a rerun under the timings that favour the hierarchical exchange: the cached choice
     opt3 = _onebit_adam(model3.parameters(), path="measure")
     _train(model3, opt3, rank, range(1, 2))
@@ -212,8 +213,9 @@ def _measured_exchange(rank, world, folder):
     model4 = _model()
     opt4 = _onebit_adam(model4.parameters(), path="measure")
     _train(model4, opt4, rank, range(1, 2))
-    return {"key": opt.averaging.key, "paths": opt.exchange_paths, "resumed_key": opt2.averaging.key,
-            "rerun_key": opt3.averaging.key, "remeasured_key": opt4.averaging.key, "same": same, "warnings": caught}
+    return {"key": opt.engine.exchange.averaging.key, "paths": opt.engine.exchange.paths,
+            "resumed_key": opt2.engine.exchange.averaging.key, "rerun_key": opt3.engine.exchange.averaging.key,
+            "remeasured_key": opt4.engine.exchange.averaging.key, "same": same, "warnings": caught}
 
 
 @pytest.mark.multiprocess
@@ -233,7 +235,7 @@ def _one_rank_disagrees(rank, world):
     model = _model()
     opt = compressed_opt.OnebitAdam(model.parameters(), lr=3e-3, freeze_step=1)
     _train(model, opt, rank, range(1, 3))
-    return opt.averaging.key
+    return opt.engine.exchange.averaging.key
 
 
 @pytest.mark.multiprocess
@@ -250,15 +252,15 @@ def test_bad_hierarchy_is_refused():
         compressed_opt.OnebitAdam(_model().parameters(), hierarchy="node", zero_stage=1)
 
 
-# --- the path per bucket: 1-bit, fp32, or measured on the link (compressed_opt.averaging) ----------
+# --- the path per bucket: 1-bit, fp32, or measured on the link (compressed_opt.path_cache) --------
 def _paths(rank, world, path, skewed, cache):
-    import compressed_opt.averaging as averaging
+    import compressed_opt.path_cache as path_cache
 
     os.environ["COMPRESSED_OPT_CACHE_DIR"] = cache
 
     if skewed and rank == 1:  # this rank's timings say the opposite of the others'
-        real = averaging._time_paths
-        averaging._time_paths = lambda *a: tuple(reversed(real(*a)))
+        real = path_cache._time_paths
+        path_cache._time_paths = lambda *a: tuple(reversed(real(*a)))
     model = _model()
     opt = compressed_opt.OnebitAdam(model.parameters(), lr=3e-3, freeze_step=2, bucket_cap_mb=0.004, path=path,
                                     hierarchy="flat")
@@ -266,7 +268,7 @@ def _paths(rank, world, path, skewed, cache):
     before = dict(opt.backend.stats.bytes_sent)
     _train(model, opt, rank, range(3, 6))
     sent = {k: v - before.get(k, 0) for k, v in opt.backend.stats.bytes_sent.items() if v != before.get(k, 0)}
-    return {"paths": opt.exchange_paths, "sizes": sorted({b.numel for b in opt.buckets}),
+    return {"paths": opt.engine.exchange.paths, "sizes": sorted({b.numel for b in opt.engine.buckets}),
             "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]), "sent": sent,
             "saved": opt.state_dict()["compressed_opt"]["paths"]}
 
@@ -304,7 +306,7 @@ def test_bad_path_is_refused(monkeypatch):
 
 
 def test_the_default_path_is_the_1bit_exchange_whatever_the_timing(monkeypatch):
-    from compressed_opt.averaging import resolve_path
+    from compressed_opt.exchange import resolve_path
 
     monkeypatch.delenv("COMPRESSED_OPT_PATH", raising=False)
     for sharded in (False, True):
@@ -312,8 +314,8 @@ def test_the_default_path_is_the_1bit_exchange_whatever_the_timing(monkeypatch):
             assert resolve_path(None, sharded=sharded, world_size=world) == "1bit"
             assert resolve_path("auto", sharded=sharded, world_size=world) == "1bit"
     assert resolve_path("measure", sharded=False, world_size=2) == "measure"  # only when asked
-    assert compressed_opt.OnebitAdam(_model().parameters()).path == "1bit"
-    assert compressed_opt.ZeroOneAdam(_model().parameters(), path="auto").path == "1bit"
+    assert compressed_opt.OnebitAdam(_model().parameters()).engine.path == "1bit"
+    assert compressed_opt.ZeroOneAdam(_model().parameters(), path="auto").engine.path == "1bit"
     monkeypatch.setenv("COMPRESSED_OPT_PATH", "fp32")  # the variable sets the default ...
     assert resolve_path(None, sharded=False, world_size=2) == "fp32"
-    assert compressed_opt.OnebitLamb(_model().parameters(), path="1bit").path == "1bit"  # ... an argument wins
+    assert compressed_opt.OnebitLamb(_model().parameters(), path="1bit").engine.path == "1bit"  # ... an argument wins

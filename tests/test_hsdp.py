@@ -97,7 +97,8 @@ def _hsdp(rank, world, width):
                 warmup_gap = max(warmup_gap, gap)
             elif step <= FREEZE + NEAR:
                 compression_gap = max(compression_gap, gap)
-            if getattr(opt, "steps_since_sync", 0) == 0:  # (0/1 Adam's local steps differ until a sync)
+            # (0/1 Adam's local steps differ until a sync)
+            if (opt.schedule.steps_since_sync if name == "ZeroOneAdam" else 0) == 0:
                 compared += 1
                 for t in local:
                     both = [torch.empty_like(t) for _ in range(2)]

@@ -9,7 +9,8 @@ import torch
 
 import compressed_opt
 from compressed_opt import cuda as kernels
-from compressed_opt.buckets import Bucket
+from compressed_opt import engine as engine_module
+from compressed_opt import state as declared
 from compressed_opt.comm import SingleProcessBackend
 
 pytestmark = pytest.mark.skipif(kernels.cpu.library() is None, reason="no C compiler here")
@@ -40,13 +41,18 @@ def _run(name, in_place, plan, steps=12, **kw):
     kw.setdefault("var_freeze_step" if name == "ZeroOneAdam" else "freeze_step", 3)
     opt = getattr(compressed_opt, name)(params, lr=1e-3, backend=SingleProcessBackend(), **kw)
     if not in_place:
-        opt.leave_gradients_in_place = lambda bucket, grad: False
+        opt.engine.client.reads_in_place = lambda bucket, step, inline, native: False
     gathered, now = [], [0]  # the loop's steps whose buckets were gathered
-    original = Bucket.gather_grads
+    original = engine_module.kernels
 
-    def spy(self, *a, **k):
-        gathered.append(now[0])
-        return original(self, *a, **k)
+    class Spy:  # (the engine's gather of a bucket's gradients into its buffer: kernels.gather_)
+        def __getattr__(self, name):
+            return getattr(original, name)
+
+        @staticmethod
+        def gather_(*a, **k):
+            gathered.append(now[0])
+            return original.gather_(*a, **k)
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # (the skipped step's warning)
@@ -55,13 +61,13 @@ def _run(name, in_place, plan, steps=12, **kw):
             _grads(params, step, plan)
             if plan.get(step) == "touch m":  # the loop changes the momentum between steps
                 opt.state[params[0]]["exp_avg"].mul_(0.5)
-            Bucket.gather_grads = spy
+            engine_module.kernels = Spy()
             try:
                 opt.step()
             finally:
-                Bucket.gather_grads = original
+                engine_module.kernels = original
     state = [t.clone() for p in params for t in opt.state[p].values() if isinstance(t, torch.Tensor)]
-    return [p.detach().clone() for p in params], state, gathered, opt.nonfinite_steps
+    return [p.detach().clone() for p in params], state, gathered, opt.engine.nonfinite_steps
 
 
 @pytest.mark.parametrize("name,kw,gathers", [
@@ -132,7 +138,7 @@ def _zero_run(rank, world, fused, steps=10, plan=None, backend=None, exchange="p
     finally:
         zero_passes.ZeroLocalMomentum.compress_rows_ = compress
         setattr(home, name, descend)
-    return [p.detach().clone() for p in params], ran, opt.nonfinite_steps
+    return [p.detach().clone() for p in params], ran, opt.engine.nonfinite_steps
 
 
 def _bits(ts):
@@ -238,7 +244,8 @@ def test_no_gradient_stays_referenced_after_a_skipped_step(name, kw):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
             opt.step()
-    assert opt.nonfinite_steps == 1
-    assert not any(k.startswith("step.") for b in opt.buckets for k in b.derived)
+    assert opt.engine.nonfinite_steps == 1
+    assert all(getattr(part, n) is None for b in opt.engine.buckets
+               for part in declared.parts(b.state) + [b.feedback, b.sync] for n in declared.names(part, declared.STEP))
     opt.zero_grad()
     assert all(r() is None for r in refs)

@@ -280,17 +280,19 @@ def test_the_optimizer_reads_the_exchange_rows_as_it_read_y(exchange, trust_rati
 def test_rows_the_step_cannot_pass_are_decompressed_for_the_composition(monkeypatch):
     """Where the rows were kept but the step does not run the native passes, it decompresses them
     into the bucket and composes: the bits of the composition from the exchange's own ``y``."""
-    original = OnebitLamb._fused_passes_ready
+    from compressed_opt.onebit_lamb import LambAlgorithm  # (OnebitLamb's algorithm: opt.engine.client)
+
+    original = LambAlgorithm._passes_ready
     expanded = []
 
-    def not_from_rows(self, bucket, y, step, params=None):
+    def not_from_rows(self, bucket, y, params=None):
         if isinstance(y, CompressedResult):
             expanded.append(1)
             return False
-        return original(self, bucket, y, step, params)
+        return original(self, bucket, y, params)
 
     with monkeypatch.context() as patch:
-        patch.setattr(OnebitLamb, "_fused_passes_ready", not_from_rows)
+        patch.setattr(LambAlgorithm, "_passes_ready", not_from_rows)
         from_rows = _train(True, monkeypatch)
     assert expanded
     composed = _train(False, monkeypatch)

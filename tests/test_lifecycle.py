@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from compressed_opt import OnebitAdam, OnebitLamb, ZeroOneAdam
+from compressed_opt import OnebitAdam, OnebitLamb, ZeroOneAdam, state
 from distributed import run_ranks, spawn_ranks
 from optim_tasks import mlp, shard_batches
 
@@ -70,7 +70,7 @@ def test_a_new_optimizer_on_the_same_parameters_replaces_the_old_one():
     old = OnebitAdam(model.parameters())
     with pytest.warns(RuntimeWarning, match="old one was closed"):
         new = OnebitAdam(model.parameters())
-    assert old._closed and not new._closed and _hooks(model) == 6
+    assert old.engine.closed and not new.engine.closed and _hooks(model) == 6
 
 
 def _recreate(rank, world, name):
@@ -118,7 +118,7 @@ def _nan_once(rank, world, name, mode, at_step):
             state_kept = all(torch.equal(before[k], v) for k, v in _buffers(opt).items())
     finite = all(_no_poison(k, v) for k, v in _buffers(opt).items()) and all(
         torch.isfinite(p).all() for p in model.parameters())
-    return dict(skipped=opt.nonfinite_steps, warned=caught, unchanged=unchanged, state_kept=state_kept,
+    return dict(skipped=opt.engine.nonfinite_steps, warned=caught, unchanged=unchanged, state_kept=state_kept,
                 finite=finite, steps=opt.global_step, params=[p.detach().clone() for p in model.parameters()])
 
 
@@ -129,10 +129,12 @@ def _no_poison(name, t):
 
 def _buffers(opt):
     out = {}
-    for b in opt.buckets:
-        for name, t in b.flats.items():
-            if name not in opt.scratch_names:
-                out[f"{b.index}.{name}"] = t
+    for b in opt.engine.buckets:  # every declared bucket buffer but the workspace (SCRATCH, and a step's STEP)
+        for part in state.parts(b.state) + [b.feedback, b.sync]:
+            for name in state.names(part, state.STATE, state.SAVED, state.LAYER, state.DERIVED):
+                t = getattr(part, name)
+                if isinstance(t, torch.Tensor):
+                    out[f"{b.index}.{type(part).__name__}.{name}"] = t
     return out
 
 

@@ -81,7 +81,7 @@ def _tensor_parallel(rank, world):
                 gap = max(gap, max((p.full_tensor() - q.detach()).abs().max().item()
                                    for p, q in zip(model.parameters(), whole.parameters())))
             local = [p.to_local().detach() for p in model.parameters()]
-            if getattr(opt, "steps_since_sync", 0) == 0:
+            if (opt.schedule.steps_since_sync if name == "ZeroOneAdam" else 0) == 0:
                 compared += 1
                 replicas &= _equal_over(dp, local)
             tp_copies &= _equal_over(mesh["tp"].get_group(), [model[2].bias.to_local().detach()])

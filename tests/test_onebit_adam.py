@@ -54,13 +54,13 @@ def _warmup_and_compression(rank, world, steps, freeze_step, exchange="precondit
         opt.step()
         snapshots.append([p.detach().clone() for p in model.parameters()])
     stats = opt.backend.stats.snapshot()
-    return snapshots, stats, opt.frozen
+    return snapshots, stats, opt.compressing
 
 
 def preconditioned_exchange(m, v_f, sizes, eps, betas):
     """The preconditioned exchange's fixed factors, written out from the module doc: per element
     ``R = c_l / sqrt(v_f)`` and ``A = sqrt(v_f) / (sqrt(v_f) + eps) / c_l`` (both 0 where
-    ``v_f == 0``), per element the bound ``K c_l`` (``K = 1.25``, ``compressed_opt.moments.COMPRESSED_STEP_BOUND``,
+    ``v_f == 0``), per element the bound ``K c_l`` (``K = 1.25``, ``compressed_opt.onebit_adam.COMPRESSED_STEP_BOUND``,
     on the exchanged ``s_l R m_i``); ``c_l = mean_k s_k / s_l`` with
     ``s_l`` the RMS of ``m / sqrt(v_f)`` over layer ``l`` (1 for an all-zero layer)."""
     denom = (v_f.sqrt() + eps).masked_fill(v_f == 0, float("inf"))
@@ -217,7 +217,7 @@ def test_checkpoint_from_another_world_size_resets_error_buffers_with_a_warning(
     opt = OnebitAdam(model.parameters(), freeze_step=4, **HP)
     with pytest.warns(RuntimeWarning, match="error-feedback buffers .* were reset to zero"):
         opt.load_state_dict(ckpt)
-    assert opt.frozen and opt.global_step == 7
+    assert opt.compressing and opt.global_step == 7
     x, y = digits()
     nn.functional.cross_entropy(model(x[:32]), y[:32]).backward()
     opt.step()
@@ -341,7 +341,7 @@ def test_torch_compile_model():
     start = full_loss(model)
     for i in range(8):
         run_steps(compiled, opt, [(x[i * 64 : (i + 1) * 64], y[i * 64 : (i + 1) * 64])])
-    assert opt.frozen and full_loss(model) < start
+    assert opt.compressing and full_loss(model) < start
 
 
 def test_zero_grad_keeps_or_drops_gradients():
@@ -403,7 +403,7 @@ def test_sparse_and_complex_are_rejected():
 def test_single_process_backend_by_default_and_the_auto_string():
     opt = OnebitAdam(nn.Linear(2, 2).parameters(), freeze_step="auto")
     assert isinstance(opt.backend, SingleProcessBackend)
-    assert isinstance(opt.freeze_rule, VarianceStabilityRule) and opt.freeze_step is None
+    assert isinstance(opt.engine.client.schedule_.rule, VarianceStabilityRule) and opt.freeze_step is None
 
 
 def test_rejected_param_group_is_not_kept():
@@ -413,20 +413,26 @@ def test_rejected_param_group_is_not_kept():
     assert len(opt.param_groups) == 1
 
 
+def _group_of(opt, p):
+    """The param group of ``p``, as the optimizer looks it up: through the bucket holding it."""
+    b = next(b for b in opt.engine.buckets if any(q is p for q in b.params))
+    return opt.param_groups[b.group_index]
+
+
 def test_group_of_follows_load_state_dict():
     """load_state_dict replaces the group dicts: lookups must see the new ones (the DDP exchange
     reads beta1 through them)."""
     model = nn.Linear(3, 2)
     opt = OnebitAdam(model.parameters(), betas=(0.9, 0.999), freeze_step=2)
-    assert opt.group_of(model.weight)["betas"] == (0.9, 0.999)  # looked up before the load
+    assert _group_of(opt, model.weight)["betas"] == (0.9, 0.999)  # looked up before the load
     sd = opt.state_dict()
     sd["param_groups"][0]["betas"] = (0.5, 0.9)
     opt.load_state_dict(sd)
-    assert opt.group_of(model.weight) is opt.param_groups[0]
-    assert opt.group_of(model.bias)["betas"] == (0.5, 0.9)
+    assert _group_of(opt, model.weight) is opt.param_groups[0]
+    assert _group_of(opt, model.bias)["betas"] == (0.5, 0.9)
     extra = nn.Parameter(torch.zeros(2))
     opt.add_param_group({"params": [extra], "betas": (0.8, 0.99)})
-    assert opt.group_of(extra)["betas"] == (0.8, 0.99) and opt.param_index(extra) == 2
+    assert _group_of(opt, extra)["betas"] == (0.8, 0.99) and opt.engine.param_index(extra) == 2
 
 
 # --- coordinates of tiny variance (GPT-2's key bias) ---------------------------------------------
@@ -479,7 +485,7 @@ def test_a_gradient_that_grew_after_the_freeze_steps_no_further_than_the_bound()
     exchange): no coordinate steps further than ``lr K`` (``K = COMPRESSED_STEP_BOUND``, 1.5; the
     1-bit scale's error feedback adds a few percent). With the bound of Adam's spike, not divided
     by the factor, the grown coordinates stepped 3.8 ``lr``. They still step: over ``lr``."""
-    from compressed_opt.moments import COMPRESSED_STEP_BOUND
+    from compressed_opt.onebit_adam import COMPRESSED_STEP_BOUND
 
     lr, freeze, steps = 1e-3, 10, 200
     gen = torch.Generator().manual_seed(5)
@@ -499,7 +505,9 @@ def test_a_gradient_that_grew_after_the_freeze_steps_no_further_than_the_bound()
         if t > freeze:
             worst = max(worst, move.max().item())
             grown.append(move[:4].min().item())
-    factor = opt._last_variance_factors(opt.buckets[0])[0]
+    bucket = opt.engine.buckets[0]
+    factor = opt.engine.client.tracking.last_factors(bucket, bucket.state.tracked, opt.param_groups[bucket.group_index],
+                                                   opt.global_step)[0]
     assert factor > 2.5, factor  # the tracking does amplify this layer's steps
     assert worst <= 1.1 * COMPRESSED_STEP_BOUND * lr, worst / lr
     assert sum(grown[-20:]) / 20 >= lr, [x / lr for x in grown[-20:]]
@@ -578,7 +586,7 @@ def _fused_adamw_on_flat_buckets(opt, params: list, hp: dict):
     index = {id(p): i for i, p in enumerate(opt.param_groups[0]["params"])}
 
     def step(t):
-        for b in opt.buckets:
+        for b in opt.engine.buckets:
             mine = [params[index[id(p)]] for p in b.params]
             flat = torch.cat([p.detach().reshape(-1) for p in mine])
             grad = torch.cat([p.grad.reshape(-1) for p in mine])
@@ -623,7 +631,7 @@ def _warmup_against_fused_adamw(opt_kwargs: dict, hp: dict, steps: int = 6, exac
             if exact == "per tensor":
                 assert torch.equal(opt.state[p]["exp_avg"], ref.state[q]["exp_avg"])
                 assert torch.equal(opt.state[p]["exp_avg_sq"], ref.state[q]["exp_avg_sq"])
-    buckets = len(opt.buckets)
+    buckets = len(opt.engine.buckets)
     opt.close()
     return buckets
 

@@ -286,7 +286,7 @@ def _two_rank_suite(rank, world, steps, freeze, cuts, folder):
     its (max parameter diff, max optimizer-state diff) at the end against the uninterrupted run."""
     batches = list(live_batches(rank, world, steps))
     model, opt = _make(0, freeze)
-    assert len(opt.buckets) == 1
+    assert len(opt.engine.buckets) == 1
     history = []
     for k, batch in enumerate(batches, start=1):
         run_steps(model, opt, [batch])
@@ -544,7 +544,7 @@ def test_the_warmup_runs_two_native_passes_bit_for_bit(kw, monkeypatch):
         state = [v for entry in sd["compressed_opt"]["buckets"] for v in entry.values() if isinstance(v, torch.Tensor)]
         state += [v if isinstance(v, torch.Tensor) else torch.tensor(v) for st in sd["state"].values()
                   for _, v in sorted(st.items())]
-        return [p.detach().clone() for p in params] + [t.clone() for t in state], len(opt.buckets)
+        return [p.detach().clone() for p in params] + [t.clone() for t in state], len(opt.engine.buckets)
 
     (mine, buckets), (theirs, _) = run(True), run(False)
     assert ran.count("m") == 5 * buckets and ran.count("u") == 5 * buckets and buckets >= 3

@@ -406,7 +406,7 @@ def test_bad_hyperparameters_raise_as_adamw(info, kwargs):
 def test_a_bad_scale_block_is_refused_when_the_optimizer_is_made(info, block):
     with pytest.raises(ValueError, match="scale_block must be a positive multiple of 256 elements"):
         info.cls(make_params(), scale_block=block)
-    assert info.cls(make_params(), scale_block=2048).scale_block == 2048
+    assert info.cls(make_params(), scale_block=2048).engine.scale_block == 2048
 
 
 # Where ours differ from AdamW, on purpose: (kwargs, AdamW's outcome type, ours, what ours says)
@@ -630,8 +630,8 @@ def test_a_copy_steps_like_the_original(info, stage, how):
         assert not storages(opt) & storages(opt_c)
         if how == "deepcopy":
             assert _public(opt_c) == _public(opt)
-        else:  # the backend is made when first used
-            assert "backend" not in opt_c.__dict__ and _public(opt_c) | {"backend"} == _public(opt)
+        else:  # the backend is made when first used (with the engine, the lazy part)
+            assert "engine" not in opt_c.__dict__ and _public(opt_c) | {"engine"} == _public(opt)
         assert opt_c.defaults == opt.defaults
         assert opt_c.global_step == SPLIT and opt_c.compressing == opt.compressing
         for i in range(SPLIT, STEPS):
@@ -649,10 +649,10 @@ def test_a_copy_hooks_its_own_parameters_and_the_original_keeps_its_hooks(info):
     train(opt, params, 0, SPLIT)
     params_c, opt_c = copy.deepcopy((params, opt))
     loss_at(params_c, 0).backward()
-    assert opt._launcher.idle() and not opt_c._launcher.idle()
+    assert opt.engine.idle and not opt_c.engine.idle
     opt_c.step()
     loss_at(params, 0).backward()
-    assert not opt._launcher.idle() and opt_c._launcher.idle()
+    assert not opt.engine.idle and opt_c.engine.idle
     opt.step()
 
 
@@ -688,9 +688,9 @@ def test_unpickled_backend_is_made_on_first_use_on_the_same_rank(info):
     train(opt, params, 0, SPLIT)
     state = pickle.dumps((params, opt))
     params_c, opt_c = pickle.loads(state)
-    assert "backend" not in opt_c.__dict__
+    assert "engine" not in opt_c.__dict__
     again = pickle.loads(pickle.dumps(opt_c))  # copies of it stay lazy
-    assert "backend" not in again.__dict__ and "backend" not in copy.deepcopy(again).__dict__
+    assert "engine" not in again.__dict__ and "engine" not in copy.deepcopy(again).__dict__
     assert isinstance(opt_c.backend, SingleProcessBackend) and opt_c.backend is not opt.backend
     _, elsewhere = pickle.loads(state)
     elsewhere._unpickled_place = (1, 2)  # as if pickled on rank 1 of 2
@@ -716,10 +716,10 @@ def test_copies_that_cannot_work_raise_clearly(info):
         pickle.dumps(opt)
     opt.step()
     copy.deepcopy(opt)  # between steps again
-    opt.attach_averager(object())  # as register_ddp_comm_hook does
+    opt.engine.attach_averager(object())  # as register_ddp_comm_hook does
     with pytest.raises(RuntimeError, match="DistributedDataParallel communication hook"):
         copy.deepcopy(opt)
-    opt._averager = None
+    opt.engine.averager = None
     custom = info.make(make_params(), "warmup", backend=_CustomBackend())
     with pytest.raises(TypeError, match="cannot pickle a .* whose backend is"):
         pickle.dumps(custom)

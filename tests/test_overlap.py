@@ -34,9 +34,9 @@ def _train(rank, world, overlap, steps=8, freeze=4, accumulate=1, mode="plain"):
                     loss.backward()
             else:
                 loss.backward()
-        launched_before_step.append(opt._launcher.launched)
+        launched_before_step.append(opt.engine._next)  # (the buckets launched from backward)
         opt.step()
-    return [p.detach().clone() for p in model.parameters()], launched_before_step, len(opt.buckets)
+    return [p.detach().clone() for p in model.parameters()], launched_before_step, len(opt.engine.buckets)
 
 
 @pytest.mark.multiprocess

@@ -51,14 +51,15 @@ def test_a_small_layer_keeps_its_size_through_the_exchange():
 def test_errors_move_with_the_coefficients():
     model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
     opt = ZeroOneAdam(model.parameters(), backend=SingleProcessBackend())
-    [bucket] = opt.buckets
-    we, se = opt.error_buffers(bucket)
+    [bucket] = opt.engine.buckets
+    feedback = opt.engine.exchange.feedback_for(bucket.feedback, bucket.numel, bucket.device)  # (zeros, made here)
+    we, se = feedback.worker_error, feedback.server_error
     we.copy_(torch.arange(we.numel(), dtype=torch.float32))
     se.copy_(torch.arange(se.numel(), dtype=torch.float32))
     old = [1.0, 2.0, 4.0, 8.0]
     new = [2.0, 2.0, 1.0, 4.0]
     before_we, before_se = we.clone(), se.clone()
-    scaling.rescale_errors(opt, bucket, old, new)
+    scaling.rescale_errors(bucket, opt.engine.exchange.error_ranges(bucket), old, new)
     ratio = torch.cat([torch.full((p.numel(),), n / o) for p, n, o in zip(bucket.params, new, old)])
     torch.testing.assert_close(we, before_we * ratio)
     torch.testing.assert_close(se[: bucket.numel], before_se[: bucket.numel] * ratio)

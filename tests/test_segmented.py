@@ -305,9 +305,10 @@ def test_lerp_scale_clamp_reads_its_sources_where_they_lie(sizes, past, world, b
 
 def test_lerp_scale_clamp_pass_falls_back_where_it_cannot_fuse(monkeypatch):
     """Another buffer, or the reference kernels: nothing done, ``False`` (the caller applies the
-    pass, then compresses); through ``comm.compressed.compress_pending_`` the result is the same."""
+    pass, then compresses); through ``comm.compressed._compress`` (the worker side with its producer)
+    the result is the same."""
     from compressed_opt import cuda as kernels
-    from compressed_opt.comm.compressed import compress_pending_
+    from compressed_opt.comm.compressed import _compress
 
     segs, x, m, r, _ = _case(1)
     error = torch.randn(x.numel())
@@ -323,7 +324,7 @@ def test_lerp_scale_clamp_pass_falls_back_where_it_cannot_fuse(monkeypatch):
     expected = x.clone(), error.clone(), rows.clone()
     segmented.lerp_scale_clamp_(expected[0], m, 0.1, r, [1.0] * len(segs), segs)
     kernels.reference.compress_rows_(expected[0], expected[1], expected[2], 64, 256)
-    compress_pending_(kernels.reference, x, error, rows, 64, 256, pending)
+    _compress(kernels.reference, x, error, rows, 64, 256, pending)
     for a, b in zip((x, error, rows), expected):
         assert torch.equal(a, b)
 

@@ -109,23 +109,25 @@ def test_format_2_errors_are_carried_to_the_exchange_factors(monkeypatch):
     calls = []
     carry = scaling.rescale_errors
     monkeypatch.setattr(scaling, "rescale_errors",
-                        lambda o, b, a, c: (calls.append((list(a), list(c))), carry(o, b, a, c)))
+                        lambda b, r, a, c: (calls.append((list(a), list(c))), carry(b, r, a, c)))
     resumed = OPTIMIZERS["OnebitAdam"](model.parameters(), 2, True, lr=1e-3)
     resumed.load_state_dict(old)
     loaded = old["compressed_opt"]["buckets"][0]["worker_error"].clone()
-    errors = []
-    real = resumed.exchanges.requests  # (every 1-bit exchange's requests pass here)
-    monkeypatch.setattr(resumed.exchanges, "requests",
-                        lambda requests: ([errors.append(resumed.error_buffers(b)[0].clone()) for b, *_ in requests],
-                                          real(requests))[1])
+    errors, seen = [], []
+    exchange = resumed.engine.exchange
+    real = exchange.run  # (every 1-bit exchange's requests pass here)
+    monkeypatch.setattr(exchange, "run",
+                        lambda requests: ([errors.append(r.feedback.worker_error.clone()) for r in requests],
+                                          seen.append(resumed.engine._buckets[0].state.exchange_factors),
+                                          real(requests))[2])
     run_steps(model, resumed, list(shard_batches(0, 1, 3)))
-    factors = resumed._buckets[0].derived["exchange_factors"]
+    factors = seen[-1]  # (the bucket's exchange factors exist during a step only)
     assert len(calls) == 1 and calls[0][0] == [1.0] * len(factors)  # once, from factors 1
-    first = resumed._buckets[0]
+    first = resumed.engine._buckets[0]
     expected = loaded.clone()
     torch._foreach_mul_(first.views(expected), calls[0][1])
     assert torch.equal(errors[0], expected)  # the first exchange compensates with the carried errors
-    assert not resumed._unit_factor_errors
+    assert not any(b.state.unit_errors for b in resumed.engine.buckets)
     assert all(bool(p.isfinite().all()) for p in model.parameters())
 
 
@@ -179,11 +181,11 @@ def test_the_state_rows_survive_a_resume_bit_for_bit(name):
 
 
 def _bucket_by_bucket(opt):
-    """What ``_tracking_batches`` stands for: each bucket's rows updated alone, in place."""
+    """What the tracking's ``_batches_of`` stands for: each bucket's rows updated alone, in place."""
     out, offset = {}, 0
-    for b in opt.buckets:
+    for i, b in enumerate(opt.engine.buckets):
         group, n = opt.param_groups[b.group_index], len(b.params)
-        out[(group["betas"][1], group["bias_correction"], b.index)] = ([b], torch.arange(offset, offset + n),
+        out[(group["betas"][1], group["bias_correction"], b.index)] = ([i], torch.arange(offset, offset + n),
                                                                         b.layer_numels)
         offset += n
     return out
@@ -203,13 +205,22 @@ def test_the_buckets_of_one_beta2_track_at_once_as_each_alone(name, monkeypatch)
         opt = OPTIMIZERS[name]([{"params": first, "betas": (0.9, 0.99)}, {"params": second, "betas": (0.8, 0.999)}],
                                freeze=3, tracking=True, lr=1e-2, bucket_cap_mb=0.003)
         if not batched:
-            monkeypatch.setattr(opt, "_tracking_batches", lambda: _bucket_by_bucket(opt))
+            tracking = opt.engine.client.tracking
+            real = tracking._batches_of
+
+            def alone(buckets, groups):  # (the tracking's batches, each bucket a batch of its own; kept as its own)
+                found = real(buckets, groups)
+                tracking._batches = (*found[:2], _bucket_by_bucket(opt), *found[3:])
+                return tracking._batches
+
+            monkeypatch.setattr(tracking, "_batches_of", alone)
         g = torch.Generator().manual_seed(1)
         for t in range(12):
             for p in params:
                 p.grad = torch.randn(p.shape, generator=g) * (1 + t % 3)
             opt.step()
-        assert len(opt.buckets) >= 4 and len(opt._tracking_batches()) == (2 if batched else len(opt.buckets))
+        batches = opt.engine.client.tracking._batches_of(opt.engine.buckets, opt.param_groups)[2]
+        assert len(opt.engine.buckets) >= 4 and len(batches) == (2 if batched else len(opt.engine.buckets))
         return [p.detach().clone() for p in params], [opt.state[p]["layer_variance"].clone() for p in params]
 
     (params, rows), (want_params, want_rows) = run(True), run(False)
@@ -235,15 +246,16 @@ def test_a_warmup_step_averaged_in_step_sums_its_average_once(name, monkeypatch)
         params = list(model.parameters())
         opt = OPTIMIZERS[name](params, freeze=50, tracking=True, lr=1e-2, bucket_cap_mb=0.003)
         if twice:  # as if backward had averaged: the update sums its buffer again
-            observe = opt.observe_mean_square_sums
-            monkeypatch.setattr(opt, "observe_mean_square_sums", lambda b, mean, stepped=False: observe(b, mean))
+            observe = opt.engine.client.observe_average
+            monkeypatch.setattr(opt.engine.client, "observe_average",
+                                lambda b, mean, stepped=False: observe(b, mean, False))
         g = torch.Generator().manual_seed(1)
         calls.clear()
         for t in range(5):
             for p in params:
                 p.grad = torch.randn(p.shape, generator=g) * (1 + t % 3)
             opt.step()
-        assert len(calls) == 5 * len(opt.buckets) * (2 if twice else 1) and len(opt.buckets) >= 2
+        assert len(calls) == 5 * len(opt.engine.buckets) * (2 if twice else 1) and len(opt.engine.buckets) >= 2
         return [p.detach().clone() for p in params], [opt.state[p]["layer_variance"].clone() for p in params]
 
     (params, rows), (want_params, want_rows) = run(False), run(True)

@@ -33,7 +33,7 @@ def _run(rank, world, name, zero_stage, steps, freeze, dtype=torch.float32, over
         stats.append({k: after.get(k, 0) - before.get(k, 0) for k in after})
         snaps.append([p.detach().clone() for p in model.parameters()])
         state_bytes.append(opt.state_bytes())
-    return snaps, state_bytes, stats, len(opt.buckets)
+    return snaps, state_bytes, stats, len(opt.engine.buckets)
 
 
 def _all_stages(rank, world, name, steps, freeze):
@@ -134,7 +134,7 @@ def _bf16_masters(rank, world, name, steps, resync):
         nn.functional.cross_entropy(model(x.bfloat16()).float(), y).backward()
         opt.step()
         snaps.append([p.detach().clone() for p in model.parameters()])
-        masters.append(opt.buckets[0].flats["master_shard"].clone())
+        masters.append(opt.engine.buckets[0].state.buffers.master_shard.clone())
     return snaps, masters, opt.state_bytes()
 
 
@@ -239,7 +239,7 @@ def _groups_unused_and_empty(rank, world, name, zero_stage):
         head = head_a if (rank + step) % 2 == 0 else head_b
         (nn.functional.cross_entropy(head(torch.tanh(trunk(x))), y) + empty.sum()).backward()
         opt.step()
-    return len(opt.buckets), [p.detach().clone() for m in (trunk, head_a, head_b) for p in m.parameters()]
+    return len(opt.engine.buckets), [p.detach().clone() for m in (trunk, head_a, head_b) for p in m.parameters()]
 
 
 @pytest.mark.multiprocess
@@ -276,13 +276,14 @@ def _older_and_other_checkpoints(rank, world):
     resumed = mlp()
     resumed.load_state_dict(model.state_dict())
     fresh = make("adam", resumed.parameters(), freeze_step=2, zero_stage=1, bucket_cap_mb=0.02)
-    checkpoint.validate_state_dict(fresh, old)
-    new = checkpoint.upgrade(fresh, old)
+    schema = checkpoint.schema_of(fresh.engine, fresh.engine.client)
+    checkpoint.validate_state_dict(schema, old)
+    new = checkpoint.upgrade(schema, old)
     same = []
     for a, b in zip(old["compressed_opt"]["buckets"], new["compressed_opt"]["buckets"]):
         x, y = torch.empty(a["numel"]), torch.empty(a["numel"])
         expand_result_rows(a["momentum_rows"], a["numel"], world, x, 1 << 20)
-        expand_result_rows(b["momentum_rows"], b["numel"], world, y, fresh.scale_block)
+        expand_result_rows(b["momentum_rows"], b["numel"], world, y, fresh.engine.scale_block)
         same.append(torch.equal(x, y))
     fresh.load_state_dict(old)
     for x, y in gaussian_batches(rank, world, 2):  # it trains on from the migrated rows

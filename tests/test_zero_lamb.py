@@ -46,8 +46,9 @@ def _run(rank, world, native, steps=16, backend=None, plan=()):
     finally:
         zero_passes._agreement[:] = saved
         zero_passes.lamb_rows_descend_ = descend
-    fresh = [opt.layout.state(opt, b, "exp_avg_sq_fresh").clone() for b in opt._buckets]
-    return [p.detach().clone() for p in params], fresh, sorted({s for s, done in ran if done}), opt.nonfinite_steps
+    fresh = [opt.engine.client.zero.moment(b, "exp_avg_sq_fresh").clone() for b in opt.engine._buckets]
+    ran = sorted({s for s, done in ran if done})
+    return [p.detach().clone() for p in params], fresh, ran, opt.engine.nonfinite_steps
 
 
 def _compare(native, composed):
@@ -156,7 +157,7 @@ def _warmup_params(zero_stage: int, backend=None, steps: int = 6) -> list[torch.
         for p in params:
             p.grad = torch.randn(p.shape, generator=g)
         opt.step()
-    assert len(opt.buckets) >= 3
+    assert len(opt.engine.buckets) >= 3
     opt.close()
     return [p.detach().clone() for p in params]
 

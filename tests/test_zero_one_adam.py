@@ -69,7 +69,7 @@ def reference_run(hp, steps, world, exchange="preconditioned", tracking=True):
     coefficient (``compressed_opt.scaling``; its formula has a test of its own) from ``v`` after
     every refresh and at the freeze; or (``exchange="preconditioned"``) preconditioned: times ``R``
     (phase A ``1 / sqrt(v)``, phase B ``c_l / sqrt(v_f)`` with ``c_l`` from the RMS of ``m /
-    sqrt(v_f)``), clipped (phase A at 3, ``compressed_opt.moments.PRECONDITIONED_GRADIENT_BOUND``, phase B
+    sqrt(v_f)``), clipped (phase A at 3, ``compressed_opt.onebit_adam.PRECONDITIONED_GRADIENT_BOUND``, phase B
     ``c_l lr_sum / f_l``), divided by
     ``R`` after, the errors carried over at each refresh. ``tracking``: phase B's per-layer variance
     tracking (``tests/tracking_reference.py``), its factor set at each interval's first step. Per
@@ -269,8 +269,8 @@ def _tiny_run(steps, backend=None, **kw):
         calls = {k: opt.backend.stats.calls[k] - before.get(k, 0) for k in opt.backend.stats.calls}
         calls = {k: c for k, c in calls.items() if c}
         v_changed = v_before is None or not torch.equal(v_before, opt.state[model.weight]["exp_avg_sq"])
-        trace.append(dict(kind=opt.last_step_kind, var_interval=opt.var_interval,
-                          local_interval=opt.local_step_interval, calls=calls, v_changed=v_changed))
+        trace.append(dict(kind=opt.last_step_kind, var_interval=opt.schedule.var_interval,
+                          local_interval=opt.schedule.local_step_interval, calls=calls, v_changed=v_changed))
     return model, opt, trace
 
 
@@ -279,7 +279,7 @@ def test_var_interval_doubles_after_every_var_update_scaler_refreshes():
     refreshes = [t for t, s in enumerate(trace, start=1) if s["kind"] == "refresh"]
     assert refreshes == [1, 2, 4, 6, 8, 12, 16, 24, 32]  # then 48
     assert [s["var_interval"] for s in trace][:9] == [1, 2, 2, 2, 2, 4, 4, 4, 4]
-    assert opt.var_interval == 16 and opt.phase == "B"
+    assert opt.schedule.var_interval == 16 and opt.phase == "B"
     first = True
     for s in trace[:-1]:  # (at the end of step 40, phase B begins with v bias-corrected)
         if s["kind"] == "refresh":  # one full-precision allreduce, v refreshed
@@ -297,7 +297,7 @@ def test_local_step_interval_doubles_every_local_step_scaler_steps_up_to_the_cli
     phase_b = trace[3:]
     intervals = [s["local_interval"] for s in phase_b]  # after each phase-B step
     assert intervals[:15] == [1, 1, 2, 2, 2, 4, 4, 4, 8, 8, 8, 8, 8, 8, 8]
-    assert opt.local_step_interval == 8
+    assert opt.schedule.local_step_interval == 8
     syncs = [t for t, s in enumerate(phase_b, start=1) if s["kind"] == "sync"]
     assert syncs == [1, 2, 3, 5, 9, 17, 25, 33]
     first = True
@@ -309,7 +309,7 @@ def test_local_step_interval_doubles_every_local_step_scaler_steps_up_to_the_cli
             assert s["calls"] == {} and s["kind"] == "local"
         assert not s["v_changed"]  # frozen
     _, opt, _ = _tiny_run(2 + 10, var_freeze_step=2, local_step_scaler=1, local_step_clipper=1)
-    assert opt.local_step_interval == 1
+    assert opt.schedule.local_step_interval == 1
 
 
 def test_overlap_with_backward_changes_nothing():
@@ -325,10 +325,10 @@ def test_overlap_with_backward_changes_nothing():
 def test_phase_b_starts_from_bias_corrected_moments_and_fresh_error_buffers():
     model, opt, trace = _tiny_run(5, var_freeze_step=5, var_update_scaler=1)
     # phase A ended at step 5 with refreshes at 1, 2, 4 (interval 1 -> 2 -> 4)
-    assert opt.phase == "B" and opt.var_refreshes == 3
-    b = opt.buckets[0]
-    assert all(float(e.abs().sum()) == 0 for e in opt.error_buffers(b))
-    assert torch.equal(b.flat("sync_params"), _flat(reversed(list(model.parameters()))))
+    assert opt.phase == "B" and opt.schedule.var_refreshes == 3
+    b = opt.engine.buckets[0]
+    assert all(float(e.abs().sum()) == 0 for e in (b.feedback.worker_error, b.feedback.server_error))
+    assert torch.equal(b.state.buffers.sync_params, _flat(reversed(list(model.parameters()))))
 
 
 def test_group_with_zero_lr_skips_its_synchronisations_and_stays_put():
@@ -383,7 +383,7 @@ def test_auto_freeze_is_logged_and_kept_in_checkpoints(caplog):
     fresh = ZeroOneAdam(model.parameters(), var_freeze_step="auto", backend=SingleProcessBackend())
     fresh.load_state_dict(opt.state_dict())
     assert fresh.var_freeze_step == opt.var_freeze_step and fresh.phase == "B"
-    assert fresh.freeze_rule.window == 2
+    assert fresh.schedule.rule.window == 2
     # max_step is a hard limit even between refreshes
     _, opt, _ = _tiny_run(12, var_freeze_step=VarianceStabilityRule(window=50, min_step=1, max_step=7),
                           var_update_scaler=1)
@@ -424,7 +424,7 @@ def _digits_zero_one_adam(rank, world, hp, steps):
     auto = ZeroOneAdam(model.parameters(), lr=1e-2, var_freeze_step=VarianceStabilityRule(**AUTO_RULE),
                        var_update_scaler=2)
     train(model, auto, rank, world, AUTO_RULE["max_step"] + 2)
-    return loss, opt.local_step_interval, auto.var_freeze_step
+    return loss, opt.schedule.local_step_interval, auto.var_freeze_step
 
 
 @pytest.mark.multiprocess
@@ -450,8 +450,9 @@ CUTS = (7, 20)  # phase A with var_interval 4 (error buffers in use); phase B in
 
 
 def _snapshot(model, opt):
-    state = [_flat(opt.state[p][name] for p in _bucket_order(model)) for name in ZeroOneAdam.bucket_state_names]
-    errors = [e.clone() for e in opt.error_buffers(opt.buckets[0])]
+    state = [_flat(opt.state[p][name] for p in _bucket_order(model)) for name in opt.engine.client.tensor_names()]
+    b = opt.engine.buckets[0]
+    errors = [e.clone() for e in (b.feedback.worker_error, b.feedback.server_error)]
     return [_flat_params(model)] + state + errors
 
 
@@ -469,7 +470,7 @@ def _resume(rank, world, hp, steps, cuts):
     for cut in cuts:
         model, opt = make()
         run_steps(model, opt, batches[:cut])
-        where = (opt.phase, opt.var_interval, opt.steps_since_sync, opt.local_step_interval)
+        where = (opt.phase, opt.schedule.var_interval, opt.schedule.steps_since_sync, opt.schedule.local_step_interval)
         checkpoint = checkpoint_round_trip(model, opt)
         del model, opt
         model, opt = make()
@@ -532,11 +533,11 @@ def test_bad_param_group_is_rejected():
 
 def test_defaults_and_auto_accepted():
     opt = ZeroOneAdam(nn.Linear(2, 2).parameters(), backend=SingleProcessBackend())
-    assert (opt.var_freeze_step, opt.var_update_scaler, opt.local_step_scaler,
-            opt.local_step_clipper) == (100000, 16, 32678, 16)
-    assert opt.phase == "A" and opt.var_interval == 1 and opt.local_step_interval == 1
+    assert (opt.var_freeze_step, opt.schedule.var_update_scaler, opt.schedule.local_step_scaler,
+            opt.schedule.local_step_clipper) == (100000, 16, 32678, 16)
+    assert opt.phase == "A" and opt.schedule.var_interval == 1 and opt.schedule.local_step_interval == 1
     auto = ZeroOneAdam(nn.Linear(2, 2).parameters(), var_freeze_step="auto", backend=SingleProcessBackend())
-    assert auto.var_freeze_step is None and isinstance(auto.freeze_rule, VarianceStabilityRule)
+    assert auto.var_freeze_step is None and isinstance(auto.schedule.rule, VarianceStabilityRule)
 
 
 def test_coordinates_without_gradient_stay_put():
@@ -561,24 +562,23 @@ def test_coordinates_without_gradient_stay_put():
 
 @pytest.mark.parametrize("zero_fraction", [0.01, 0.5])  # kept as indices / as a mask
 def test_zero_variance_coordinates_are_zeroed_either_way(zero_fraction):
-    from compressed_opt.buckets import Bucket
-    from compressed_opt.zero_one_adam import _no_variance_no_move_
+    from compressed_opt.zero_one_adam import ZeroOneBuffers, no_variance_no_move_
 
     g = torch.Generator().manual_seed(0)
     v = torch.rand(1000, generator=g) + 0.1
     zero_at = torch.randperm(1000, generator=g)[: int(1000 * zero_fraction)]
     v[zero_at] = 0.0
-    bucket = Bucket(0, 0, [], [], 1000, torch.device("cpu"))
+    buffers = ZeroOneBuffers(exp_avg_sq=v)
     t = torch.randn(1000, generator=g)
     expected = t.masked_fill(v == 0, 0.0)
-    _no_variance_no_move_(t, bucket, v, refreshed=True)
+    no_variance_no_move_(t, buffers, refreshed=True)
     assert torch.equal(t, expected)
-    kept = bucket.flats["no_variance"]
+    kept = buffers.no_variance
     assert kept.dtype == (torch.int64 if zero_fraction < 1 / 16 else torch.bool)
     t2 = torch.randn(1000, generator=g)
     expected2 = t2.masked_fill(v == 0, 0.0)
-    _no_variance_no_move_(t2, bucket, v, refreshed=False)  # reused between refreshes
-    assert torch.equal(t2, expected2) and bucket.flats["no_variance"] is kept
+    no_variance_no_move_(t2, buffers, refreshed=False)  # reused between refreshes
+    assert torch.equal(t2, expected2) and buffers.no_variance is kept
 
 
 def _fused_and_unfused_zero_one(rank, world):
@@ -633,7 +633,7 @@ def test_phase_a_compressed_steps_are_one_native_pass_bit_for_bit(wd, bias_corre
             opt.step()
             kinds.append(opt.last_step_kind)
         state = [opt.state[p][k].clone() for p in params for k in ("exp_avg", "exp_avg_sq")]
-        return [p.detach().clone() for p in params], state, kinds, len(opt.buckets)
+        return [p.detach().clone() for p in params], state, kinds, len(opt.engine.buckets)
 
     params, state, kinds, buckets = run(True)
     want_params, want_state, want_kinds, _ = run(False)

@@ -1,0 +1,85 @@
+"""Trace one compression-stage step: the package functions it enters, in the order first entered.
+
+On 2 Gloo ranks, each optimizer trains a small model (defaults, ``overlap=False``, so the whole
+exchange happens inside ``step()``) past its freeze; the next step (backward and ``step()``) runs
+under ``sys.setprofile``. Every call of a function defined in the installed package
+(``compressed_opt``, ``compressed_opt.comm``, ``compressed_opt.cuda``) is recorded as
+``module:qualname``. tests/test_structure.py compares rank 0's list with the one documented in
+docs/design.md ("The path of a compression step").
+
+    python -P tests/step_trace.py OnebitAdam     # prints the list, and its size
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+#: each optimizer's arguments: a freeze early enough that step 5 compresses
+FREEZES = {"OnebitAdam": dict(freeze_step=3), "OnebitLamb": dict(freeze_step=3),
+           "ZeroOneAdam": dict(var_freeze_step=3)}
+
+
+def _module(path: str, roots: dict[str, str]) -> str | None:
+    for package, root in roots.items():
+        if path.startswith(root + os.sep):
+            rest = os.path.relpath(path, root)[:-3].replace(os.sep, ".")
+            return package if rest == "__init__" else f"{package}.{rest}"
+    return None
+
+
+def trace_step(rank: int, world: int, name: str) -> list[str]:
+    """The package functions one compression step enters on this rank (first entry order)."""
+    import torch
+    from torch import nn
+
+    import compressed_opt
+    import compressed_opt.comm
+    import compressed_opt.cuda
+
+    roots = {p.__name__: os.path.dirname(os.path.abspath(p.__file__))
+             for p in (compressed_opt.comm, compressed_opt.cuda, compressed_opt)}
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    opt = getattr(compressed_opt, name)(model.parameters(), lr=1e-2, overlap=False, **FREEZES[name])
+    g = torch.Generator().manual_seed(rank)
+
+    def step():
+        opt.zero_grad()
+        (model(torch.randn(8, 16, generator=g)) - torch.randn(8, 4, generator=g)).square().mean().backward()
+        opt.step()
+
+    for _ in range(5):
+        step()
+    assert opt.compressing
+    seen: dict[str, None] = {}
+
+    def profile(frame, event, arg):
+        if event == "call":
+            module = _module(frame.f_code.co_filename, roots)
+            if module is not None:
+                seen.setdefault(f"{module}:{frame.f_code.co_qualname}")
+
+    sys.setprofile(profile)
+    try:
+        step()
+    finally:
+        sys.setprofile(None)
+    opt.close()
+    return list(seen)
+
+
+def traced(name: str) -> list[str]:
+    from distributed import spawn_ranks
+
+    outcomes = spawn_ranks(trace_step, 2, name, timeout=120)
+    for status, value in outcomes:
+        assert status == "ok", value
+    return outcomes[0][1]
+
+
+if __name__ == "__main__":
+    functions = traced(sys.argv[1] if len(sys.argv) > 1 else "OnebitAdam")
+    print("\n".join(functions))
+    print(f"{len(functions)} functions in {len({f.split(':')[0] for f in functions})} modules")
