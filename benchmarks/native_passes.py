@@ -31,7 +31,6 @@ STREAMS: dict[str, tuple[int, int]] = {
     "co_lerp_scale_clamp": (3, 1),  # x, m, R; x (the local momentum alone)
     "co_lerp_scale_clamp_compress_sources": (4, 1),  # g, m, R, e; e
     "co_lerp_scale_clamp_compress_rows": (4, 1),  # x, m, R, e; e
-    "co_lerp_scale_clamp_compress_kept": (3, 1),  # g, R, e; e (m from the kept rows)
     "co_lerp_compress_sources": (3, 1),  # g, m, e; e
     "co_lerp_compress_rows": (3, 1),  # x, m, e; e
     "co_scale_clamp_compress_rows": (3, 1),  # x, R, e; e

@@ -142,7 +142,8 @@ def measure(name: str, numel: int, tensors: int, exchange: str, zero_stage: int,
         opt.step()
         _sync(device)
         took = time.perf_counter() - s
-        kind = getattr(opt, "last_step_kind", None)  # (ZeroOneAdam's: "local" or "sync"; phase A's)
+        # (ZeroOneAdam's: "local" or "sync"; phase A's)
+        kind = getattr(getattr(opt, "schedule", None), "last_step_kind", None)
         s = time.perf_counter()
         adamw.step()
         _sync(device)
@@ -195,7 +196,7 @@ def _native_passes(opt, steps: int, phase_a: bool, numel: int, copy_bw: float, b
             start = time.perf_counter()
             opt.step()
             took = time.perf_counter() - start
-        if phase_a and getattr(opt, "last_step_kind", None) != "compressed":
+        if phase_a and getattr(getattr(opt, "schedule", None), "last_step_kind", None) != "compressed":
             continue  # (a refresh)
         kept, spent = kept + 1, spent + took
         for pass_name, (seconds, calls) in step_totals.items():

@@ -37,14 +37,14 @@ _library = None
 
 
 def library() -> ctypes.CDLL:
-    """``stream_floor.c`` compiled as the kernels are (``compressed_opt.cuda.cpu.compile_like_kernels``),
+    """``stream_floor.c`` compiled as the kernels are (``compressed_opt.cuda.build.compile_like_kernels``),
     once per process. Raises ``RuntimeError`` saying why where it cannot be compiled."""
     global _library
     if _library is None:
-        from compressed_opt.cuda import cpu
+        from compressed_opt.cuda import build
 
         target = os.path.join(tempfile.mkdtemp(prefix="stream_floor_"), "stream_floor.so")
-        failure = cpu.compile_like_kernels([_SOURCE], target)
+        failure = build.compile_like_kernels([_SOURCE], target)
         if failure is not None:
             raise RuntimeError(f"{_SOURCE} cannot be compiled here: {failure}")
         lib = ctypes.CDLL(target)

@@ -25,7 +25,9 @@ _KEYS = {
 
 
 def _optimizer_class(kind: str):
-    from . import OnebitAdam, OnebitLamb, ZeroOneAdam
+    from .onebit_adam import OnebitAdam
+    from .onebit_lamb import OnebitLamb
+    from .zero_one_adam import ZeroOneAdam
 
     return {"onebitadam": OnebitAdam, "onebitlamb": OnebitLamb, "zerooneadam": ZeroOneAdam}[kind]
 

@@ -104,9 +104,9 @@ from compressed_opt.comm import DEFAULT_BLOCK
 
 from . import scaling, zero_lamb
 from .exchange import Request
-from .onebit_adam import (COMPRESSED_STEP_BOUND, DEFAULT_FREEZE_STEP, AdamAlgorithm, AdamBucket, AdamBuffers, Momentum,
-                          Preconditioned, bias_corrections, choose_exchange, denominator_, momentum_, spike_bound,
-                          variance_)
+from .adam import COMPRESSED_STEP_BOUND, bias_corrections, denominator_, momentum_, spike_bound, variance_
+from .onebit_adam import (DEFAULT_FREEZE_STEP, AdamAlgorithm, AdamBucket, AdamBuffers, Momentum, Preconditioned,
+                          choose_exchange)
 from .optimizer import CompressedOptimizer, common_args
 from .reductions import norms
 from .state import STATE, STEP, buffer, names
@@ -515,7 +515,7 @@ class LambAlgorithm(AdamAlgorithm):
         the RMS over the ranks of their local ``||u_i||``; ``cap`` ``K`` times LAMB's own trust ratio
         of the direction this step applies, ``K clip(||p|| / ||d||, min_coeff, max_coeff)`` with ``d =
         x / (den bc1) + wd p`` (``direction``: ``(x, den)``, ``x / den = m_t / (sqrt(v_f) + eps)``
-        whole, ``den`` ``None``: ``x`` is it; ``K``: :data:`~compressed_opt.onebit_adam.COMPRESSED_STEP_BOUND`),
+        whole, ``den`` ``None``: ``x`` is it; ``K``: :data:`~compressed_opt.adam.COMPRESSED_STEP_BOUND`),
         so no layer steps further than ``K`` times LAMB's step from where it is. Both are measured when
         ``measure`` and kept in ``state[p]`` (``trust_ratio_live``, ``trust_ratio_cap``: checkpointed)
         in between."""

@@ -396,7 +396,7 @@ class CompressedOptimizer(Optimizer):
             algorithm.end_step(step, took)
             engine.end_step(stage, took)
         if took and len(self._announced) < 2:
-            traffic.announce(self, engine, algorithm, stage)
+            traffic.announce(self._announced, engine, algorithm, stage)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

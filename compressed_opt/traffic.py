@@ -112,11 +112,10 @@ def report(engine, algorithm) -> CommReport:
     )
 
 
-def announce(optimizer, engine, algorithm, stage: str) -> None:
-    """Rank 0's WARNING-level lines (shown by default): at the first step of ``optimizer``, what it
-    will do; at its first compression step, what compression really does, with the bytes counted.
-    ``optimizer._announced`` keeps which were written."""
-    said = optimizer._announced
+def announce(said: set, engine, algorithm, stage: str) -> None:
+    """Rank 0's WARNING-level lines (shown by default): at an optimizer's first step, what it will
+    do; at its first compression step, what compression really does, with the bytes counted.
+    ``said`` (the optimizer's) keeps which were written."""
     if engine.backend.world_size == 1 or engine.backend.rank != 0:
         said.update(("start", "compression"))
         return

@@ -297,7 +297,7 @@ class Sharding:
     def adam_(self, bucket, shards: Shards, beta1: float, beta2: float, eps: float, bc2_sqrt: float, decay: float,
               alpha: float) -> None:
         """The warmup's AdamW composed on this rank's chunk (as the replicated state's, on the chunk)."""
-        from .onebit_adam import denominator_, momentum_, variance_
+        from .adam import denominator_, momentum_, variance_
 
         g = self.own(bucket, bucket.sync.padded)
         m, v = self.moment(bucket, "exp_avg"), self.moment(bucket, "exp_avg_sq")
@@ -324,7 +324,7 @@ class Sharding:
         """Gather the chunks of ``m`` and ``v`` once: the full momentum (until the first compressed
         exchange replaces it by its 1-bit rows) and the frozen denominator of every element. Returns
         the whole raw ``v`` (the gradient workspace: valid until the bucket's next collective)."""
-        from .onebit_adam import frozen_denominator_of
+        from .adam import frozen_denominator_of
 
         shards, padded, n = bucket.state.buffers, bucket.sync.padded, bucket.numel
         c = chunk_numel(n, engine.backend.world_size)
@@ -339,7 +339,7 @@ class Sharding:
     def frozen_denominator(self, bucket, st, group: dict) -> torch.Tensor:
         """``sqrt(v_f) + eps``: as gathered at the freeze, or (once ``R`` is made, which is all that is
         kept) made for one step from ``R``: ``(1 / R) c_l + eps``."""
-        from .onebit_adam import preconditioned_denominator
+        from .adam import preconditioned_denominator
 
         shards = st.buffers
         if shards.frozen_denominator is not None:

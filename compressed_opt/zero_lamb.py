@@ -31,7 +31,7 @@ import torch
 from compressed_opt import cuda as kernels
 from compressed_opt.comm import chunk_numel
 
-from .onebit_adam import preconditioned_denominator
+from .adam import preconditioned_denominator
 
 
 def ready(algorithm, bucket) -> bool:

@@ -46,7 +46,7 @@ ranks' local steps differ, so ``p + acc`` would leave each rank's parameters a f
 drifting further with every interval. From the copy, every rank computes the same update from
 the same numbers: right after each synchronisation the parameters are bitwise identical on all
 ranks. Between synchronisations they differ (by design): evaluate or save the model right
-after a synchronising step (``optimizer.last_step_kind == "sync"``), or on one rank.
+after a synchronising step (``optimizer.schedule.last_step_kind == "sync"``), or on one rank.
 
 *One scale per bucket.* The 1-bit exchange gives a whole bucket one scale, while its layers'
 gradients differ in size by orders of magnitude. Before each exchange every layer is multiplied
@@ -84,11 +84,12 @@ from . import scaling, zero_one_local
 from . import variance_tracking as tracking
 from .exchange import Request
 from .freeze import VarianceStabilityRule, resolve_rule, restore_rule
-from .onebit_adam import (COMPRESSED_STEP_BOUND, PRECONDITIONED_GRADIENT_BOUND, choose_exchange, denominator_,
-                          momentum_, variance_)
+from .adam import COMPRESSED_STEP_BOUND, PRECONDITIONED_GRADIENT_BOUND, denominator_, momentum_, variance_
+from .onebit_adam import choose_exchange
 from .optimizer import Algorithm, CompressedOptimizer, common_args
 from .state import DERIVED, LAYER, SCRATCH, STATE, STEP, buffer, names
 from .validation import check_adam_group, check_step_count
+from .zero_one_local import no_variance_no_move_
 
 logger = logging.getLogger("compressed_opt")
 
@@ -167,24 +168,6 @@ class ZeroOneSchedule:
 
     def syncs_now(self) -> bool:
         return self.steps_since_sync + 1 >= self.local_step_interval
-
-
-def no_variance_no_move_(t: torch.Tensor, buffers: ZeroOneBuffers, refreshed: bool) -> None:
-    """``t = 0`` where ``v == 0``: a coordinate that never had a gradient on a refresh step is not
-    moved. 1-bit compression gives it ``+-scale`` like every coordinate, and divided by ``eps`` that
-    would blow it up. Those coordinates change only when ``v`` does (refresh steps), so they are kept
-    between them: as indices when they are few (the usual case; ``index_fill_`` then touches only
-    them, where a mask would cost a pass over the bucket), as a mask when they are many."""
-    zeros = buffers.no_variance
-    if zeros is None or refreshed:
-        v = buffers.exp_avg_sq
-        mask = v == 0
-        few = int(torch.count_nonzero(mask)) * 16 <= v.numel()  # indices (8 bytes each): at most n/2 bytes
-        zeros = buffers.no_variance = mask.nonzero().view(-1) if few else mask
-    if zeros.dtype == torch.bool:
-        t.masked_fill_(zeros, 0.0)
-    elif zeros.numel():
-        t.index_fill_(0, zeros, 0.0)
 
 
 # --- the exchanges -------------------------------------------------------------------------------------------
@@ -766,8 +749,9 @@ class ZeroOneAdam(CompressedOptimizer):
 
     Per-parameter state (views of per-bucket fp32 buffers): ``exp_avg``, ``exp_avg_sq``,
     ``momentum_accumulator`` (``acc``) and ``sync_params`` (the parameters at the last
-    synchronisation). Progress: ``phase`` ("A"/"B"), ``var_freeze_step``, ``last_step_kind``, and
-    the schedule's counters in ``schedule`` (:class:`ZeroOneSchedule`: ``var_interval``,
+    synchronisation). Progress: ``var_freeze_step``, and in ``schedule`` (:class:`ZeroOneSchedule`)
+    the phase (``schedule.phase``: "A"/"B"), what the last step did (``schedule.last_step_kind``:
+    "refresh", "compressed", "local" or "sync") and the counters (``var_interval``,
     ``local_step_interval``, ...).
 
     A bucket is compressed with one scale (its RMS, docs/design.md 2.1); each layer is multiplied by its
@@ -807,12 +791,3 @@ class ZeroOneAdam(CompressedOptimizer):
         """The last step of phase A (``None`` with ``var_freeze_step="auto"`` until the rule decides)."""
         return self._algorithm.schedule_.var_freeze_step
 
-    @property
-    def phase(self) -> str:
-        """``"A"`` (variance refreshes, 1-bit gradients) or ``"B"`` (frozen variance, local steps)."""
-        return self._algorithm.schedule_.phase
-
-    @property
-    def last_step_kind(self) -> str | None:
-        """What the last ``step()`` did: ``"refresh"``, ``"compressed"``, ``"local"`` or ``"sync"``."""
-        return self._algorithm.schedule_.last_step_kind

@@ -28,8 +28,26 @@ import torch
 from compressed_opt import cuda as kernels
 from compressed_opt.comm import chunk_numel
 
+from .adam import denominator_, momentum_
 from .exchange import Request
-from .onebit_adam import denominator_, momentum_
+
+
+def no_variance_no_move_(t: torch.Tensor, buffers, refreshed: bool) -> None:
+    """``t = 0`` where ``v == 0``: a coordinate that never had a gradient on a refresh step is not
+    moved. 1-bit compression gives it ``+-scale`` like every coordinate, and divided by ``eps`` that
+    would blow it up. Those coordinates change only when ``v`` does (refresh steps), so they are kept
+    between them: as indices when they are few (the usual case; ``index_fill_`` then touches only
+    them, where a mask would cost a pass over the bucket), as a mask when they are many."""
+    zeros = buffers.no_variance
+    if zeros is None or refreshed:
+        v = buffers.exp_avg_sq
+        mask = v == 0
+        few = int(torch.count_nonzero(mask)) * 16 <= v.numel()  # indices (8 bytes each): at most n/2 bytes
+        zeros = buffers.no_variance = mask.nonzero().view(-1) if few else mask
+    if zeros.dtype == torch.bool:
+        t.masked_fill_(zeros, 0.0)
+    elif zeros.numel():
+        t.index_fill_(0, zeros, 0.0)
 
 
 def frozen_denominator(buffers, eps: float, signed: bool = False) -> torch.Tensor:
@@ -128,7 +146,6 @@ def composed_step(alg, bucket, group, grad, factors, sync) -> None:
     beta1 = group["betas"][0]
     lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]
     momentum_(m, grad, beta1)
-    from .zero_one_adam import no_variance_no_move_
 
     no_variance_no_move_(m, buffers, False)
     denom = frozen_denominator(buffers, eps)

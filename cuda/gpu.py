@@ -34,8 +34,8 @@ from pathlib import Path
 
 import torch
 
-from . import reference
-from .segments import doubles
+from . import harness, reference
+from .segments import Segments, doubles
 
 SOURCE = Path(__file__).with_name("onebit.cu")
 BLOCK = 256  # CO_BLOCK in onebit.cu: threads per block
@@ -318,3 +318,36 @@ class Lerp(reference.Lerp):
             return False
         _launch(self, x, self.m, self.weight, None, None, None, error, rows, chunk, block)
         return True
+
+
+# --- the harness's check of the fused kernel ------------------------------------------------------------
+def _fusion_check(device: torch.device, kind: str, weight, native: bool):
+    """The local momentum's pass then the compression, on ``device``: fused in one kernel
+    (``native``) or as PyTorch's ops there then :func:`compress_rows_`; the error and the rows.
+    Segments across blocks and chunks and an empty one; zeros in ``x`` and ``r``; both of
+    ``torch.lerp``'s formulas (weights below and above 0.5); scales."""
+    if not is_available(device):
+        return None
+    g = torch.Generator().manual_seed(29)
+    segments = Segments([300, 0, 1100, 5])
+    n, chunk, block = segments.numel + 7, 736, 256
+    x, m, e = (torch.randn(n, generator=g).to(device) for _ in range(3))
+    r = (torch.rand(n, generator=g) * 3).to(device)
+    x[::9], r[::7] = 0.0, 0.0
+    bounds, scales = [0.5, 1.0, 2.0, 0.25], [1.5, 0.5, 0.75, 1.25]
+    rows = torch.zeros(2, reference.rows_layout(chunk, block)[1], dtype=torch.uint8, device=device)
+    made = (ScaleClamp(x, r, bounds, segments) if kind == "scale_clamp"
+            else Lerp(x, m, weight, Segments([n])) if kind == "lerp"
+            else LerpScaleClamp(x, m, weight, r, bounds, segments, scales))
+    if native:
+        if not made.compress_rows_(x, e, rows, chunk, block):
+            return None  # (the fused kernel declined: nothing to bind)
+    else:
+        made.apply_()
+        compress_rows_(x, e, rows, chunk, block)
+    return e, rows
+
+
+harness.register("lerp_scale_clamp_compress", harness.Check(
+    (("lerp_scale_clamp", 0.1), ("lerp_scale_clamp", 0.9), ("scale_clamp", None), ("lerp", 0.1), ("lerp", 0.9)),
+    _fusion_check, device=True))

@@ -131,19 +131,33 @@ def steps_with_overflow(model, opt, rank: int, batches, overflow_steps=(2, 5), o
 
 
 @contextlib.contextmanager
-def fusion(pass_class, on: bool, ran: list):
-    """Within: ``pass_class.compress_rows_`` (a kernels pass that may run fused into the exchange's
-    compression) counting in ``ran[0]`` the compressions it fused when ``on``, refusing to fuse
-    (the pass then runs alone first) when not."""
-    original = pass_class.compress_rows_
+def fusion(passes, on: bool, ran: list):
+    """Within: the classes the CPU buckets bind for ``passes`` (a name or names of
+    :class:`compressed_opt.cuda.Kernels`' producer classes, ``"LerpScaleClamp"``, ``"ScaleClamp"``,
+    ``"Lerp"``: ``compressed_opt.cuda.kernels_for("cpu")``'s, which an optimizer's buckets on CPU
+    use) with their ``compress_rows_`` (the pass run fused into the exchange's compression)
+    counting in ``ran[0]`` the compressions it fused when ``on``, refusing to fuse when not (the
+    compression then runs the pass alone, ``apply_``, and compresses its result)."""
+    from compressed_opt.cuda import kernels_for
 
-    def counted(self, *args):
-        done = original(self, *args)
-        ran[0] += bool(done)
-        return done
+    bound = kernels_for(torch.device("cpu"))
+    classes = {getattr(bound, name) for name in ((passes,) if isinstance(passes, str) else passes)}
+    originals = {cls: cls.__dict__.get("compress_rows_") for cls in classes}
 
-    pass_class.compress_rows_ = counted if on else (lambda self, *args: False)
+    def counting(original):
+        def counted(self, *args):
+            done = original(self, *args)
+            ran[0] += bool(done)
+            return done
+        return counted
+
+    for cls in classes:
+        cls.compress_rows_ = counting(cls.compress_rows_) if on else (lambda self, *args: False)
     try:
         yield
     finally:
-        pass_class.compress_rows_ = original
+        for cls, original in originals.items():
+            if original is None:  # (inherited: drop the patch)
+                del cls.compress_rows_
+            else:
+                cls.compress_rows_ = original

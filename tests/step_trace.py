@@ -7,7 +7,7 @@ under ``sys.setprofile``. Every call of a function defined in the installed pack
 ``module:qualname``. tests/test_structure.py compares rank 0's list with the one documented in
 docs/design.md ("The path of a compression step").
 
-    python -P tests/step_trace.py OnebitAdam     # prints the list, and its size
+    python -P tests/step_trace.py OnebitAdam     # prints the list as docs/design.md writes it, and its size
 """
 from __future__ import annotations
 
@@ -58,8 +58,9 @@ def trace_step(rank: int, world: int, name: str) -> list[str]:
     def profile(frame, event, arg):
         if event == "call":
             module = _module(frame.f_code.co_filename, roots)
-            if module is not None:
-                seen.setdefault(f"{module}:{frame.f_code.co_qualname}")
+            qualname = frame.f_code.co_qualname
+            if module is not None and "<locals>.<" not in qualname:  # (a comprehension is its function's)
+                seen.setdefault(f"{module}:{qualname}")
 
     sys.setprofile(profile)
     try:
@@ -68,6 +69,15 @@ def trace_step(rank: int, world: int, name: str) -> list[str]:
         sys.setprofile(None)
     opt.close()
     return list(seen)
+
+
+def by_module(functions: list[str]) -> dict[str, list[str]]:
+    """``module -> [qualname, ...]`` in first-entry order: the form docs/design.md lists them in."""
+    out: dict[str, list[str]] = {}
+    for f in functions:
+        module, qualname = f.split(":")
+        out.setdefault(module, []).append(qualname)
+    return out
 
 
 def traced(name: str) -> list[str]:
@@ -81,5 +91,7 @@ def traced(name: str) -> list[str]:
 
 if __name__ == "__main__":
     functions = traced(sys.argv[1] if len(sys.argv) > 1 else "OnebitAdam")
-    print("\n".join(functions))
-    print(f"{len(functions)} functions in {len({f.split(':')[0] for f in functions})} modules")
+    modules = by_module(functions)
+    for module, qualnames in modules.items():
+        print(f"{module}: {', '.join(qualnames)}")
+    print(f"{len(functions)} functions in {len(modules)} modules")

@@ -310,8 +310,8 @@ def test_stream_floor_loops_move_the_streams_they_count():
 def test_step_vs_fused_times_each_native_pass_when_asked(tmp_path):
     """``--passes``: per row, the native passes of steps of the same kind, each with its time and,
     where the stream table knows it, the bandwidth its bytes needed; a default OnebitAdam step
-    runs the sums, the compression with the local momentum (its ``m`` formed from the last
-    result's kept rows), the server's pass and the update."""
+    runs the sums, the compression with the local momentum (formed from ``p.grad`` read where it
+    lies), the server's pass and the update."""
     from compressed_opt.cuda import cpu
 
     if cpu.library() is None:
@@ -324,7 +324,7 @@ def test_step_vs_fused_times_each_native_pass_when_asked(tmp_path):
     [row] = json.loads(out.read_text())["rows"]
     passes = {p["pass"]: p for p in row["passes"]["rows"]}
     assert row["passes"]["step_ms"] > sum(p["ms"] for p in passes.values())
-    assert set(passes) == {"co_sumsq_each", "co_lerp_scale_clamp_compress_kept", "co_average_compress_rows",
+    assert set(passes) == {"co_sumsq_each", "co_lerp_scale_clamp_compress_sources", "co_average_compress_rows",
                            "co_rows_divide_zero_descend"}
     for p in passes.values():
         assert p["calls"] == 1 and p["ms"] > 0 and p["streams"] > 0

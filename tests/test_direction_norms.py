@@ -3,7 +3,7 @@ against the PyTorch composition they replace, bit for bit."""
 import pytest
 import torch
 
-from compressed_opt.cuda import Segments, cpu, direction_norms, direction_sumsq
+from compressed_opt.cuda import Segments, cpu, direction_norms, direction_sumsq, harness
 
 SIZES = [37, 0, 1000, 5, 8, 64, 1, 17, 3]
 
@@ -24,7 +24,7 @@ def _case(seed: int):
 def _calls(monkeypatch) -> list:
     """Each call of the native pass, recorded (it runs as before)."""
     lib, seen = cpu.library(), []
-    direction_norms._agrees(lib)  # (the check at first use calls the pass itself: made before recording)
+    harness.agrees("direction_sumsq")  # (the check at first use calls the pass itself: made before recording)
     native = lib.co_direction_sumsq
 
     def recorded(*args):
@@ -67,7 +67,7 @@ def test_what_the_pass_cannot_take_is_composed_with_the_same_bits(monkeypatch):
     strided_params = [torch.zeros(2 * p.numel())[::2].copy_(p) for p in params]
     assert not strided_params[0].is_contiguous()
     assert torch.equal(direction_sumsq(x, den, scales, strided_params, 0.01, segments), want)
-    monkeypatch.setattr(direction_norms, "_agreement", [False])
+    monkeypatch.setitem(harness._agreed, ("direction_sumsq", torch.device("cpu")), False)
     assert torch.equal(direction_sumsq(x, den, scales, params, 0.01, segments), want)
     assert len(calls) == 0
     with pytest.raises(ValueError, match="one scale per segment"):

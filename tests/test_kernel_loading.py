@@ -1,7 +1,8 @@
-"""Loading the native CPU kernels never breaks training (compressed_opt.cuda.cpu, issue 26): a cached
-library loads without a compiler, an unwritable cache dir falls back to a per-user temporary dir
-and then to the PyTorch reference with one warning, the cache dir follows COMPRESSED_OPT_CACHE_DIR
-and XDG_CACHE_HOME; and importing the package from the repository root says what to do."""
+"""Loading the native CPU kernels never breaks training (compressed_opt.cuda.build, which
+compressed_opt.cuda.cpu.library calls; issue 26): a cached library loads without a compiler, an
+unwritable cache dir falls back to a per-user temporary dir and then to the PyTorch reference with
+one warning, the cache dir follows COMPRESSED_OPT_CACHE_DIR and XDG_CACHE_HOME; and importing the
+package from the repository root says what to do."""
 from __future__ import annotations
 
 import os
@@ -17,7 +18,7 @@ import torch
 
 from compressed_opt import cuda as kernels
 from compressed_opt._source_tree import shadowing_error
-from compressed_opt.cuda import cpu, reference
+from compressed_opt.cuda import build, cpu, reference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 needs_compiler = pytest.mark.skipif(shutil.which(os.environ.get("CC") or "cc") is None, reason="no C compiler here")
@@ -32,7 +33,7 @@ def env(monkeypatch, tmp_path):
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     (tmp_path / "tmp").mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
-    monkeypatch.setattr(cpu, "_warned", False)
+    monkeypatch.setattr(build, "_warned", False)
     cpu.library.cache_clear()
     yield monkeypatch
     cpu.library.cache_clear()
@@ -165,13 +166,13 @@ def test_xdg_cache_home_holds_the_library(env, tmp_path):
 def test_empty_or_relative_xdg_cache_home_is_ignored(env, tmp_path, xdg):
     env.setenv("XDG_CACHE_HOME", xdg)
     env.setenv("COMPRESSED_OPT_CACHE_DIR", "")
-    assert cpu.cache_dir() == tmp_path / "home" / ".cache" / "compressed_opt"
+    assert build.cache_dir() == tmp_path / "home" / ".cache" / "compressed_opt"
 
 
 def test_compressed_opt_cache_dir_beats_xdg_cache_home(env, tmp_path):
     env.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     env.setenv("COMPRESSED_OPT_CACHE_DIR", str(tmp_path / "ours"))
-    assert cpu.cache_dir() == tmp_path / "ours"
+    assert build.cache_dir() == tmp_path / "ours"
     _no_compiler(env, tmp_path)
     lib, warned = _lookup()
     assert lib is None and len(warned) == 1 and "not writable" not in str(warned[0].message)
@@ -210,16 +211,16 @@ def test_import_from_the_repository_root_without_an_editable_install_says_what_t
 
 @needs_compiler
 def test_other_sources_compile_as_the_kernels_do_or_say_why(env, tmp_path):
-    """``cpu.compile_like_kernels`` (the benchmarks' own C loops): built with the kernels' compiler
+    """``build.compile_like_kernels`` (the benchmarks' own C loops): built with the kernels' compiler
     and flags; without a compiler or with a source that does not compile, why not."""
     import ctypes
 
     good, bad = tmp_path / "good.c", tmp_path / "bad.c"
     good.write_text("int seven(void) { return 7; }\n")
     bad.write_text("int seven(void) { return }\n")
-    assert cpu.compile_like_kernels([good], tmp_path / "good.so") is None
+    assert build.compile_like_kernels([good], tmp_path / "good.so") is None
     assert ctypes.CDLL(str(tmp_path / "good.so")).seven() == 7
-    assert "failed" in cpu.compile_like_kernels([bad], tmp_path / "bad.so")
+    assert "failed" in build.compile_like_kernels([bad], tmp_path / "bad.so")
     assert not (tmp_path / "bad.so").exists()
     _no_compiler(env, tmp_path)
-    assert "no-such-cc" in cpu.compile_like_kernels([good], tmp_path / "again.so")
+    assert "no-such-cc" in build.compile_like_kernels([good], tmp_path / "again.so")

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from compressed_opt import OnebitLamb
-from compressed_opt.cuda import CompressedResult, compress_rows_, cpu, decompress_rows_, lamb_passes, rows_layout
-from compressed_opt.cuda.segmented import Segments
+from compressed_opt.cuda import (CompressedResult, Segments, compress_rows_, cpu, decompress_rows_, harness,
+                                 lamb_passes, rows_layout)
 from optim_tasks import mlp, run_steps, shard_batches
 
-pytestmark = pytest.mark.skipif(cpu.library() is None or not lamb_passes._agrees(cpu.library()),
+pytestmark = pytest.mark.skipif(cpu.library() is None or not harness.agrees("lamb_passes"),
                                 reason="no native LAMB passes here (no C compiler, or another PyTorch rounding)")
 
 #: segments with and without a vector tail, empty ones, single elements

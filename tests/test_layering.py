@@ -31,8 +31,10 @@ def modules() -> dict[str, str]:
 
 
 def _targets(module: str, path: str, node, known) -> list[str]:
-    """The modules of ours an import statement needs (``from pkg import submodule`` needs the
-    submodule; a package is initialised before its submodules anyway, so no edge to it from inside)."""
+    """The modules of ours an import statement needs: ``from pkg import submodule`` needs the
+    submodule; ``from pkg import name`` (a name the package's ``__init__`` defines or re-exports)
+    needs the package itself, from a module inside it too: a submodule that takes a name from its
+    own package's ``__init__``, which imports that submodule back, is a cycle."""
     if isinstance(node, ast.Import):
         return [a.name for a in node.names]
     if node.level:
@@ -43,8 +45,7 @@ def _targets(module: str, path: str, node, known) -> list[str]:
     else:
         target = node.module or ""
     subs = [f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in known]
-    inside = module.startswith(target + ".")
-    return subs + ([] if inside or len(subs) == len(node.names) else [target])
+    return subs + ([] if len(subs) == len(node.names) else [target])
 
 
 def import_graph() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
@@ -94,6 +95,17 @@ def _package(module: str) -> str:
 def test_no_import_cycle():
     graph, _ = import_graph()
     assert cycles(graph) == []
+
+
+def test_a_name_from_the_own_package_is_an_edge():
+    """``from . import Name`` inside a package counts as an import of the package's ``__init__``
+    (the cycle the kernels once had: cuda/x.py took a name from cuda/__init__.py, which imported
+    x.py), and ``from . import submodule`` as an import of the submodule only."""
+    known = {"pkg": "pkg/__init__.py", "pkg.a": "pkg/a.py", "pkg.b": "pkg/b.py"}
+    name, sub = ast.parse("from . import Thing").body[0], ast.parse("from . import b").body[0]
+    assert _targets("pkg.a", "pkg/a.py", name, known) == ["pkg"]
+    assert _targets("pkg.a", "pkg/a.py", sub, known) == ["pkg.b"]
+    assert cycles({"pkg": {"pkg.a"}, "pkg.a": {"pkg"}}) == [["pkg", "pkg.a", "pkg"]]
 
 
 def test_arrows_only_point_down():

@@ -52,7 +52,7 @@ def _params(seed):
 
 
 def _denominators(v, eps):
-    plain = torch.sqrt(v).add_(eps)  # as moments.denominator_
+    plain = torch.sqrt(v).add_(eps)  # as zero_one_local.frozen_denominator makes it
     return plain, kernels.signed_denominator(v, plain.clone())
 
 
@@ -169,11 +169,12 @@ def test_pass_before_the_exchange_inside_the_compression_is_both_in_turn_bit_for
 
 
 @pytest.mark.parametrize("variant", ["preconditioned", "momentum"])
-def test_a_zero_accumulator_is_not_read_before_the_exchange(variant):
-    """``accumulator_zero=True`` (an interval of one step: ``acc`` holds ``+0``): the fused pass gives
-    what it gives on a ``+0`` accumulator read, bit for bit (``-0`` quotients included: ``+0 + -0`` is
-    ``+0``), and does not read it (NaN there changes nothing); ``leaves_zero`` until ``apply_``."""
-    from compressed_opt.cuda import reference
+def test_a_zero_accumulator_before_the_exchange_is_both_in_turn_bit_for_bit(variant):
+    """An accumulator of ``+0`` (what the last synchronisation left it: an interval of one step) and
+    ``-0`` quotients (``+0 + -0`` is ``+0``): the fused pass gives what ``apply_()`` then the
+    compression give, m, the error and the rows bit for bit, and reads the accumulator without
+    writing it."""
+    from compressed_opt.cuda import cpu, reference
 
     grad, m, v, _, _, r = _inputs(9, 13)
     grad[5::13] = -0.0  # (m and grad -0: a -0 quotient)
@@ -185,44 +186,19 @@ def test_a_zero_accumulator_is_not_read_before_the_exchange(variant):
     kw = {"preconditioned": dict(r=r, bounds=[0.5, 1.0, 2.0, 0.25, 3.0, 1.0, 0.1]),
           "momentum": dict(scales=[1.5, 0.5, 0.75, 1.25, 3.0, 1.0, 0.3])}[variant]
     got = []
-    for acc, zero in ((torch.zeros(n), False), (torch.zeros(n), True), (torch.full((n,), float("nan")), True)):
-        m_, e_ = m.clone(), error.clone()
+    for fused in (True, False):
+        acc, m_, e_ = torch.zeros(n), m.clone(), error.clone()
         rows = torch.zeros(world, reference.rows_layout(chunk, block)[1], dtype=torch.uint8)
-        pending = kernels.ZeroOneSyncBefore(grad, m_, sden, acc, seg, 0.1, 2e-3, accumulator_zero=zero, **kw)
-        assert pending.compress_rows_(acc, e_, rows, chunk, block) and pending.leaves_zero == zero
+        pending = kernels.ZeroOneSyncBefore(grad, m_, sden, acc, seg, 0.1, 2e-3, **kw)
+        if fused:
+            assert pending.compress_rows_(acc, e_, rows, chunk, block)
+            assert _same(acc, torch.zeros(n))  # read, not written (+0 still)
+        else:
+            pending.apply_()
+            cpu.compress_rows_(acc, e_, rows, chunk, block)
         got.append((m_, e_, rows))
-    for m_, e_, rows in got[1:]:
-        assert _same(m_, got[0][0]) and _same(e_, got[0][1]) and torch.equal(rows, got[0][2])
-    pending = kernels.ZeroOneSyncBefore(grad, m.clone(), sden, torch.zeros(n), seg, 0.1, 2e-3, accumulator_zero=True)
-    pending.apply_()
-    assert not pending.leaves_zero  # (apply_ wrote the accumulator: the pass after must zero it)
-
-
-def test_the_pass_after_leaves_a_zero_accumulator_unwritten():
-    """``zero_one_sync_after_`` from the rows with ``accumulator_zero=True``: the same m, anchor and
-    parameters as with it off, and the accumulator not written (with it off: +0 written)."""
-    from compressed_opt.cuda import CompressedResult, cpu, reference
-
-    seg = Segments(ROW_SIZES)
-    n, world, block = seg.numel, 2, 256
-    g = torch.Generator().manual_seed(5)
-    v = torch.rand(n, generator=g) * 1e-2
-    v[::7] = 0.0
-    r = torch.where(v == 0, torch.zeros(()), 1.0 / torch.sqrt(v)) * 0.7
-    _, sden = _denominators(v, 1e-8)
-    anchor, params = torch.randn(n, generator=g), [torch.randn(k, generator=g) for k in ROW_SIZES]
-    chunk = -(-n // (world * 32)) * 32
-    rows = torch.zeros(world, reference.rows_layout(chunk, block)[1], dtype=torch.uint8)
-    cpu.compress_rows_(torch.randn(n, generator=g), torch.zeros(n), rows, chunk, block)
-    got = []
-    for zero in (False, True):
-        acc, m, a, p = torch.full((n,), 9.0), torch.full((n,), 5.0), anchor.clone(), [t.clone() for t in params]
-        assert kernels.zero_one_sync_after_(p, CompressedResult(rows, chunk, block, acc), sden, m, a, seg, 7e-3, 0.999,
-                                            [-1.0] * len(ROW_SIZES), r=r, accumulator_zero=zero)
-        assert torch.equal(acc, torch.full((n,), 9.0) if zero else torch.zeros(n))
-        got.append((m, a, p))
-    (m1, a1, p1), (m2, a2, p2) = got
-    assert _same(m1, m2) and _same(a1, a2) and all(_same(x, y) for x, y in zip(p1, p2))
+    (m1, e1, rows1), (m2, e2, rows2) = got
+    assert _same(m1, m2) and _same(e1, e2) and torch.equal(rows1, rows2)
 
 
 ROW_SIZES = [300, 0, 1, 700, 0, 129, 2000, 5, 0]  # across tiles (256), blocks (256, 512) and chunks
@@ -368,7 +344,7 @@ def _job(exchange, wd, tracking, steps=16, **options):
             p.grad.view(-1)[:3] = 0.0  # coordinates that never get a gradient: v == 0
         opt.param_groups[0]["lr"] = 0.0 if 8 <= t < 10 else 1e-2
         opt.step()
-        record.append((opt.last_step_kind, [p.detach().clone() for p in params],
+        record.append((opt.schedule.last_step_kind, [p.detach().clone() for p in params],
                        [opt.state[p][k].clone() for p in params for k in ("exp_avg", "momentum_accumulator")]))
     opt.close()
     return record
@@ -398,21 +374,13 @@ def test_the_optimizer_with_the_passes_is_the_composition_bit_for_bit(exchange, 
 
 
 @pytest.mark.parametrize("touch", [False, True])
-def test_syncs_one_step_apart_skip_the_zero_accumulator_unless_it_was_written(touch, monkeypatch):
-    """Intervals of one step (``local_step_scaler`` 4): every synchronisation after the first knows the
-    accumulator holds ``+0`` and neither reads nor writes it, bit for bit the composition; a user's
-    in-place write to ``state[p]["momentum_accumulator"]`` between two of them (its version moves) is
-    read as the composition reads it."""
+def test_syncs_one_step_apart_are_the_composition_bit_for_bit(touch):
+    """Intervals of one step (``local_step_scaler`` 8): every synchronisation runs its fused pass
+    before the exchange and its pass after, on the accumulator the last one left at ``+0``, bit for
+    bit the composition; a user's in-place write to ``state[p]["momentum_accumulator"]`` between two
+    of them is read as the composition reads it."""
     if not FMA_CAPABLE:
         pytest.skip(f"torch's CPU capability {torch.backends.cpu.get_cpu_capability()}: its lerp rounds otherwise")
-    knew = []
-    made = kernels.ZeroOneSyncBefore.__init__
-
-    def spy(self, *args, **kwargs):
-        made(self, *args, **kwargs)
-        knew.append(self.leaves_zero)
-
-    monkeypatch.setattr(kernels.ZeroOneSyncBefore, "__init__", spy)
 
     def job():
         torch.manual_seed(0)
@@ -420,21 +388,27 @@ def test_syncs_one_step_apart_skip_the_zero_accumulator_unless_it_was_written(to
         opt = ZeroOneAdam(params, lr=1e-2, var_freeze_step=3, local_step_scaler=8, backend=SingleProcessBackend(),
                           overlap=False)
         g = torch.Generator().manual_seed(1)
+        kinds = []
         for t in range(9):
             for p in params:
                 p.grad = torch.randn(p.shape, generator=g)
             if touch and t == 6:
                 opt.state[params[1]]["momentum_accumulator"].add_(1e-3)
             opt.step()
-        assert opt.last_step_kind == "sync" and opt.local_step_interval == 1
-        return [p.detach().clone() for p in params] + [opt.state[p][k].clone() for p in params
-                                                       for k in ("exp_avg", "momentum_accumulator")]
+            kinds.append(opt.schedule.last_step_kind)
+        assert opt.schedule.last_step_kind == "sync" and opt.schedule.local_step_interval == 1
+        return kinds, [p.detach().clone() for p in params] + [opt.state[p][k].clone() for p in params
+                                                              for k in ("exp_avg", "momentum_accumulator")]
 
-    with passes(True, [0]):
-        fused = job()
-    assert knew == [False, True, True, not touch, True, True]  # (the first: after the freeze's reset)
+    ran = [0, 0]
+    with passes(True, ran):
+        kinds, fused = job()
+    # after the freeze every step synchronises: each two passes (but the first, whose exchange agrees
+    # the size: the pass before alone), each pass after reading the exchange's result rows
+    assert kinds[3:] == ["sync"] * 6
+    assert ran == [2 * kinds.count("sync") - 1, kinds.count("sync")]
     with passes(False, [0]):
-        composed = job()
+        _, composed = job()
     assert all(_same(a, b) for a, b in zip(fused, composed))
 
 
@@ -464,7 +438,7 @@ def _two_rank_job(rank, world):
             kinds = []
             for batch in shard_batches(rank, world, 24):
                 run_steps(model, opt, [batch])
-                kinds.append(opt.last_step_kind)
+                kinds.append(opt.schedule.last_step_kind)
             finals.append([p.detach().clone() for p in model.parameters()])
             opt.close()
     return finals, ran, kinds

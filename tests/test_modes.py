@@ -43,7 +43,7 @@ def _zero_one(rank, world):
         model = mlp()
         net, opt = in_mode(ZeroOneAdam, model, mode, **ZERO_ONE)
         run_steps(net, opt, batches)
-        losses[mode], kinds[mode] = full_loss(model), opt.last_step_kind
+        losses[mode], kinds[mode] = full_loss(model), opt.schedule.last_step_kind
     fast = dict(lr=1e-2, weight_decay=0.01, var_freeze_step=10, var_update_scaler=2, local_step_scaler=3,
                 local_step_clipper=4)
 

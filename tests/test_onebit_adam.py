@@ -540,15 +540,14 @@ def test_a_checkpoint_of_the_other_exchange_is_refused_and_of_the_same_one_loads
 def _fused_and_unfused_runs(rank, world):
     """Per configuration, the parameters after a seeded job with the local momentum's pass fused
     into the exchange's compression, and with it run alone first (the fusion refused), and how
-    many compressions ran it fused."""
-    from compressed_opt.cuda import segmented
-
+    many compressions ran it fused (the preconditioned exchange's ``LerpScaleClamp``, the momentum
+    exchange's ``Lerp``: the classes the CPU buckets bind)."""
     out = []
     for kwargs in (dict(), dict(overlap=False, bucket_cap_mb=0.004, scale_block=256), dict(zero_stage=1),
                    dict(exchange="momentum", bucket_cap_mb=0.004)):
         ran, finals = [0], []
         for fuse in (True, False):
-            with fusion(segmented.LerpScaleClamp, fuse, ran):
+            with fusion(("LerpScaleClamp", "Lerp"), fuse, ran):
                 torch.manual_seed(0)
                 model = nn.Sequential(nn.Linear(64, 40), nn.Tanh(), nn.Linear(40, 10), nn.LayerNorm(10))
                 opt = OnebitAdam(model.parameters(), freeze_step=3, **HP, **kwargs)

@@ -488,11 +488,9 @@ def test_bad_group_override_names_the_argument():
 def _fused_and_unfused_lamb(rank, world):
     """The parameters after a seeded job with the local momentum's pass fused into the exchange's
     compression where nothing reads it first, and with it always run alone; how many ran fused."""
-    from compressed_opt.cuda import segmented
-
     ran, finals = [0], []
     for fuse in (True, False):
-        with fusion(segmented.LerpScaleClamp, fuse, ran):
+        with fusion("LerpScaleClamp", fuse, ran):
             torch.manual_seed(0)
             model = mlp()
             opt = OnebitLamb(model.parameters(), freeze_step=3, trust_ratio_interval=3, **HP)

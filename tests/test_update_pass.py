@@ -1,4 +1,4 @@
-"""The exchanges' last passes (compressed_opt.cuda.update): the preconditioned exchange's momentum
+"""The exchanges' last passes (``compressed_opt.cuda.divide_descend_``, ``keep_descend_``): the preconditioned exchange's momentum
 taken back from the exchanged average and the update (``A y`` formed from ``R`` by a division, as ZeRO
 forms it), in one pass, bit for bit as the two passes in turn; the momentum exchange's update from
 the result's rows, bit for bit its PyTorch composition."""
@@ -6,7 +6,10 @@ import pytest
 import torch
 
 from compressed_opt.cuda import (CompressedResult, Descend, Segments, compress_rows_, cpu, decompress_rows_,
-                                 divide_descend_, divide_where_nonzero_, rows_keep_descend_, rows_layout, update)
+                                 divide_descend_, divide_where_nonzero_, harness, keep_descend_, reference, registry,
+                                 rows_layout)
+
+_KEEP_DESCEND = ("keep_descend", torch.device("cpu"))  # (the harness's verdict on the C pass, cached)
 
 CASES = [  # (segment sizes, elements past the segments)
     ([5, 0, 17, 1, 64, 3], 4),
@@ -45,7 +48,7 @@ def _compose(y, r, out, segs, divisors, descend, zero_index=None):
     """The two passes in turn (PyTorch's ops), on a copy of ``y``."""
     y, n = y.clone(), segs.numel
     divide_where_nonzero_(y[:n], r[:n], out[:n], zero_index, *(() if divisors is None else (segs, divisors)))
-    update.compose_descend_(y, r, descend.eps, descend.coeffs, descend.factors, descend.dests, segs, descend.decay,
+    reference.compose_descend_(y, r, descend.eps, descend.coeffs, descend.factors, descend.dests, segs, descend.decay,
                             descend.alpha, zero_index)
 
 
@@ -98,7 +101,7 @@ def test_divide_descend_falls_back_to_the_two_passes(monkeypatch):
     monkeypatch.setenv("COMPRESSED_OPT_KERNELS", "reference")
     ref_p, ref_m = [p.clone() for p in params], out.clone()
     divide_descend_(y.clone(), r, ref_m, segs, divisors, _descend(ref_p, 0.9))
-    assert update.divide_descend_agrees()
+    assert harness.agrees("divide_descend")
     assert torch.equal(*_bits([ref_m, native_m]))
     assert all(torch.equal(p, q) for p, q in zip(_bits(ref_p), _bits(native_p)))
     monkeypatch.delenv("COMPRESSED_OPT_KERNELS")
@@ -192,7 +195,7 @@ def test_a_compressed_result_without_the_c_pass_is_decompressed_into_its_buffer(
     direction = torch.empty(n)
     decompress_rows_(rows, direction, chunk, block)
     d = _descend([p.clone() for p in params], 1.0)
-    update.compose_descend_(direction, r, d.eps, d.coeffs, d.factors, d.dests, segs, d.decay, d.alpha)
+    reference.compose_descend_(direction, r, d.eps, d.coeffs, d.factors, d.dests, segs, d.decay, d.alpha)
     assert torch.equal(buffer, direction)  # (decompressed into the buffer, the direction written over it)
     assert torch.equal(*_bits([ref_m, native_m]))
     assert all(torch.equal(p, q) for p, q in zip(_bits(ref_p), _bits(native_p)))
@@ -215,78 +218,112 @@ def _result(g, n, world, block):
 def test_the_momentum_exchanges_update_from_the_rows_is_its_composition(sizes, past, world, block, decay, factored,
                                                                          kept):
     """``m <- y`` (not under ZeRO: ``kept``) and ``p <- p decay + alpha (y / den) f_l``, from the rows
-    tile by tile: the decompression then the composition (``compose_keep_descend_``) bit for bit,
-    ``den == inf`` (``v_f == 0``) included; ``m``'s elements past the segments are not written."""
-    assert cpu.library() is not None and update.keep_descend_agrees()
+    tile by tile by the C pass (nothing decompressed into the result's buffer): the decompression then
+    the composition (``reference.keep_descend_``) bit for bit, ``den == inf`` (``v_f == 0``) included;
+    ``m``'s elements past the segments are not written."""
+    assert cpu.library() is not None and harness.agrees("keep_descend")
     g = torch.Generator().manual_seed(world * 5 + len(sizes))
     segs, _, _, a, params, out = _inputs(g, sizes, past)
     n = segs.numel
     result, y = _result(g, n, world, block)
+    result.buffer.fill_(3.0)
     den = a + 1e-8
     den[::9] = float("inf")
     factors = [1.0 + 0.1 * (i % 5) - 0.2 for i in range(len(sizes))] if factored else None
     fused_p, fused_m = [p.clone() for p in params], out.clone()
-    assert rows_keep_descend_(result, den, fused_m if kept else None, factors, fused_p, segs, decay, -1e-3)
+    keep_descend_(result, den, fused_m if kept else None, factors, fused_p, segs, decay, -1e-3)
+    assert torch.all(result.buffer == 3.0)  # (the C pass ran: it decompressed nothing into the buffer)
     composed_p, composed_m = [p.clone() for p in params], out.clone()
-    update.compose_keep_descend_(y, den, composed_m if kept else None, factors, composed_p, segs, decay, -1e-3)
+    reference.keep_descend_(y, den, composed_m if kept else None, factors, composed_p, segs, decay, -1e-3)
     assert torch.equal(fused_m.view(torch.int32), composed_m.view(torch.int32))
     assert all(torch.equal(f, c) for f, c in zip(_bits(fused_p), _bits(composed_p)))
     assert torch.all(fused_m[n:] == 7.0)
 
 
-def test_the_momentum_exchanges_update_refuses_what_it_cannot_run(monkeypatch):
-    """``False``, with nothing written, for a parameter it cannot address (not contiguous), a
-    denominator of another dtype, rows too short, or where the check at first use failed."""
+def test_the_momentum_exchanges_update_composes_where_the_c_pass_cannot_run(monkeypatch):
+    """Where the C pass cannot run (a parameter it cannot address, not contiguous; a denominator of
+    another dtype; the harness's check at first use failed) the update still completes: the result
+    decompressed into its buffer, then the composition, bit for bit the C pass's results (``m``, the
+    parameters). Rows too short for the segments: ``ValueError``, with nothing written."""
+    assert cpu.library() is not None and harness.agrees("keep_descend")
     g = torch.Generator().manual_seed(3)
     segs, _, _, a, params, out = _inputs(g, [300, 45], 0)
-    result, _ = _result(g, segs.numel, 2, 256)
+    n = segs.numel
+    result, y = _result(g, n, 2, 256)
+    den = a + 1e-8
+    native_p, native_m = [p.clone() for p in params], out.clone()
+    result.buffer.fill_(3.0)
+    keep_descend_(result, den, native_m, None, native_p, segs, 0.999, -1e-3)
+    assert torch.all(result.buffer == 3.0)  # (the C pass)
+    direction = y.clone()
+    reference.keep_descend_(direction, den, out.clone(), None, [p.clone() for p in params], segs, 0.999, -1e-3)
+
+    def composed(dests, d):
+        m = out.clone()
+        result.buffer.fill_(3.0)
+        keep_descend_(result, d, m, None, dests, segs, 0.999, -1e-3)
+        assert torch.equal(result.buffer, direction)  # (decompressed into the buffer, the direction over it)
+        assert torch.equal(*_bits([m, native_m]))
+        assert all(torch.equal(p, q) for p, q in zip(_bits([p.contiguous() for p in dests]), _bits(native_p)))
+
+    strided = [params[0].clone(), torch.empty(45, 2).t()[0].copy_(params[1])]
+    assert not strided[1].is_contiguous()
+    composed(strided, den)
+    composed([p.clone() for p in params], den.double())
     before = [p.clone() for p in params] + [out.clone()]
-
-    def refused(*args):
-        assert not rows_keep_descend_(*args)
-        assert all(torch.equal(x, y) for x, y in zip(params + [out], before))
-
-    strided = [params[0], torch.randn(45, 2, generator=g).t()[0]]
-    refused(result, a, out, None, strided, segs, 1.0, -1e-3)
-    refused(result, a.double(), out, None, params, segs, 1.0, -1e-3)
-    refused(CompressedResult(result.rows[:1], result.chunk, result.block, result.buffer), a, out, None, params, segs,
-            1.0, -1e-3)  # (one row of 192 elements for 345)
-    monkeypatch.setattr(update, "_keep_descend", [False])
-    refused(result, a, out, None, params, segs, 1.0, -1e-3)
+    with pytest.raises(ValueError, match="rows of"):  # (one row of 192 elements for 345)
+        keep_descend_(CompressedResult(result.rows[:1], result.chunk, result.block, result.buffer), den, out, None,
+                      params, segs, 1.0, -1e-3)
+    assert all(torch.equal(x, b) for x, b in zip(params + [out], before))
+    monkeypatch.setitem(harness._agreed, _KEEP_DESCEND, False)  # (the check at first use failed)
+    monkeypatch.setattr(registry, "_bound", {})  # (the kernels bound again, from that verdict)
+    assert registry.kernels_for("cpu").keep_descend_ is reference.keep_descend_
+    composed([p.clone() for p in params], den)
 
 
-def _momentum_run(native: bool, monkeypatch) -> tuple[list, int]:
+def _momentum_run(native: bool, monkeypatch) -> tuple[list, tuple[int, int]]:
     import compressed_opt
-    from compressed_opt import cuda as kernels
     from compressed_opt.comm import SingleProcessBackend
 
-    monkeypatch.setattr(update, "_keep_descend", [] if native else [False])
-    ran, original = [], kernels.rows_keep_descend_
+    with monkeypatch.context() as patched:
+        if native:
+            assert harness.agrees("keep_descend")
+        else:  # (as where the check at first use failed: the reference is bound)
+            patched.setitem(harness._agreed, _KEEP_DESCEND, False)
+        patched.setattr(registry, "_bound", {})  # (the buckets' kernels bound afresh, from the harness's verdict)
+        c_ran, composed = [], []
+        c_pass, composition = cpu.keep_descend_, reference.keep_descend_
 
-    def counted(*args):
-        ran.append(original(*args))
-        return ran[-1]
+        def counted_c(*args):  # (the C pass, where it ran: it falls back to the composition, counted there)
+            c_ran.append(1)
+            return c_pass(*args)
 
-    monkeypatch.setattr(kernels, "rows_keep_descend_", counted)
-    g = torch.Generator().manual_seed(5)
-    params = [torch.nn.Parameter(torch.randn(s, generator=g) * 0.1) for s in ((33, 17), (17,), (0,), (4097,))]
-    opt = compressed_opt.OnebitAdam(params, lr=1e-3, freeze_step=3, exchange="momentum", bucket_cap_mb=0.01,
-                                    backend=SingleProcessBackend())
-    for _ in range(10):
-        for p in params:
-            p.grad = torch.randn(p.shape, generator=g) * 0.01
-        opt.step()
+        def counted_composition(*args):
+            composed.append(1)
+            return composition(*args)
+
+        patched.setattr(cpu, "keep_descend_", counted_c)
+        patched.setattr(reference, "keep_descend_", counted_composition)
+        g = torch.Generator().manual_seed(5)
+        params = [torch.nn.Parameter(torch.randn(s, generator=g) * 0.1) for s in ((33, 17), (17,), (0,), (4097,))]
+        opt = compressed_opt.OnebitAdam(params, lr=1e-3, freeze_step=3, exchange="momentum", bucket_cap_mb=0.01,
+                                        backend=SingleProcessBackend())
+        for _ in range(10):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g) * 0.01
+            opt.step()
     state = [t for p in params for t in opt.state[p].values() if isinstance(t, torch.Tensor)]
-    return [t.detach().clone() for t in params + state], (sum(ran), len(ran))
+    return [t.detach().clone() for t in params + state], (len(c_ran), len(composed))
 
 
 def test_onebit_adams_momentum_exchange_steps_as_its_composition(monkeypatch):
     """OnebitAdam with the paper's exchange (weight decay, variance tracking: its defaults) steps
-    through the pass from the kept rows, and to the bit as where the check at first use failed
+    through the C pass from the rows, and to the bit as where the check at first use failed
     and the update is composed."""
     fused, ran = _momentum_run(True, monkeypatch)
     composed, ran_composed = _momentum_run(False, monkeypatch)
-    assert ran[0] == ran[1] >= 7 and ran_composed[0] == 0  # (every bucket of the 7 compression steps)
+    # (every bucket of the 7 compression steps: natively, none composed; then composed, none natively)
+    assert ran[0] >= 7 and ran[1] == 0 and ran_composed[0] == 0 and ran_composed[1] == ran[0]
     for a, b in zip(fused, composed):
         assert torch.equal(a.view(torch.int32) if a.dtype == torch.float32 else a,
                            b.view(torch.int32) if b.dtype == torch.float32 else b)

@@ -2,6 +2,7 @@
 steps that do not measure the live trust ratio; the fresh variance is the composition's bit for
 bit and the parameters follow the composition's within what the maxima's bound allows, on one
 rank and on two; the passes check themselves and refuse what they cannot run."""
+import contextlib
 import warnings
 
 import pytest
@@ -10,9 +11,26 @@ import torch
 import compressed_opt
 from compressed_opt import cuda as kernels
 from compressed_opt.comm import SingleProcessBackend
-from compressed_opt.cuda import zero_passes
+from compressed_opt.cuda import harness, zero_passes
 
 pytestmark = pytest.mark.skipif(kernels.cpu.library() is None, reason="no C compiler here")
+
+_AGREED = ("zero_passes", torch.device("cpu"))  # (the harness's verdict on the ZeRO passes here)
+
+
+@contextlib.contextmanager
+def _agreement(native: bool):
+    """The ZeRO passes checked afresh at first use (``native``), or found differing from their
+    compositions (the composition runs); the harness's verdict as it was afterwards."""
+    saved = harness._agreed.pop(_AGREED, None)
+    if not native:
+        harness._agreed[_AGREED] = False
+    try:
+        yield
+    finally:
+        harness._agreed.pop(_AGREED, None)
+        if saved is not None:
+            harness._agreed[_AGREED] = saved
 
 
 def _run(rank, world, native, steps=16, backend=None, plan=()):
@@ -23,17 +41,16 @@ def _run(rank, world, native, steps=16, backend=None, plan=()):
     kw = {} if backend is None else {"backend": backend}
     opt = compressed_opt.OnebitLamb(params, lr=1e-3, freeze_step=3, bucket_cap_mb=0.01, zero_stage=1, overlap=False,
                                     **kw)
-    saved, ran, now = list(zero_passes._agreement), [], [0]
+    ran, now = [], [0]
     descend = zero_passes.lamb_rows_descend_
 
     def spy(*args):
         ran.append((now[0], descend(*args)))
         return ran[-1][1]
 
-    zero_passes._agreement[:] = [] if native else [False]
     zero_passes.lamb_rows_descend_ = spy
     try:
-        with warnings.catch_warnings():
+        with _agreement(native), warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
             for step in range(1, steps + 1):
                 now[0] = step
@@ -44,7 +61,6 @@ def _run(rank, world, native, steps=16, backend=None, plan=()):
                     params[0].grad[3, 4] = float("nan")
                 opt.step()
     finally:
-        zero_passes._agreement[:] = saved
         zero_passes.lamb_rows_descend_ = descend
     fresh = [opt.engine.client.zero.moment(b, "exp_avg_sq_fresh").clone() for b in opt.engine._buckets]
     ran = sorted({s for s, done in ran if done})
@@ -116,17 +132,16 @@ def _tiny(rank, world):
         g = torch.Generator().manual_seed(rank)
         params = [torch.nn.Parameter(torch.randn(s, generator=g) * 0.1) for s in ((7, 5), (5,))]
         opt = compressed_opt.OnebitLamb(params, lr=1e-3, freeze_step=3, zero_stage=1, overlap=False)
-        saved, ran, descend = list(zero_passes._agreement), [], zero_passes.lamb_rows_descend_
-        zero_passes._agreement[:] = [] if native else [False]
+        ran, descend = [], zero_passes.lamb_rows_descend_
         zero_passes.lamb_rows_descend_ = lambda *args: ran.append(descend(*args)) or ran[-1]
         try:
-            for step in range(1, 12):
-                gen = torch.Generator().manual_seed(1000 * rank + step)
-                for p in params:
-                    p.grad = torch.randn(p.shape, generator=gen) * 0.01
-                opt.step()
+            with _agreement(native):
+                for step in range(1, 12):
+                    gen = torch.Generator().manual_seed(1000 * rank + step)
+                    for p in params:
+                        p.grad = torch.randn(p.shape, generator=gen) * 0.01
+                    opt.step()
         finally:
-            zero_passes._agreement[:] = saved
             zero_passes.lamb_rows_descend_ = descend
         out.append(([p.detach().clone() for p in params], sum(ran)))
     return out

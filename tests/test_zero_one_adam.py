@@ -201,7 +201,7 @@ def _train_recording(rank, world, hp, steps, exchange="preconditioned"):
         opt.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
-        record.append((opt.last_step_kind, _flat_params(model).clone(),
+        record.append((opt.schedule.last_step_kind, _flat_params(model).clone(),
                        _flat(opt.state[p]["exp_avg"] for p in _bucket_order(model))))
     return record
 
@@ -269,7 +269,7 @@ def _tiny_run(steps, backend=None, **kw):
         calls = {k: opt.backend.stats.calls[k] - before.get(k, 0) for k in opt.backend.stats.calls}
         calls = {k: c for k, c in calls.items() if c}
         v_changed = v_before is None or not torch.equal(v_before, opt.state[model.weight]["exp_avg_sq"])
-        trace.append(dict(kind=opt.last_step_kind, var_interval=opt.schedule.var_interval,
+        trace.append(dict(kind=opt.schedule.last_step_kind, var_interval=opt.schedule.var_interval,
                           local_interval=opt.schedule.local_step_interval, calls=calls, v_changed=v_changed))
     return model, opt, trace
 
@@ -279,7 +279,7 @@ def test_var_interval_doubles_after_every_var_update_scaler_refreshes():
     refreshes = [t for t, s in enumerate(trace, start=1) if s["kind"] == "refresh"]
     assert refreshes == [1, 2, 4, 6, 8, 12, 16, 24, 32]  # then 48
     assert [s["var_interval"] for s in trace][:9] == [1, 2, 2, 2, 2, 4, 4, 4, 4]
-    assert opt.schedule.var_interval == 16 and opt.phase == "B"
+    assert opt.schedule.var_interval == 16 and opt.schedule.phase == "B"
     first = True
     for s in trace[:-1]:  # (at the end of step 40, phase B begins with v bias-corrected)
         if s["kind"] == "refresh":  # one full-precision allreduce, v refreshed
@@ -325,7 +325,7 @@ def test_overlap_with_backward_changes_nothing():
 def test_phase_b_starts_from_bias_corrected_moments_and_fresh_error_buffers():
     model, opt, trace = _tiny_run(5, var_freeze_step=5, var_update_scaler=1)
     # phase A ended at step 5 with refreshes at 1, 2, 4 (interval 1 -> 2 -> 4)
-    assert opt.phase == "B" and opt.schedule.var_refreshes == 3
+    assert opt.schedule.phase == "B" and opt.schedule.var_refreshes == 3
     b = opt.engine.buckets[0]
     assert all(float(e.abs().sum()) == 0 for e in (b.feedback.worker_error, b.feedback.server_error))
     assert torch.equal(b.state.buffers.sync_params, _flat(reversed(list(model.parameters()))))
@@ -343,7 +343,7 @@ def test_group_with_zero_lr_skips_its_synchronisations_and_stays_put():
         opt.zero_grad()
         ((model(x) - y) ** 2).mean().backward()
         opt.step()
-        syncs += opt.phase == "B" and opt.last_step_kind == "sync"
+        syncs += opt.schedule.phase == "B" and opt.schedule.last_step_kind == "sync"
     assert syncs == 5  # phase-B steps 1, 2, 4, 6, 8 of 9
     assert opt.backend.stats.calls["all_to_all"] == syncs  # the weight's bucket only
     assert torch.equal(model.bias.detach(), bias0)
@@ -365,7 +365,7 @@ def test_low_precision_parameters_through_both_phases():
         opt.step()
         losses.append(loss.item())
     assert model.weight.dtype == torch.bfloat16 and opt.state[model.weight]["sync_params"].dtype == torch.float32
-    assert opt.last_step_kind == "sync"
+    assert opt.schedule.last_step_kind == "sync"
     assert torch.equal(model.weight.detach(), opt.state[model.weight]["sync_params"].to(torch.bfloat16))
     assert losses[-1] < losses[0]
 
@@ -374,7 +374,7 @@ def test_auto_freeze_is_logged_and_kept_in_checkpoints(caplog):
     rule = VarianceStabilityRule(window=2, rtol=0.5, min_step=3, max_step=30)
     with caplog.at_level(logging.INFO, logger="compressed_opt"):
         model, opt, trace = _tiny_run(30, var_freeze_step=rule, var_update_scaler=2)
-    assert opt.phase == "B" and 3 <= opt.var_freeze_step < 30
+    assert opt.schedule.phase == "B" and 3 <= opt.var_freeze_step < 30
     assert (trace[opt.var_freeze_step - 1]["kind"] == "refresh"
             and trace[opt.var_freeze_step]["kind"] in ("sync", "local"))
     assert f"variance frozen at the end of step {opt.var_freeze_step}" in caplog.text
@@ -382,7 +382,7 @@ def test_auto_freeze_is_logged_and_kept_in_checkpoints(caplog):
     assert sd["var_freeze_step"] == opt.var_freeze_step and sd["freeze_rule"]["window"] == 2
     fresh = ZeroOneAdam(model.parameters(), var_freeze_step="auto", backend=SingleProcessBackend())
     fresh.load_state_dict(opt.state_dict())
-    assert fresh.var_freeze_step == opt.var_freeze_step and fresh.phase == "B"
+    assert fresh.var_freeze_step == opt.var_freeze_step and fresh.schedule.phase == "B"
     assert fresh.schedule.rule.window == 2
     # max_step is a hard limit even between refreshes
     _, opt, _ = _tiny_run(12, var_freeze_step=VarianceStabilityRule(window=50, min_step=1, max_step=7),
@@ -418,7 +418,7 @@ def _digits_zero_one_adam(rank, world, hp, steps):
     model = mlp()
     opt = ZeroOneAdam(model.parameters(), **hp)
     loss = train(model, opt, rank, world, steps)
-    assert opt.last_step_kind == "sync"  # the loss is measured on synchronised parameters
+    assert opt.schedule.last_step_kind == "sync"  # the loss is measured on synchronised parameters
     # "auto" on 2 ranks: rank 0 decides, every rank freezes at the same step
     model = mlp()
     auto = ZeroOneAdam(model.parameters(), lr=1e-2, var_freeze_step=VarianceStabilityRule(**AUTO_RULE),
@@ -470,7 +470,8 @@ def _resume(rank, world, hp, steps, cuts):
     for cut in cuts:
         model, opt = make()
         run_steps(model, opt, batches[:cut])
-        where = (opt.phase, opt.schedule.var_interval, opt.schedule.steps_since_sync, opt.schedule.local_step_interval)
+        sched = opt.schedule
+        where = (sched.phase, sched.var_interval, sched.steps_since_sync, sched.local_step_interval)
         checkpoint = checkpoint_round_trip(model, opt)
         del model, opt
         model, opt = make()
@@ -535,7 +536,7 @@ def test_defaults_and_auto_accepted():
     opt = ZeroOneAdam(nn.Linear(2, 2).parameters(), backend=SingleProcessBackend())
     assert (opt.var_freeze_step, opt.schedule.var_update_scaler, opt.schedule.local_step_scaler,
             opt.schedule.local_step_clipper) == (100000, 16, 32678, 16)
-    assert opt.phase == "A" and opt.schedule.var_interval == 1 and opt.schedule.local_step_interval == 1
+    assert opt.schedule.phase == "A" and opt.schedule.var_interval == 1 and opt.schedule.local_step_interval == 1
     auto = ZeroOneAdam(nn.Linear(2, 2).parameters(), var_freeze_step="auto", backend=SingleProcessBackend())
     assert auto.var_freeze_step is None and isinstance(auto.schedule.rule, VarianceStabilityRule)
 
@@ -584,11 +585,9 @@ def test_zero_variance_coordinates_are_zeroed_either_way(zero_fraction):
 def _fused_and_unfused_zero_one(rank, world):
     """The parameters after a seeded job (phase A and phase B) with ``clamp(R x)`` formed inside the
     exchanges' compression, and with it run alone first; how many compressions ran it fused."""
-    from compressed_opt.cuda import segmented
-
     ran, finals = [0], []
     for fuse in (True, False):
-        with fusion(segmented.ScaleClamp, fuse, ran):
+        with fusion("ScaleClamp", fuse, ran):
             torch.manual_seed(0)
             model = mlp()
             opt = ZeroOneAdam(model.parameters(), **HP)
@@ -631,7 +630,7 @@ def test_phase_a_compressed_steps_are_one_native_pass_bit_for_bit(wd, bias_corre
                 p.grad = torch.randn(p.shape, generator=g)
             params[1].grad[3].zero_()  # v == 0 on this row
             opt.step()
-            kinds.append(opt.last_step_kind)
+            kinds.append(opt.schedule.last_step_kind)
         state = [opt.state[p][k].clone() for p in params for k in ("exp_avg", "exp_avg_sq")]
         return [p.detach().clone() for p in params], state, kinds, len(opt.engine.buckets)
 
