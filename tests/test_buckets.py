@@ -82,7 +82,7 @@ def test_every_bucket_buffer_is_declared_with_its_role_and_dtype(name, kw):
 
 
 def test_addresses_are_checked_as_they_are_walked():
-    from compressed_opt.cuda.addresses import Destinations, Sources, destination_addresses
+    from compressed_opt.cuda.cpu import Destinations, Sources, destination_addresses
 
     ts = [torch.zeros(3), torch.zeros(0), torch.zeros(5)]
     assert destination_addresses(ts, [3, 0, 5]).tolist() == [ts[0].data_ptr(), 0, ts[2].data_ptr()]
@@ -148,7 +148,7 @@ def test_param_states_follow_the_optimizers_state_mapping():
 
 
 def test_a_destination_of_the_wrong_size_is_refused_whatever_its_layout():
-    from compressed_opt.cuda.addresses import destination_addresses
+    from compressed_opt.cuda.cpu import destination_addresses
 
     with pytest.raises(ValueError, match="a destination of 6 elements for a segment of 3"):
         destination_addresses([torch.zeros(12)[::2]], [3])  # (not contiguous, and not the segment's size)

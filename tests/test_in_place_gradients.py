@@ -2,6 +2,7 @@
 gather's copy into the bucket's buffer is not made (only their sums, for the finiteness check and
 the variance tracking), and the compression's fused pass reads ``p.grad`` itself. Bit for bit the
 gathered path, step after step, through skipped steps and gradients the pass cannot read."""
+import dataclasses
 import warnings
 
 import pytest
@@ -9,9 +10,9 @@ import torch
 
 import compressed_opt
 from compressed_opt import cuda as kernels
-from compressed_opt import engine as engine_module
 from compressed_opt import state as declared
 from compressed_opt.comm import SingleProcessBackend
+from compressed_opt.cuda import cpu, harness, reference, registry
 
 pytestmark = pytest.mark.skipif(kernels.cpu.library() is None, reason="no C compiler here")
 
@@ -43,16 +44,12 @@ def _run(name, in_place, plan, steps=12, **kw):
     if not in_place:
         opt.engine.client.reads_in_place = lambda bucket, step, inline, native: False
     gathered, now = [], [0]  # the loop's steps whose buckets were gathered
-    original = engine_module.kernels
 
-    class Spy:  # (the engine's gather of a bucket's gradients into its buffer: kernels.gather_)
-        def __getattr__(self, name):
-            return getattr(original, name)
-
-        @staticmethod
+    def spied(bound):  # (the engine's gather of a bucket's gradients into its buffer: bucket.kernels.gather_)
         def gather_(*a, **k):
             gathered.append(now[0])
-            return original.gather_(*a, **k)
+            return bound.gather_(*a, **k)
+        return dataclasses.replace(bound, gather_=gather_)
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # (the skipped step's warning)
@@ -61,11 +58,14 @@ def _run(name, in_place, plan, steps=12, **kw):
             _grads(params, step, plan)
             if plan.get(step) == "touch m":  # the loop changes the momentum between steps
                 opt.state[params[0]]["exp_avg"].mul_(0.5)
-            engine_module.kernels = Spy()
+            bound = [(b, b.kernels) for b in opt.engine.buckets]  # (the buckets, made at the first step)
+            for b, k in bound:
+                b.kernels = spied(k)
             try:
                 opt.step()
             finally:
-                engine_module.kernels = original
+                for b, k in bound:
+                    b.kernels = k
     state = [t.clone() for p in params for t in opt.state[p].values() if isinstance(t, torch.Tensor)]
     return [p.detach().clone() for p in params], state, gathered, opt.engine.nonfinite_steps
 
@@ -103,9 +103,12 @@ def test_lambs_momentum_exchange_still_gathers():
     assert {s for s in gathered if s > 3} == {4, 5, 6}
 
 
+_KEEP_DESCEND = ("keep_descend", torch.device("cpu"))  # (the harness's verdict on the C pass, cached)
+
+
 def _zero_run(rank, world, fused, steps=10, plan=None, backend=None, exchange="preconditioned"):
     """ZeRO stage 1, OnebitAdam: the two native passes (``fused``) or the layout's composition;
-    what ran, per step."""
+    what ran, per step (``(what, whether natively)``)."""
     from compressed_opt.cuda import zero_passes
 
     params = _model(rank)
@@ -113,22 +116,43 @@ def _zero_run(rank, world, fused, steps=10, plan=None, backend=None, exchange="p
     opt = compressed_opt.OnebitAdam(params, lr=1e-3, freeze_step=3, bucket_cap_mb=0.01, zero_stage=1,
                                     overlap=False, exchange=exchange, **kw)
     ran = []
-    # (the update: the preconditioned exchange's from the rows and R, the momentum exchange's from the rows)
-    home, name = (zero_passes, "rows_descend_") if exchange == "preconditioned" else (kernels, "rows_keep_descend_")
-    compress, descend = zero_passes.ZeroLocalMomentum.compress_rows_, getattr(home, name)
+    compress, rows_descend = zero_passes.ZeroLocalMomentum.compress_rows_, zero_passes.rows_descend_
+    # (the momentum exchange's update from the rows: the C pass the buckets' kernels bind, which falls back
+    # to the composition where it cannot run; the composition bound instead where the harness's verdict is no)
+    c_pass, composition, bound = cpu.keep_descend_, reference.keep_descend_, registry._bound
+    verdict, in_c_pass = harness._agreed.get(_KEEP_DESCEND), []
 
     def compress_spy(self, *a):
         done = fused and compress(self, *a)
         ran.append(("momentum", done))
         return done
 
-    def descend_spy(*a):
-        done = fused and descend(*a)
+    def rows_descend_spy(*a):  # (the preconditioned exchange's update from the rows and R)
+        done = fused and rows_descend(*a)
         ran.append(("update", done))
         return done
 
+    def c_pass_spy(*a):
+        in_c_pass.append(True)
+        try:
+            c_pass(*a)
+        finally:
+            ran.append(("update", in_c_pass.pop()))
+
+    def composition_spy(*a):
+        if in_c_pass:
+            in_c_pass[-1] = False  # (the C pass fell back)
+        else:
+            ran.append(("update", False))
+        composition(*a)
+
+    harness.agrees("keep_descend")  # (its check at first use, which runs the composition, before the spies)
     zero_passes.ZeroLocalMomentum.compress_rows_ = compress_spy
-    setattr(home, name, descend_spy)
+    zero_passes.rows_descend_ = rows_descend_spy
+    cpu.keep_descend_, reference.keep_descend_ = c_pass_spy, composition_spy
+    if not fused:
+        harness._agreed[_KEEP_DESCEND] = False
+    registry._bound = {}  # (the buckets' kernels bound afresh: the spies, the verdict)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
@@ -137,7 +161,13 @@ def _zero_run(rank, world, fused, steps=10, plan=None, backend=None, exchange="p
                 opt.step()
     finally:
         zero_passes.ZeroLocalMomentum.compress_rows_ = compress
-        setattr(home, name, descend)
+        zero_passes.rows_descend_ = rows_descend
+        cpu.keep_descend_, reference.keep_descend_ = c_pass, composition
+        if verdict is None:
+            harness._agreed.pop(_KEEP_DESCEND, None)
+        else:
+            harness._agreed[_KEEP_DESCEND] = verdict
+        registry._bound = bound
     return [p.detach().clone() for p in params], ran, opt.engine.nonfinite_steps
 
 

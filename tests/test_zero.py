@@ -125,9 +125,9 @@ def test_bad_zero_stage(cls):
             cls(nn.Linear(2, 2).parameters(), zero_stage=bad)
 
 
-def _bf16_masters(rank, world, name, steps, resync):
+def _bf16_masters(rank, world, name, steps, resync, zero_stage=2):
     model = mlp(dtype=torch.bfloat16)
-    opt = make(name, model.parameters(), freeze_step=3, zero_stage=2, master_resync_interval=resync)
+    opt = make(name, model.parameters(), freeze_step=3, zero_stage=zero_stage, master_resync_interval=resync)
     snaps, masters = [], []
     for x, y in gaussian_batches(rank, world, steps):
         opt.zero_grad()
@@ -152,6 +152,30 @@ def test_bf16_parameters_have_fp32_masters_and_resync(name):
     full = torch.cat([results[0][1][5][: m0[5].numel()], results[1][1][5]])
     flat = torch.cat([p.reshape(-1).float() for p in reversed(results[0][0][5])])
     torch.testing.assert_close(flat, full[: flat.numel()].bfloat16().float(), rtol=0, atol=0)
+
+
+def _bf16_grad_edited(rank, world, zero_stage):
+    model = mlp(dtype=torch.bfloat16)
+    opt = make("adam", model.parameters(), freeze_step=3, zero_stage=zero_stage)
+    (x, y), = gaussian_batches(rank, world, 1)
+    before = [p.detach().clone() for p in model.parameters()]
+    nn.functional.cross_entropy(model(x.bfloat16()).float(), y).backward()
+    model[0].weight.grad.zero_()  # the loop's edit of the averaged gradient (as a clip to 0 would)
+    opt.step()
+    return before[0], model[0].weight.detach().clone()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("zero_stage", [1, 2])
+def test_bf16_warmup_steps_on_the_gradient_the_loop_left(zero_stage):
+    """Under ZeRO with bf16 parameters, the warmup step reads ``p.grad`` as the loop left it (the
+    gradient rule, docs/design.md 3.1), as with fp32 parameters: a gradient the loop zeroed moves
+    its parameter by the weight decay alone (``m = v = 0``). (main before the sync engine stepped
+    the fp32 masters on the average it had made before the loop's edit, so a zeroed gradient moved
+    the parameter as if it had not been zeroed.)"""
+    for before, after in run_ranks(_bf16_grad_edited, 2, zero_stage):
+        decayed = (before.float() * (1 - HP["lr"] * HP["weight_decay"])).bfloat16()
+        assert torch.equal(after, decayed)
 
 
 def _auto_and_accumulation(rank, world, name, zero_stage):
