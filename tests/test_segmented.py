@@ -1,9 +1,11 @@
 """The segmented passes (compressed_opt.cuda.segmented): the native CPU pass against the PyTorch
 composition and against the math written out per segment."""
+import warnings
+
 import pytest
 import torch
 
-from compressed_opt.cuda import cpu, segmented
+from compressed_opt.cuda import cpu, harness, reference, registry, segmented
 from compressed_opt.cuda.segmented import Segments
 
 PATHS = ["native", "reference"]
@@ -251,7 +253,7 @@ def test_lerp_scale_clamp_fused_into_compression_is_bit_identical(sizes, past, w
 
     x2, e2 = x.clone(), error.clone()
     rows2 = torch.zeros(world, stride, dtype=torch.uint8)
-    fused = segmented.LerpScaleClamp(x2, m, weight, r, bounds, segs, scales)
+    fused = segmented.lerp_scale_clamp(x2, m, weight, r, bounds, segs, scales)
     assert fused.compress_rows_(x2, e2, rows2[:, :row_len], chunk, block)
     assert torch.equal(_bits(e2), _bits(e1))
     assert torch.equal(rows2, rows1)
@@ -289,7 +291,7 @@ def test_lerp_scale_clamp_reads_its_sources_where_they_lie(sizes, past, world, b
     x2, e2 = x.clone(), error.clone()
     x2[: segs.numel] = float("nan")
     rows2 = torch.zeros(world, row_len, dtype=torch.uint8)
-    fused = segmented.LerpScaleClamp(x2, m, weight, r, bounds, segs, scales, sources=sources)
+    fused = segmented.lerp_scale_clamp(x2, m, weight, r, bounds, segs, scales, sources=sources)
     assert kernels.readable_in_place(sources)
     assert fused.compress_rows_(x2, e2, rows2, chunk, block)
     assert torch.equal(_bits(e2), _bits(e1)) and torch.equal(rows2, rows1)
@@ -300,13 +302,13 @@ def test_lerp_scale_clamp_reads_its_sources_where_they_lie(sizes, past, world, b
     assert not kernels.readable_in_place([*sources[:-1], None])
     assert not kernels.readable_in_place([sources[0].double(), *sources[1:]])
     with pytest.raises(ValueError, match="one source tensor per segment"):
-        segmented.LerpScaleClamp(x2, m, weight, r, bounds, segs, scales, sources=sources[:-1])
+        segmented.lerp_scale_clamp(x2, m, weight, r, bounds, segs, scales, sources=sources[:-1])
 
 
 def test_lerp_scale_clamp_pass_falls_back_where_it_cannot_fuse(monkeypatch):
-    """Another buffer, or the reference kernels: nothing done, ``False`` (the caller applies the
-    pass, then compresses); through ``comm.compressed._compress`` (the worker side with its producer)
-    the result is the same."""
+    """Another buffer, or the reference kernels (the pass made where they are forced is the
+    reference's): nothing done, ``False`` (the caller applies the pass, then compresses); through
+    ``comm.compressed._compress`` (the worker side with its producer) the result is the same."""
     from compressed_opt import cuda as kernels
     from compressed_opt.comm.compressed import _compress
 
@@ -314,10 +316,13 @@ def test_lerp_scale_clamp_pass_falls_back_where_it_cannot_fuse(monkeypatch):
     error = torch.randn(x.numel())
     nb, row_len = kernels.rows_layout(64, 256)
     rows = torch.zeros(2, row_len, dtype=torch.uint8)
-    pending = segmented.LerpScaleClamp(x, m, 0.1, r, [1.0] * len(segs), segs)
+    pending = segmented.lerp_scale_clamp(x, m, 0.1, r, [1.0] * len(segs), segs)
+    assert isinstance(pending, cpu.LerpScaleClamp) == (cpu.library() is not None)  # (the C pass where it is here)
     before = (x.clone(), error.clone(), rows.clone())
     assert not pending.compress_rows_(x.clone(), error, rows, 64, 256)
     monkeypatch.setenv("COMPRESSED_OPT_KERNELS", "reference")
+    pending = segmented.lerp_scale_clamp(x, m, 0.1, r, [1.0] * len(segs), segs)
+    assert type(pending) is reference.LerpScaleClamp
     assert not pending.compress_rows_(x, error, rows, 64, 256)
     for a, b in zip((x, error, rows), before):
         assert torch.equal(a, b)
@@ -350,10 +355,12 @@ def _emulated_cuda_kernel(x, m, weight, r, scalars, offsets, error, rows, chunk,
 
 
 def test_the_cuda_dispatch_hands_the_kernel_its_scalars_and_checks_it_once(monkeypatch):
-    """Without a GPU, the CUDA path's Python with the kernel emulated on the CPU: the bounds then
-    the scales (1 without scales) as fp32, the offsets, the compression's arguments; the first use
-    on a device compares the kernel with the two passes once, and a kernel that rounds otherwise
-    is refused (the two passes run) with one warning."""
+    """Without a GPU, the CUDA path's Python (``gpu.LerpScaleClamp``, ``gpu.ScaleClamp``,
+    ``gpu.Lerp``) with the kernel emulated on the CPU: the bounds then the scales (1 without scales)
+    as fp32, the offsets, the compression's arguments; the harness's check of the kernel
+    (``"lerp_scale_clamp_compress"``) compares it with the two passes once per device, and a kernel
+    that rounds otherwise is refused (the registry binds the reference's passes: the two passes run)
+    with one warning."""
     from compressed_opt import cuda as kernels
     from compressed_opt.cuda import gpu
 
@@ -362,7 +369,8 @@ def test_the_cuda_dispatch_hands_the_kernel_its_scalars_and_checks_it_once(monke
     monkeypatch.setattr(gpu, "is_available", lambda device=None: True)
     monkeypatch.setattr(gpu, "lerp_scale_clamp_compress_rows_", _emulated_cuda_kernel)
     monkeypatch.setattr(gpu, "compress_rows_", cpu.compress_rows_)
-    monkeypatch.setattr(segmented, "_fusion_checked", {})
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **k: self)  # (no CUDA host memory here)
+    monkeypatch.setattr(harness, "_agreed", {})
     segs, x, m, r, g = _case(5, sizes=(700, 0, 333, 1, 64))
     error = torch.randn(x.numel(), generator=g)
     chunk, block = 576, 256
@@ -374,34 +382,48 @@ def test_the_cuda_dispatch_hands_the_kernel_its_scalars_and_checks_it_once(monke
         segmented.lerp_scale_clamp_(want_x, m, 0.1, r, bounds, segs, scales)
         cpu.compress_rows_(want_x, want_e, want_rows, chunk, block)
         e, rows = error.clone(), torch.zeros(2, row_len, dtype=torch.uint8)
-        pending = segmented.LerpScaleClamp(x, m, 0.1, r, bounds, segs, scales)
-        assert pending._compress_rows_cuda(x, e, rows, chunk, block)
+        pending = gpu.LerpScaleClamp(x, m, 0.1, r, bounds, segs, scales)
+        assert pending.compress_rows_(x, e, rows, chunk, block)
         assert torch.equal(e, want_e) and torch.equal(rows, want_rows)
     e, rows = error.clone(), torch.zeros(2, row_len, dtype=torch.uint8)
-    assert segmented.ScaleClamp(x, r, [1.0, 0.5, 2.0, 0.25, 0.1], segs)._compress_rows_cuda(x, e, rows, chunk, block)
+    assert gpu.ScaleClamp(x, r, [1.0, 0.5, 2.0, 0.25, 0.1], segs).compress_rows_(x, e, rows, chunk, block)
     want_x, want_e, want_rows = x.clone(), error.clone(), torch.zeros(2, row_len, dtype=torch.uint8)
     segmented.scale_clamp_(want_x, r, [1.0, 0.5, 2.0, 0.25, 0.1], segs)
     cpu.compress_rows_(want_x, want_e, want_rows, chunk, block)
     assert torch.equal(e, want_e) and torch.equal(rows, want_rows)
     e, rows = error.clone(), torch.zeros(2, row_len, dtype=torch.uint8)
-    assert segmented.Lerp(x, m, 0.9)._compress_rows_cuda(x, e, rows, chunk, block)
+    assert gpu.Lerp(x, m, 0.9, Segments([x.numel()])).compress_rows_(x, e, rows, chunk, block)
     want_x, want_e, want_rows = x.clone(), error.clone(), torch.zeros(2, row_len, dtype=torch.uint8)
     torch.lerp(m, want_x, 0.9, out=want_x)
     cpu.compress_rows_(want_x, want_e, want_rows, chunk, block)
     assert torch.equal(e, want_e) and torch.equal(rows, want_rows)
-    assert segmented._fusion_checked == {torch.device("cpu"): True}
+    check = ("lerp_scale_clamp_compress", torch.device("cpu"))  # (the emulated device)
+    assert harness.agrees(*check)
+    assert harness._agreed == {check: True}
+    cuda = ("lerp_scale_clamp_compress", torch.device("cuda", 0))
+    harness._agreed[cuda] = True  # (as the check found there)
+    bound = registry._bind(cuda[1], "cuda")
+    assert (bound.LerpScaleClamp, bound.ScaleClamp, bound.Lerp) == (gpu.LerpScaleClamp, gpu.ScaleClamp, gpu.Lerp)
 
     def off_by_one_ulp(x, m, weight, r, scalars, offsets, error, rows, chunk, block):
+        calls.append(1)
         _emulated_cuda_kernel(x, m, weight, r, scalars, offsets, error, rows, chunk, block)
         error[0] = torch.nextafter(error[0], torch.tensor(float("inf")))
 
+    calls = []
     monkeypatch.setattr(gpu, "lerp_scale_clamp_compress_rows_", off_by_one_ulp)
-    monkeypatch.setattr(segmented, "_fusion_checked", {})
-    with pytest.warns(RuntimeWarning, match="two passes instead"):
-        assert not segmented.LerpScaleClamp(x, m, 0.1, r, [1.0] * 5, segs)._compress_rows_cuda(
-            x, error.clone(), torch.zeros(2, row_len, dtype=torch.uint8), chunk, block)
-    assert not segmented.LerpScaleClamp(x, m, 0.1, r, [1.0] * 5, segs)._compress_rows_cuda(
-        x, error.clone(), torch.zeros(2, row_len, dtype=torch.uint8), chunk, block)  # (checked once)
+    monkeypatch.setattr(harness, "_agreed", {})
+    with pytest.warns(RuntimeWarning, match="running the reference instead"):
+        assert not harness.agrees(*check)
+    ran = len(calls)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (checked once: no second warning)
+        assert not harness.agrees(*check)
+    assert ran and len(calls) == ran
+    harness._agreed[cuda] = False  # (as the check found there)
+    bound = registry._bind(cuda[1], "cuda")
+    assert (bound.LerpScaleClamp, bound.ScaleClamp, bound.Lerp) == (
+        reference.LerpScaleClamp, reference.ScaleClamp, reference.Lerp)  # (the two passes: apply_, then compress)
 
 
 @pytest.mark.parametrize("sizes,past,world,block,weight,scaled", FUSED_CASES)
@@ -423,9 +445,9 @@ def test_scale_clamp_fused_into_compression_is_bit_identical(sizes, past, world,
     segmented.scale_clamp_(x1, r, bounds, segs)
     cpu.compress_rows_(x1, e1, rows1, chunk, block)
     x2, e2, rows2 = x.clone(), error.clone(), torch.zeros(world, row_len, dtype=torch.uint8)
-    assert kernels.ScaleClamp(x2, r, bounds, segs).compress_rows_(x2, e2, rows2, chunk, block)
+    assert segmented.scale_clamp(x2, r, bounds, segs).compress_rows_(x2, e2, rows2, chunk, block)
     assert torch.equal(_bits(e2), _bits(e1)) and torch.equal(rows2, rows1) and torch.equal(_bits(x2), _bits(x))
-    kernels.ScaleClamp(x2, r, bounds, segs).apply_()
+    segmented.scale_clamp(x2, r, bounds, segs).apply_()
     assert torch.equal(_bits(x2), _bits(x1))
 
 
@@ -433,9 +455,10 @@ def test_scale_clamp_fused_into_compression_is_bit_identical(sizes, past, world,
                                                   (4097, 4, 512, 0.5), (1, 1, 256, 0.25)])
 def test_lerp_fused_into_compression_is_torch_lerp_then_compression(n, world, block, weight, monkeypatch):
     """The momentum exchange's ``torch.lerp(m, x, w, out=x)`` inside the compression: where the
-    first-use check finds the C pass rounds as torch.lerp does (here it must: the library contracts
-    as PyTorch's vector kernels do), the error and rows of torch.lerp then ``compress_rows_`` bit for
-    bit, ``x`` not written; where the check fails, refused."""
+    first-use check (the harness's ``"lerp_compress"``) finds the C pass rounds as torch.lerp does (here
+    it must: the library contracts as PyTorch's vector kernels do), the error and rows of torch.lerp
+    then ``compress_rows_`` bit for bit, ``x`` not written; where the check fails, refused (the pass
+    bound is the reference's, whose compression declines)."""
     from compressed_opt import cuda as kernels
 
     if cpu.library() is None:
@@ -449,10 +472,11 @@ def test_lerp_fused_into_compression_is_torch_lerp_then_compression(n, world, bl
     torch.lerp(m, x1, weight, out=x1)
     cpu.compress_rows_(x1, e1, rows1, chunk, block)
     x2, e2, rows2 = x.clone(), error.clone(), torch.zeros(world, row_len, dtype=torch.uint8)
-    assert kernels.Lerp(x2, m, weight).compress_rows_(x2, e2, rows2, chunk, block)
+    assert segmented.lerp(x2, m, weight).compress_rows_(x2, e2, rows2, chunk, block)
     assert torch.equal(_bits(e2), _bits(e1)) and torch.equal(rows2, rows1) and torch.equal(_bits(x2), _bits(x))
-    monkeypatch.setattr(segmented, "_native_lerp", [False])
-    assert not kernels.Lerp(x2, m, weight).compress_rows_(x2, error.clone(), rows2, chunk, block)
+    monkeypatch.setitem(harness._agreed, ("lerp_compress", torch.device("cpu")), False)  # (the check failed)
+    monkeypatch.setattr(registry, "_bound", {})  # (the kernels bound again, from that verdict)
+    assert not segmented.lerp(x2, m, weight).compress_rows_(x2, error.clone(), rows2, chunk, block)
 
 
 def _lanes_sumsq(values: list[float]) -> float:

@@ -1,7 +1,7 @@
-"""The exchanges' last passes (``compressed_opt.cuda.divide_descend_``, ``keep_descend_``): the preconditioned exchange's momentum
-taken back from the exchanged average and the update (``A y`` formed from ``R`` by a division, as ZeRO
-forms it), in one pass, bit for bit as the two passes in turn; the momentum exchange's update from
-the result's rows, bit for bit its PyTorch composition."""
+"""The exchanges' last passes (``compressed_opt.cuda.divide_descend_``, ``keep_descend_``): the
+preconditioned exchange's momentum taken back from the exchanged average and the update (``A y``
+formed from ``R`` by a division, as ZeRO forms it), in one pass, bit for bit as the two passes in
+turn; the momentum exchange's update from the result's rows, bit for bit its PyTorch composition."""
 import pytest
 import torch
 

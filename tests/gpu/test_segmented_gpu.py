@@ -50,9 +50,11 @@ def test_passes_agree_with_the_cpu(sizes):
 @pytest.mark.parametrize("weight,scaled", [(0.1, True), (0.1, False), (0.9, True), (0.5, False)])
 @pytest.mark.parametrize("world,block", [(1, 1024), (3, 256)])
 def test_local_momentum_fused_into_compression_is_bit_identical(sizes, weight, scaled, world, block):
-    """The CUDA kernel that forms the local momentum inside the compression against that pass
-    (PyTorch's ops on CUDA) then the CUDA compression: the same error and rows bit for bit; ``x``
-    not written. Against the CPU's fused pass: the same bits of the rows where the errors agree."""
+    """The CUDA kernel that forms the local momentum inside the compression (the pass the factories
+    give on CUDA, ``gpu.LerpScaleClamp``, ``gpu.ScaleClamp``, ``gpu.Lerp``: bound where the harness's
+    check found the kernel giving PyTorch's bits) against that pass (PyTorch's ops on CUDA) then the
+    CUDA compression: the same error and rows bit for bit; ``x`` not written. Against the CPU's fused
+    pass: the same bits of the rows where the errors agree."""
     from compressed_opt.cuda import cpu, gpu, rows_layout
 
     if not gpu.is_available():
@@ -70,11 +72,11 @@ def test_local_momentum_fused_into_compression_is_bit_identical(sizes, weight, s
     for fused in (False, True):
         x_, m_, r_, e_ = (t.to("cuda") for t in (x, m, r, error))
         rows = torch.zeros(world, row_len + 5, dtype=torch.uint8, device="cuda")
-        pending = segmented.LerpScaleClamp(x_, m_, weight, r_, per_segment, segs, scales)
+        pending = segmented.lerp_scale_clamp(x_, m_, weight, r_, per_segment, segs, scales)
         if weight == 0.5 and not scaled:  # (this case: 0/1 Adam's scale_clamp_ instead)
-            pending = segmented.ScaleClamp(x_, r_, per_segment, segs)
+            pending = segmented.scale_clamp(x_, r_, per_segment, segs)
         if weight == 0.1 and not scaled:  # (this case: the momentum exchange's torch.lerp instead)
-            pending = segmented.Lerp(x_, m_, 0.1)
+            pending = segmented.lerp(x_, m_, 0.1)
         if fused:
             assert pending.compress_rows_(x_, e_, rows[:, :row_len], chunk, block)
             assert torch.equal(x_.cpu(), x)
@@ -88,10 +90,10 @@ def test_local_momentum_fused_into_compression_is_bit_identical(sizes, weight, s
     if cpu.library() is not None and scaled:  # the CPU's fused pass (it may round
         # a lerp otherwise, by an ulp: the errors within rounding)
         e_cpu, rows_cpu = error.clone(), torch.zeros(world, row_len, dtype=torch.uint8)
-        assert segmented.LerpScaleClamp(x.clone(), m, weight, r, per_segment, segs, scales).compress_rows_(
+        assert segmented.lerp_scale_clamp(x.clone(), m, weight, r, per_segment, segs, scales).compress_rows_(
             x.clone(), e_cpu, rows_cpu, chunk, block) is False  # (another buffer: refused)
         xc = x.clone()
-        assert segmented.LerpScaleClamp(xc, m, weight, r, per_segment, segs, scales).compress_rows_(
+        assert segmented.lerp_scale_clamp(xc, m, weight, r, per_segment, segs, scales).compress_rows_(
             xc, e_cpu, rows_cpu, chunk, block)
         torch.testing.assert_close(e_cpu, results[True][0], rtol=1e-5, atol=1e-6)
 
