@@ -7,7 +7,7 @@ Profilers and benchmarks register an *observer*; the library reports to it
   (:mod:`compressed_opt.cuda`); on whichever thread runs the allreduce (the optimizer's
   communication thread while buckets go out during backward, else the caller's);
 * ``kind="wait"``: each time a thread is held by an optimizer's gradient buckets
-  (:class:`compressed_opt.overlap.BucketLauncher`): ``name="wait"``, waiting for the buckets
+  (:class:`compressed_opt.engine.GradientSync`): ``name="wait"``, waiting for the buckets
   launched from backward; ``name="run_inline"``, communicating buckets itself (their kernels and
   collectives run inside, and are reported too).
 

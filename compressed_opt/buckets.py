@@ -36,7 +36,7 @@ class Bucket:
     sync: Any = field(default=None, repr=False)
     #: the exchange's error feedback (:class:`compressed_opt.exchange.ErrorFeedback`)
     feedback: Any = field(default=None, repr=False)
-    #: the algorithm's buffers (its own dataclass, e.g. :class:`compressed_opt.onebit_adam.AdamBuffers`)
+    #: the algorithm's buffers (its own dataclass, e.g. :class:`compressed_opt.adam.AdamBuffers`)
     state: Any = field(default=None, repr=False)
 
     @functools.cached_property

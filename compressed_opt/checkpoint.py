@@ -235,7 +235,7 @@ def _check_locally(optimizer, state_dict) -> None:
 
 def _averaging_key(optimizer, key, world: int) -> tuple:
     """The exchange the checkpoint's error buffers belong to (``["flat", W]`` or ``["node", L,
-    K]``, compressed_opt.averaging; absent: saved before the first step, flat)."""
+    K]``, compressed_opt.exchange; absent: saved before the first step, flat)."""
     if key is None:
         return ("flat", world)
     ok = isinstance(key, (list, tuple)) and (

@@ -131,7 +131,7 @@ def _share_nonfinite(state: DDPHookState, opt, bucket: dist.GradBucket) -> None:
     """Compression stage, where DDP sends nothing: whether this rank's buckets hold inf/NaN, and
     at the last bucket whether any rank's do; if so, every rank's last bucket gets a NaN (DDP
     writes it into ``p.grad``), as an all-reduce would have carried one, so every rank's
-    GradScaler, or ``step()``, skips alike (:mod:`compressed_opt.stepping`)."""
+    GradScaler, or ``step()``, skips alike (:mod:`compressed_opt.engine`)."""
     buffer = bucket.buffer()
     if bucket.index() == 0:
         state.nonfinite = False

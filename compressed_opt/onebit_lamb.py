@@ -52,7 +52,7 @@ Each of the three estimates LAMB's ratio from below: a local momentum carries th
 ``g~``), overstates the variance, so the factor understates the step (on GPT-2 it sinks to
 ``factor_min`` in every layer); ``r_f`` is LAMB's ratio where it was last measured, which LAMB's
 own ratio can fall below after the freeze. The largest of them is used, capped at ``K`` (1.25,
-:data:`~compressed_opt.moments.COMPRESSED_STEP_BOUND`) times LAMB's ratio of the direction ``d`` the
+:data:`~compressed_opt.adam.COMPRESSED_STEP_BOUND`) times LAMB's ratio of the direction ``d`` the
 step applies: no layer moves further than ``K`` times LAMB's step from where it is
 (docs/design.md 2.4.1). ``||p|| / ||u||`` and the cap are measured at the first compression step
 and every ``trust_ratio_interval`` (10) steps after, and kept in between
@@ -71,7 +71,7 @@ always-zero input, unused embedding rows) get no momentum step in the compressio
 compression cannot send a 0, and ``scale / eps`` would throw them far away.
 
 The algorithm (:class:`LambAlgorithm`) is 1-bit Adam's frozen-variance algorithm
-(:class:`compressed_opt.onebit_adam.AdamAlgorithm`: the freeze, the exchange, ZeRO's shards) with
+(:class:`compressed_opt.adam.AdamAlgorithm`: the freeze, the exchange, ZeRO's shards) with
 LAMB's warmup and compression-stage update and no variance tracking. Its exchange (the local
 momentum, as the exchange carries it) goes out from backward with ``overlap=True``; ``step()`` does
 the rest: on CPU with the whole state on the rank, in two native passes
@@ -103,14 +103,14 @@ from compressed_opt import cuda as kernels
 from compressed_opt.comm import DEFAULT_BLOCK
 
 from . import scaling, zero_lamb
+from .adam import (COMPRESSED_STEP_BOUND, DEFAULT_FREEZE_STEP, AdamAlgorithm, AdamBucket, AdamBuffers, Momentum,
+                   Preconditioned, bias_corrections, choose_exchange, denominator_, momentum_, spike_bound, variance_)
 from .exchange import Request
-from .adam import COMPRESSED_STEP_BOUND, bias_corrections, denominator_, momentum_, spike_bound, variance_
-from .onebit_adam import (DEFAULT_FREEZE_STEP, AdamAlgorithm, AdamBucket, AdamBuffers, Momentum, Preconditioned,
-                          choose_exchange)
 from .optimizer import CompressedOptimizer, common_args
 from .reductions import norms
 from .state import STATE, STEP, buffer, names
 from .validation import check_choice, check_nonneg_float, check_step_count
+from .zero import sharding
 
 __all__ = ["OnebitLamb"]
 
@@ -157,9 +157,8 @@ class LambAlgorithm(AdamAlgorithm):
     keeps_denominator = True
     TRUST_RATIOS = ("live", "frozen")
 
-    def __init__(self, name: str, freeze_step, exchange: str, zero_stage: int, master_resync_interval: int,
-                 trust_ratio: str, trust_ratio_interval: int):
-        super().__init__(name, freeze_step, "preconditioned", False, zero_stage, master_resync_interval)
+    def __init__(self, name: str, freeze_step, exchange: str, zero, trust_ratio: str, trust_ratio_interval: int):
+        super().__init__(name, freeze_step, "preconditioned", False, zero)
         self.exchange = choose_exchange(exchange, {"preconditioned": lambda: Preconditioned(lamb_bound),
                                                    "momentum": lambda: Momentum(layer_coefficients=True)})
         check_choice("trust_ratio", trust_ratio, self.TRUST_RATIOS)
@@ -623,7 +622,8 @@ class OnebitLamb(CompressedOptimizer):
                  factor_threshold=0.1, bias_correction=True, backend=None, bucket_cap_mb=25.0, overlap=True,
                  accumulation_steps=1, zero_stage=0, master_resync_interval=100, exchange="preconditioned",
                  hierarchy="auto", path=None, trust_ratio="live", trust_ratio_interval=10, scale_block=DEFAULT_BLOCK):
-        algorithm = LambAlgorithm(type(self).__name__, freeze_step, exchange, zero_stage, master_resync_interval,
+        name = type(self).__name__
+        algorithm = LambAlgorithm(name, freeze_step, exchange, sharding(name, zero_stage, master_resync_interval),
                                   trust_ratio, trust_ratio_interval)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_coeff=max_coeff,
                         min_coeff=min_coeff, coeff_beta=coeff_beta, factor_max=factor_max, factor_min=factor_min,

@@ -4,7 +4,7 @@ dataclass, declared where the part makes them, each with its role.
 A compressed optimizer keeps its per-bucket buffers in a few parts, each a dataclass the module
 that owns it defines: the engine's workspace (:class:`compressed_opt.engine.BucketSync`), the
 exchange's error feedback (:class:`compressed_opt.exchange.ErrorFeedback`), the algorithm's moments
-and what it derives from them (:class:`compressed_opt.onebit_adam.AdamBuffers`, ...), ZeRO's shards
+and what it derives from them (:class:`compressed_opt.adam.AdamBuffers`, ...), ZeRO's shards
 (:class:`compressed_opt.zero.Shards`). A bucket holds one of each
 (:class:`compressed_opt.buckets.Bucket`). Every field is declared with :func:`buffer`, whose role
 says what it is to the rest of the library:

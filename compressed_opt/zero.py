@@ -55,8 +55,10 @@ from compressed_opt import cuda as kernels
 from compressed_opt.comm import chunk_numel, expand_result_rows
 
 from . import scaling
+from .adam import denominator_, frozen_denominator_of, momentum_, preconditioned_denominator, variance_
 from .reductions import maxima
 from .state import DERIVED, SAVED, SCRATCH, buffer
+from .validation import check_step_count
 
 
 @dataclass(eq=False)
@@ -91,6 +93,15 @@ def chunk(shards: Shards, name: str, numel: int, dtype=torch.float32, device=Non
         buf = torch.zeros(numel, dtype=dtype, device=device)
         setattr(shards, name, buf)
     return buf
+
+
+def sharding(name: str, zero_stage, master_resync_interval) -> Sharding | None:
+    """The optimizer's ``zero_stage`` and ``master_resync_interval`` arguments, checked: ZeRO's
+    shards for stage 1 or 2, ``None`` for 0 (every rank holds whole buckets)."""
+    if zero_stage not in (0, 1, 2) or isinstance(zero_stage, bool):
+        raise ValueError(f"Invalid zero_stage: {zero_stage!r} (must be 0, 1 or 2)")
+    interval = check_step_count("master_resync_interval", master_resync_interval, minimum=1)
+    return Sharding(name, zero_stage, interval) if zero_stage else None
 
 
 class Sharding:
@@ -297,7 +308,6 @@ class Sharding:
     def adam_(self, bucket, shards: Shards, beta1: float, beta2: float, eps: float, bc2_sqrt: float, decay: float,
               alpha: float) -> None:
         """The warmup's AdamW composed on this rank's chunk (as the replicated state's, on the chunk)."""
-        from .adam import denominator_, momentum_, variance_
 
         g = self.own(bucket, bucket.sync.padded)
         m, v = self.moment(bucket, "exp_avg"), self.moment(bucket, "exp_avg_sq")
@@ -324,7 +334,6 @@ class Sharding:
         """Gather the chunks of ``m`` and ``v`` once: the full momentum (until the first compressed
         exchange replaces it by its 1-bit rows) and the frozen denominator of every element. Returns
         the whole raw ``v`` (the gradient workspace: valid until the bucket's next collective)."""
-        from .adam import frozen_denominator_of
 
         shards, padded, n = bucket.state.buffers, bucket.sync.padded, bucket.numel
         c = chunk_numel(n, engine.backend.world_size)
@@ -339,7 +348,6 @@ class Sharding:
     def frozen_denominator(self, bucket, st, group: dict) -> torch.Tensor:
         """``sqrt(v_f) + eps``: as gathered at the freeze, or (once ``R`` is made, which is all that is
         kept) made for one step from ``R``: ``(1 / R) c_l + eps``."""
-        from .adam import preconditioned_denominator
 
         shards = st.buffers
         if shards.frozen_denominator is not None:

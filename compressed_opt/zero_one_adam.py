@@ -84,8 +84,8 @@ from . import scaling, zero_one_local
 from . import variance_tracking as tracking
 from .exchange import Request
 from .freeze import VarianceStabilityRule, resolve_rule, restore_rule
-from .adam import COMPRESSED_STEP_BOUND, PRECONDITIONED_GRADIENT_BOUND, denominator_, momentum_, variance_
-from .onebit_adam import choose_exchange
+from .adam import (COMPRESSED_STEP_BOUND, PRECONDITIONED_GRADIENT_BOUND, choose_exchange, denominator_, momentum_,
+                   variance_)
 from .optimizer import Algorithm, CompressedOptimizer, common_args
 from .state import DERIVED, LAYER, SCRATCH, STATE, STEP, buffer, names
 from .validation import check_adam_group, check_step_count

@@ -177,7 +177,7 @@ def zero_one_phase_a_update_(params: list, result: CompressedResult, r: torch.Te
     bc2_sqrt + eps`` as PyTorch made it (fixed between refreshes), its sign bit set where ``v ==
     0`` (:func:`signed_denominator`). Bit for bit (the module doc's rounding) the decompression,
     ``y / r``, the zeroing, ``m.lerp_(g, weight)``, the zeroing and ``m / den`` then
-    :func:`~compressed_opt.moments.descend_` on the parameters. ``False``, nothing done, where it
+    :func:`~compressed_opt.adam.descend_` on the parameters. ``False``, nothing done, where it
     cannot run here."""
     n = _flat_buffers(segments, r, sden, m)
     if not result.rows.is_cpu or result.rows.shape[0] * result.chunk < n:

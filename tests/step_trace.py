@@ -8,6 +8,7 @@ under ``sys.setprofile``. Every call of a function defined in the installed pack
 docs/design.md ("The path of a compression step").
 
     python -P tests/step_trace.py OnebitAdam     # prints the list as docs/design.md writes it, and its size
+    python -P tests/step_trace.py --write-doc    # writes the three lists into docs/design.md
 """
 from __future__ import annotations
 
@@ -89,9 +90,31 @@ def traced(name: str) -> list[str]:
     return outcomes[0][1]
 
 
+def _block(functions: list[str]) -> str:
+    return "\n".join(f"{module}: {', '.join(names)}" for module, names in by_module(functions).items())
+
+
+def write_doc(path: str) -> None:
+    """Replace each optimizer's list (and its count) in ``path`` with the one traced now."""
+    import re
+
+    with open(path) as f:
+        text = f.read()
+    for name in FREEZES:
+        functions = traced(name)
+        count = f"enters {len(functions)} functions in {len(by_module(functions))} modules"
+        text = re.sub(rf"(<!-- step path: {name} -->\n```text\n).*?(\n```)",
+                      lambda m: m.group(1) + _block(functions) + m.group(2), text, flags=re.S)
+        text = re.sub(rf"(One compression step of `{name}` )enters \d+ functions in \d+ modules",
+                      lambda m: m.group(1) + count, text)
+    with open(path, "w") as f:
+        f.write(text)
+
+
 if __name__ == "__main__":
+    if sys.argv[1:] == ["--write-doc"]:
+        write_doc(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "design.md"))
+        sys.exit(0)
     functions = traced(sys.argv[1] if len(sys.argv) > 1 else "OnebitAdam")
-    modules = by_module(functions)
-    for module, qualnames in modules.items():
-        print(f"{module}: {', '.join(qualnames)}")
-    print(f"{len(functions)} functions in {len(modules)} modules")
+    print(_block(functions))
+    print(f"{len(functions)} functions in {len(by_module(functions))} modules")

@@ -152,7 +152,7 @@ def frame_reads(path: str) -> list[str]:
 
 def test_no_stack_frame_reading():
     """No module of the installed package reads the caller's stack frames: integrations use
-    public API only (compressed_opt.integrations; GradScaler: compressed_opt.stepping)."""
+    public API only (compressed_opt.integrations; GradScaler: compressed_opt.engine)."""
     reads = {m: frame_reads(p) for m, p in modules().items()}
     assert {m: r for m, r in reads.items() if r} == {}
 

@@ -60,7 +60,7 @@ def _warmup_and_compression(rank, world, steps, freeze_step, exchange="precondit
 def preconditioned_exchange(m, v_f, sizes, eps, betas):
     """The preconditioned exchange's fixed factors, written out from the module doc: per element
     ``R = c_l / sqrt(v_f)`` and ``A = sqrt(v_f) / (sqrt(v_f) + eps) / c_l`` (both 0 where
-    ``v_f == 0``), per element the bound ``K c_l`` (``K = 1.25``, ``compressed_opt.onebit_adam.COMPRESSED_STEP_BOUND``,
+    ``v_f == 0``), per element the bound ``K c_l`` (``K = 1.25``, ``compressed_opt.adam.COMPRESSED_STEP_BOUND``,
     on the exchanged ``s_l R m_i``); ``c_l = mean_k s_k / s_l`` with
     ``s_l`` the RMS of ``m / sqrt(v_f)`` over layer ``l`` (1 for an all-zero layer)."""
     denom = (v_f.sqrt() + eps).masked_fill(v_f == 0, float("inf"))
@@ -485,7 +485,7 @@ def test_a_gradient_that_grew_after_the_freeze_steps_no_further_than_the_bound()
     exchange): no coordinate steps further than ``lr K`` (``K = COMPRESSED_STEP_BOUND``, 1.5; the
     1-bit scale's error feedback adds a few percent). With the bound of Adam's spike, not divided
     by the factor, the grown coordinates stepped 3.8 ``lr``. They still step: over ``lr``."""
-    from compressed_opt.onebit_adam import COMPRESSED_STEP_BOUND
+    from compressed_opt.adam import COMPRESSED_STEP_BOUND
 
     lr, freeze, steps = 1e-3, 10, 200
     gen = torch.Generator().manual_seed(5)

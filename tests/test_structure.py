@@ -37,7 +37,7 @@ LONG_MODULES = {
     "compressed_opt.engine": "the gradient-sync engine: one object and its life cycle (hooks, launch, agreement)",
     "compressed_opt.checkpoint": "the state dict's schema and its checks, save and load in one place",
     "compressed_opt.zero_one_adam": "0/1 Adam's schedule, exchanges, algorithm and optimizer: one paper",
-    "compressed_opt.onebit_adam": "1-bit Adam's state, exchanges, algorithm and optimizer: one paper",
+    "compressed_opt.adam": "1-bit Adam's formulas, state, exchanges and algorithm: one paper's transforms",
     "compressed_opt.onebit_lamb": "1-bit LAMB's trust ratios, algorithm and optimizer: one paper",
     "compressed_opt.optimizer": "the one base class: torch.optim's contract over the engine",
     "compressed_opt.zero": "ZeRO's shards for 1-bit Adam: layout, momentum and updates of one shard",

@@ -69,7 +69,7 @@ def reference_run(hp, steps, world, exchange="preconditioned", tracking=True):
     coefficient (``compressed_opt.scaling``; its formula has a test of its own) from ``v`` after
     every refresh and at the freeze; or (``exchange="preconditioned"``) preconditioned: times ``R``
     (phase A ``1 / sqrt(v)``, phase B ``c_l / sqrt(v_f)`` with ``c_l`` from the RMS of ``m /
-    sqrt(v_f)``), clipped (phase A at 3, ``compressed_opt.onebit_adam.PRECONDITIONED_GRADIENT_BOUND``, phase B
+    sqrt(v_f)``), clipped (phase A at 3, ``compressed_opt.adam.PRECONDITIONED_GRADIENT_BOUND``, phase B
     ``c_l lr_sum / f_l``), divided by
     ``R`` after, the errors carried over at each refresh. ``tracking``: phase B's per-layer variance
     tracking (``tests/tracking_reference.py``), its factor set at each interval's first step. Per
