@@ -240,6 +240,36 @@ def test_state_dict_hooks_see_the_whole_dict(info, stage):
 
 @by_stage
 @by_optim
+def test_hooks_may_add_entries_to_the_state_as_in_torchs_suite(info, stage):
+    """PyTorch's own hook tests put entries that are no parameter's into ``optimizer.state`` (a
+    state-dict pre hook's ``state["test"] = 1``, a load post hook's flags): ``state_dict()`` carries
+    them, a post hook may take them out, the dict loads, and the optimizer goes on stepping."""
+    params = make_params()
+    opt = info.make(params, stage, lr=1e-2)
+    train(opt, params, 0, SPLIT)
+    opt.register_state_dict_pre_hook(lambda o: o.state.__setitem__("test", 1))
+    assert opt.state_dict()["state"]["test"] == 1
+
+    def post(o, sd):
+        sd["ran_state_dict_pre_hook"] = sd["state"].pop("test", None) == 1
+        return sd
+
+    opt.register_state_dict_post_hook(post)
+    sd = opt.state_dict()
+    assert "test" not in sd["state"] and sd["ran_state_dict_pre_hook"]
+    params_c = clone_params(params)
+    opt_c = info.make(params_c, stage, lr=1e-2)
+    opt_c.register_load_state_dict_post_hook(lambda o: o.state.__setitem__("ran_load_state_dict_post_hook", True))
+    opt_c.load_state_dict(copy.deepcopy(sd))
+    assert opt_c.state["ran_load_state_dict_post_hook"] is True
+    train(opt, params, SPLIT, STEPS)
+    train(opt_c, params_c, SPLIT, STEPS)
+    assert all(torch.equal(a, b) for a, b in zip(params, params_c))
+    assert opt_c.state_dict()["state"]["ran_load_state_dict_post_hook"] is True
+
+
+@by_stage
+@by_optim
 def test_load_state_dict_hooks(info, stage):
     """Pre hooks get the whole dict and may replace it; post hooks run once the optimizer is
     restored (its step counter is the loaded one)."""
