@@ -281,12 +281,23 @@ def discover_layout(backend: Backend, env: Optional[Mapping[str, str]] = None,
     infos = gather_infos(backend, rank_info(env, hostname, leader))
     layout, reason = layout_from_infos(infos, backend.rank)
     if backend.rank == 0:
-        if layout is None:
-            logger.warning("compressed_opt: no node layout for a hierarchical exchange (%s); "
-                           "the flat compressed allreduce applies", reason)
-        else:
-            logger.info("compressed_opt: %d ranks in %s", layout.world_size, layout)
+        report_layout(layout, reason, infos)
     return layout
+
+
+def report_layout(layout: Optional[NodeLayout], reason: str, infos: Sequence[RankInfo]) -> None:
+    """Rank 0's line on the outcome: a warning where a node layout was missed that would matter
+    (the ranks are on several hosts, or ``COMPRESSED_OPT_RANKS_PER_NODE`` asked for one), else
+    an info line. Ranks that all share one host lose nothing to the flat exchange: a sub-group of a
+    job (a mesh dimension, FSDP2's replicas) whose launcher variables describe the whole job
+    leaves no layout for a reason that is no one's mistake."""
+    if layout is not None:
+        logger.info("compressed_opt: %d ranks in %s", layout.world_size, layout)
+        return
+    missed = any(info.override for info in infos) or len({info.hostname for info in infos}) > 1
+    (logger.warning if missed else logger.info)(
+        "compressed_opt: no node layout for a hierarchical exchange (%s); the flat compressed allreduce applies",
+        reason)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 
 import torch
 from torch.optim import Optimizer
@@ -28,7 +29,7 @@ from . import checkpoint, consolidate, exchange, integrations, traffic
 from .engine import COMPRESSION, WARMUP, GradientSync
 from .local_shards import LocalShards
 from .state import LAYER, STATE, names, parts
-from .validation import check_choice, check_nonneg_float, check_scale_block, check_step_count
+from .validation import check_choice, check_group_keys, check_nonneg_float, check_scale_block, check_step_count
 
 logger = logging.getLogger("compressed_opt")
 
@@ -354,9 +355,16 @@ class CompressedOptimizer(Optimizer):
                 if not p.is_floating_point():
                     raise TypeError(f"{type(self).__name__} needs floating-point parameters, got {p.dtype}")
             self._algorithm.validate_group(group)
+            warned = self.__dict__.setdefault("_ignored_keys", set())  # (keys warned about: once each)
+            ignored = [k for k in check_group_keys(type(self).__name__, group) if k not in warned]
         except (TypeError, ValueError):
             self.param_groups.pop()  # a rejected group must not stay behind
             raise
+        if ignored:
+            warned.update(ignored)
+            warnings.warn(f"{type(self).__name__} ignores the param group key(s) {', '.join(ignored)}: it runs its own "
+                          "passes (torch.optim.AdamW's implementation choices mean nothing here)", UserWarning,
+                          stacklevel=3)
         if engine is not None:
             engine.bind(self.param_groups)
             engine.watch(group["params"])

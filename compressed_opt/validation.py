@@ -105,3 +105,21 @@ def check_adam_group(group: dict) -> None:
     group["eps"] = _check_adamw_scalar("eps", group["eps"], "Invalid epsilon value")
     group["betas"] = check_betas(group["betas"])
     group["weight_decay"] = _check_adamw_scalar("weight_decay", group["weight_decay"], "Invalid weight_decay value")
+
+
+#: torch.optim.AdamW's group keys for how it runs, which mean nothing here (ignored, with a warning
+#: where set to ask for something): these optimizers run their own passes
+IGNORED_GROUP_KEYS = ("foreach", "fused", "capturable", "differentiable")
+#: AdamW's group keys that change the algorithm, which these optimizers do not implement (refused when set)
+REFUSED_GROUP_KEYS = ("amsgrad", "maximize")
+
+
+def check_group_keys(name: str, group: dict) -> list[str]:
+    """Refuse a param group that sets one of :data:`REFUSED_GROUP_KEYS`; return the
+    :data:`IGNORED_GROUP_KEYS` it sets to something (truthy), for the caller to warn about once."""
+    for key in REFUSED_GROUP_KEYS:
+        if group.get(key):
+            raise ValueError(f"{name} does not implement AdamW's {key}=True (a param group sets it): "
+                             f"the step would silently differ from what was asked; remove the key")
+    return [key for key in IGNORED_GROUP_KEYS if group.get(key)]
+

@@ -37,7 +37,7 @@ from compressed_opt.comm import (
     wire_bytes,
 )
 from compressed_opt.comm.hierarchical import shard_numel, shard_valid_numel
-from compressed_opt.comm.topology import RankInfo, decode_info, encode_info, layout_from_infos, rank_info
+from compressed_opt.comm.topology import RankInfo, decode_info, encode_info, layout_from_infos, rank_info, report_layout
 from distributed import run_ranks
 
 SIZES = [0, 1, 5, 33, 1000, 4099]
@@ -447,6 +447,22 @@ def infos(**columns):
     """RankInfo per rank from per-rank columns (lists of the same length)."""
     world = len(next(iter(columns.values())))
     return [RankInfo(**{k: v[r] for k, v in columns.items()}) for r in range(world)]
+
+
+@pytest.mark.parametrize("hosts, override, level", [(["a", "a"], 0, "INFO"), (["a", "b"], 0, "WARNING"),
+                                                    (["a", "a"], 3, "WARNING")])
+def test_a_missed_node_layout_is_a_warning_only_where_it_matters(caplog, hosts, override, level):
+    """A sub-group of a job on one host (FSDP2's replicas over ranks 0 and 2 under torchrun: the
+    launcher's variables describe the whole job) gets no layout, and loses nothing by it: an info
+    line. Ranks on several hosts, or an override that does not fit, are worth a warning."""
+    table = infos(group_rank=[0, 0], local_rank=[0, 2], local_world_size=[4, 4], hostname=hosts,
+                  override=[override, override])
+    layout, reason = layout_from_infos(table, 0)
+    assert layout is None
+    with caplog.at_level(logging.INFO, logger="compressed_opt"):
+        report_layout(layout, reason, table)
+    assert [r.levelname for r in caplog.records] == [level]
+    assert "no node layout for a hierarchical exchange" in caplog.records[0].getMessage()
 
 
 def test_layout_decisions():

@@ -268,6 +268,24 @@ def test_hooks_may_add_entries_to_the_state_as_in_torchs_suite(info, stage):
     assert opt_c.state_dict()["state"]["ran_load_state_dict_post_hook"] is True
 
 
+@by_optim
+def test_adamw_group_keys_that_mean_nothing_here_are_warned_about_once_and_those_that_would_change_the_step_refused(
+        info):
+    """``foreach`` / ``fused`` / ``capturable`` / ``differentiable`` (how AdamW runs, e.g.
+    torchtitan's optimizer arguments) are ignored with one warning per key; ``amsgrad`` and
+    ``maximize`` set to True are refused, the group not added."""
+    params = make_params()
+    with pytest.warns(UserWarning, match=r"ignores the param group key\(s\) foreach, fused") as caught:
+        opt = info.make([dict(params=params[:1], foreach=True, fused=True),
+                         dict(params=params[1:], foreach=True, fused=False)], "warmup", lr=1e-2)
+    assert sum("ignores the param group key" in str(w.message) for w in caught) == 1
+    for key in ("amsgrad", "maximize"):
+        with pytest.raises(ValueError, match=f"does not implement AdamW's {key}=True"):
+            opt.add_param_group(dict(params=[nn.Parameter(torch.zeros(2))], **{key: True}))
+    assert len(opt.param_groups) == 2
+    opt.add_param_group(dict(params=[nn.Parameter(torch.zeros(2))], amsgrad=False, maximize=False))
+
+
 @by_stage
 @by_optim
 def test_load_state_dict_hooks(info, stage):
