@@ -19,6 +19,15 @@ naming what differs and what to change (docs/design.md 3.2):
 * :meth:`RankAgreement.rank0_decides` and :meth:`RankAgreement.broadcast_parameters`: rank 0's
   decision or parameters on every rank.
 
+Every per-step comparison starts with one all-gather of the same fixed-size header (:data:`HEADER`
+int64: what the collective is, the step, its fields), so that ranks that reached different points
+of the step (one in ``step()``, another already in the next backward because it skipped
+``step()``) meet in collectives of the same size and raise, naming where each rank is, instead
+of pairing a collective with another of a different size (Gloo aborts the process) or decoding one
+as the other. A rank whose loop skipped ``step()`` after its backward says so at its next
+``zero_grad()`` (:meth:`RankAgreement.skipped`): where every rank skipped, the step is dropped
+on every rank alike; where only some did, every rank raises.
+
 It keeps no state of the optimizer's: the caller passes what is compared.
 """
 from __future__ import annotations
@@ -31,6 +40,19 @@ import torch
 
 #: where a rank's step first communicated (compared by :meth:`RankAgreement.entry`)
 ENTRY_BACKWARD, ENTRY_STEP = 1, 2
+
+#: int64 values in a per-step comparison's header: what it is, the step, four fields
+HEADER = 6
+#: the header's first value: this tag plus what the collective is (a value no field takes by chance)
+_TAG = 0x436F4167 << 16
+ENTRY, FINISHED, STEP, SKIPPED = 1, 2, 3, 4
+#: where a rank is, for each kind of comparison (the error names it)
+_WHERE = {ENTRY: "started the backward of step {}", FINISHED: "finished the backward of step {}",
+          STEP: "called step() for step {}", SKIPPED: "ran the backward of step {} and then zero_grad() without step()"}
+
+
+class RanksOutOfStep(RuntimeError):
+    """The ranks reached different points of a step (one skipped ``step()``, ...): raised on every rank."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +81,36 @@ class RankAgreement:
         out = torch.empty(world * row.numel(), dtype=row.dtype, device=row.device)
         self.backend.all_gather(out, row)
         return out.view(world, -1)
+
+    def _header(self, kind: int, step: int, fields: list[int], device) -> torch.Tensor:
+        """Every rank's header (``(world, HEADER)`` int64): one all-gather of this rank's ``kind``,
+        ``step`` and ``fields`` (at most four). Raises :class:`RanksOutOfStep` on every rank alike
+        where the ranks are in comparisons of different kinds (they all hold the same table); a
+        difference of step within one kind is the caller's to name."""
+        row = torch.zeros(HEADER, dtype=torch.int64)
+        row[0], row[1] = _TAG + kind, step
+        row[2:2 + len(fields)] = torch.tensor(fields, dtype=torch.int64)
+        table = self._gather(row.to(device))
+        if bool((table[:, 0] == table[0, 0]).all()):
+            return table
+        self._out_of_step(table[:, :2].cpu().tolist())
+
+    def _out_of_step(self, rows: list) -> None:
+        where: dict[str, list[int]] = {}
+        for r, (tag, step) in enumerate(rows):
+            kind = tag - _TAG
+            said = _WHERE[kind].format(step) if kind in _WHERE else "is in another collective (not a comparison)"
+            where.setdefault(said, []).append(r)
+        said = "; ".join(f"rank(s) {ranks} {what}" for what, ranks in where.items())
+        kinds = {tag - _TAG for tag, _ in rows}
+        if SKIPPED in kinds:
+            hint = ("every rank must call step() after its backward, or none: a loop that decides per rank "
+                    "(`if torch.isfinite(loss): optimizer.step()`, a GradScaler that found inf on one rank "
+                    "only) skips on one rank only. Let every rank decide alike (all-reduce the decision), or "
+                    "leave non-finite gradients to step(), which skips on every rank together")
+        else:
+            hint = "every rank must run the same steps: backward then step(), in the same order"
+        raise RanksOutOfStep(f"{self.name}: the ranks are out of step: {said}. {hint}")
 
     # --- before the first step ---------------------------------------------------------------------
     def signatures(self, signature: list[int], entry: int, step: int, device) -> None:
@@ -97,7 +149,7 @@ class RankAgreement:
         (``layout_hash``: :func:`layout_hash` of their buckets)."""
         if self.alone:
             return
-        gathered = self._gather(torch.tensor([layout_hash, entry, step], dtype=torch.int64, device=device))
+        gathered = self._header(ENTRY, step, [layout_hash, entry], device)[:, 2:4]
         if bool((gathered == gathered[0]).all()):
             return  # (as a rule: the rest only says what differs)
         rows = gathered.tolist()
@@ -122,29 +174,41 @@ class RankAgreement:
             "0 * the loss of any batch); a rank that stops early must stop every rank."
         )
 
-    def any_rank(self, flag: bool, device) -> bool:
-        """Whether ``flag`` is set on some rank (one all-gather of one integer)."""
+    def any_rank(self, flag: bool, step: int, device) -> bool:
+        """Whether ``flag`` is set on some rank, at the end of ``step``'s backward (one all-gather of
+        a header)."""
         if self.alone:
             return flag
-        return bool(self._gather(torch.tensor([int(flag)], dtype=torch.int64, device=device)).any())
+        return bool(self._header(FINISHED, step, [int(flag)], device)[:, 2].any())
+
+    def skipped(self, step: int, device) -> None:
+        """At ``zero_grad()`` on a rank whose backward of ``step`` was not followed by ``step()``:
+        returns where every rank skipped it (the step is dropped on every rank alike), else raises
+        :class:`RanksOutOfStep` on every rank (the others are in ``step()``, where they meet this)."""
+        if not self.alone:
+            self._header(SKIPPED, step, [], device)
 
     def step(self, step: int, stage: int, hyperparameters: int, touched: bool, nonfinite: bool,
              statistics: torch.Tensor, device) -> StepVerdict:
         """One small all-gather per step, before any state changes: raise on every rank if the
         ranks are at different steps or stages or their hyperparameters (``hyperparameters``:
         :func:`hyperparameter_hash`) differ; else what every rank decides from the flags."""
-        mine = [step, stage, hyperparameters, int(touched), int(nonfinite)]
-        statistics = statistics.to(device=device, dtype=torch.float64)
+        statistics = statistics.to(device=device, dtype=torch.float64).reshape(-1)
         if self.alone:
             return StepVerdict(touched, nonfinite, statistics.view(1, -1))
-        # the statistics travel as the bits of their float64 values
-        payload = torch.cat([torch.tensor(mine, dtype=torch.int64, device=device), statistics.view(torch.int64)])
-        gathered = self._gather(payload)
-        stats = gathered[:, len(mine):].contiguous().view(torch.float64)
-        ints = gathered[:, :len(mine)]
-        flags = ints[:, 3:].any(0).tolist()
-        if bool((ints[:, :3] == ints[0, :3]).all()):  # (as a rule: the rest only says what differs)
-            return StepVerdict(flags[0], flags[1], stats)
+        header = self._header(STEP, step, [stage, hyperparameters, int(touched) | int(nonfinite) << 1,
+                                           statistics.numel()], device)
+        ints, flags = header[:, 1:4], header[:, 4]
+        touched_any, nonfinite_any = bool((flags & 1).any()), bool((flags & 2).any())
+        sizes = set(header[:, 5].tolist())
+        if len(sizes) > 1:
+            raise RanksOutOfStep(f"{self.name}: at step {step} the ranks' per-step statistics differ in size "
+                                 f"({sorted(sizes)}): the ranks are in different modes (variance tracking, a DDP hook)")
+        # (the statistics travel as the bits of their float64 values)
+        stats = (self._gather(statistics.view(torch.int64)).view(torch.float64) if statistics.numel()
+                 else torch.zeros(len(header), 0, dtype=torch.float64, device=device))
+        if bool((ints == ints[0]).all()):  # (as a rule: the rest only says what differs)
+            return StepVerdict(touched_any, nonfinite_any, stats)
         rows, problems = ints.tolist(), []
         for r, row in enumerate(rows[1:], start=1):
             if row[:2] != rows[0][:2]:
@@ -158,7 +222,7 @@ class RankAgreement:
                 + ". Change hyperparameters on every rank alike (an LR scheduler on every rank) and resume "
                 "every rank from the checkpoint of the same step."
             )
-        return StepVerdict(flags[0], flags[1], stats)
+        return StepVerdict(touched_any, nonfinite_any, stats)
 
     # --- rank 0 decides ------------------------------------------------------------------------------
     def rank0_decides(self, wants: bool, device) -> bool:

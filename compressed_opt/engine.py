@@ -522,7 +522,7 @@ class GradientSync:
             grads = list(map(_grad, self._params))
             norms = _largest_magnitudes(grads)
             mine = norms is not None and not bool(norms.isfinite().all())
-            if self.agreement.any_rank(mine, self.device) and not mine and norms is not None:
+            if self.agreement.any_rank(mine, self.global_step + 1, self.device) and not mine and norms is not None:
                 first = next(g for g in grads if g is not None and g.numel())
                 first[(0,) * first.dim()] = float("nan")
                 norms = _largest_magnitudes(grads)
@@ -567,7 +567,7 @@ class GradientSync:
     def any_rank_nonfinite(self, mine: bool) -> bool:
         """Whether some rank's gradients hold inf/NaN (collective; a DDP hook asks it at the last
         bucket of a compression step and marks its bucket: :mod:`compressed_opt.ddp`)."""
-        return self.agreement.any_rank(mine, self.device)
+        return self.agreement.any_rank(mine, self.global_step + 1, self.device)
 
     def attach_averager(self, averager) -> None:
         """From now on ``averager`` averages the warmup gradients into ``p.grad`` during backward
@@ -845,6 +845,10 @@ class GradientSync:
         """``zero_grad``'s part: what backward launched has landed; the gradients of this step start
         again (the next backward communicates them anew, as under DDP)."""
         self.wait(late_ok=True)
+        if self.finished and not self._synchronized and self._ranks_checked:
+            # this rank ran the step's backward and no step(): where the others did not skip too,
+            # they are in step() and every rank raises here (agreement.RankAgreement.skipped)
+            self.agreement.skipped(self.global_step + 1, self.device)
         if self._next and not self.full_precision_next() and self._overlap is Overlap.AHEAD:
             self._overlap = Overlap.WATCH  # a 1-bit exchange went out for gradients the loop threw away
         self._reset_launch()

@@ -93,3 +93,61 @@ def _no_backward_anywhere(rank, world):
 def test_gradients_set_by_hand_on_every_rank_still_step():
     a, b = (value for _, value in spawn_ranks(_no_backward_anywhere, 2, timeout=60))
     assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _skip_step(rank, world, name, mode, skipped_step, who):
+    """Every rank runs backward; the ranks in ``who`` skip ``step()`` at ``skipped_step`` (a per-rank
+    ``if torch.isfinite(loss): optimizer.step()``), then the loop goes on."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    cls, kwargs = OPTIMIZERS[name]
+    opt = cls(model.parameters(), overlap=mode != "sync", **kwargs)
+    g = torch.Generator().manual_seed(rank)
+    start = None
+    for step in range(1, skipped_step + 3):
+        try:
+            if step == skipped_step:
+                start = time.monotonic()
+            opt.zero_grad()
+            model(torch.randn(4, 8, generator=g)).square().mean().backward()
+            if not (rank in who and step == skipped_step):
+                opt.step()
+        except Exception as exc:
+            return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - (start or 0.0),
+                    "step": step}
+    return {"error": None, "params": [p.detach().clone() for p in model.parameters()], "taken": opt.global_step}
+
+
+# warmup (averaged in backward, or in step()), the freeze step, the compression stage (launched from
+# backward, or exchanged in step()); each optimizer once in the compression stage
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("name,mode,skipped_step", [("adam", "overlap", 1), ("adam", "sync", 2), ("adam", "overlap", 5),
+                                                    ("adam", "sync", 5), ("lamb", "overlap", 5),
+                                                    ("zero_one", "overlap", 5)])
+def test_a_rank_that_skips_step_after_its_backward_raises_on_every_rank(name, mode, skipped_step):
+    """Rank 1 skips ``step()`` after its backward: at its next ``zero_grad()`` it says so, where
+    rank 0 waits in ``step()``; both raise the library's error, naming the ranks and the fix,
+    within seconds (no Gloo abort, no step number decoded from another collective)."""
+    outcomes = spawn_ranks(_skip_step, 2, name, mode, skipped_step, (1,), timeout=90)
+    assert [status for status, _ in outcomes] == ["ok", "ok"], outcomes
+    for rank, r in enumerate(v for _, v in outcomes):
+        assert r["error"] is not None and r["error"].startswith("RanksOutOfStep"), (rank, r)
+        assert f"rank(s) [1] ran the backward of step {skipped_step} and then zero_grad() without step()" in r["error"]
+        assert f"rank(s) [0] called step() for step {skipped_step}" in r["error"]
+        assert "every rank must call step() after its backward, or none" in r["error"]
+        # (rank 0 raises in that step's step(), rank 1 at the next step's zero_grad())
+        assert r["step"] == skipped_step + rank and r["seconds"] < 30, (rank, r)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("skipped_step", [2, 5])
+def test_every_rank_skipping_step_together_drops_the_step_and_trains_on(skipped_step):
+    """Every rank skips ``step()`` at the same step (a decision taken alike, e.g. a GradScaler
+    that found inf after the average): the step is dropped on every rank and training goes on,
+    the replicas equal."""
+    a, b = (value for _, value in spawn_ranks(_skip_step, 2, "adam", "overlap", skipped_step, (0, 1), timeout=90))
+    assert a["error"] is None and b["error"] is None, (a, b)
+    assert a["taken"] == b["taken"] == skipped_step + 1
+    assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"]))
