@@ -27,9 +27,9 @@ import torch.distributed as dist
 from compressed_opt.comm.torch_backend import TorchBackend
 
 try:  # (torch builds without distributed support have no DTensor)
-    from torch.distributed.tensor import DTensor, Partial, Shard
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 except ImportError:  # pragma: no cover - every supported torch has it
-    DTensor = Partial = Shard = None
+    DTensor = Partial = Replicate = Shard = None
 
 
 def is_dtensor(p) -> bool:
@@ -184,8 +184,9 @@ class LocalShards:
     def bind_grads(self, scaled: bool = False) -> None:
         """Each shard parameter's ``.grad`` <- its DTensor's gradient's local tensor (its
         ``requires_grad`` follows the DTensor's). Refuses a parameter whose local memory FSDP
-        replaced after the optimizer was made, and a gradient still pending a reduction
-        (``Partial``): its local tensor is not this shard's gradient. ``scaled``: the step was
+        replaced after the optimizer was made. A gradient still pending a reduction (``Partial``,
+        e.g. a norm weight under sequence parallelism) is reduced over its mesh first (collective,
+        in parameter order on every rank of the mesh). ``scaled``: the step was
         called by ``torch.amp.GradScaler.step``, refused: the gradients reach the shards only
         here, so its unscaling found none (the optimizer tells it that it handles scaling itself,
         else it stops at torch's assertion), and a rank that found inf in its own shard would
@@ -211,10 +212,12 @@ class LocalShards:
             if g is None:
                 shard.grad = None
                 continue
-            if any(isinstance(pl, Partial) for pl in g.placements):
-                raise RuntimeError(f"{self._owner}: a DTensor gradient with placements {g.placements} is still "
-                                   "pending a reduction; the optimizer needs each shard's reduced gradient")
             with torch.no_grad():
+                if any(isinstance(pl, Partial) for pl in g.placements):
+                    # pending a sum over its mesh (a tensor-parallel plan's replicated norm weights):
+                    # reduced there, as DTensor's own ops reduce it for torch's optimizers
+                    g = g.redistribute(g.device_mesh, [Replicate() if isinstance(pl, Partial) else pl
+                                                       for pl in g.placements])
                 shard.grad = g.to_local()
 
     def clear_grads(self, set_to_none: bool) -> None:

@@ -130,3 +130,51 @@ def test_pipeline_recipe_one_optimizer_per_stage_on_its_group():
     for rank, r in enumerate(results):
         assert r["compressing"] and r["calls"] > 0 and r["replicas"], (rank, r)
         assert r["exchange_ranks"] == ([0, 1] if r["stage"] == 0 else [2, 3]), (rank, r)
+
+
+def _sequence_parallel(rank, world):
+    """A tensor-parallel plan with sequence parallelism (torchtitan's): the LayerNorm's weight and
+    bias are replicated over "tp" and their gradients come out ``Partial(sum)``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
+                                                   parallelize_module)
+
+    warnings.simplefilter("ignore")
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    r_dp = mesh.get_coordinate()[0]
+
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 16), nn.LayerNorm(16))
+
+    model, whole = make(), make()
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel(output_layouts=Shard(1)),
+                                           "3": SequenceParallel()})
+    opt, reference = _optimizer("OnebitAdam", model.parameters(), mesh["dp"]), \
+        _optimizer("OnebitAdam", whole.parameters(), mesh["dp"])
+    partial, gap, norm_copies = [], 0.0, True
+    for step in range(1, STEPS + 1):
+        x = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(100 * step + r_dp))
+        full_precision = not opt.compressing
+        for m, o in ((model, opt), (whole, reference)):
+            o.zero_grad()
+            m(x).square().mean().backward()
+            if m is model:
+                partial.append(str(model[3].weight.grad.placements))
+            o.step()
+        if full_precision:  # (the norm's: Adam's first steps amplify TP's rounding where a gradient is ~eps)
+            gap = max(gap, max((p.full_tensor() - q.detach()).abs().max().item()
+                               for p, q in zip(model[3].parameters(), whole[3].parameters())))
+        norm_copies &= _equal_over(mesh["tp"].get_group(), [model[3].weight.to_local().detach()])
+    return dict(partial=partial[0], gap=gap, norm_copies=norm_copies, compressing=opt.compressing)
+
+
+def test_partial_gradients_of_a_sequence_parallel_plan_are_reduced_over_their_mesh():
+    """The norm weights' ``Partial(sum)`` gradients are summed over "tp" before the step, as
+    DTensor's ops sum them for torch's optimizers: in warmup the norm's weight and bias equal the
+    optimizer's on the unsharded model (a tp rank's own part of the sum would step them elsewhere),
+    and the tp ranks' copies of the norm weight stay equal, into the compression stage."""
+    for rank, r in enumerate(run_ranks(_sequence_parallel, 4, timeout=240)):
+        assert r["partial"] == "(Partial(sum),)", (rank, r)
+        assert r["compressing"] and r["gap"] < 1e-5 and r["norm_copies"], (rank, r)
