@@ -74,3 +74,34 @@ def test_an_overflow_on_one_rank_skips_everywhere_and_the_scales_stay_equal(name
     assert runs[0]["scaled"]["scale"] == runs[1]["scaled"]["scale"] == 2.0**8  # (backed off twice, on every rank)
     if name == "adam":  # 1-bit Adam's ranks hold the same parameters (0/1 Adam's differ between syncs)
         assert all(torch.equal(a, b) for a, b in zip(runs[0]["scaled"]["params"], runs[1]["scaled"]["params"]))
+
+
+def _inf_found_on_one_rank(rank, world):
+    """Rank 1's loop writes an inf into a gradient after backward (a value its scaler alone then
+    finds): its ``scaler.step`` skips ``step()`` there only."""
+    model = mlp()
+    opt = OnebitAdam(model.parameters(), lr=3e-3, freeze_step=3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    for step, (x, y) in enumerate(shard_batches(rank, 2, 6, batch=16)):
+        try:
+            opt.zero_grad()
+            scaler.scale(nn.functional.cross_entropy(model(x), y)).backward()
+            if step == 2 and rank == 1:
+                next(model.parameters()).grad.view(-1)[0] = float("inf")
+            scaler.step(opt)
+            scaler.update()
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_scaler_that_finds_inf_on_one_rank_only_makes_every_rank_raise_clearly():
+    """Where only one rank's scaler found inf (its loop changed the gradient after the average),
+    that rank skips ``step()`` alone: every rank raises the library's error naming it, instead of
+    a Gloo abort."""
+    errors = run_ranks(_inf_found_on_one_rank, 2, timeout=90)
+    for error in errors:
+        assert error is not None and error.startswith("RanksOutOfStep"), errors
+        assert "rank(s) [1] ran the backward of step 3 and then zero_grad() without step()" in error
