@@ -83,6 +83,8 @@ class Algorithm:
     #: per-parameter state that differs between the ranks by the algorithm (each rank's own,
     #: carried per rank by ``consolidate_state_dict``; the bucket entries always are)
     rank_state_names: tuple[str, ...] = ()
+    #: its variance tracking (:class:`compressed_opt.variance_tracking.VarianceTracking`), or ``None``
+    tracking = None
 
     def __init__(self, name: str):
         self.name = name
@@ -130,11 +132,18 @@ class Algorithm:
         return torch.zeros(0, dtype=torch.float64)
 
     def observe_average(self, bucket, mean: torch.Tensor, stepped: bool) -> None:
-        """A full-precision step's average of ``bucket`` as backward (``stepped``: ``step()``) made it."""
+        """A full-precision step's average of ``bucket`` as backward (``stepped``: ``step()``) made
+        it: handed to the variance tracking, where the algorithm has one."""
+        if self.tracking is not None:
+            self.tracking.observe_average(bucket, bucket.state.tracked, mean, stepped, self.engine.global_step + 1)
 
     def observe_hooked_sums(self, indices: torch.Tensor, sums: torch.Tensor, averaged: bool) -> None:
         """From a DDP hook averaging a full-precision step's gradients: the sums of squares of the
-        local gradients (``averaged``: of the average) of the parameters with these indices."""
+        local gradients (``averaged``: of the average) of the parameters with these indices, handed
+        to the variance tracking, where the algorithm has one."""
+        if self.tracking is not None:
+            self.tracking.observe_hooked(indices, sums, averaged, sum(len(g["params"]) for g in self.param_groups),
+                                         self.engine.global_step + 1)
 
     #: whether a DDP hook should hand the warmup gradients' sums of squares to :meth:`observe_hooked_sums`
     observes_square_sums = False

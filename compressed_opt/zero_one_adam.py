@@ -366,15 +366,6 @@ class ZeroOneAlgorithm(Algorithm):
         return rows[:, 0].tolist()
 
     # --- the tracking's sums ---------------------------------------------------------------------------------------
-    def observe_average(self, bucket, mean, stepped):
-        if self.tracking is not None:
-            self.tracking.observe_average(bucket, bucket.state.tracked, mean, stepped, self.engine.global_step + 1)
-
-    def observe_hooked_sums(self, indices, sums, averaged):
-        if self.tracking is not None:
-            self.tracking.observe_hooked(indices, sums, averaged, sum(len(g["params"]) for g in self.param_groups),
-                                         self.engine.global_step + 1)
-
     def statistics(self, step: int, buckets: list) -> torch.Tensor:
         if self.tracking is None:
             return torch.zeros(0, dtype=torch.float64)
