@@ -352,8 +352,8 @@ def field_counts(state: Mapping) -> dict[str, int]:
     """Per name of a per-parameter state field, how many parameters hold it (a state dict
     records it as ``param_fields``, so that a state that lost some is found on load)."""
     counts: dict[str, int] = {}
-    for key, st in state.items():
-        if isinstance(key, int) and isinstance(st, Mapping):  # (a parameter's; a hook may add other entries)
+    for st in state.values():
+        if isinstance(st, Mapping):  # (a parameter's; a hook may add entries of other kinds)
             for field in st:
                 counts[field] = counts.get(field, 0) + 1
     return dict(sorted(counts.items()))
