@@ -110,6 +110,12 @@ def check_flat(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} must be contiguous")
 
 
+def _check_pair(input, output) -> None:
+    """``input`` and ``output`` are flat buffers (:func:`check_flat`)."""
+    check_flat("input", input)
+    check_flat("output", output)
+
+
 class Backend(abc.ABC):
     """Collectives over a fixed group of ``world_size`` ranks. Subclasses implement the ``_``
     methods; the public ones validate shapes and count bytes."""
@@ -182,50 +188,33 @@ class Backend(abc.ABC):
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Work:
         """``output`` (``world_size * input.numel()``) gets every rank's ``input``, rank-major."""
-        if not (isinstance(input, torch.Tensor) and isinstance(output, torch.Tensor) and input.is_contiguous()
-                and output.is_contiguous()):
-            check_flat("input", input)
-            check_flat("output", output)
+        _check_pair(input, output)
         if output.numel() != self.world_size * input.numel() or output.dtype != input.dtype:
             raise ValueError(
                 f"all_gather output must have world_size * {input.numel()} elements of {input.dtype}, "
                 f"got {output.numel()} of {output.dtype}"
             )
-        self.stats.record("all_gather", (self.world_size - 1) * input.numel() * input.element_size())
-        work = self._all_gather(output, input, async_op)
-        if async_op:
-            return work if work is not None else _DONE
-        if work is not None:
-            work.wait()
-        return _DONE
+        self.stats.record("all_gather", (self.world_size - 1) * nbytes(input))
+        return self._finish(self._all_gather(output, input, async_op), async_op)
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Work:
         """Equal splits: chunk ``j`` of ``input`` goes to rank ``j``; chunk ``i`` of ``output``
         comes from rank ``i``."""
-        if not (isinstance(input, torch.Tensor) and isinstance(output, torch.Tensor) and input.is_contiguous()
-                and output.is_contiguous()):
-            check_flat("input", input)
-            check_flat("output", output)
+        _check_pair(input, output)
         n = self.world_size
         if output.numel() != input.numel() or output.dtype != input.dtype or input.numel() % n:
             raise ValueError(
                 "all_to_all needs input and output of equal size and dtype, divisible by world_size; "
                 f"got {input.numel()} {input.dtype} and {output.numel()} {output.dtype} for {n} ranks"
             )
-        self.stats.record("all_to_all", (n - 1) / n * input.numel() * input.element_size())
-        work = self._all_to_all(output, input, async_op)
-        if async_op:
-            return work if work is not None else _DONE
-        if work is not None:
-            work.wait()
-        return _DONE
+        self.stats.record("all_to_all", (n - 1) / n * nbytes(input))
+        return self._finish(self._all_to_all(output, input, async_op), async_op)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum",
                        async_op: bool = False) -> Work:
         """``output`` (``input.numel() / world_size`` elements) gets chunk ``rank`` of the sum
         (``op="sum"``) or mean (``op="avg"``) over ranks of ``input``."""
-        check_flat("input", input)
-        check_flat("output", output)
+        _check_pair(input, output)
         if op not in ("sum", "avg"):
             raise ValueError(f"op must be 'sum' or 'avg', got {op!r}")
         if output.numel() * self.world_size != input.numel() or output.dtype != input.dtype:
@@ -256,11 +245,13 @@ class Backend(abc.ABC):
 
     @staticmethod
     def _finish(work: Work | None, async_op: bool) -> Work:
-        work = work if work is not None else CompletedWork()
-        if not async_op:
+        """The handle a collective returns: its own where it runs on (``async_op``), else waited
+        for; a finished one is the shared :data:`_DONE` (nothing allocated per call)."""
+        if async_op:
+            return work if work is not None else _DONE
+        if work is not None:
             work.wait()
-            return CompletedWork()
-        return work
+        return _DONE
 
     @abc.abstractmethod
     def _all_reduce(self, tensor, op, async_op) -> Work | None: ...

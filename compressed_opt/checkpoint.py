@@ -603,18 +603,6 @@ def finish_load(schema: Schema, opt_state, param_groups: list, plain: dict, extr
         )
 
 
-def check_load(schema: Schema, state_dict) -> None:
-    """The checks of a load that come before torch reads anything: a state dict of this optimizer."""
-    extra = state_dict.get("compressed_opt") if isinstance(state_dict, Mapping) else None
-    if extra is None:
-        raise ValueError(
-            f"this state dict has no 'compressed_opt' entry: it was not saved by a {schema.name} (to start from "
-            "another optimizer's state, load its parameters and let this optimizer warm up)"
-        )
-    if extra.get("algorithm") != schema.name:
-        raise ValueError(f"state dict of {extra.get('algorithm')} given to {schema.name}")
-
-
 # --- copies and pickles -----------------------------------------------------------------------------
 def _carried(optimizer, how: str) -> dict:
     """What a copy of ``optimizer`` carries (see :func:`deep_copy`), before it is copied."""

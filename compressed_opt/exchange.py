@@ -341,11 +341,6 @@ class Exchange:
 
     # --- the choice, at the first step ----------------------------------------------------------------
     @property
-    def needs_choice(self) -> bool:
-        """Whether :meth:`choose` must run before the next exchange (first step, or after a load)."""
-        return self.chosen is None or self.saved_key is not None
-
-    @property
     def averaging(self):
         """The averaging in use; on one rank made on first use (nothing to choose)."""
         if self.chosen is None:

@@ -212,12 +212,7 @@ class Sources(list):
         (checked and addressed in one walk; the library loaded and allowed)."""
         if not library_allowed() or library() is None:
             return None
-        addresses = _plain_addresses(tensors, sizes, "source")
-        if addresses is None:
-            return None
-        out = cls(tensors)
-        out.addresses = torch.tensor(addresses, dtype=torch.int64)
-        return out
+        return sources(tensors, sizes)
 
 
 class Destinations(list):
