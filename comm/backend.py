@@ -110,12 +110,6 @@ def check_flat(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} must be contiguous")
 
 
-def _check_pair(input, output) -> None:
-    """``input`` and ``output`` are flat buffers (:func:`check_flat`)."""
-    check_flat("input", input)
-    check_flat("output", output)
-
-
 class Backend(abc.ABC):
     """Collectives over a fixed group of ``world_size`` ranks. Subclasses implement the ``_``
     methods; the public ones validate shapes and count bytes."""
@@ -188,7 +182,8 @@ class Backend(abc.ABC):
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Work:
         """``output`` (``world_size * input.numel()``) gets every rank's ``input``, rank-major."""
-        _check_pair(input, output)
+        check_flat("input", input)
+        check_flat("output", output)
         if output.numel() != self.world_size * input.numel() or output.dtype != input.dtype:
             raise ValueError(
                 f"all_gather output must have world_size * {input.numel()} elements of {input.dtype}, "
@@ -200,7 +195,8 @@ class Backend(abc.ABC):
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Work:
         """Equal splits: chunk ``j`` of ``input`` goes to rank ``j``; chunk ``i`` of ``output``
         comes from rank ``i``."""
-        _check_pair(input, output)
+        check_flat("input", input)
+        check_flat("output", output)
         n = self.world_size
         if output.numel() != input.numel() or output.dtype != input.dtype or input.numel() % n:
             raise ValueError(
@@ -214,7 +210,8 @@ class Backend(abc.ABC):
                        async_op: bool = False) -> Work:
         """``output`` (``input.numel() / world_size`` elements) gets chunk ``rank`` of the sum
         (``op="sum"``) or mean (``op="avg"``) over ranks of ``input``."""
-        _check_pair(input, output)
+        check_flat("input", input)
+        check_flat("output", output)
         if op not in ("sum", "avg"):
             raise ValueError(f"op must be 'sum' or 'avg', got {op!r}")
         if output.numel() * self.world_size != input.numel() or output.dtype != input.dtype:
