@@ -494,29 +494,22 @@ class GradientSync:
 
     @torch._disable_dynamo
     def _end_of_backward(self) -> None:
+        """At the end of each backward; the one that completes the step's gradients (the last of
+        ``accumulation_steps``) finishes them: in a full-precision step, every bucket averaged
+        (waiting for what is in flight, then the rest in order) and the averages written into
+        ``p.grad``, as DDP leaves them; in a compression step launched ahead, the rest of its
+        exchanges. A compression step not launched ahead: if some rank's gradients hold inf/NaN,
+        every rank's do (a NaN in the first element of the first), so every rank's GradScaler, or
+        ``step()``, skips alike (one read-only pass, each tensor's norm, and one all-gather of a
+        flag). Then each ``p.grad`` as backward left it is noted (what :meth:`_touched` compares)."""
         self._in_backward = False
         self._passes += 1
         if self._passes < self.accumulation_steps or self.finished:
             return
         self.finished = True
-        self._backward_finished(self._next)
-        left = self._left  # (what the loop may change before step(): seen by _touched)
-        for p in self._params:
-            g = p.grad
-            if g is not None:
-                left[id(p)] = (g, g._version)
-
-    def _backward_finished(self, launched: int) -> None:
-        """At the end of the backward that completes the step's gradients: in a full-precision
-        step, every bucket averaged (waiting for what is in flight, then the rest in order) and the
-        averages written into ``p.grad``, as DDP leaves them; in a compression step launched ahead,
-        the rest of its exchanges. A compression step not launched ahead: if some rank's gradients
-        hold inf/NaN, every rank's do (a NaN in the first element of the first), so every rank's
-        GradScaler, or ``step()``, skips alike (one read-only pass, each tensor's norm, and one
-        all-gather of a flag)."""
         if not self._ranks_checked:
             self._check_ranks(ENTRY_BACKWARD)
-        client = self._client()
+        client, launched = self._client(), self._next
         full = client.full_precision(self.global_step + 1)
         if not full and not self.launch_ahead:  # (p.grad keeps the local gradient; synchronize() exchanges it)
             grads = list(map(_grad, self._params))
@@ -527,24 +520,29 @@ class GradientSync:
                 first[(0,) * first.dim()] = float("nan")
                 norms = _largest_magnitudes(grads)
             self._backward_norms = norms
-            return
-        if self.exchange.chosen is None or self.exchange.saved_key is not None:
-            self._choose_exchange()  # (collective) before the first average: it is the exchange's way
-        # every rank waits for its thread, then communicates the rest in order on this thread: the
-        # collectives pair up whichever buckets each rank could launch early
-        self.wait()
-        if full:
-            self._run_inline(launched, gather=True)
-            for b in self._buckets:
-                client.observe_average(b, b.sync.padded[: b.numel], False)
-                b.scatter_grads(b.sync.padded[: b.numel])
-            return
-        for b in self._buckets[launched:]:  # a compression step launched ahead (the loop leaves p.grad alone)
-            self._gather(b)
-            if not bool(b.sync.checked.sum().isfinite()):
-                b.sync.padded.zero_()
-                self._launched_nonfinite = True
-        self._run_inline(launched, gather=False)
+        else:
+            if self.exchange.chosen is None or self.exchange.saved_key is not None:
+                self._choose_exchange()  # (collective) before the first average: it is the exchange's way
+            # every rank waits for its thread, then communicates the rest in order on this thread: the
+            # collectives pair up whichever buckets each rank could launch early
+            self.wait()
+            if full:
+                self._run_inline(launched, gather=True)
+                for b in self._buckets:
+                    client.observe_average(b, b.sync.padded[: b.numel], False)
+                    b.scatter_grads(b.sync.padded[: b.numel])
+            else:
+                for b in self._buckets[launched:]:  # a compression step launched ahead (the loop leaves p.grad alone)
+                    self._gather(b)
+                    if not bool(b.sync.checked.sum().isfinite()):
+                        b.sync.padded.zero_()
+                        self._launched_nonfinite = True
+                self._run_inline(launched, gather=False)
+        left = self._left
+        for p in self._params:
+            g = p.grad
+            if g is not None:
+                left[id(p)] = (g, g._version)
 
     def enter_backward(self) -> None:
         """Called by a DDP hook at the first bucket of a backward (the engine's hooks call it
@@ -767,7 +765,7 @@ class GradientSync:
         full = client.full_precision(step)
         finished = self.finished
         averaged_in_backward = full and finished
-        # a compression step whose exchanges all ran from backward (see _backward_finished)
+        # a compression step whose exchanges all ran from backward (see _end_of_backward)
         speculated = not full and finished and self.launch_ahead
         touched = finished and self._touched()
         done = len(buckets) if speculated else 0

@@ -111,7 +111,7 @@ CO_EXACT void co_zo_sync_before(const float *g, const int64_t *srcs, float *m, c
                 ZO_MOMENTUM(mi, ms[i], gs[i], ds[i], coeff, small);
                 const float den = fabsf(ds[i]);
                 ms[i] = mi;
-                const float a = as[i] + (lr * mi) / den;\
+                const float a = as[i] + (lr * mi) / den;
                 const float x = a * den;
                 as[i] = x * c;
             }
@@ -120,7 +120,7 @@ CO_EXACT void co_zo_sync_before(const float *g, const int64_t *srcs, float *m, c
                 ZO_MOMENTUM(mi, ms[i], gs[i], ds[i], coeff, small);
                 const float den = fabsf(ds[i]);
                 ms[i] = mi;
-                const float a = as[i] + (lr * mi) / den;\
+                const float a = as[i] + (lr * mi) / den;
                 as[i] = a * den;
             }
         }
