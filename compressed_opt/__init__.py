@@ -2,7 +2,8 @@
 
 Drop-in ``torch.optim`` replacements that warm up at full precision, then communicate 1-bit
 compressed momentum with error feedback: :class:`OnebitAdam`, :class:`OnebitLamb`,
-:class:`ZeroOneAdam`. Collectives go through :mod:`compressed_opt.comm` backends; the element-wise
+:class:`ZeroOneAdam`; and :class:`DiLoCo`, a local-step outer optimizer around any inner one,
+its pseudo-gradient exchanged at fp32, bf16 or 1-bit with error feedback. Collectives go through :mod:`compressed_opt.comm` backends; the element-wise
 kernels live in :mod:`compressed_opt.cuda`.
 """
 try:
@@ -18,6 +19,7 @@ from compressed_opt.comm import compressed_allreduce, get_backend  # noqa: F401
 
 from .ddp import register_ddp_comm_hook  # noqa: F401
 from .deepspeed_compat import from_deepspeed_config  # noqa: F401
+from .diloco import DiLoCo  # noqa: F401
 from . import integrations  # noqa: F401  (the frameworks' checkpoints: one line each)
 from .freeze import VarianceStabilityRule  # noqa: F401
 from .onebit_adam import OnebitAdam  # noqa: F401
@@ -29,6 +31,7 @@ __all__ = [
     "OnebitAdam",
     "OnebitLamb",
     "ZeroOneAdam",
+    "DiLoCo",
     "VarianceStabilityRule",
     "from_deepspeed_config",
     "register_ddp_comm_hook",

@@ -16,6 +16,8 @@ naming what differs and what to change (docs/design.md 3.2):
 * :meth:`RankAgreement.step`: in ``step()``, before any state changes: the step, the stage, the
   hyperparameters, whether the loop touched ``p.grad``, whether a gradient is non-finite, and the
   algorithm's per-step statistics;
+* :meth:`RankAgreement.round`: a local-step outer optimizer's synchronisation (:mod:`compressed_opt.diloco`):
+  the inner step, the fragment, its size and the outer hyperparameters;
 * :meth:`RankAgreement.rank0_decides` and :meth:`RankAgreement.broadcast_parameters`: rank 0's
   decision or parameters on every rank.
 
@@ -45,10 +47,11 @@ ENTRY_BACKWARD, ENTRY_STEP = 1, 2
 HEADER = 6
 #: the header's first value: this tag plus what the collective is (a value no field takes by chance)
 _TAG = 0x436F4167 << 16
-ENTRY, FINISHED, STEP, SKIPPED = 1, 2, 3, 4
+ENTRY, FINISHED, STEP, SKIPPED, ROUND = 1, 2, 3, 4, 5
 #: where a rank is, for each kind of comparison (the error names it)
 _WHERE = {ENTRY: "started the backward of step {}", FINISHED: "finished the backward of step {}",
-          STEP: "called step() for step {}", SKIPPED: "ran the backward of step {} and then zero_grad() without step()"}
+          STEP: "called step() for step {}", SKIPPED: "ran the backward of step {} and then zero_grad() without step()",
+          ROUND: "ended a round (an outer synchronisation) at inner step {}"}
 
 
 class RanksOutOfStep(RuntimeError):
@@ -187,6 +190,27 @@ class RankAgreement:
         :class:`RanksOutOfStep` on every rank (the others are in ``step()``, where they meet this)."""
         if not self.alone:
             self._header(SKIPPED, step, [], device)
+
+    def round(self, step: int, fragment: int, numel: int, hyperparameters: int, device) -> None:
+        """Before a local-step optimizer's outer exchange of ``fragment`` (``numel`` elements) after
+        inner step ``step``: raise on every rank unless every rank is at the same step, fragment and
+        size with the same outer hyperparameters (one all-gather of a header)."""
+        if self.alone:
+            return
+        header = self._header(ROUND, step, [fragment, numel, hyperparameters], device)
+        rows = header[:, 1:5].cpu().tolist()
+        if all(row == rows[0] for row in rows):
+            return
+        if any(row[:3] != rows[0][:3] for row in rows):
+            said = "; ".join(f"rank {r} at inner step {row[0]} (fragment {row[1]} of {row[2]} elements)"
+                             for r, row in enumerate(rows))
+            raise RanksOutOfStep(
+                f"{self.name}: the replicas are out of step at an outer synchronisation: {said}. Every replica "
+                "must call step() the same number of times (a step skipped on one replica only, e.g. by a "
+                "GradScaler that found inf there, shifts its rounds): skip on every replica alike, or not at all")
+        differ = [r for r, row in enumerate(rows) if row[3] != rows[0][3]]
+        raise ValueError(f"{self.name}: at inner step {step} the outer hyperparameters (lr, momentum, nesterov) "
+                         f"of rank(s) {differ} differ from rank 0's: change them on every rank alike")
 
     def step(self, step: int, stage: int, hyperparameters: int, touched: bool, nonfinite: bool,
              statistics: torch.Tensor, device) -> StepVerdict:

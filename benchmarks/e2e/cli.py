@@ -44,6 +44,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=8, help="sequences per rank per step (default 8)")
     p.add_argument("--steps", type=int, default=200, help="training steps, the same for every method (default 200)")
     p.add_argument("--freeze-step", type=int, help="warmup steps of ours and PowerSGD's start (default steps/4)")
+    p.add_argument("--sync-every", type=int, default=30, help="DiLoCo's inner steps per round (default 30)")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
     p.add_argument("--lamb-lr", type=float, default=1e-2,
                    help="peak learning rate of onebit_lamb (default 1e-2: LAMB's trust ratio scales each layer's "
@@ -140,6 +141,7 @@ def make_config(args) -> dict:
         "batch": args.batch,
         "steps": args.steps,
         "freeze_step": freeze,
+        "sync_every": args.sync_every,
         "lr": args.lr,
         "lamb_lr": args.lamb_lr,
         "lr_warmup": args.lr_warmup if args.lr_warmup is not None else max(1, args.steps // 10),

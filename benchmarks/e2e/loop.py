@@ -130,7 +130,7 @@ def train_method(method: dict, cfg: dict, device: torch.device, progress_path: s
     dist.barrier()
     for step in range(1, steps + 1):
         lr = lr_at(step, cfg) * (cfg["lamb_lr"] / cfg["lr"] if method["name"] == "onebit_lamb" else 1.0)
-        for group in opt.param_groups:
+        for group in getattr(opt, "inner", opt).param_groups:  # (DiLoCo: its inner optimizer's)
             group["lr"] = lr
         x, y = data.train_batch(step)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)

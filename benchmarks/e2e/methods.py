@@ -20,6 +20,8 @@ METHODS = {
     "onebit_lamb": "1-bit LAMB",
     "zero_one_adam": "0/1 Adam",
     "local_adamw": "AdamW, no communication (each rank alone: the compute floor, not data parallel)",
+    "diloco_fp32": "DiLoCo around fused AdamW, fp32 pseudo-gradients every --sync-every steps",
+    "diloco_1bit": "DiLoCo around fused AdamW, 1-bit pseudo-gradients with error feedback every --sync-every steps",
 }
 OURS = ("onebit_adam", "onebit_lamb", "zero_one_adam")
 DEFAULT_METHODS = ("ddp_adamw", "ddp_fp16", "ddp_powersgd", "ddp_powersgd+serial", "onebit_adam", "onebit_lamb",
@@ -133,6 +135,12 @@ def build(method: dict, model: nn.Module, cfg: dict, device: torch.device, timin
     if name == "local_adamw":  # the floor of any method's step: the same work with nothing exchanged
         opt, fused = adamw(model.parameters(), hp)
         return model, opt, lambda: "full", lambda: 0, {"ddp": False, "adamw_fused": fused}
+    if name.startswith("diloco_"):  # rounds of sync_every inner steps; the loop's lr schedule drives the inner AdamW
+        backend = compressed_opt.get_backend("torch")
+        inner, fused = adamw(model.parameters(), hp)
+        opt = compressed_opt.DiLoCo(model.parameters(), inner, sync_every=cfg["sync_every"],
+                                    compression=name.split("_")[1], backend=backend)
+        return model, opt, lambda: "full", lambda: backend.stats.total_bytes, {"ddp": False, "adamw_fused": fused}
     backend = compressed_opt.get_backend("torch")
     if timing is not None:
         backend = timing.wrap(backend)  # counts bytes in the wrapped backend's stats

@@ -1,0 +1,372 @@
+"""DiLoCo: a local-step outer optimizer around any inner torch optimizer, its pseudo-gradient
+exchanged across the replicas at full precision, in bf16 or 1-bit with error feedback.
+
+``R`` replicas (the ranks of ``backend``; inside each, DDP or FSDP2 may run on other groups as
+usual) hold the same anchor ``A``. A round is ``H = sync_every`` inner steps of the inner optimizer
+on each replica's own data, with no traffic across replicas, reaching ``theta_r``. Then, per
+fragment of the parameters (docs/design.md 7):
+
+* the pseudo-gradient ``d_r = A - theta_r`` (this rank's parameters; under FSDP2, its shard);
+* the exchange ``D = mean_r C(d_r + e_r)``, ``e_r <- d_r + e_r - C(d_r + e_r)``: ``C`` the identity
+  for ``"fp32"``, a bf16 rounding for ``"bf16"``, and for ``"1bit"`` the block-scaled sign of the
+  library's compressed allreduce with its worker and server errors (the engine's exchange, as the
+  1-bit optimizers' momentum: :meth:`compressed_opt.engine.GradientSync.run`);
+* the outer step, Nesterov SGD: ``u <- mu u + D``; ``A <- A - lr (D + mu u)`` (``A <- A - lr u``
+  without Nesterov), DiLoCo's defaults ``lr = 0.7``, ``mu = 0.9``;
+* every replica sets ``theta <- A`` and runs the next round; the inner optimizer keeps its state.
+
+*Streaming* (Douillard et al. 2025). ``fragments = K`` splits the parameters into ``K`` fragments
+(parameter ``i`` in fragment ``i mod K``: strided over the layers) synchronised on staggered
+schedules: fragment ``k`` at the inner steps ``t`` with ``t mod H = floor(k H / K)`` (``t > 0``),
+so no step moves more than one fragment and the peak bytes drop ``K``-fold. ``delay = tau``
+overlaps each fragment's exchange with the next ``tau`` inner steps: the pseudo-gradient is taken
+at ``t``, exchanged on a thread while steps ``t + 1 .. t + tau`` run, and the outer step lands at the
+end of step ``t + tau``, where the fragment's parameters become ``alpha theta + (1 - alpha) A``
+(``alpha = mixing``; the local steps' progress is kept in part; the replicas then differ by
+``alpha`` times their local progress). Without a delay the parameters are set to ``A``: equal on
+every replica after each synchronisation.
+
+The anchor ``A``, the outer momentum ``u`` and (``"1bit"``) the error buffers are three
+parameter-sized fp32 copies per rank (the shard's size under FSDP2); ``state_device="cpu"`` keeps
+``A`` and ``u`` in host memory (copied to the parameters' device once per synchronisation).
+
+Every rank must call :meth:`DiLoCo.step` the same number of times: each synchronisation starts
+with one small all-gather (:meth:`compressed_opt.agreement.RankAgreement.round`) that raises on
+every rank where the replicas are at different inner steps or fragments, or where their outer
+hyperparameters differ.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from compressed_opt.comm import DEFAULT_BLOCK, resolve_backend
+
+from .agreement import RankAgreement
+from .engine import GradientSync
+from .exchange import ErrorFeedback, Request
+from .local_shards import LocalShards
+from .validation import check_choice
+
+COMPRESSIONS = ("fp32", "bf16", "1bit")
+#: the state-dict format of :meth:`DiLoCo.state_dict` (``"diloco"`` entry)
+FORMAT = 1
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """The tensor a rank holds of parameter ``p``: its local shard for a DTensor (FSDP2, TP)."""
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
+@dataclass(eq=False)
+class Fragment:
+    """One fragment's outer state: the parameters (the rank's local tensors) and their flat fp32
+    anchor ``A``, outer momentum ``u``, pseudo-gradient buffer, error feedback, and the exchange in
+    flight (``pending``: its future, and the inner step it was launched after)."""
+
+    index: int
+    params: list
+    offset: int  # the schedule: synchronised where t mod H == offset (t > 0)
+    anchor: torch.Tensor
+    momentum: torch.Tensor
+    delta: torch.Tensor
+    feedback: ErrorFeedback
+    pending: Future | None = None
+    launched_at: int = -1
+
+    @property
+    def numel(self) -> int:
+        return self.delta.numel()
+
+
+class DiLoCo(torch.optim.Optimizer):
+    """DiLoCo (Douillard et al. 2023) and Streaming DiLoCo (2025) around ``inner`` (see the module
+    doc).
+
+    Args:
+        params: the parameters ``inner`` optimizes (all of them, and none other).
+        inner: any torch optimizer on ``params`` (AdamW, fused or not, ...); its param groups and
+            LR schedulers work as without DiLoCo.
+        sync_every: ``H``, the inner steps per round.
+        outer_lr, outer_momentum, nesterov: the outer Nesterov SGD (param group keys ``lr``,
+            ``momentum``, ``nesterov``: a scheduler on this optimizer schedules the outer lr).
+        compression: the pseudo-gradient's exchange, ``"fp32"``, ``"bf16"`` or ``"1bit"`` (sign with
+            block scales and error feedback).
+        fragments: ``K``, fragments synchronised on staggered schedules (at most ``sync_every``).
+        delay: ``tau``, inner steps each exchange overlaps before its result lands (less than
+            ``sync_every``).
+        mixing: ``alpha``, the share of the local parameters kept where a delayed result lands.
+        backend: the replicas' group: a ``compressed_opt.comm`` backend, one dimension of a
+            ``DeviceMesh`` (e.g. ``mesh["replicate"]``), or ``None`` (every rank of the job).
+        state_device: where ``A`` and ``u`` live (``None``: with the parameters; ``"cpu"``).
+        bucket_cap_mb, scale_block: the 1-bit exchange's buckets and scale blocks.
+    """
+
+    def __init__(self, params, inner: torch.optim.Optimizer, sync_every: int = 30, outer_lr: float = 0.7,
+                 outer_momentum: float = 0.9, nesterov: bool = True, compression: str = "1bit", fragments: int = 1,
+                 delay: int = 0, backend=None, *, mixing: float = 0.5, state_device=None, bucket_cap_mb: float = 25.0,
+                 scale_block: int = DEFAULT_BLOCK):
+        if not isinstance(inner, torch.optim.Optimizer):
+            raise TypeError(f"DiLoCo: inner must be a torch.optim.Optimizer, got {type(inner).__name__}")
+        for name, value, low in (("sync_every", sync_every, 1), ("fragments", fragments, 1), ("delay", delay, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"DiLoCo: {name} must be an int >= {low}, got {value!r}")
+        if fragments > sync_every:
+            raise ValueError(f"DiLoCo: fragments ({fragments}) must be at most sync_every ({sync_every}): each step "
+                             "synchronises at most one fragment")
+        if delay >= sync_every:
+            raise ValueError(f"DiLoCo: delay ({delay}) must be less than sync_every ({sync_every}): a fragment's "
+                             "exchange lands before its next one starts")
+        if not 0.0 <= mixing <= 1.0:
+            raise ValueError(f"DiLoCo: mixing must be in [0, 1], got {mixing!r}")
+        if not (outer_lr >= 0.0 and math.isfinite(outer_lr)):
+            raise ValueError(f"DiLoCo: outer_lr must be finite and >= 0, got {outer_lr!r}")
+        if not 0.0 <= outer_momentum < 1.0:
+            raise ValueError(f"DiLoCo: outer_momentum must be in [0, 1), got {outer_momentum!r}")
+        check_choice("compression", compression, COMPRESSIONS)
+        super().__init__(params, dict(lr=outer_lr, momentum=outer_momentum, nesterov=bool(nesterov)))
+        self.inner, self.sync_every, self.compression = inner, sync_every, compression
+        self.delay, self.mixing = delay, float(mixing)
+        ours = [p for g in self.param_groups for p in g["params"]]
+        theirs = [p for g in inner.param_groups for p in g["params"]]
+        if {id(p) for p in ours} != {id(p) for p in theirs}:
+            raise ValueError("DiLoCo: params must be exactly the inner optimizer's parameters (a parameter the "
+                             "inner optimizer steps but DiLoCo does not synchronise would drift apart on the replicas)")
+        if any(p.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64) for p in ours):
+            raise TypeError("DiLoCo: parameters must be floating point")
+        self.backend = resolve_backend(backend)
+        self.agreement = RankAgreement(self.backend, "DiLoCo")
+        #: the 1-bit exchange (and, for "fp32", the exact average) with the library's paths and error feedback
+        self.engine = GradientSync("DiLoCo", self.param_groups, self.backend, None, LocalShards("DiLoCo"),
+                                   bucket_cap_bytes=int(bucket_cap_mb * 2**20), overlap=False, accumulation_steps=1,
+                                   hierarchy="auto", path="fp32" if compression == "fp32" else "1bit",
+                                   scale_block=scale_block)
+        #: inner steps taken
+        self.inner_step = 0
+        #: fragment synchronisations landed
+        self.syncs = 0
+        self._sent = 0  # bytes this rank sent in the exchanges (the backend's count)
+        self._thread: ThreadPoolExecutor | None = None
+        with torch.no_grad():
+            self.agreement.broadcast_parameters([_local(p) for p in ours])  # every replica starts from rank 0's
+        self.fragments = [self._fragment(k, ours[k::fragments], (k * sync_every) // fragments, state_device)
+                          for k in range(fragments)]
+
+    def _fragment(self, index: int, params: list, offset: int, state_device) -> Fragment:
+        local = [_local(p).detach() for p in params]
+        device = local[0].device if local else torch.device("cpu")
+        numel = sum(t.numel() for t in local)
+        flat = torch.empty(numel, dtype=torch.float32, device=device)
+        if numel:
+            torch._foreach_copy_(self._views(flat, local), local)
+        where = device if state_device is None else torch.device(state_device)
+        anchor = flat.to(where, copy=True)
+        return Fragment(index, params, offset, anchor, torch.zeros_like(anchor), flat, ErrorFeedback())
+
+    @staticmethod
+    def _views(flat: torch.Tensor, tensors: list) -> list:
+        return [v.view_as(t) for v, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
+
+    # --- the torch.optim surface ------------------------------------------------------------------------
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One inner step, then the synchronisations this step ends: the delayed results that land
+        now, and the fragment whose round ends here (launched; with no delay, landed at once)."""
+        if closure is not None:
+            with torch.enable_grad():
+                loss = self.inner.step(closure)
+        else:
+            loss = self.inner.step()
+        self.inner_step = t = self.inner_step + 1
+        for f in self.fragments:
+            if f.pending is not None and t == f.launched_at + self.delay:
+                self._land(f)
+        for f in self.fragments:
+            if t % self.sync_every == f.offset:
+                self._launch(f, t)
+                if self.delay == 0:
+                    self._land(f)
+        return loss
+
+    # --- a synchronisation ------------------------------------------------------------------------------
+    def _launch(self, f: Fragment, t: int) -> None:
+        """``d = A - theta`` into the fragment's buffer, then its exchange (on the thread with a delay)."""
+        local = [_local(p).detach() for p in f.params]
+        if local:
+            torch._foreach_copy_(self._views(f.delta, local), local)
+            anchor = f.anchor if f.anchor.device == f.delta.device else f.anchor.to(f.delta.device)
+            torch.sub(anchor, f.delta, out=f.delta)
+        f.launched_at = t
+        group = self.param_groups[0]
+        hyper = hash((float(group["lr"]), float(group["momentum"]), bool(group["nesterov"]))) & (2**62 - 1)
+        if self.delay == 0:
+            f.pending = Future()
+            f.pending.set_result(self._exchange(f, t, hyper))
+            return
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compressed_opt_diloco")
+        f.pending = self._thread.submit(self._exchange, f, t, hyper)
+
+    def _exchange(self, f: Fragment, t: int, hyper: int) -> torch.Tensor:
+        """The replicas' mean of ``f.delta``, in place (collective; on the thread with a delay)."""
+        stats = self.backend.stats
+        before = stats.total
+        self.agreement.round(t, f.index, f.numel, hyper, f.delta.device)
+        if self.backend.world_size > 1 and f.numel:
+            if self.compression == "bf16":
+                low = f.delta.to(torch.bfloat16)
+                self.backend.all_reduce(low)
+                f.delta.copy_(low).div_(self.backend.world_size)
+            else:
+                self.engine.run([Request(f.delta, f.feedback)])
+        self._sent += stats.total - before
+        return f.delta
+
+    def _land(self, f: Fragment) -> None:
+        """The outer step on the fragment's anchor with the exchanged mean ``D``, and the parameters
+        set to the new anchor (mixed with the local ones after a delay)."""
+        mean = f.pending.result()  # (re-raises the exchange's error on this thread)
+        f.pending, self.syncs = None, self.syncs + 1
+        group = self.param_groups[0]
+        lr, mu = float(group["lr"]), float(group["momentum"])
+        if mean.device != f.anchor.device:
+            mean = mean.to(f.anchor.device)
+        f.momentum.mul_(mu).add_(mean)
+        if group["nesterov"]:
+            f.anchor.sub_(mean, alpha=lr).sub_(f.momentum, alpha=lr * mu)
+        else:
+            f.anchor.sub_(f.momentum, alpha=lr)
+        local = [_local(p).detach() for p in f.params]
+        if not local:
+            return
+        anchor = f.anchor if f.anchor.device == f.delta.device else f.anchor.to(f.delta.device)
+        views = self._views(anchor, local)
+        if self.delay == 0 or self.mixing == 0.0:
+            torch._foreach_copy_(local, views)
+            return
+        for p, a in zip(local, views):  # theta <- alpha theta + (1 - alpha) A, in the parameter's dtype
+            p.lerp_(a.to(p.dtype), 1.0 - self.mixing)
+
+    def synchronize(self) -> None:
+        """Wait for the exchanges in flight and land them now (e.g. before an evaluation that needs
+        the replicas' parameters merged). Collective where one is pending on some rank."""
+        for f in self.fragments:
+            if f.pending is not None:
+                self._land(f)
+
+    # --- reporting ----------------------------------------------------------------------------------
+    def comm_stats(self) -> dict:
+        """This rank's bytes across the replicas (counted by the backend) against DDP's fp32 ring
+        all-reduce of the same parameters every inner step."""
+        n = sum(f.numel for f in self.fragments)
+        world = self.backend.world_size
+        fp32 = 2 * (world - 1) / world * 4 * n if world > 1 else 0.0
+        per_step = self._sent / self.inner_step if self.inner_step else None
+        return {"optimizer": "DiLoCo", "world_size": world, "compression": self.compression,
+                "sync_every": self.sync_every, "fragments": len(self.fragments), "delay": self.delay,
+                "inner_steps": self.inner_step, "syncs": self.syncs, "bytes_sent": self._sent,
+                "bytes_per_inner_step": per_step, "fp32_allreduce_bytes_per_step": fp32,
+                "ratio_to_ddp_fp32": fp32 / per_step if per_step else None}
+
+    def state_bytes(self) -> int:
+        """Bytes of outer state this rank holds: the anchors, momenta and error buffers."""
+        total = 0
+        for f in self.fragments:
+            for t in (f.anchor, f.momentum, f.feedback.worker_error, f.feedback.server_error):
+                total += 0 if t is None else t.numel() * t.element_size()
+        return total
+
+    # --- checkpoints --------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """``param_groups`` (the outer hyperparameters), ``"inner"`` (the inner optimizer's state
+        dict) and ``"diloco"``: the inner step, and per fragment ``A``, ``u``, this rank's error
+        buffers and a delayed result not landed yet (waited for, landed at its step after a
+        resume). Every rank saves its own (the error buffers are its own)."""
+        sd = super().state_dict()
+        fragments = []
+        for f in self.fragments:
+            pending = None if f.pending is None else f.pending.result().clone()
+            fragments.append({"anchor": f.anchor.clone(), "momentum": f.momentum.clone(),
+                              "worker_error": _copy(f.feedback.worker_error),
+                              "server_error": _copy(f.feedback.server_error),
+                              "pending": pending, "launched_at": f.launched_at if pending is not None else -1})
+        sd["inner"] = self.inner.state_dict()
+        sd["diloco"] = {"format": FORMAT, "inner_step": self.inner_step, "syncs": self.syncs, "sent": self._sent,
+                        "sync_every": self.sync_every, "delay": self.delay, "compression": self.compression,
+                        "world_size": self.backend.world_size, "fragments": fragments}
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load :meth:`state_dict`'s output of a DiLoCo with the same parameters, ``sync_every``,
+        ``fragments``, ``delay`` and ``compression``; raises, loading nothing, where they differ.
+        The error buffers of another number of replicas start again from zero (with a warning)."""
+        extra = state_dict.get("diloco")
+        if not isinstance(extra, dict) or "inner" not in state_dict:
+            raise ValueError("DiLoCo.load_state_dict: this state dict has no 'diloco' or 'inner' entry: it was not "
+                             "saved by DiLoCo.state_dict()")
+        if extra.get("format") != FORMAT:
+            raise ValueError(f"DiLoCo.load_state_dict: format {extra.get('format')!r}, this version reads {FORMAT}")
+        mine = {"sync_every": self.sync_every, "delay": self.delay, "compression": self.compression}
+        differ = {k: (extra.get(k), v) for k, v in mine.items() if extra.get(k) != v}
+        if differ:
+            raise ValueError(f"DiLoCo.load_state_dict: the checkpoint's (saved, this) {differ} differ: resume with "
+                             "the same options")
+        saved = extra["fragments"]
+        if len(saved) != len(self.fragments) or any(s["anchor"].numel() != f.numel for s, f in
+                                                     zip(saved, self.fragments)):
+            raise ValueError(f"DiLoCo.load_state_dict: the checkpoint's fragments "
+                             f"({[s['anchor'].numel() for s in saved]} elements) do not match this optimizer's "
+                             f"({[f.numel for f in self.fragments]}): resume with the same parameters and fragments")
+        self._drop_pending()
+        super().load_state_dict({k: v for k, v in state_dict.items() if k not in ("inner", "diloco")})
+        self.inner.load_state_dict(state_dict["inner"])
+        same_world = extra["world_size"] == self.backend.world_size
+        if not same_world and self.compression == "1bit":
+            warnings.warn(f"DiLoCo: the checkpoint was saved by {extra['world_size']} replicas, this run has "
+                          f"{self.backend.world_size}: the error-feedback buffers start again from zero",
+                          RuntimeWarning, stacklevel=2)
+        for s, f in zip(saved, self.fragments):
+            f.anchor.copy_(s["anchor"])
+            f.momentum.copy_(s["momentum"])
+            errors = (s["worker_error"], s["server_error"])
+            if same_world and errors[0] is not None:
+                f.feedback.worker_error, f.feedback.server_error = (e.to(f.delta.device, copy=True) for e in errors)
+            else:
+                f.feedback.worker_error = f.feedback.server_error = None
+            if s["pending"] is not None:
+                f.delta.copy_(s["pending"])
+                f.pending, f.launched_at = Future(), int(s["launched_at"])
+                f.pending.set_result(f.delta)
+        self.inner_step, self.syncs, self._sent = int(extra["inner_step"]), int(extra["syncs"]), int(extra["sent"])
+
+    def _drop_pending(self) -> None:
+        """Drop what is in flight (waited for, not landed): a load replaces it."""
+        for f in self.fragments:
+            if f.pending is not None:
+                f.pending.result()
+                f.pending = None
+
+    def close(self) -> None:
+        """Wait for what is in flight and stop the exchange thread. Idempotent."""
+        for f in self.fragments:
+            if f.pending is not None:
+                f.pending.exception()
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
+            self._thread = None
+        self.engine.close()
+
+    def __repr__(self) -> str:
+        return (f"DiLoCo(sync_every={self.sync_every}, compression={self.compression!r}, "
+                f"fragments={len(self.fragments)}, delay={self.delay}, inner={type(self.inner).__name__})")
+
+
+def _copy(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.clone()
