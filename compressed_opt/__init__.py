@@ -3,8 +3,9 @@
 Drop-in ``torch.optim`` replacements that warm up at full precision, then communicate 1-bit
 compressed momentum with error feedback: :class:`OnebitAdam`, :class:`OnebitLamb`,
 :class:`ZeroOneAdam`; and :class:`DiLoCo`, a local-step outer optimizer around any inner one,
-its pseudo-gradient exchanged at fp32, bf16 or 1-bit with error feedback. Collectives go through :mod:`compressed_opt.comm` backends; the element-wise
-kernels live in :mod:`compressed_opt.cuda`.
+its pseudo-gradient exchanged at fp32, bf16 or 1-bit with error feedback. Collectives go
+through :mod:`compressed_opt.comm` backends; the element-wise kernels live in
+:mod:`compressed_opt.cuda`.
 """
 try:
     from compressed_opt import comm, cuda  # noqa: F401
