@@ -607,7 +607,7 @@ def finish_load(schema: Schema, opt_state, param_groups: list, plain: dict, extr
 def _carried(optimizer, how: str) -> dict:
     """What a copy of ``optimizer`` carries (see :func:`deep_copy`), before it is copied."""
     engine, name = optimizer.engine, type(optimizer).__name__
-    if engine.averager is not None:
+    if engine.averager is not None and not engine.local_shards.pairs:
         raise RuntimeError(
             f"{how} of a {name} that drives a DistributedDataParallel communication hook is not "
             "supported: the hook belongs to the DDP model. Save state_dict() and load it into a new "

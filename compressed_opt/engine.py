@@ -569,11 +569,21 @@ class GradientSync:
 
     def attach_averager(self, averager) -> None:
         """From now on ``averager`` averages the warmup gradients into ``p.grad`` during backward
-        and has made the ranks' initial parameters equal (DDP's reducer through the hook of
-        :mod:`compressed_opt.ddp`, which owns its own state): the engine launches no averaging of
-        its own and broadcasts nothing. The compression stage's exchange stays the engine's."""
+        (DDP's reducer through the hook of :mod:`compressed_opt.ddp`, which owns its own state;
+        FSDP2's own HSDP, :mod:`compressed_opt.fsdp_replicas`): the engine launches no averaging of
+        its own, and broadcasts rank 0's parameters only where the averager did not make them
+        equal (its ``equal_start``). The compression stage's exchange stays the engine's;
+        ``averager.next_step(full_precision)`` is told before each backward which kind it is."""
         self.averager = averager
         self.enabled = False
+        self.prepare_backward()
+
+    def prepare_backward(self) -> None:
+        """Tell the averager what the next backward is (a full-precision step's, whose averaging is
+        its own, or a compression step's): at the end of each step, after a load, and when it is
+        attached."""
+        if self.averager is not None:
+            self.averager.next_step(self.full_precision_next())
 
     # --- the ranks agree ----------------------------------------------------------------------------------
     def _check_ranks(self, entry: int) -> None:
@@ -589,7 +599,8 @@ class GradientSync:
                                              self.scale_block), self.bucket_cap_bytes)
             self.agreement.signatures(signature, entry, self.global_step + 1, self.device)
             self._layout_agreed = True
-            if self.global_step == 0 and not self._broadcast_done and self.averager is None:  # (else it did)
+            if self.global_step == 0 and not self._broadcast_done and (self.averager is None
+                                                                        or not self.averager.equal_start):
                 # before the first update, once the shapes are known to agree
                 self.agreement.broadcast_parameters(p for g in self.param_groups for p in g["params"])
                 self._broadcast_done = True
@@ -837,6 +848,7 @@ class GradientSync:
         for b in self._buckets or ():  # (taken, skipped or failed: none of its gradients stay referenced)
             sync = b.sync  # (its STEP fields; the client drops its own in its end of the step)
             sync.request = sync.result = sync.checked = None
+        self.prepare_backward()
         return self.traffic.end_step(stage)
 
     def zero_grad(self) -> None:

@@ -1,8 +1,9 @@
 """DTensor parameters stepped on their local shards: FSDP2 inside each replica (HSDP), tensor
 parallelism, with the optimizer's exchange over the data-parallel replicas only.
 
-With HSDP the model is sharded over the ranks of one replica (``fully_shard(..., mesh=mesh["shard"])``)
-and replicated across ``mesh["replicate"]``; FSDP's reduce-scatter averages each gradient over the
+With HSDP the model is sharded over the ranks of one replica (``fully_shard(..., mesh=mesh["shard"])``,
+or FSDP2's own HSDP on the 2-D mesh, :mod:`compressed_opt.fsdp_replicas`) and replicated across
+``mesh["replicate"]``; FSDP's reduce-scatter averages each gradient over the
 shard group and leaves every rank the gradient of its own shard. The cross-replica average, the
 slow inter-node link, is then the optimizer's: its backend is the replicate group
 (``TorchBackend(group=mesh["replicate"].get_group())``), where rank ``r`` of one replica holds the
@@ -51,6 +52,8 @@ class LocalShards:
         self._group = None  # the process group the split layers are split over
         self._mesh_backend: TorchBackend | None = None  # its collectives (made at the first)
         self._dtensor_of: dict[int, torch.Tensor] = {}  # id of a shard parameter -> its DTensor
+        #: FSDP2's own HSDP: the group its 2-D mesh replicates the parameters over (else ``None``)
+        self.replicate_group = None
 
     def localize_group(self, param_group: dict) -> dict:
         """A param group (as ``add_param_group`` takes it) with its DTensors localized; anything
@@ -71,30 +74,44 @@ class LocalShards:
             if not is_dtensor(p):
                 out.append(p)
                 continue
-            mesh = p.device_mesh
+            mesh, dim = p.device_mesh, 0
             if mesh.ndim != 1:
-                raise ValueError(
-                    f"{self._owner}: a DTensor parameter on a {mesh.ndim}-D device mesh {mesh.mesh_dim_names}: FSDP's "
-                    "own HSDP would also all-reduce the gradients across the replicas in full precision. Shard the "
-                    "model over the shard dimension only (fully_shard(module, mesh=mesh['shard'])) and give the "
-                    "optimizer the replicate dimension (backend=compressed_opt.comm.TorchBackend("
-                    "group=mesh['replicate'].get_group())): the exchange across replicas is then the optimizer's"
-                )
+                dim = self._replicated_over(p)
             with torch.no_grad():
                 local = p.to_local()
             shard = torch.nn.Parameter(local, requires_grad=p.requires_grad)
             self.pairs.append((p, shard))
             self._dtensor_of[id(shard)] = p
-            self._mesh_ranks.update(int(r) for r in mesh.mesh.flatten().tolist())
-            if any(isinstance(pl, Shard) for pl in p.placements) and mesh.size() > 1:
-                group = mesh.get_group()
+            group = mesh.get_group(dim)
+            self._mesh_ranks.update(dist.get_process_group_ranks(group))
+            if isinstance(p.placements[dim], Shard) and mesh.size(dim) > 1:
                 if self._group is not None and self._group is not group:
                     raise ValueError(f"{self._owner}: DTensor parameters split over two different meshes; one "
                                      "optimizer takes the parameters of one shard (or tensor-parallel) mesh")
                 self._group = group
-                self._split[id(shard)] = -(-p.numel() // mesh.size())
+                self._split[id(shard)] = -(-p.numel() // mesh.size(dim))
             out.append(shard)
         return out
+
+    def _replicated_over(self, p) -> int:
+        """For a DTensor on a 2-D mesh, FSDP2's own HSDP (placements ``(Replicate(), Shard(0))``):
+        records the replicate dimension's group (:attr:`replicate_group`, the optimizer's exchange)
+        and returns the shard dimension, the one this rank's replica is split over. Refuses any
+        other layout of several dimensions."""
+        mesh, placements = p.device_mesh, p.placements
+        if mesh.ndim != 2 or not isinstance(placements[0], Replicate) or not isinstance(placements[1], Shard):
+            raise ValueError(
+                f"{self._owner}: a DTensor parameter on a {mesh.ndim}-D device mesh {mesh.mesh_dim_names} with "
+                f"placements {placements}: the optimizer takes FSDP2's own HSDP (a 2-D mesh, (Replicate(), "
+                "Shard(0))) or 1-D meshes. For a 3-D mesh with tensor parallelism, shard the model over the shard "
+                "and tp dimensions only and give the optimizer the replicate dimension (backend=mesh['replicate'])"
+            )
+        group = mesh.get_group(0)
+        if self.replicate_group is not None and self.replicate_group is not group:
+            raise ValueError(f"{self._owner}: DTensor parameters replicated over two different meshes; one optimizer "
+                             "takes the parameters of one HSDP mesh")
+        self.replicate_group = group
+        return 1
 
     def position(self) -> list[int] | None:
         """``[rank, world size]`` of the whole job when the optimizer holds shards (its state is

@@ -23,9 +23,9 @@ import warnings
 import torch
 from torch.optim import Optimizer
 
-from compressed_opt.comm import DEFAULT_BLOCK, resolve_backend
+from compressed_opt.comm import DEFAULT_BLOCK, TorchBackend, resolve_backend
 
-from . import checkpoint, consolidate, exchange, integrations, traffic
+from . import checkpoint, consolidate, exchange, fsdp_replicas, integrations, traffic
 from .engine import COMPRESSION, WARMUP, GradientSync
 from .local_shards import LocalShards
 from .state import LAYER, STATE, names, parts
@@ -272,6 +272,9 @@ class CompressedOptimizer(Optimizer):
         #: DTensor parameters, stepped on their local shards (compressed_opt.local_shards)
         self._local_shards = LocalShards(type(self).__name__)
         super().__init__(params, defaults)
+        replicas = self._local_shards.replicate_group
+        if backend is None and replicas is not None:  # FSDP2's own HSDP: the exchange crosses its replicas
+            backend = TorchBackend(group=replicas)
         backend = resolve_backend(backend)  # (None: from the launch; a DeviceMesh dimension: its group)
         self._local_shards.check_backend(backend, sharded)
         path_from_env = path is None and bool(os.environ.get(exchange.PATH_ENV))
@@ -284,6 +287,10 @@ class CompressedOptimizer(Optimizer):
             shard_gradients=algorithm.zero_stage == 2)
         self.engine.path_from_env = path_from_env
         algorithm.bind(self.param_groups, self.state, self.engine)
+        if replicas is not None:
+            found = fsdp_replicas.find([p for p, _ in self._local_shards.pairs], type(self).__name__)
+            if found is not None:  # FSDP averages the warmup's gradients across the replicas
+                self.engine.attach_averager(found)
         self._consolidated: tuple[int, list[dict]] | None = None  # (global_step, every rank's part)
         self._announced: set[str] = set()  # the rank-0 log lines already written ("start", "compression")
         self.engine.start()
@@ -492,6 +499,7 @@ class CompressedOptimizer(Optimizer):
             self._optimizer_load_state_dict_pre_hooks = pre_hooks
             self._optimizer_load_state_dict_post_hooks = post_hooks
         self._consolidated = None
+        self.engine.prepare_backward()  # (the loaded stage decides the next backward's averaging)
         for hook in list(post_hooks.values()):
             hook(self)
 

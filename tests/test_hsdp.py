@@ -14,7 +14,7 @@ exchange across the replicas (``backend=TorchBackend(group=mesh["replicate"].get
   the shard (what HSDP + AdamW sends per step; counted by the backend), and
   the optimizer state per rank is the shard's (half the replicated optimizer's);
 * what cannot work is refused: FSDP over the optimizer's own ranks (a 1-D mesh with the default
-  backend), FSDP's own 2-D HSDP mesh, ZeRO on top.
+  backend), a 2-D mesh laid out otherwise than FSDP2's own HSDP, ZeRO on top.
 """
 from __future__ import annotations
 
@@ -142,13 +142,15 @@ def _refusals(rank, world):
     model = _model(8)
     fully_shard(model, mesh=flat)
     alone = [torch.distributed.new_group([r]) for r in range(world)][rank]  # (every rank makes every group)
-    native = _model(8)
-    fully_shard(native, mesh=init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard")))
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    two_d = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
+    other_layout = [torch.nn.Parameter(distribute_tensor(torch.zeros(4, 4), two_d, [Shard(0), Replicate()]))]
     for label, make in (
         ("default backend", lambda: compressed_opt.OnebitAdam(model.parameters())),
         ("zero", lambda: compressed_opt.OnebitAdam(model.parameters(), zero_stage=1,
                                                    backend=compressed_opt.comm.TorchBackend(group=alone))),
-        ("2-D mesh", lambda: compressed_opt.OnebitAdam(native.parameters(),
+        ("2-D mesh", lambda: compressed_opt.OnebitAdam(other_layout,
                                                        backend=compressed_opt.comm.TorchBackend(group=alone)))):
         try:
             make()
@@ -190,7 +192,8 @@ def _refusals(rank, world):
 
 def test_what_cannot_be_composed_with_fsdp_is_refused():
     """FSDP over the optimizer's own ranks (its exchange would average different shards), ZeRO on
-    top of shards, and FSDP's own HSDP (it would also all-reduce across the replicas) raise at
+    top of shards, and a 2-D mesh that is not FSDP2's own HSDP (its (Replicate, Shard) layout is
+taken: tests/test_fsdp_hsdp.py) raise at
     construction with the fix in the message; a checkpoint of one rank's shards loaded on another
     rank (the same shapes) raises, and so does a copy (it would hold the model's DTensors); a
     GradScaler's step raises on every rank, saying why (it stopped at torch's "No inf checks were
@@ -198,7 +201,7 @@ def test_what_cannot_be_composed_with_fsdp_is_refused():
     for out in run_ranks(_refusals, 2, timeout=120):
         assert "mesh['replicate']" in out["default backend"], out
         assert "zero_stage=0" in out["zero"], out
-        assert "2-D device mesh" in out["2-D mesh"] and "mesh['shard']" in out["2-D mesh"], out
+        assert "2-D device mesh" in out["2-D mesh"] and "FSDP2's own HSDP" in out["2-D mesh"], out
         assert "parameter shards of rank" in out["other rank"], out
         assert "holding DTensor parameters" in out["copy"] and "state_dict()" in out["copy"], out
         assert "GradScaler: not supported" in out["scaler"] and "bf16" in out["scaler"], out

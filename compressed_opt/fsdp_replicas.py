@@ -1,0 +1,81 @@
+"""FSDP2's own HSDP (``fully_shard(module, mesh=mesh)`` on a 2-D ``(replicate, shard)`` mesh): the
+exchange across the replicas taken over from FSDP in the compression stage.
+
+FSDP2's HSDP reduces each gradient in two collectives at the end of backward: a reduce-scatter
+averaging over the shard group (inside one replica), then an all-reduce averaging over the
+replicate group (across replicas, the slow link) at full precision. In the warmup that is the
+gradient rule the optimizer keeps: ``p.grad`` holds the global average after backward, so
+``clip_grad_norm_`` clips the norm HSDP + AdamW clips, and the optimizer averages nothing again
+(the engine's averager, :meth:`compressed_opt.engine.GradientSync.attach_averager`). In a
+compression step the replicas' exchange is the optimizer's 1-bit one: FSDP must leave each
+replica's shard average in ``p.grad`` and skip its all-reduce.
+
+FSDP2's public API has no switch for that in torch 2.13: ``set_requires_all_reduce(False)`` keeps
+the reduce-scatter's output in an internal accumulation buffer for a later all-reduce and leaves
+``p.grad`` unset (it serves gradient accumulation), and ``set_all_reduce_hook`` runs after the
+native all-reduce. :class:`FsdpReplicas` therefore sets, before each backward, each FSDP parameter
+group's mesh information (``FSDPParamGroup.mesh_info``, a private attribute: the one place this
+library reaches into FSDP) to the native HSDP one for a full-precision step, or to a shard-only
+one of the same mesh and shard dimension for a compression step: FSDP then reduce-scatters
+(averaging over the shard group, its divisor the shard group's size) and writes ``p.grad``
+without the all-reduce. Where the attribute is not there (another torch), the optimizer refuses
+FSDP's own HSDP with the shard-only recipe to use instead.
+"""
+from __future__ import annotations
+
+try:
+    from torch.distributed._composable_state import _module_state_mapping
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
+except ImportError:  # pragma: no cover - a torch without FSDP2's layout
+    _module_state_mapping = FSDPMeshInfo = HSDPMeshInfo = None
+
+#: what to do where FSDP2's internals are not as this module knows them
+RECIPE = ("shard the model over the shard dimension only (fully_shard(module, mesh=mesh['shard'])) and give "
+          "the optimizer the replicate dimension (backend=mesh['replicate'])")
+
+
+class FsdpReplicas:
+    """The FSDP parameter groups holding an optimizer's parameters under FSDP2's own HSDP, and the
+    two mesh informations of each (see the module doc). The engine's averager: FSDP averages the
+    full-precision steps' gradients across the replicas; the ranks' initial parameters are not
+    made equal by FSDP (``equal_start``), so the engine broadcasts rank 0's over the replicas."""
+
+    equal_start = False
+
+    def __init__(self, groups: list):
+        self._groups = []
+        for group in groups:
+            native = group.mesh_info
+            shard_only = FSDPMeshInfo(native.mesh, shard_mesh_dim=native.shard_mesh_dim)
+            shard_only.reduce_scatter_process_group = getattr(native, "reduce_scatter_process_group", None)
+            self._groups.append((group, native, shard_only))
+
+    def next_step(self, full_precision: bool) -> None:
+        """Before the next backward: FSDP's all-reduce across the replicas where the next step is a
+        full-precision one, else the reduce-scatter alone."""
+        for group, native, shard_only in self._groups:
+            group.mesh_info = native if full_precision else shard_only
+
+
+def find(dtensor_params: list, owner: str) -> FsdpReplicas | None:
+    """The FSDP parameter groups with HSDP mesh information that hold some of ``dtensor_params``
+    (FSDP2's registry of the modules it manages), or ``None`` where none does (the parameters are
+    DTensors of another making: the optimizer then averages the replicas itself). Raises where
+    FSDP2's internals are not as :mod:`compressed_opt.fsdp_replicas` knows them."""
+    wanted = {id(p) for p in dtensor_params}
+    if not wanted:
+        return None
+    if _module_state_mapping is None:
+        raise ValueError(f"{owner}: FSDP's own HSDP (a 2-D mesh) is not supported with this torch: {RECIPE}")
+    found, seen = [], set()
+    for ref in list(_module_state_mapping.values()):
+        state = ref()
+        for group in getattr(state, "_fsdp_param_groups", None) or ():
+            if id(group) in seen or not any(id(fp.sharded_param) in wanted for fp in group.fsdp_params):
+                continue
+            seen.add(id(group))
+            if not isinstance(group.mesh_info, HSDPMeshInfo):
+                raise ValueError(f"{owner}: some parameters on a 2-D mesh are held by an FSDP group that is not "
+                                 f"HSDP: {RECIPE}")
+            found.append(group)
+    return FsdpReplicas(found) if found else None

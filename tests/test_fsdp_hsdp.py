@@ -1,0 +1,139 @@
+"""FSDP2's own HSDP (``fully_shard`` on a 2-D ``(dp_replicate, dp_shard)`` mesh, as torchtitan
+shards): the optimizer finds the replicate dimension with no ``backend=``; in the warmup
+``p.grad`` holds the global average FSDP made, so clipping sees HSDP + AdamW's norm and the steps
+are AdamW's; in the compression stage FSDP leaves each replica its own shard average and the
+optimizer's 1-bit exchange crosses the replicas (compressed_opt.fsdp_replicas)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from distributed import run_ranks
+
+HP = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+
+
+def _model(mesh, seed=0):
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+    for m in model:
+        if isinstance(m, nn.Linear):
+            fully_shard(m, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _loss(model, step, rank):
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(100 * step + rank))
+    return (model(x) - x[:, :4].sin()).square().mean()
+
+
+def _locals(model):
+    return [p.to_local().detach().clone() for p in model.parameters()]
+
+
+def _replicas_equal(tensors, group):
+    import torch.distributed as dist
+
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    other = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(other, flat, group=group)
+    return all(torch.equal(other[0], o) for o in other)
+
+
+def _warmup_against_adamw(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import compressed_opt
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    ours, theirs = _model(mesh), _model(mesh)
+    opt = compressed_opt.OnebitAdam(ours.parameters(), freeze_step=10, **HP)
+    ref = torch.optim.AdamW(theirs.parameters(), **HP)
+    norms = []
+    for step in range(1, 5):
+        pair = []
+        for model, o in ((ours, opt), (theirs, ref)):
+            o.zero_grad()
+            _loss(model, step, rank).backward()
+            pair.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)))
+            o.step()
+        norms.append(pair)
+    replicate = mesh.get_group("dp_replicate")
+    out = dict(norms=norms, close=all(torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+                                      for a, b in zip(_locals(ours), _locals(theirs))),
+               equal=_replicas_equal(_locals(ours), replicate),
+               backend_ranks=opt.backend.world_size, warmup_bytes=opt.comm_stats().warmup_bytes_per_step)
+    opt.close()
+    return out
+
+
+def test_warmup_under_fsdps_own_hsdp_is_adamw_with_the_same_clipped_norm():
+    """Four ranks, 2 replicas x 2 shards, ``OnebitAdam(model.parameters())`` with no backend: the
+    optimizer's exchange is the replicate dimension (2 ranks); in the warmup the gradient norm that
+    ``clip_grad_norm_`` sees equals HSDP + AdamW's (FSDP averaged across the replicas in backward)
+    and the parameters stay AdamW's within fp32 rounding, the replicas equal; the optimizer sends
+    no gradient bytes of its own (FSDP's all-reduce carried them)."""
+    for r in run_ranks(_warmup_against_adamw, 4, timeout=120):
+        assert r["backend_ranks"] == 2
+        for ours, theirs in r["norms"]:
+            assert abs(ours - theirs) <= 1e-6 * theirs
+        assert r["close"] and r["equal"]
+        assert r["warmup_bytes"] < 200  # (the agreement's small headers only)
+
+
+def _compression(rank, world, native, tracking):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import compressed_opt
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    replicate = mesh.get_group("dp_replicate")
+    if native:
+        model = _model(mesh)
+        opt = compressed_opt.OnebitAdam(model.parameters(), freeze_step=3, **HP, variance_tracking=tracking)
+    else:  # the shard-only recipe: FSDP over the shard dimension, the optimizer over the replicas
+        model = _model(mesh["dp_shard"])
+        opt = compressed_opt.OnebitAdam(model.parameters(), freeze_step=3, backend=mesh["dp_replicate"], **HP,
+                                        variance_tracking=tracking)
+    grads_differ, equal, losses = [], [], []
+    for step in range(1, 11):
+        opt.zero_grad()
+        loss = _loss(model, step, rank)
+        loss.backward()
+        losses.append(float(loss.detach()))
+        grads = [p.grad.to_local() for p in model.parameters()]
+        grads_differ.append(not _replicas_equal(grads, replicate))
+        opt.step()
+        equal.append(_replicas_equal(_locals(model), replicate))
+    stats = opt.comm_stats()
+    dist.barrier()
+    out = dict(grads_differ=grads_differ, equal=equal, params=_locals(model), losses=losses,
+               ratio=stats.compression_ratio, compressing=opt.compressing)
+    opt.close()
+    return out
+
+
+@pytest.mark.parametrize("tracking", [True, False])
+def test_compression_stage_under_fsdps_own_hsdp_is_the_optimizers_exchange(tracking):
+    """From the freeze on, FSDP leaves each replica its own shard average (the replicas' gradients
+    differ after backward: FSDP's all-reduce is skipped) and the 1-bit exchange crosses the
+    replicas: the replicas stay equal after every step and each compression step sends many times
+    fewer bytes than an fp32 all-reduce. Without variance tracking the run is the shard-only
+    recipe's (FSDP over ``mesh["dp_shard"]``, ``backend=mesh["dp_replicate"]``) bit for bit; with it
+    (the default) the tracking's warmup calibration sees only FSDP's averages, not each rank's own
+    gradients, so the runs differ after the freeze (docs/design.md 3.3)."""
+    native = run_ranks(_compression, 4, True, tracking, timeout=150)
+    recipe = run_ranks(_compression, 4, False, tracking, timeout=150)
+    for n, r in zip(native, recipe):
+        assert n["compressing"]
+        assert n["grads_differ"] == [False] * 3 + [True] * 7  # (warmup: FSDP's global average)
+        assert r["grads_differ"] == [True] * 10  # (the recipe: the optimizer averages in step())
+        assert all(n["equal"]) and all(r["equal"])
+        assert n["ratio"] > 5
+        if not tracking:
+            assert all(torch.equal(a, b) for a, b in zip(n["params"], r["params"]))
