@@ -582,8 +582,9 @@ class GradientSync:
         """Tell the averager what the next backward is (a full-precision step's, whose averaging is
         its own, or a compression step's): at the end of each step, after a load, and when it is
         attached."""
-        if self.averager is not None:
-            self.averager.next_step(self.full_precision_next())
+        tell = getattr(self.averager, "next_step", None)  # (an averager that sets nothing ahead has none)
+        if tell is not None:
+            tell(self.full_precision_next())
 
     # --- the ranks agree ----------------------------------------------------------------------------------
     def _check_ranks(self, entry: int) -> None:
@@ -599,8 +600,8 @@ class GradientSync:
                                              self.scale_block), self.bucket_cap_bytes)
             self.agreement.signatures(signature, entry, self.global_step + 1, self.device)
             self._layout_agreed = True
-            if self.global_step == 0 and not self._broadcast_done and (self.averager is None
-                                                                        or not self.averager.equal_start):
+            equal = self.averager is not None and getattr(self.averager, "equal_start", True)  # (else broadcast)
+            if self.global_step == 0 and not self._broadcast_done and not equal:
                 # before the first update, once the shapes are known to agree
                 self.agreement.broadcast_parameters(p for g in self.param_groups for p in g["params"])
                 self._broadcast_done = True
