@@ -295,12 +295,12 @@ def signature(buckets, param_groups, extra: tuple, bucket_cap_bytes: int) -> lis
     return as_ints(shapes) + as_ints(hparams) + [n_params, total, bucket_cap_bytes]
 
 
-def hyperparameter_hash(param_groups) -> int:
+def hyperparameter_hash(param_groups, keys=("lr", "betas", "eps", "weight_decay")) -> int:
     """A 63-bit hash of the hyperparameters every rank must share at every step (each group's
-    lr, betas, eps and weight decay: what a scheduler changes)."""
+    ``keys``: by default lr, betas, eps and weight decay, what a scheduler changes)."""
     h = hashlib.blake2b(digest_size=8)
     for g in param_groups:
-        for key in ("lr", "betas", "eps", "weight_decay"):
+        for key in keys:
             value = g.get(key)
             if isinstance(value, torch.Tensor):
                 value = value.item()

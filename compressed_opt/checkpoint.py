@@ -607,16 +607,16 @@ def finish_load(schema: Schema, opt_state, param_groups: list, plain: dict, extr
 def _carried(optimizer, how: str) -> dict:
     """What a copy of ``optimizer`` carries (see :func:`deep_copy`), before it is copied."""
     engine, name = optimizer.engine, type(optimizer).__name__
-    if engine.averager is not None and not engine.local_shards.pairs:
+    if engine.local_shards.pairs:  # (first: FSDP2's own HSDP attaches an averager too)
+        raise RuntimeError(f"{how} of a {name} holding DTensor parameters (HSDP, tensor parallelism) is not "
+                           "supported: they belong to the sharded model. Save state_dict() (or use "
+                           "compressed_opt.dcp.OptimizerState) and load it into a new optimizer")
+    if engine.averager is not None:
         raise RuntimeError(
             f"{how} of a {name} that drives a DistributedDataParallel communication hook is not "
             "supported: the hook belongs to the DDP model. Save state_dict() and load it into a new "
             "optimizer (whose first forward through the DDP model attaches it again)"
         )
-    if engine.local_shards.pairs:
-        raise RuntimeError(f"{how} of a {name} holding DTensor parameters (HSDP, tensor parallelism) is not "
-                           "supported: they belong to the sharded model. Save state_dict() (or use "
-                           "compressed_opt.dcp.OptimizerState) and load it into a new optimizer")
     if not engine.idle:
         raise RuntimeError(
             f"{how} of a {name} between backward() and step(): this step's gradient communication "

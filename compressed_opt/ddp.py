@@ -37,13 +37,8 @@ logger = logging.getLogger("compressed_opt")
 
 class DDPHookState:
     """What the hook needs: the optimizer's engine (weakly), the process group, and per DDP bucket
-    the scratch buffer that lays it out in the optimizer's order. The engine's averager: DDP made
-    the ranks' initial parameters equal (``equal_start``) and its hook asks the engine each step."""
-
-    equal_start = True
-
-    def next_step(self, full_precision: bool) -> None:
-        """(The hook asks the engine at each bucket: nothing to set ahead of a backward.)"""
+    the scratch buffer that lays it out in the optimizer's order. The engine's averager (DDP made
+    the ranks' initial parameters equal, and its hook asks the engine at each bucket)."""
 
     def __init__(self, engine, process_group=None):
         self._optimizer = weakref.ref(engine)

@@ -46,7 +46,7 @@ import torch
 
 from compressed_opt.comm import DEFAULT_BLOCK, resolve_backend
 
-from .agreement import RankAgreement
+from .agreement import RankAgreement, hyperparameter_hash
 from .engine import GradientSync
 from .exchange import ErrorFeedback, Request
 from .local_shards import LocalShards
@@ -129,6 +129,9 @@ class DiLoCo(torch.optim.Optimizer):
             raise ValueError(f"DiLoCo: outer_momentum must be in [0, 1), got {outer_momentum!r}")
         check_choice("compression", compression, COMPRESSIONS)
         super().__init__(params, dict(lr=outer_lr, momentum=outer_momentum, nesterov=bool(nesterov)))
+        if len(self.param_groups) != 1:
+            raise ValueError(f"DiLoCo: one param group (the outer lr and momentum apply to every parameter), got "
+                             f"{len(self.param_groups)}; give the inner optimizer the groups")
         self.inner, self.sync_every, self.compression = inner, sync_every, compression
         self.delay, self.mixing = delay, float(mixing)
         ours = [p for g in self.param_groups for p in g["params"]]
@@ -172,6 +175,12 @@ class DiLoCo(torch.optim.Optimizer):
         return [v.view_as(t) for v, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
 
     # --- the torch.optim surface ------------------------------------------------------------------------
+    def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "fragments", None) is not None:  # (made: torch.optim's __init__ adds the groups first)
+            raise ValueError("DiLoCo: its parameters are fixed when it is made (their anchors and fragments); "
+                             "make a new DiLoCo around the inner optimizer")
+        super().add_param_group(param_group)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none=set_to_none)
 
@@ -204,8 +213,7 @@ class DiLoCo(torch.optim.Optimizer):
             anchor = f.anchor if f.anchor.device == f.delta.device else f.anchor.to(f.delta.device)
             torch.sub(anchor, f.delta, out=f.delta)
         f.launched_at = t
-        group = self.param_groups[0]
-        hyper = hash((float(group["lr"]), float(group["momentum"]), bool(group["nesterov"]))) & (2**62 - 1)
+        hyper = hyperparameter_hash(self.param_groups, ("lr", "momentum", "nesterov"))
         if self.delay == 0:
             f.pending = Future()
             f.pending.set_result(self._exchange(f, t, hyper))

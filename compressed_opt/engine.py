@@ -572,8 +572,9 @@ class GradientSync:
         (DDP's reducer through the hook of :mod:`compressed_opt.ddp`, which owns its own state;
         FSDP2's own HSDP, :mod:`compressed_opt.fsdp_replicas`): the engine launches no averaging of
         its own, and broadcasts rank 0's parameters only where the averager did not make them
-        equal (its ``equal_start``). The compression stage's exchange stays the engine's;
-        ``averager.next_step(full_precision)`` is told before each backward which kind it is."""
+        equal (its ``equal_start``, ``True`` where it has none). The compression stage's exchange
+        stays the engine's; an averager with ``next_step(full_precision)`` is told before each
+        backward which kind it is."""
         self.averager = averager
         self.enabled = False
         self.prepare_backward()

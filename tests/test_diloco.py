@@ -63,6 +63,11 @@ def test_bad_arguments_are_refused_up_front():
                           (dict(outer_momentum=1.0), "outer_momentum")):
         with pytest.raises(ValueError, match=match):
             DiLoCo(model.parameters(), inner, **{"sync_every": H, **kwargs})
+    with pytest.raises(ValueError, match="one param group"):
+        DiLoCo([{"params": list(model.parameters())[:2]}, {"params": list(model.parameters())[2:], "lr": 0.1}],
+               inner)
+    with pytest.raises(ValueError, match="fixed when it is made"):
+        DiLoCo(model.parameters(), inner, sync_every=H).add_param_group({"params": [torch.zeros(1)]})
     with pytest.raises(ValueError, match="exactly the inner optimizer's parameters"):
         DiLoCo(other.parameters(), inner)
     with pytest.raises(TypeError, match="torch.optim.Optimizer"):
@@ -183,3 +188,25 @@ def test_replicas_that_disagree_raise_on_every_rank(what, error):
     assert [status for status, _ in out] == ["error", "error"], out
     for _, text in out:
         assert error in text and ("out of step" in text or "outer hyperparameters" in text)
+
+
+def _defaults(rank, world, steps):
+    from compressed_opt.diloco import DiLoCo
+
+    model = _model(seed=rank)
+    opt = DiLoCo(model.parameters(), torch.optim.AdamW(model.parameters()))  # (every default: H=30, 1-bit)
+    for t in range(1, steps + 1):
+        opt.zero_grad()
+        _loss(model, t, rank).backward()
+        opt.step()
+    opt.close()
+    return _flat(model)
+
+
+def test_the_same_seeded_job_twice_is_bit_for_bit_the_same_with_default_arguments():
+    """Two rounds of DiLoCo with every default (the 1-bit exchange, H=30), run twice in fresh
+    processes: the same parameters, bit for bit, and the replicas equal."""
+    first = run_ranks(_defaults, 2, 60, timeout=90)
+    second = run_ranks(_defaults, 2, 60, timeout=90)
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+    assert torch.equal(first[0], first[1])

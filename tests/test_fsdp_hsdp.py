@@ -137,3 +137,30 @@ def test_compression_stage_under_fsdps_own_hsdp_is_the_optimizers_exchange(track
         assert n["ratio"] > 5
         if not tracking:
             assert all(torch.equal(a, b) for a, b in zip(n["params"], r["params"]))
+
+
+def _default_job(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import compressed_opt
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    model = _model(mesh, seed=rank)  # (seeded per rank: the optimizer starts every replica from rank 0's)
+    opt = compressed_opt.OnebitAdam(model.parameters(), freeze_step=3)  # (defaults otherwise)
+    for step in range(1, 9):
+        opt.zero_grad()
+        _loss(model, step, rank).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    out = _locals(model)
+    opt.close()
+    return out
+
+
+def test_the_same_seeded_job_twice_is_bit_for_bit_the_same():
+    """Defaults (overlap, variance tracking) but the freeze, clipping each step, under FSDP2's own
+    HSDP, run twice in fresh processes: the same shards, bit for bit."""
+    first = run_ranks(_default_job, 4, timeout=120)
+    second = run_ranks(_default_job, 4, timeout=120)
+    for a, b in zip(first, second):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
