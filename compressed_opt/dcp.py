@@ -34,6 +34,11 @@ A checkpoint holds two parts:
   those tensors: the stage and its counters, the per-layer statistics, the error-feedback
   buffers, ZeRO's shards, 0/1 Adam's local state.
 
+:class:`compressed_opt.DiLoCo` goes through the same ``OptimizerState(diloco)``: each rank's whole
+``state_dict()`` is its entry (the anchor, outer momentum and error buffers are that rank's, the
+size of its shard under FSDP2; the inner optimizer's DTensor moments as its local tensors), and it
+resumes on the same ranks and mesh, bit for bit, mid-round and with an exchange in flight.
+
 ``OptimizerState(opt)`` resumes on the same ranks: each rank reads its own part and the tensors,
 and the run continues bit for bit as if it had not stopped. ``OptimizerState(opt, reshard=True)``
 resumes at another world size or on another mesh: every rank reads rank 0's part and the tensors
@@ -90,6 +95,12 @@ class OptimizerState(Stateful):
     """
 
     def __init__(self, optimizer, reshard: bool = False, legacy: bool = False):
+        from .diloco import DiLoCo  # (DiLoCo drives the engine, as the optimizers do: no cycle at import)
+
+        self._diloco = isinstance(optimizer, DiLoCo)
+        if self._diloco and (reshard or legacy):
+            raise ValueError("OptimizerState(DiLoCo, reshard=True / legacy=True): a DiLoCo checkpoint resumes on "
+                             "the ranks and mesh that saved it; pass neither")
         if not hasattr(optimizer, "comm_stats"):
             raise TypeError(f"OptimizerState takes a compressed_opt optimizer, got {type(optimizer).__name__}; "
                             "torch.optim optimizers go through torch.distributed.checkpoint.state_dict")
@@ -99,7 +110,7 @@ class OptimizerState(Stateful):
         if reshard and legacy:
             raise ValueError("OptimizerState(reshard=True, legacy=True): a legacy checkpoint holds no tensors to "
                              "reshard; resume it on the ranks that saved it")
-        if reshard and optimizer.engine.client.zero_stage:
+        if reshard and not self._diloco and optimizer.engine.client.zero_stage:
             raise ValueError(f"OptimizerState(reshard=True) with {type(optimizer).__name__}(zero_stage="
                              f"{optimizer.engine.client.zero_stage}): ZeRO's state lives in the buckets' shards and "
                              "is not resharded; resume it on the same world size with OptimizerState(optimizer)")
@@ -130,6 +141,8 @@ class OptimizerState(Stateful):
         ``state.<i>.<name>``. Collective (0/1 Adam between synchronisations: a broadcast)."""
         opt = self.optimizer
         rank, world = _rank_and_world(opt)
+        if self._diloco:
+            return {"world_size": world, f"rank{rank}": _serialize(_local_inner_state(opt, opt.state_dict()))}
         sd = opt.state_dict()
         if self.legacy:
             return {"world_size": world, f"rank{rank}": _serialize(sd)}
@@ -172,7 +185,10 @@ class OptimizerState(Stateful):
             problem = ValueError(f"this rank's entry of the checkpoint could not be read ({type(exc).__name__}: {exc})")
             problem.__cause__ = exc
         _agree(self.optimizer, problem)
+        theta = sd.pop("theta") if self._diloco else None
         self.optimizer.load_state_dict(sd)
+        if theta is not None:
+            restore_theta(self.optimizer, theta)
 
     def _state_dict_from(self, state_dict: dict) -> dict:
         """The optimizer's state dict, from DCP's entries (``ValueError`` if they cannot make it)."""
@@ -190,6 +206,10 @@ class OptimizerState(Stateful):
             raise ValueError(f"the checkpoint's entry {key!r} is not an optimizer state saved by "
                              f"OptimizerState (got {type(data).__name__})")
         part = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+        if self._diloco:
+            if not isinstance(part, dict) or "diloco" not in part:
+                raise ValueError(f"the checkpoint's entry {key!r} is not a DiLoCo state saved by OptimizerState")
+            return _dtensor_inner_state(opt, part)
         if self.legacy:
             if not isinstance(part, dict) or "compressed_opt" not in part:
                 raise ValueError(f"the checkpoint's entry {key!r} is not a legacy OptimizerState entry (one state "
@@ -235,6 +255,66 @@ class OptimizerState(Stateful):
         extra.update(rank=opt.backend.rank, world_size=opt.backend.world_size, averaging=None, paths={},
                      buckets=[], shards=None if extra.get("shards") is None else list(_rank_and_world(opt)))
         return dict(sd, compressed_opt=extra)
+
+
+# --- DiLoCo: each rank's whole state dict, as one entry ----------------------------------------------
+def _inner_params(diloco) -> list[torch.Tensor]:
+    return [p for g in diloco.inner.param_groups for p in g["params"]]
+
+
+def _local_inner_state(diloco, sd: dict) -> dict:
+    """DiLoCo's state dict with the inner optimizer's DTensor state (FSDP2 inside a replica: AdamW's
+    moments of a sharded parameter) as this rank's local tensors, named in ``"inner_dtensors"``,
+    and this rank's parameters (``"theta"``). The outer state is already local (one rank's anchor,
+    momentum and error buffers).
+
+    Mid-round the replicas' parameters differ, and DCP writes a model's state once per shard (one
+    replica's): the entry carries each rank's own, which :func:`restore_theta` puts back."""
+    inner, named = sd["inner"], []
+    positions = [pid for g in inner["param_groups"] for pid in g["params"]]
+    state = {}
+    for pid, st in inner["state"].items():
+        state[pid] = dict(st)
+        for name, value in st.items():
+            if DTensor is not None and isinstance(value, DTensor):
+                state[pid][name] = value.to_local()
+                named.append((positions.index(pid), name))
+    theta = [_local(p).detach().clone() for g in diloco.param_groups for p in g["params"]]
+    return dict(sd, inner=dict(inner, state=state), inner_dtensors=named, theta=theta)
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if DTensor is not None and isinstance(p, DTensor) else p
+
+
+@torch.no_grad()
+def restore_theta(diloco, theta: list) -> None:
+    """This rank's parameters as saved, in place (the model's state dict, which DCP fills with one
+    replica's, shares their memory: a ``model.load_state_dict`` of it after ``dcp.load`` keeps them)."""
+    params = [_local(p) for g in diloco.param_groups for p in g["params"]]
+    if [tuple(t.shape) for t in theta] != [tuple(p.shape) for p in params]:
+        raise ValueError("the parameters here are shaped or sharded otherwise than when this DiLoCo checkpoint was "
+                         "saved: resume it on the same ranks and mesh")
+    torch._foreach_copy_(params, [t.to(p.device) for t, p in zip(theta, params)])
+
+
+def _dtensor_inner_state(diloco, part: dict) -> dict:
+    """The inverse of :func:`_local_inner_state` on this rank's parameters."""
+    inner = part["inner"]
+    positions = [pid for g in inner["param_groups"] for pid in g["params"]]
+    params = _inner_params(diloco)
+    if len(positions) != len(params):
+        raise ValueError(f"this checkpoint's inner optimizer had {len(positions)} parameters, this one has "
+                         f"{len(params)}")
+    state = {pid: dict(st) for pid, st in inner["state"].items()}
+    for i, name in part.pop("inner_dtensors"):
+        p, value = params[i], state[positions[i]][name]
+        if not isinstance(p, DTensor) or tuple(value.shape) != tuple(p.to_local().shape):
+            raise ValueError("the parameters here are sharded otherwise than when this DiLoCo checkpoint was saved: "
+                             "resume it on the same ranks and mesh")
+        state[positions[i]][name] = DTensor.from_local(value.to(p.device), p.device_mesh, p.placements,
+                                                       run_check=False, shape=p.shape, stride=p.stride())
+    return dict(part, inner=dict(inner, state=state))
 
 
 def _agree(optimizer, problem: ValueError | None) -> None:

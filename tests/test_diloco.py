@@ -210,3 +210,116 @@ def test_the_same_seeded_job_twice_is_bit_for_bit_the_same_with_default_argument
     second = run_ranks(_defaults, 2, 60, timeout=90)
     assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
     assert torch.equal(first[0], first[1])
+
+
+def _hsdp(rank, world, steps):
+    """FSDP2 inside each replica (a 2 x 2 mesh: 2 replicas of 2 shards), DiLoCo's exchange over
+    the replicate group."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from compressed_opt.diloco import DiLoCo
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = _model(seed=rank)
+    for m in model:
+        if isinstance(m, torch.nn.Linear):
+            fully_shard(m, mesh=mesh["shard"])
+    fully_shard(model, mesh=mesh["shard"])
+    opt = DiLoCo(model.parameters(), torch.optim.AdamW(model.parameters(), lr=1e-2), sync_every=H,
+                 backend=mesh["replicate"])
+    replicate = mesh.get_group("replicate")
+    equal_at_sync, equal_mid_round, losses = [], [], []
+    for t in range(1, steps + 1):
+        opt.zero_grad()
+        loss = _loss(model, t, rank)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        if t % H in (0, H // 2):
+            flat = torch.cat([p.to_local().detach().reshape(-1) for p in model.parameters()])
+            gathered = [torch.empty_like(flat) for _ in range(2)]
+            dist.all_gather(gathered, flat, group=replicate)
+            (equal_at_sync if t % H == 0 else equal_mid_round).append(torch.equal(*gathered))
+    shard_numel = sum(p.to_local().numel() for p in model.parameters())
+    outer = dict(anchor=sum(f.anchor.numel() for f in opt.fragments),
+                 momentum=sum(f.momentum.numel() for f in opt.fragments))
+    stats = opt.comm_stats()
+    opt.close()
+    return dict(equal_at_sync=equal_at_sync, equal_mid_round=equal_mid_round, losses=losses, stats=stats,
+                shard_numel=shard_numel, whole_numel=sum(p.numel() for p in model.parameters()), outer=outer)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_fsdp2_inside_each_replica_trains_and_the_replicas_meet_at_each_sync():
+    """HSDP 2 x 2 (FSDP2 over the shard group inside each replica, DiLoCo's 1-bit exchange over the
+    replicate group): the replicas' shards differ mid-round and are equal after every
+    synchronisation, the outer state is the size of the shard, and the loss falls."""
+    out = run_ranks(_hsdp, 4, 4 * H, timeout=150)
+    for r in out:
+        assert r["equal_at_sync"] == [True] * 4
+        assert r["equal_mid_round"] == [False] * 4
+        assert r["outer"] == dict(anchor=r["shard_numel"], momentum=r["shard_numel"])
+        assert r["shard_numel"] < r["whole_numel"]
+        assert r["stats"]["syncs"] == 4 and r["stats"]["world_size"] == 2
+        assert sum(r["losses"][-H:]) < 0.8 * sum(r["losses"][:H])
+
+
+def _dcp_resume(rank, world, root, phase):
+    """HSDP 2 x 2 (4 ranks; 2 ranks: plain replicas) with fragments 2 and delay 1: a DCP checkpoint
+    at step 9 (fragment 1's exchange of step 9 in flight, landing at 10), or, fresh, that checkpoint
+    loaded and run on to step 16."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from compressed_opt.dcp import OptimizerState
+    from compressed_opt.diloco import DiLoCo
+
+    model = _model(seed=0 if phase == "through" else 7)
+    backend = None
+    if world == 4:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        fully_shard(model, mesh=mesh["shard"])
+        backend = mesh["replicate"]
+    opt = DiLoCo(model.parameters(), torch.optim.AdamW(model.parameters(), lr=1e-2), sync_every=H,
+                 fragments=2, delay=1, backend=backend)
+    start = 1
+    if phase == "resumed":
+        state = {"model": model.state_dict(), "optim": OptimizerState(opt)}
+        dcp.load(state, checkpoint_id=root)
+        model.load_state_dict(state["model"])
+        start = 10
+    for t in range(start, 17):
+        opt.zero_grad()
+        _loss(model, t, rank).backward()
+        opt.step()
+        if t == 9 and phase == "through":
+            assert opt.fragments[1].pending is not None  # (mid-round, an exchange in flight)
+            dcp.save({"model": model.state_dict(), "optim": OptimizerState(opt)}, checkpoint_id=root)
+    opt.synchronize()
+    local = [(v.to_local() if hasattr(v, "to_local") else v) for st in opt.inner.state.values() for v in st.values()]
+    inner = [v.clone() for v in local if v.dim() > 0]
+    out = [(p.to_local() if hasattr(p, "to_local") else p).detach().clone() for p in model.parameters()]
+    out += [f.feedback.worker_error.clone() for f in opt.fragments] + [f.momentum.clone() for f in opt.fragments]
+    opt.close()
+    return out, inner
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world", [4, 2], ids=["hsdp-2x2", "replicas"])
+def test_a_dcp_checkpoint_mid_round_resumes_bit_for_bit(tmp_path, world):
+    """A ``dcp.save`` of the model and ``OptimizerState(diloco)`` taken mid-round with an exchange
+    in flight, loaded in fresh processes (FSDP2 inside each replica, or plain replicas): the
+    parameters, the inner AdamW's moments, the error buffers and the outer momenta equal the
+    uninterrupted run's, bit for bit. Mid-round the replicas' parameters differ and DCP writes the
+    model's once per shard: the optimizer's entry puts each rank's own back."""
+    through = run_ranks(_dcp_resume, world, str(tmp_path), "through", timeout=100)
+    resumed = run_ranks(_dcp_resume, world, str(tmp_path), "resumed", timeout=100)
+    for (a, inner_a), (b, inner_b) in zip(through, resumed):
+        assert len(a) == len(b) and len(inner_a) == len(inner_b) > 0
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+        assert all(torch.equal(x, y) for x, y in zip(inner_a, inner_b))
