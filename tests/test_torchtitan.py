@@ -120,7 +120,7 @@ def _job(dims, optimizer_config, folder=None, save_at=None, load_at=None, seed=0
     model = _model(dims, seed)
     optimizers = optimizer_config.build(model_parts=[model])
     schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=optimizers, training_steps=STEPS)
-    checkpointer = CheckpointManager.Config(enable=folder is not None, folder="ckpt", interval=10 ** 6,
+    checkpointer = CheckpointManager.Config(enable=folder is not None, folder="ckpt", interval=save_at or 10 ** 6,
                                             last_save_model_only=False).build(
         dataloader=None, model_parts=[model], optimizers=optimizers, lr_schedulers=schedulers, states={},
         sd_adapter=None, base_folder=folder or "")
@@ -202,3 +202,53 @@ def test_hsdp_2x2_trains_across_the_freeze_near_adamw_with_20x_fewer_bytes_acros
         assert "fused" not in r["group_keys"] and "foreach" not in r["group_keys"]
     print("step 40: AdamW", results[0]["adamw"][STEPS], "OnebitAdam", results[0]["ours"][STEPS],
           "bytes ratio", 2 * 0.5 * 4 * results[0]["local"] / results[0]["stats"]["compression_bytes_per_step"])
+
+
+def _tp(rank, world):
+    """OnebitAdam on dp_replicate 2 x tp 2 (torchtitan's parallelize_llama then also applies
+    fully_shard on ``mesh["dp_replicate", "fsdp"]``, fsdp of size 1: parameters on the 3-D mesh
+    ``(dp_replicate, fsdp, tp)``)."""
+    _cpu_patches()
+    from compressed_opt.integrations.torchtitan import onebit_config
+
+    dims = _dims((2, 1, 2), world)
+    model, optimizers, losses = _job(dims, onebit_config("OnebitAdam", lr=LR, freeze_step=FREEZE))
+    (opt,) = list(optimizers)
+    out = dict(losses=losses, equal=_replicas_equal(model, dims.get_mesh("dp_replicate").get_group()),
+               stage=opt.comm_stats().stage, replicas=opt.backend.world_size,
+               meshes=sorted({p.device_mesh.mesh_dim_names for p in model.parameters()}))
+    opt.close()
+    return out
+
+
+def test_tp_2x2_with_replicas_trains_and_keeps_the_replicas_equal():
+    """dp_replicate 2 x tp 2: 40 steps across the freeze; the loss falls, the replicas stay equal."""
+    for r in run_ranks(_tp, 4, timeout=240):
+        assert r["stage"] == "compression" and r["equal"] and r["replicas"] == 2
+        assert r["losses"][STEPS] < r["losses"][1] - 2.0
+    print("tp: meshes", r["meshes"], "loss step 1", r["losses"][1], "step 40", r["losses"][STEPS])
+
+
+def _resume(rank, world, folder, load):
+    _cpu_patches()
+    from compressed_opt.integrations.torchtitan import onebit_config
+
+    dims = _dims((2, 2, 1), world)
+    config = onebit_config("OnebitAdam", lr=LR, freeze_step=FREEZE)
+    model, optimizers, losses = _job(dims, config, folder=folder, save_at=None if load else 20,
+                                     load_at=20 if load else None, seed=1 if load else 0)
+    (opt,) = list(optimizers)
+    opt.close()
+    return losses
+
+
+def test_resume_from_a_step_20_checkpoint_reproduces_the_step_40_loss(tmp_path):
+    """HSDP 2x2, OnebitAdam in the compression stage at step 20: torchtitan's CheckpointManager
+    saves at step 20; fresh ranks (another seed for the initial weights, which the checkpoint
+    replaces) load it and train to step 40: every loss from step 21 on is the uninterrupted run's,
+    bit for bit."""
+    whole = run_ranks(_resume, 4, str(tmp_path), False, timeout=240)
+    resumed = run_ranks(_resume, 4, str(tmp_path), True, timeout=240)
+    for w, r in zip(whole, resumed):
+        assert sorted(r) == list(range(21, STEPS + 1))
+        assert [r[s] for s in r] == [w[s] for s in r]
