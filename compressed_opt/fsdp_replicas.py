@@ -48,13 +48,20 @@ class FsdpReplicas:
             native = group.mesh_info
             shard_only = FSDPMeshInfo(native.mesh, shard_mesh_dim=native.shard_mesh_dim)
             shard_only.reduce_scatter_process_group = getattr(native, "reduce_scatter_process_group", None)
-            self._groups.append((group, native, shard_only))
+            # a divide factor set by the user (torchtitan: 1.0, the loss divided by the global token count)
+            # divides HSDP's sum over all ranks; shard-only, FSDP sums over the shard group alone and the
+            # optimizer averages the replicas: f / R keeps the same sum over all ranks divided by f
+            factor = getattr(group, "gradient_divide_factor", None)
+            shard_factor = None if factor is None else factor / native.replicate_mesh_size
+            self._groups.append((group, native, shard_only, factor, shard_factor))
 
     def next_step(self, full_precision: bool) -> None:
         """Before the next backward: FSDP's all-reduce across the replicas where the next step is a
         full-precision one, else the reduce-scatter alone."""
-        for group, native, shard_only in self._groups:
+        for group, native, shard_only, factor, shard_factor in self._groups:
             group.mesh_info = native if full_precision else shard_only
+            if factor is not None:
+                group.gradient_divide_factor = factor if full_precision else shard_factor
 
 
 def find(dtensor_params: list, owner: str) -> FsdpReplicas | None:

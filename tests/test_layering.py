@@ -18,12 +18,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = {"compressed_opt": "compressed_opt", "compressed_opt.comm": "comm", "compressed_opt.cuda": "cuda"}
 #: what each layer may import of ours: only layers below it
 LAYER = {"compressed_opt": 2, "compressed_opt.comm": 1, "compressed_opt.cuda": 0}
+#: subpackages inside a package's folder (part of that package's layer)
+SUBPACKAGES = {"compressed_opt.integrations": "compressed_opt/integrations"}
 
 
 def modules() -> dict[str, str]:
     """Module name -> source path, for every module of the installed package."""
     out = {}
-    for package, folder in PACKAGES.items():
+    for package, folder in {**PACKAGES, **SUBPACKAGES}.items():
         for name in sorted(os.listdir(os.path.join(ROOT, folder))):
             if name.endswith(".py"):
                 out[package if name == "__init__.py" else f"{package}.{name[:-3]}"] = os.path.join(ROOT, folder, name)
