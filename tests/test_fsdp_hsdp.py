@@ -201,3 +201,39 @@ def test_a_resume_in_the_compression_stage_is_bit_for_bit(tmp_path):
     resumed = run_ranks(_resume, 4, str(tmp_path / "ck"), "resumed", timeout=120)
     for a, b in zip(through, resumed):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _divide_factor(rank, world, summed):
+    """Default FSDP (the mean over the 4 ranks), or torchtitan's way: ``set_gradient_divide_factor(1.0)``
+    (a sum) with each rank's loss divided by the world size; 3 warmup and 5 compression steps."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import compressed_opt
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    model = _model(mesh)
+    if summed:
+        for m in model.modules():
+            if hasattr(m, "set_gradient_divide_factor"):
+                m.set_gradient_divide_factor(1.0)
+                m.set_force_sum_reduction_for_comms(True)  # (Gloo has no PREMUL_SUM: sums, divided after)
+    opt = compressed_opt.OnebitAdam(model.parameters(), freeze_step=3, **HP)
+    for step in range(1, 9):
+        opt.zero_grad()
+        loss = _loss(model, step, rank)
+        (loss / world if summed else loss).backward()
+        opt.step()
+    out = _locals(model)
+    opt.close()
+    return out
+
+
+def test_a_gradient_divide_factor_set_by_the_user_gives_the_same_steps_in_the_compression_stage():
+    """torchtitan sets FSDP's divide factor to 1.0 and divides the loss by the global count itself.
+    In the compression stage FSDP then sums over its shard group only and the optimizer averages the
+    replicas, which made the gradient 1/R of HSDP's; the optimizer now gives FSDP f/R there, so
+    the run is the default run's (within rounding: the divisions happen elsewhere)."""
+    mean = run_ranks(_divide_factor, 4, False, timeout=120)
+    summed = run_ranks(_divide_factor, 4, True, timeout=120)
+    for a, b in zip(mean, summed):
+        assert all(torch.allclose(x, y, rtol=1e-4, atol=1e-6) for x, y in zip(a, b))
