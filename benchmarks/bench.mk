@@ -3,8 +3,9 @@
 # benchmarks/results) and $(DEMO_OUT) (make demo: an ignored folder, the clone stays clean).
 #   make demo         the main job: a tiny GPT on 2 ranks joined by an emulated 100 Mbit/s link (the
 #                     case the library is for), DDP + AdamW / fp16 / PowerSGD hooks against 1-bit Adam,
-#                     1-bit LAMB and 0/1 Adam; then the same on 2 local ranks over loopback (no network
-#                     bottleneck: DEMO_LOOPBACK=0 leaves it out); ~5 minutes on 2 CPU cores
+#                     1-bit LAMB and 0/1 Adam, and DiLoCo (fp32 and 1-bit pseudo-gradients every 30
+#                     steps); then the same on 2 local ranks over loopback (no network bottleneck:
+#                     DEMO_LOOPBACK=0 leaves it out); ~6 minutes on 2 CPU cores
 #   make bench        the full comparison: every method, the small (9M) GPT, local ranks, and 2 ranks over
 #                     an emulated 1 Gbit/s link, communication- and compute-bound
 #   make bench-micro  pytest-benchmark micro-benchmarks of the kernels and collectives
@@ -21,7 +22,7 @@ DEMO_RUN = PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -P benchmarks/train.py --ou
 # (30 of warmup) keep both tables within ~5 minutes on 2 idle cores.
 DEMO_LINK ?= 100mbit
 DEMO_LOOPBACK ?= 1
-DEMO_METHODS ?= ddp_adamw,ddp_fp16,ddp_powersgd+serial,onebit_adam,onebit_lamb,zero_one_adam
+DEMO_METHODS ?= ddp_adamw,ddp_fp16,ddp_powersgd+serial,onebit_adam,onebit_lamb,zero_one_adam,diloco_fp32,diloco_1bit
 DEMO_ARGS ?= --model tiny --steps 120 --freeze-step 30 --batch 8 --breakdown --methods $(DEMO_METHODS)
 # ddp_powersgd is torch's hook as is (on Gloo it can abort: reported as failed); +serial runs
 # one DDP bucket at a time, which keeps the ranks' collectives in the same order.

@@ -165,6 +165,18 @@ class Backend(abc.ABC):
             return SingleProcessBackend()
         return self._split(groups, mine)
 
+    def duplicate(self) -> Backend:
+        """A backend over the same ranks on a communicator of its own: its collectives never
+        interleave with this one's, so one thread may communicate on it while another uses this
+        backend (or the group it was made from). Collective over this backend's ranks only."""
+        if self.world_size == 1:
+            return SingleProcessBackend()
+        return self._duplicate()
+
+    def _duplicate(self) -> Backend:
+        """Subclasses that can make a communicator of their own (see :meth:`duplicate`)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot make a communicator of its own")
+
     def _split(self, groups: list[list[int]], mine: int) -> Backend:
         """Subclasses that can make sub-groups: the backend of ``groups[mine]`` (validated,
         sorted; see :meth:`split`)."""

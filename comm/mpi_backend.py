@@ -290,6 +290,10 @@ class MPIBackend(Backend):
         return (f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size}, "
                 f"cuda_aware={self.cuda_aware}, timeout={self.timeout})")
 
+    def _duplicate(self):
+        """``comm.Dup()``: the same ranks, another communication context."""
+        return MPIBackend(self.comm.Dup(), cuda_aware=self.cuda_aware, timeout=self.timeout, abort_on_exception=False)
+
     def _work(self, request, then, keep, what: str) -> MPIWork:
         return MPIWork(request, then, keep, timeout=self.timeout, what=what, comm=self.comm)
 

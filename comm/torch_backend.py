@@ -196,6 +196,13 @@ class TorchBackend(Backend):
         rows = rows.view(self.world_size, -1).cpu()
         return [pickle.loads(rows[r, :n].numpy().tobytes()) for r, n in enumerate(counts)]
 
+    def _duplicate(self):
+        """A new process group of the same ranks, made by those ranks alone
+        (``use_local_synchronization``: with HSDP every replicate group makes its own)."""
+        ranks = dist.get_process_group_ranks(self.group if self.group is not None else dist.group.WORLD)
+        return TorchBackend(group=dist.new_group(ranks, backend=self.process_group_backend,
+                                                 use_local_synchronization=True))
+
     def _split(self, groups, mine):
         """``new_group`` for every group, in order, on every rank (what ``torch.distributed``
         requires of a group made without local synchronisation); the group of one that spans

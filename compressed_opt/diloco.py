@@ -24,7 +24,10 @@ at ``t``, exchanged on a thread while steps ``t + 1 .. t + tau`` run, and the ou
 end of step ``t + tau``, where the fragment's parameters become ``alpha theta + (1 - alpha) A``
 (``alpha = mixing``; the local steps' progress is kept in part; the replicas then differ by
 ``alpha`` times their local progress). Without a delay the parameters are set to ``A``: equal on
-every replica after each synchronisation.
+every replica after each synchronisation. With a delay DiLoCo communicates on a duplicate of its
+backend (:meth:`compressed_opt.comm.Backend.duplicate`, a process group or communicator of its own),
+so that the loop's collectives on the same ranks (a logged loss, an evaluation) never interleave
+with the exchange on its thread.
 
 The anchor ``A``, the outer momentum ``u`` and (``"1bit"``) the error buffers are three
 parameter-sized fp32 copies per rank (the shard's size under FSDP2); ``state_device="cpu"`` keeps
@@ -142,6 +145,8 @@ class DiLoCo(torch.optim.Optimizer):
         if any(p.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64) for p in ours):
             raise TypeError("DiLoCo: parameters must be floating point")
         self.backend = resolve_backend(backend)
+        if delay > 0:  # the exchange runs on a thread: a communicator of its own, so that the loop's
+            self.backend = self.backend.duplicate()  # collectives on the same ranks never interleave with it
         self.agreement = RankAgreement(self.backend, "DiLoCo")
         #: the 1-bit exchange (and, for "fp32", the exact average) with the library's paths and error feedback
         self.engine = GradientSync("DiLoCo", self.param_groups, self.backend, None, LocalShards("DiLoCo"),

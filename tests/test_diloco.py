@@ -323,3 +323,43 @@ def test_a_dcp_checkpoint_mid_round_resumes_bit_for_bit(tmp_path, world):
         assert len(a) == len(b) and len(inner_a) == len(inner_b) > 0
         assert all(torch.equal(x, y) for x, y in zip(a, b))
         assert all(torch.equal(x, y) for x, y in zip(inner_a, inner_b))
+
+
+def _loop_collectives(rank, world):
+    """Delayed exchanges in flight on DiLoCo's thread while the loop all-reduces its loss on the
+    default group every step (logging), and evaluates with another all-reduce at the end."""
+    import torch.distributed as dist
+
+    from compressed_opt.diloco import DiLoCo
+
+    model = _model(seed=rank)
+    opt = DiLoCo(model.parameters(), torch.optim.AdamW(model.parameters(), lr=1e-2), sync_every=H,
+                 fragments=2, delay=2)
+    logged = []
+    for t in range(1, 3 * H + 1):
+        opt.zero_grad()
+        loss = _loss(model, t, rank)
+        loss.backward()
+        opt.step()
+        both = torch.tensor([loss.item(), float(rank)])
+        dist.all_reduce(both)
+        logged.append(both[1].item())
+    final = torch.tensor([1.0])
+    dist.all_reduce(final)  # (an exchange of the last step is still in flight here)
+    opt.synchronize()
+    anchors = torch.cat([f.anchor for f in opt.fragments])
+    gathered = [torch.empty_like(anchors) for _ in range(world)]
+    dist.all_gather(gathered, anchors)
+    opt.close()
+    return logged, final.item(), all(torch.equal(gathered[0], g) for g in gathered)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_the_loops_own_collectives_during_a_delayed_exchange_neither_hang_nor_mix():
+    """With ``delay`` the exchange runs on a thread, on a communicator of its own
+    (``Backend.duplicate``): the loop's all-reduces on the same ranks meanwhile (logging, an
+    evaluation) used to interleave with it on the one group, and the job hung; now each gets
+    its own sums and the anchors agree."""
+    for logged, final, anchors_equal in run_ranks(_loop_collectives, 2, timeout=90):
+        assert logged == [1.0] * (3 * H) and final == 2.0 and anchors_equal

@@ -162,3 +162,33 @@ def test_auto_link_falls_back_to_the_model_and_says_why(monkeypatch, capsys):
     assert cfg["link_model_reason"] == "user namespaces are off"
     assert cli._where(cfg).startswith("MODELLED 100 Mbit/s link")
     assert "MODELLED instead" in capsys.readouterr().err
+
+
+@pytest.mark.multiprocess
+def test_diloco_methods_beside_the_plain_reference(tmp_path):
+    """The benchmark's DiLoCo methods: ours at fp32 trains as DiLoCo written plainly (fp32
+    all_reduce, torch's Nesterov SGD) on the same tokens, and sends the same bytes, only at the
+    synchronisations; the 1-bit exchange sends a small fraction of them; streamed (fragments,
+    delay) the bytes are spread over more steps."""
+    def run(name, *extra):
+        cmd = [sys.executable, "-P", TRAIN, "--model", "tiny", "--launch", "2", "--methods",
+               "diloco_fp32,diloco_reference,diloco_1bit", "--steps", "8", "--sync-every", "4", "--batch", "2",
+               "--seq-len", "16", "--eval-sequences", "8", "--method-timeout", "90", "--out-dir", str(tmp_path),
+               "--name", name, *extra]
+        done = subprocess.run(cmd, cwd=str(tmp_path), env=child_env(), capture_output=True, text=True, timeout=150)
+        path = tmp_path / f"{name}.json"
+        assert path.exists(), done.stdout + done.stderr
+        methods = {m["spec"]: m for m in json.loads(path.read_text())["methods"]}
+        assert all(m["status"] == "ok" for m in methods.values()), done.stdout + done.stderr
+        return {spec: m["result"] for spec, m in methods.items()}
+
+    plain = run("diloco")
+    ours, ref, onebit = plain["diloco_fp32"], plain["diloco_reference"], plain["diloco_1bit"]
+    assert ours["curve"]["loss"] == pytest.approx(ref["curve"]["loss"], rel=1e-5)
+    assert ours["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-5)
+    synced = [i for i, b in enumerate(ref["curve"]["bytes"]) if b > 0]
+    assert synced == [3, 7] and [i for i, b in enumerate(ours["curve"]["bytes"]) if b > 0] == synced
+    assert sum(ours["curve"]["bytes"]) == pytest.approx(sum(ref["curve"]["bytes"]), rel=0.01)
+    assert 0 < sum(onebit["curve"]["bytes"]) < sum(ours["curve"]["bytes"]) / 10
+    streamed = run("streamed", "--fragments", "2", "--delay", "1")["diloco_fp32"]
+    assert len([b for b in streamed["curve"]["bytes"] if b > 0]) > len(synced)

@@ -45,6 +45,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=200, help="training steps, the same for every method (default 200)")
     p.add_argument("--freeze-step", type=int, help="warmup steps of ours and PowerSGD's start (default steps/4)")
     p.add_argument("--sync-every", type=int, default=30, help="DiLoCo's inner steps per round (default 30)")
+    p.add_argument("--fragments", type=int, default=1,
+                   help="DiLoCo's fragments, each synchronised on its own staggered schedule (default 1)")
+    p.add_argument("--delay", type=int, default=0,
+                   help="DiLoCo's delay: inner steps each exchange overlaps before it lands (default 0)")
+    p.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer learning rate (default 0.7)")
+    p.add_argument("--outer-momentum", type=float, default=0.9, help="DiLoCo's outer Nesterov momentum (default 0.9)")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
     p.add_argument("--lamb-lr", type=float, default=1e-2,
                    help="peak learning rate of onebit_lamb (default 1e-2: LAMB's trust ratio scales each layer's "
@@ -142,6 +148,10 @@ def make_config(args) -> dict:
         "steps": args.steps,
         "freeze_step": freeze,
         "sync_every": args.sync_every,
+        "fragments": args.fragments,
+        "delay": args.delay,
+        "outer_lr": args.outer_lr,
+        "outer_momentum": args.outer_momentum,
         "lr": args.lr,
         "lamb_lr": args.lamb_lr,
         "lr_warmup": args.lr_warmup if args.lr_warmup is not None else max(1, args.steps // 10),

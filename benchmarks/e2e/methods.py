@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 
 from .instrument import RECORDER, OurTiming, install_counting_dist, timed_hook
+from .plain_diloco import PlainDiLoCo
 
 #: every AdamW baseline is torch's fused AdamW where torch has it for the device (what users and the
 #: frameworks pick: transformers' Trainer defaults to it), else its default; the result says which
@@ -22,6 +23,7 @@ METHODS = {
     "local_adamw": "AdamW, no communication (each rank alone: the compute floor, not data parallel)",
     "diloco_fp32": "DiLoCo around fused AdamW, fp32 pseudo-gradients every --sync-every steps",
     "diloco_1bit": "DiLoCo around fused AdamW, 1-bit pseudo-gradients with error feedback every --sync-every steps",
+    "diloco_reference": "DiLoCo written plainly (fp32 all_reduce, Nesterov SGD; benchmarks/e2e/plain_diloco.py)",
 }
 OURS = ("onebit_adam", "onebit_lamb", "zero_one_adam")
 DEFAULT_METHODS = ("ddp_adamw", "ddp_fp16", "ddp_powersgd", "ddp_powersgd+serial", "onebit_adam", "onebit_lamb",
@@ -135,11 +137,16 @@ def build(method: dict, model: nn.Module, cfg: dict, device: torch.device, timin
     if name == "local_adamw":  # the floor of any method's step: the same work with nothing exchanged
         opt, fused = adamw(model.parameters(), hp)
         return model, opt, lambda: "full", lambda: 0, {"ddp": False, "adamw_fused": fused}
+    if name == "diloco_reference":  # the plain reference, beside ours
+        inner, fused = adamw(model.parameters(), hp)
+        opt = PlainDiLoCo(model.parameters(), inner, cfg["sync_every"], cfg["outer_lr"], cfg["outer_momentum"])
+        return model, opt, lambda: "full", lambda: opt.bytes_sent, {"ddp": False, "adamw_fused": fused}
     if name.startswith("diloco_"):  # rounds of sync_every inner steps; the loop's lr schedule drives the inner AdamW
         backend = compressed_opt.get_backend("torch")
         inner, fused = adamw(model.parameters(), hp)
         opt = compressed_opt.DiLoCo(model.parameters(), inner, sync_every=cfg["sync_every"],
-                                    compression=name.split("_")[1], backend=backend)
+                                    compression=name.split("_")[1], backend=backend, fragments=cfg["fragments"],
+                                    delay=cfg["delay"], outer_lr=cfg["outer_lr"], outer_momentum=cfg["outer_momentum"])
         return model, opt, lambda: "full", lambda: backend.stats.total_bytes, {"ddp": False, "adamw_fused": fused}
     backend = compressed_opt.get_backend("torch")
     if timing is not None:
