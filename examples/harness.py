@@ -146,9 +146,10 @@ def parse_args(description: str) -> argparse.Namespace:
     return args
 
 
-def make_optimizer(args, params):
+def make_optimizer(args, params, **recipe):
     """The optimizer of ``--optimizer``: default arguments except ``lr`` and the freeze step,
-    e.g. ``compressed_opt.OnebitAdam(model.parameters(), lr=2e-3, freeze_step=50)``."""
+    e.g. ``compressed_opt.OnebitAdam(model.parameters(), lr=2e-3, freeze_step=50)``; ``recipe``:
+    more arguments of the compressed optimizers that a recipe needs (``backend=``...)."""
     import compressed_opt
 
     if args.param_groups == "decay":  # the transformers Trainer's split: no decay on biases and norms
@@ -158,6 +159,7 @@ def make_optimizer(args, params):
     extra = {"overlap": False} if args.compat == "no-overlap" and args.optimizer != "adamw" else {}
     if args.path is not None and args.optimizer != "adamw":
         extra["path"] = args.path
+    extra.update(recipe)
     if args.optimizer == "adamw":
         return torch.optim.AdamW(params, lr=args.lr)
     if args.optimizer == "onebitadam":
