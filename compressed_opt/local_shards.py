@@ -22,6 +22,8 @@ finds). What it refuses, and why, is in :meth:`LocalShards.check_backend` and
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 
@@ -82,6 +84,8 @@ class LocalShards:
             shard = torch.nn.Parameter(local, requires_grad=p.requires_grad)
             self.pairs.append((p, shard))
             self._dtensor_of[id(shard)] = p
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(_binder(weakref.ref(self), shard))
             group = mesh.get_group(dim)
             self._mesh_ranks.update(dist.get_process_group_ranks(group))
             if isinstance(p.placements[dim], Shard) and mesh.size(dim) > 1:
@@ -198,6 +202,24 @@ class LocalShards:
                 "TorchBackend(group=mesh['replicate'].get_group()) (tensor parallelism: the data-parallel group)"
             )
 
+    def bind_one(self, p, shard) -> None:
+        """``shard.grad`` <- the local tensor of ``p.grad`` (reduced first where ``Partial``), as soon
+        as autograd has accumulated it (tensor parallelism: during backward). The optimizer's plain
+        parameters are averaged over the replicas at the end of backward in a full-precision step
+        (overlap, as DDP): the shards' buckets are averaged then too, so their gradients must be
+        there; else each replica kept its own gradient on the DTensor parameters while the
+        average went nowhere, and the replicas drifted apart from step 1. (FSDP assigns its
+        gradients itself at the end of backward: :meth:`bind_grads`, in ``step()``.)"""
+        with torch.no_grad():
+            local = p.to_local()
+            if local.shape != shard.shape or (local.numel() and local.data_ptr() != shard.data_ptr()):
+                return  # (moved: bind_grads refuses it in step())
+            g = p.grad
+            if any(isinstance(pl, Partial) for pl in g.placements):
+                g = g.redistribute(g.device_mesh, [Replicate() if isinstance(pl, Partial) else pl
+                                                   for pl in g.placements])
+            shard.grad = g.to_local()
+
     def bind_grads(self, scaled: bool = False) -> None:
         """Each shard parameter's ``.grad`` <- its DTensor's gradient's local tensor (its
         ``requires_grad`` follows the DTensor's). Refuses a parameter whose local memory FSDP
@@ -246,3 +268,13 @@ class LocalShards:
                 p.grad = None
             else:
                 p.grad.zero_()
+
+
+def _binder(owner: weakref.ref, shard):
+    """The gradient hook of one DTensor parameter (:meth:`LocalShards.bind_one`); it holds its
+    :class:`LocalShards` weakly: a dropped optimizer's hooks do nothing."""
+    def hook(p):
+        shards = owner()
+        if shards is not None and p.grad is not None:
+            shards.bind_one(p, shard)
+    return hook

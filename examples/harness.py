@@ -146,9 +146,10 @@ def parse_args(description: str) -> argparse.Namespace:
     return args
 
 
-def make_optimizer(args, params):
+def make_optimizer(args, params, **recipe):
     """The optimizer of ``--optimizer``: default arguments except ``lr`` and the freeze step,
-    e.g. ``compressed_opt.OnebitAdam(model.parameters(), lr=2e-3, freeze_step=50)``."""
+    e.g. ``compressed_opt.OnebitAdam(model.parameters(), lr=2e-3, freeze_step=50)``; ``recipe``:
+    more arguments of the compressed optimizers that a recipe needs (``backend=``...)."""
     import compressed_opt
 
     if args.param_groups == "decay":  # the transformers Trainer's split: no decay on biases and norms
@@ -158,6 +159,7 @@ def make_optimizer(args, params):
     extra = {"overlap": False} if args.compat == "no-overlap" and args.optimizer != "adamw" else {}
     if args.path is not None and args.optimizer != "adamw":
         extra["path"] = args.path
+    extra.update(recipe)
     if args.optimizer == "adamw":
         return torch.optim.AdamW(params, lr=args.lr)
     if args.optimizer == "onebitadam":
@@ -379,6 +381,85 @@ def _stages(per_step, freeze) -> dict:
             "compression": _mean(per_step[freeze:])}
 
 
+# --- the sharded recipes (accelerate_fsdp2.py, lightning_model_parallel.py) ------------------------------
+def accelerate_fsdp_on_cpu():
+    """Not part of the recipe: lets accelerate's FSDP2 plugin run on CPU ranks (Gloo), for the tests.
+    accelerate 1.15 turns its FSDP plugin on only for accelerator devices (``AcceleratorState``
+    switches to ``DistributedType.FSDP`` from ``MULTI_GPU``, ``MULTI_XPU``..., never from
+    ``MULTI_CPU``; ``ParallelismConfig`` then refuses the run). This starts accelerate's
+    ``PartialState`` on CPU and shows it as ``MULTI_GPU`` to the ``Accelerator(...)`` made inside the
+    returned context, which then records ``FSDP`` for both states (as on GPUs); the device stays the
+    CPU. On GPUs, make the ``Accelerator`` without it."""
+    import contextlib
+
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    @contextlib.contextmanager
+    def shown_as_multi_gpu():
+        state = PartialState(cpu=True)
+        if state.distributed_type != DistributedType.MULTI_CPU:
+            yield
+            return
+        PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
+        try:
+            yield  # (AcceleratorState ends by copying its FSDP type to PartialState)
+        except BaseException:
+            PartialState._shared_state["distributed_type"] = DistributedType.MULTI_CPU
+            raise
+        if PartialState._shared_state["distributed_type"] != DistributedType.FSDP:
+            raise RuntimeError("accelerate_fsdp_on_cpu: make Accelerator(fsdp_plugin=...) inside the context")
+
+    return shown_as_multi_gpu()
+
+
+def local_sha256(params) -> str:
+    """sha256 of this rank's local tensors of ``params`` (DTensors: their local shard), in order."""
+    h = hashlib.sha256()
+    for p in params:
+        t = p.to_local() if hasattr(p, "to_local") else p
+        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def sharded_result(args, framework: str, losses: list[float], params, place: int, replicas: int,
+                   optimizer=None) -> dict | None:
+    """The ``--out`` JSON of a sharded recipe, gathered from every rank; rank 0 writes it.
+    ``place``: this rank's coordinate in the dimensions that split the model (its shard or tp
+    rank): ranks of one place are replicas of each other and must hold the same bits.
+    ``losses``: this rank's own loss per step (the JSON has their mean over ranks);
+    ``optimizer``: the compressed one (``comm_stats()``), ``None`` for the AdamW baseline."""
+    import torch.distributed as dist
+
+    stats = optimizer.comm_stats().as_dict() if optimizer is not None else None
+    mine = {"rank": dist.get_rank(), "place": place, "sha": local_sha256(params), "losses": losses, "stats": stats}
+    from compressed_opt.comm import TorchBackend  # (as Meter.finish: torch's own can abort the exit)
+
+    everyone = TorchBackend().all_gather_object(mine)
+    if dist.get_rank() != 0:
+        return None
+    by_place: dict[int, set] = {}
+    for r in everyone:
+        by_place.setdefault(r["place"], set()).add(r["sha"])
+    mean = [sum(v) / len(v) for v in zip(*(r["losses"] for r in everyone))]
+    result = {
+        "framework": framework, "optimizer": args.optimizer, "steps": len(mean), "freeze_step": args.freeze_step,
+        "resumed_at": args.save_at if args.resume else 0, "world_size": len(everyone), "replicas": replicas,
+        "loss": mean, "losses_finite": bool(mean) and all(math.isfinite(v) for v in mean),
+        "ranks": [{k: r[k] for k in ("rank", "place", "sha")} for r in everyone],
+        "replicas_identical": all(len(s) == 1 for s in by_place.values()) and len(by_place) * replicas == len(everyone),
+        "comm_stats": [r["stats"] for r in everyone],
+    }
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    ratio = stats["compression_ratio"] if stats else None
+    print(f"[{framework}/{args.optimizer}] steps {len(mean)}, final loss {mean[-1] if mean else float('nan'):.4f}, "
+          f"replicas identical {result['replicas_identical']}, compression ratio vs fp32 {ratio}", flush=True)
+    return result
+
+
 # --- launching an example (tests/test_integrations.py, benchmarks/integrations.py) --------------------
 EXAMPLES_DIR = os.path.dirname(os.path.abspath(__file__))
 SCRIPTS = ("hf_trainer", "lightning_ddp", "accelerate_loop")
@@ -388,6 +469,9 @@ LAUNCHERS = {
     "hf_trainer": _TORCHRUN,
     "accelerate_loop": _TORCHRUN,
     "lightning_ddp": [sys.executable],  # pl.Trainer(devices=2) starts the second rank itself
+    # the sharded recipes, on 4 ranks: 2 replicas x 2 shards (accelerate), 2 replicas x tp 2 (Lightning)
+    "accelerate_fsdp2": _TORCHRUN[:-1] + ["4"],
+    "lightning_model_parallel": [sys.executable],  # pl.Trainer(devices=4) starts the other ranks itself
 }
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
                   "MASTER_PORT", "TORCHELASTIC_RUN_ID", "NODE_RANK", "CO_WIRE_IFACE")
@@ -410,8 +494,9 @@ def private_netns() -> list[str] | None:
 def launch(script: str, optimizer: str, *, steps: int, freeze: int, seed: int, out: str, compat: str = "none",
            timeout: float = 240, netns: list[str] | None = None, env: dict | None = None,
            cwd: str | None = None, extra: tuple[str, ...] = ()) -> dict:
-    """Run ``examples/<script>.py`` on 2 ranks as users launch it, in its own session (a job past
-    ``timeout`` is killed whole); ``extra``: more of its arguments (``--bf16``, ``--save-at``...).
+    """Run ``examples/<script>.py`` as users launch it (:data:`LAUNCHERS`: 2 ranks, 4 for the sharded
+    recipes), in its own session (a job past ``timeout`` is killed whole); ``extra``: more of its
+    arguments (``--bf16``, ``--save-at``...).
     ``{"returncode", "timed_out", "output", "seconds", "result"}``; ``result`` is the ``--out``
     JSON (``None`` if it was not written)."""
     cmd = LAUNCHERS[script] + [

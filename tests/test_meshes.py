@@ -178,3 +178,43 @@ def test_partial_gradients_of_a_sequence_parallel_plan_are_reduced_over_their_me
     for rank, r in enumerate(run_ranks(_sequence_parallel, 4, timeout=240)):
         assert r["partial"] == "(Partial(sum),)", (rank, r)
         assert r["compressing"] and r["gap"] < 1e-5 and r["norm_copies"], (rank, r)
+
+
+def _plain_beside_tensor_parallel(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    import compressed_opt
+
+    warnings.simplefilter("ignore")
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp = mesh["dp"].get_group()
+    torch.manual_seed(0)  # a plain layer (an embedding, a norm: what a tp plan leaves) before the tp ones
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 6))
+    parallelize_module(model, mesh["tp"], {"2": ColwiseParallel(), "4": RowwiseParallel()})
+    opt = compressed_opt.OnebitAdam(model.parameters(), lr=1e-2, freeze_step=3, backend=mesh["dp"])
+    averaged, replicas = [], []
+    for step in range(1, 7):
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(100 * step + mesh.get_coordinate()[0]))
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        if not opt.compressing:  # a full-precision step: every p.grad the replicas' average after backward
+            averaged.append(_equal_over(dp, [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                                             for p in model.parameters()]))
+        opt.step()
+        replicas.append(_equal_over(dp, [p.to_local().detach() if hasattr(p, "to_local") else p.detach()
+                                         for p in model.parameters()]))
+    out = dict(averaged=averaged, replicas=replicas, compressing=opt.compressing)
+    opt.close()
+    return out
+
+
+def test_plain_parameters_beside_tensor_parallel_ones_keep_the_replicas_equal():
+    """A tp plan leaves some layers plain (embeddings, norms): their gradients are averaged over dp
+    at the end of backward (overlap), and the DTensor parameters' buckets with them, so their
+    gradients must be the shards' by then (they were bound only in ``step()``: each replica kept
+    its own gradient on the tp layers and the replicas drifted apart from step 1)."""
+    for out in run_ranks(_plain_beside_tensor_parallel, 4, timeout=120):
+        assert out["compressing"]
+        assert out["averaged"] == [True] * 3, out
+        assert out["replicas"] == [True] * 6, out
