@@ -147,7 +147,8 @@ def build(method: dict, model: nn.Module, cfg: dict, device: torch.device, timin
         opt = compressed_opt.DiLoCo(model.parameters(), inner, sync_every=cfg["sync_every"],
                                     compression=name.split("_")[1], backend=backend, fragments=cfg["fragments"],
                                     delay=cfg["delay"], outer_lr=cfg["outer_lr"], outer_momentum=cfg["outer_momentum"])
-        return model, opt, lambda: "full", lambda: backend.stats.total_bytes, {"ddp": False, "adamw_fused": fused}
+        # (opt.backend: with a delay, DiLoCo's duplicate of the backend given, a communicator of its own)
+        return model, opt, lambda: "full", lambda: opt.backend.stats.total_bytes, {"ddp": False, "adamw_fused": fused}
     backend = compressed_opt.get_backend("torch")
     if timing is not None:
         backend = timing.wrap(backend)  # counts bytes in the wrapped backend's stats
