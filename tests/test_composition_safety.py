@@ -99,3 +99,34 @@ def test_a_ddp_group_other_than_the_backends_raises_on_every_rank(backend_groups
         assert status == "ok", message
         assert "TorchBackend(group=" in message, message
         assert ("ranks" in message) if backend_groups == "other" else ("4" in message and "2 ranks" in message)
+
+
+def _swapped(rank, world):
+    """As accelerate's ``prepare`` under FSDP2: the optimizer made from the plain model, then the
+    model sharded and its DTensor parameters put into ``optimizer.param_groups``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    opt = OnebitAdam(model.parameters(), freeze_step=2)
+    fully_shard(model, mesh=mesh["shard"])
+    opt.param_groups[0]["params"] = list(model.parameters())
+    opt.zero_grad()
+    model(torch.randn(3, 4)).sum().backward()
+    try:
+        opt.step()
+    except TypeError as exc:
+        return str(exc)
+    return "stepped"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_dtensor_parameters_put_into_the_groups_after_the_optimizer_was_made_are_refused_clearly():
+    """accelerate's FSDP2 prepare swaps the parameters of an optimizer made before it; the first
+    ``step()`` used to fail inside DTensor (``c10d.broadcast_ ... no sharding strategy``), and now
+    says what happened and what to do, on every rank."""
+    for status, out in spawn_ranks(_swapped, 2, timeout=90):
+        assert status == "ok", out
+        assert "DTensor parameters it was not made with" in out and "make it from the sharded model" in out, out
