@@ -36,6 +36,7 @@ from .hierarchical import (  # noqa: F401
     hierarchical_error_buffer_sizes,
     hierarchical_wire_bytes,
 )
+from . import quantized  # noqa: F401  (the 4-bit allreduce, DiLoCo's compression="4bit")
 from .observe import add_observer, observing, remove_observer  # noqa: F401
 from .select import get_backend, resolve_backend  # noqa: F401
 from .topology import RANKS_PER_NODE_ENV, NodeBackends, NodeLayout, discover_layout, node_backends  # noqa: F401

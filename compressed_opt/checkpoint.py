@@ -31,7 +31,6 @@ import copy
 import hashlib
 import numbers
 import struct
-import sys
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -164,42 +163,6 @@ def _counters(extra: Mapping) -> dict:
         k: v for k, v in extra.items()
         if k not in _PER_RANK and k not in ("global_step", "frozen") and isinstance(v, (int, str, type(None)))
     }
-
-
-# --- torch's distributed state-dict functions ---------------------------------------------------------
-#: the module of ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` (and ``get_state_dict``...)
-_TORCH_STATE_DICT_API = "torch.distributed.checkpoint.state_dict"
-
-
-def refuse_torch_state_dict_api(optimizer_name: str, only_in: str | None = None) -> None:
-    """Raise, naming what to use instead, where the caller (within a few frames) is torch's
-    ``torch.distributed.checkpoint.state_dict`` (its function ``only_in``, where given).
-
-    Those functions keep an optimizer state dict's ``state`` and ``param_groups`` only, and map
-    them to parameter names through the model's own parameters. A compressed optimizer's state
-    dict holds more (this rank's error-feedback buffers, ZeRO's shards, the stage and its
-    counters, in ``"compressed_opt"``), and with DTensor parameters its ``param_groups`` hold the
-    local shards it steps, which the model does not name. Through them the save succeeded and
-    only the resume failed (or, on a fresh optimizer, torch's initialising ``step()`` with zero
-    gradients advanced the step counter). Refusing where they call makes the first save fail,
-    with the fix, instead of the resume. A load through them of a whole state dict of ours (its
-    ``"compressed_opt"`` entry kept) still works: torch passes it on as it is. The check reads
-    frame globals only: no cost that matters on the paths that call it (``state_dict()``, and a
-    first ``step()`` with no state)."""
-    frame = sys._getframe(1)
-    for _ in range(12):  # (step() is reached through torch.optim's and torch's decorators)
-        if frame is None:
-            return
-        if frame.f_globals.get("__name__") == _TORCH_STATE_DICT_API and only_in in (None, frame.f_code.co_name):
-            raise CheckpointError(
-                f"{optimizer_name}: torch.distributed.checkpoint.state_dict's get_optimizer_state_dict / "
-                "set_optimizer_state_dict (get_state_dict, set_state_dict) would keep only 'state' and "
-                f"'param_groups' of a {optimizer_name}'s state: this rank's error-feedback buffers, the stage "
-                "and its counters would be lost, and the resume refused. Save and load it with "
-                "compressed_opt.dcp.OptimizerState(optimizer) in dcp.save / dcp.load (docs/guarantees.md, "
-                "'torch.distributed.checkpoint (DCP)'), beside the model's state dict"
-            )
-        frame = frame.f_back
 
 
 # --- the local checks ------------------------------------------------------------------------------

@@ -8,9 +8,12 @@ fragment of the parameters (docs/design.md 7):
 
 * the pseudo-gradient ``d_r = A - theta_r`` (this rank's parameters; under FSDP2, its shard);
 * the exchange ``D = mean_r C(d_r + e_r)``, ``e_r <- d_r + e_r - C(d_r + e_r)``: ``C`` the identity
-  for ``"fp32"``, a bf16 rounding for ``"bf16"``, and for ``"1bit"`` the block-scaled sign of the
+  for ``"fp32"``, a bf16 rounding for ``"bf16"``, for ``"1bit"`` the block-scaled sign of the
   library's compressed allreduce with its worker and server errors (the engine's exchange, as the
-  1-bit optimizers' momentum: :meth:`compressed_opt.engine.GradientSync.run`);
+  1-bit optimizers' momentum: :meth:`compressed_opt.engine.GradientSync.run`), and for ``"4bit"``
+  block-scaled 4-bit codes in the same two stages (:mod:`compressed_opt.comm.quantized`: 8x fewer
+  bytes than fp32 where 1-bit sends 32x fewer, and fp32's loss where 1-bit's is above it,
+  docs/benchmarks.md);
 * the outer step, Nesterov SGD: ``u <- mu u + D``; ``A <- A - lr (D + mu u)`` (``A <- A - lr u``
   without Nesterov), DiLoCo's defaults ``lr = 0.7``, ``mu = 0.9``;
 * every replica sets ``theta <- A`` and runs the next round; the inner optimizer keeps its state.
@@ -47,15 +50,15 @@ from dataclasses import dataclass
 
 import torch
 
-from compressed_opt.comm import DEFAULT_BLOCK, resolve_backend
+from compressed_opt.comm import DEFAULT_BLOCK, quantized, resolve_backend
 
 from .agreement import RankAgreement, hyperparameter_hash
 from .engine import GradientSync
 from .exchange import ErrorFeedback, Request
 from .local_shards import LocalShards
-from .validation import check_choice
+from .validation import check_choice, check_scale_block
 
-COMPRESSIONS = ("fp32", "bf16", "1bit")
+COMPRESSIONS = ("fp32", "bf16", "4bit", "1bit")
 #: the state-dict format of :meth:`DiLoCo.state_dict` (``"diloco"`` entry)
 FORMAT = 1
 
@@ -97,8 +100,8 @@ class DiLoCo(torch.optim.Optimizer):
         sync_every: ``H``, the inner steps per round.
         outer_lr, outer_momentum, nesterov: the outer Nesterov SGD (param group keys ``lr``,
             ``momentum``, ``nesterov``: a scheduler on this optimizer schedules the outer lr).
-        compression: the pseudo-gradient's exchange, ``"fp32"``, ``"bf16"`` or ``"1bit"`` (sign with
-            block scales and error feedback).
+        compression: the pseudo-gradient's exchange, ``"fp32"``, ``"bf16"``, ``"4bit"`` or
+            ``"1bit"`` (4-bit codes or signs, with block scales and error feedback).
         fragments: ``K``, fragments synchronised on staggered schedules (at most ``sync_every``).
         delay: ``tau``, inner steps each exchange overlaps before its result lands (less than
             ``sync_every``).
@@ -148,6 +151,7 @@ class DiLoCo(torch.optim.Optimizer):
         if delay > 0:  # the exchange runs on a thread: a communicator of its own, so that the loop's
             self.backend = self.backend.duplicate()  # collectives on the same ranks never interleave with it
         self.agreement = RankAgreement(self.backend, "DiLoCo")
+        self.scale_block = check_scale_block(scale_block)
         #: the 1-bit exchange (and, for "fp32", the exact average) with the library's paths and error feedback
         self.engine = GradientSync("DiLoCo", self.param_groups, self.backend, None, LocalShards("DiLoCo"),
                                    bucket_cap_bytes=int(bucket_cap_mb * 2**20), overlap=False, accumulation_steps=1,
@@ -218,7 +222,9 @@ class DiLoCo(torch.optim.Optimizer):
             anchor = f.anchor if f.anchor.device == f.delta.device else f.anchor.to(f.delta.device)
             torch.sub(anchor, f.delta, out=f.delta)
         f.launched_at = t
-        hyper = hyperparameter_hash(self.param_groups, ("lr", "momentum", "nesterov"))
+        # (the exchange's kind too: replicas with other compressions would send collectives of other sizes)
+        hyper = hyperparameter_hash(self.param_groups, ("lr", "momentum", "nesterov")) ^ COMPRESSIONS.index(
+            self.compression)
         if self.delay == 0:
             f.pending = Future()
             f.pending.set_result(self._exchange(f, t, hyper))
@@ -233,7 +239,14 @@ class DiLoCo(torch.optim.Optimizer):
         before = stats.total
         self.agreement.round(t, f.index, f.numel, hyper, f.delta.device)
         if self.backend.world_size > 1 and f.numel:
-            if self.compression == "bf16":
+            if self.compression == "4bit":
+                fb = f.feedback
+                if fb.worker_error is None:  # (made at the first exchange, kept in checkpoints)
+                    sizes = quantized.error_sizes(f.numel, self.backend.world_size, self.scale_block)
+                    fb.worker_error, fb.server_error = (f.delta.new_zeros(n) for n in sizes)
+                quantized.quantized_allreduce(f.delta, fb.worker_error, fb.server_error, self.backend,
+                                              self.scale_block)
+            elif self.compression == "bf16":
                 low = f.delta.to(torch.bfloat16)
                 self.backend.all_reduce(low)
                 f.delta.copy_(low).div_(self.backend.world_size)
@@ -341,7 +354,7 @@ class DiLoCo(torch.optim.Optimizer):
         super().load_state_dict({k: v for k, v in state_dict.items() if k not in ("inner", "diloco")})
         self.inner.load_state_dict(state_dict["inner"])
         same_world = extra["world_size"] == self.backend.world_size
-        if not same_world and self.compression == "1bit":
+        if not same_world and self.compression in ("1bit", "4bit"):
             warnings.warn(f"DiLoCo: the checkpoint was saved by {extra['world_size']} replicas, this run has "
                           f"{self.backend.world_size}: the error-feedback buffers start again from zero",
                           RuntimeWarning, stacklevel=2)

@@ -403,8 +403,6 @@ class CompressedOptimizer(Optimizer):
         engine, algorithm = self.engine, self._algorithm
         if engine.closed:
             raise RuntimeError(f"this {type(self).__name__} was closed; make a new optimizer to keep training")
-        if not self.state and engine.global_step == 0:  # (torch's get_optimizer_state_dict steps a fresh one)
-            checkpoint.refuse_torch_state_dict_api(type(self).__name__, only_in="_get_optim_state_dict")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -461,7 +459,6 @@ class CompressedOptimizer(Optimizer):
         counters and this rank's error-feedback buffers (:mod:`compressed_opt.checkpoint`).
         State-dict pre hooks run first and post hooks last, on the whole dict (``"compressed_opt"``
         included), as ``torch.optim.Optimizer.state_dict`` runs them."""
-        checkpoint.refuse_torch_state_dict_api(type(self).__name__)
         post_hooks = self._optimizer_state_dict_post_hooks
         self._optimizer_state_dict_post_hooks = type(post_hooks)()  # run below, on the whole dict
         try:

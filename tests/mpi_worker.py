@@ -340,9 +340,9 @@ def case_onebit_adam(be):
 
 @case
 def case_diloco(be):
-    """DiLoCo on the MPI backend: with the 1-bit exchange the replicas are equal after every
-    synchronisation; streamed (fragments 2, delay 1: the exchange on its thread) the anchors are
-    equal on every rank and the loss falls."""
+    """DiLoCo on the MPI backend: with the 1-bit and the 4-bit exchanges the replicas are equal after
+    every synchronisation; streamed (fragments 2, delay 1: the exchange on its thread) the anchors
+    are equal on every rank and the loss falls."""
     from torch import nn
 
     from compressed_opt import DiLoCo
@@ -354,11 +354,11 @@ def case_diloco(be):
         be.all_gather(everyone, flat)
         return everyone.view(be.world_size, -1)
 
-    for fragments, delay in ((1, 0), (2, 1)):
+    for fragments, delay, compression in ((1, 0, "1bit"), (2, 1, "1bit"), (1, 0, "4bit")):
         torch.manual_seed(be.rank)  # (DiLoCo starts every replica from rank 0's parameters)
         model = mlp()
         opt = DiLoCo(model.parameters(), torch.optim.AdamW(model.parameters(), lr=1e-2), sync_every=4,
-                     fragments=fragments, delay=delay, backend=be)
+                     fragments=fragments, delay=delay, backend=be, compression=compression)
         losses = []
         for s, (x, y) in enumerate(gaussian_batches(be.rank, be.world_size, 16)):
             opt.zero_grad()
@@ -368,7 +368,8 @@ def case_diloco(be):
             losses.append(loss.item())
             if delay == 0 and (s + 1) % 4 == 0:
                 flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-                expect(all(torch.equal(c, flat) for c in gathered(flat)), f"replicas differ after step {s + 1}")
+                expect(all(torch.equal(c, flat) for c in gathered(flat)),
+                       f"{compression}: replicas differ after step {s + 1}")
         opt.synchronize()
         anchors = torch.cat([f.anchor for f in opt.fragments])
         expect(all(torch.equal(c, anchors) for c in gathered(anchors)), f"anchors differ ({fragments}, {delay})")

@@ -1,9 +1,9 @@
 """torch.distributed.checkpoint (DCP): a resume through ``compressed_opt.dcp.OptimizerState`` is
 bit-identical to the uninterrupted run, in fresh processes, for every optimizer (and ZeRO); a state
 that lost per-parameter fields on the way (DCP with torch's functions and the optimizer's own state
-dict as the template, or put back by hand) is refused, never resumed with defaults; torch's own
-get/set_optimizer_state_dict are refused where they are called; state keyed by parameter name is
-accepted, as torch.optim accepts it."""
+dict as the template, or put back by hand) is refused, never resumed with defaults (so is a round
+trip through torch's get/set_optimizer_state_dict); state keyed by parameter name is accepted, as
+torch.optim accepts it."""
 from __future__ import annotations
 
 import os
@@ -143,32 +143,19 @@ def test_a_compression_stage_state_that_lost_fields_is_refused(name):
 
 
 @pytest.mark.parametrize("flatten", [False, True])
-def test_torch_get_optimizer_state_dict_is_refused_at_the_save(flatten):
-    """torch's own functions keep only ``state`` and ``param_groups``: the save raises, naming
-    ``OptimizerState`` (it used to succeed and lose the error buffers and the stage, which only the
-    resume found out), and the optimizer is left as it was."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+def test_torch_get_optimizer_state_dict_round_trip_is_refused_not_resumed(flatten):
+    """torch's own functions drop the ``compressed_opt`` entry: the load raises (and says what to
+    use), nothing is resumed with defaults, flattened or not."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
 
-    model, opt = _compressing("OnebitAdam")
-    before = _tensors(model, opt)
     options = StateDictOptions(flatten_optimizer_state_dict=flatten)
-    with pytest.raises(ValueError, match="get_optimizer_state_dict.*compressed_opt.dcp.OptimizerState"):
-        get_optimizer_state_dict(model, opt, options=options)
-    assert opt.global_step == SAVE_AT
-    assert all(torch.equal(a, b) for a, b in zip(before, _tensors(model, opt)))
-
-
-def test_torch_get_optimizer_state_dict_on_a_fresh_optimizer_is_refused_before_it_steps_it():
-    """On an optimizer with no state, torch's function first takes a ``step()`` with zero gradients
-    and lr 0 to make some; that step is refused, so the step counter and the parameters stay."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    model, opt = _make("OnebitAdam", seed=1)
-    weights = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(ValueError, match="compressed_opt.dcp.OptimizerState"):
-        get_optimizer_state_dict(model, opt)
-    assert opt.global_step == 0 and not opt.state
-    assert all(torch.equal(a, p) for a, p in zip(weights, model.parameters()))
+    model, opt = _compressing("OnebitAdam")
+    osd = get_optimizer_state_dict(model, opt, options=options)
+    assert "compressed_opt" not in osd
+    fresh_model, fresh = _make("OnebitAdam", seed=1)
+    with pytest.raises(ValueError, match="no 'compressed_opt' entry.*compressed_opt.dcp.OptimizerState"):
+        set_optimizer_state_dict(fresh_model, fresh, osd, options=options)
 
 
 def test_torch_set_optimizer_state_dict_of_a_whole_state_dict_of_ours_resumes():
@@ -189,33 +176,6 @@ def test_torch_set_optimizer_state_dict_of_a_whole_state_dict_of_ours_resumes():
         _train(model, opt, 0, range(SAVE_AT + 1, STEPS + 1))
         results.append(_tensors(model, opt))
     assert all(torch.equal(a, b) for a, b in zip(*results))
-
-
-def _fsdp_get_state_dict(rank, world):
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
-    model = nn.Sequential(nn.Linear(12, 24), nn.Tanh(), nn.Linear(24, 6))
-    fully_shard(model, mesh=mesh["shard"])  # (DTensor parameters: the optimizer steps their local shards)
-    opt = compressed_opt.OnebitAdam(model.parameters(), lr=1e-2, freeze_step=3, backend=mesh["replicate"])
-    _train(model, opt, rank, range(1, 3))
-    try:
-        get_optimizer_state_dict(model, opt)
-    except ValueError as error:
-        return str(error)
-    return "no error"
-
-
-@pytest.mark.multiprocess
-@pytest.mark.timeout(120)
-def test_torch_get_optimizer_state_dict_under_fsdp2_names_the_fix():
-    """With DTensor parameters torch's function failed inside itself (a ``KeyError``: the
-    optimizer's groups hold the local shards it steps); now the optimizer's own error says what to
-    use, on every rank."""
-    for message in run_ranks(_fsdp_get_state_dict, 2, timeout=100):
-        assert "compressed_opt.dcp.OptimizerState" in message, message
 
 
 @pytest.mark.parametrize("name", ["OnebitAdam", "ZeroOneAdam"])

@@ -99,11 +99,12 @@ def _train(rank, world, compression, fragments, delay, steps):
     return dict(equal=equal, losses=losses, stats=stats)
 
 
-@pytest.mark.parametrize("compression, least", [("fp32", 0.8), ("bf16", 1.6), ("1bit", 5.0)])
+@pytest.mark.parametrize("compression, least", [("fp32", 0.8), ("bf16", 1.6), ("4bit", 4.0), ("1bit", 5.0)])
 def test_replicas_are_equal_after_each_sync_and_send_far_fewer_bytes(compression, least):
     """Two replicas, rounds of ``H`` steps: equal parameters after every synchronisation, the loss
     falls, and the bytes per inner step are ``H`` times fewer than DDP's fp32 all-reduce or better
-    (fp32 ~H, bf16 ~2H, 1-bit ~10H on this 321-element model, whose scales and headers weigh)."""
+    (fp32 ~H, bf16 ~2H, 4-bit ~6H, 1-bit ~10H on this 321-element model, whose scales and headers
+    weigh)."""
     out = run_ranks(_train, 2, compression, 1, 0, 5 * H, timeout=90)
     for r in out:
         assert r["equal"] == [True] * 5

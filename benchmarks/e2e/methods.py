@@ -22,6 +22,7 @@ METHODS = {
     "zero_one_adam": "0/1 Adam",
     "local_adamw": "AdamW, no communication (each rank alone: the compute floor, not data parallel)",
     "diloco_fp32": "DiLoCo around fused AdamW, fp32 pseudo-gradients every --sync-every steps",
+    "diloco_4bit": "DiLoCo around fused AdamW, 4-bit pseudo-gradients with error feedback every --sync-every steps",
     "diloco_1bit": "DiLoCo around fused AdamW, 1-bit pseudo-gradients with error feedback every --sync-every steps",
     "diloco_reference": "DiLoCo written plainly (fp32 all_reduce, Nesterov SGD; benchmarks/e2e/plain_diloco.py)",
 }
