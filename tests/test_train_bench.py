@@ -169,7 +169,7 @@ def test_diloco_methods_beside_the_plain_reference(tmp_path):
     """The benchmark's DiLoCo methods: ours at fp32 trains as DiLoCo written plainly (fp32
     all_reduce, torch's Nesterov SGD) on the same tokens, and sends the same bytes, only at the
     synchronisations; the 1-bit exchange sends a small fraction of them; streamed (fragments,
-    delay) the bytes are spread over more steps."""
+    delay, on transformers' GPT-2) the bytes are spread over more steps."""
     def run(name, *extra):
         cmd = [sys.executable, "-P", TRAIN, "--model", "tiny", "--launch", "2", "--methods",
                "diloco_fp32,diloco_reference,diloco_1bit", "--steps", "8", "--sync-every", "4", "--batch", "2",
@@ -190,5 +190,7 @@ def test_diloco_methods_beside_the_plain_reference(tmp_path):
     assert synced == [3, 7] and [i for i, b in enumerate(ours["curve"]["bytes"]) if b > 0] == synced
     assert sum(ours["curve"]["bytes"]) == pytest.approx(sum(ref["curve"]["bytes"]), rel=0.01)
     assert 0 < sum(onebit["curve"]["bytes"]) < sum(ours["curve"]["bytes"]) / 10
-    streamed = run("streamed", "--fragments", "2", "--delay", "1")["diloco_fp32"]
+    # (and transformers' GPT-2 of the same sizes in place of the benchmark's GPT: --arch gpt2)
+    streamed = run("streamed", "--fragments", "2", "--delay", "1", "--arch", "gpt2")["diloco_fp32"]
     assert len([b for b in streamed["curve"]["bytes"] if b > 0]) > len(synced)
+    assert json.loads((tmp_path / "streamed.json").read_text())["config"]["arch"] == "gpt2"

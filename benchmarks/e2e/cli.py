@@ -20,7 +20,7 @@ from common import check_link_possible, slowlink
 
 from . import __doc__ as PACKAGE_DOC
 from .methods import DEFAULT_METHODS, METHODS, parse_spec
-from .model import PRESETS, ModelConfig, count_params
+from .model import ARCHS, PRESETS, ModelConfig, count_params
 from .report import compare, format_table, plot, write_json
 from .runner import Display, run_in_process, run_link, run_local, run_modelled, worker_main
 
@@ -36,6 +36,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 + " (ours may take +ddp, +overlap, +nooverlap, +flat, +node, +measure)")
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS), help="comma-separated (default: %(default)s)")
     p.add_argument("--model", choices=sorted(PRESETS), default="tiny", help="model preset (default tiny)")
+    p.add_argument("--arch", choices=sorted(ARCHS), default="gpt",
+                   help="gpt: the benchmark's own GPT (default); gpt2: transformers' GPT2LMHeadModel of the same sizes")
     p.add_argument("--layers", type=int, help="override the preset's layers")
     p.add_argument("--width", type=int, help="override the preset's width (d_model)")
     p.add_argument("--heads", type=int, help="override the preset's attention heads")
@@ -142,7 +144,9 @@ def make_config(args) -> dict:
     return {
         "model": dataclasses.asdict(model),
         "model_preset": args.model,
-        "params": count_params(model),
+        "arch": args.arch,
+        "params": (count_params(model) if args.arch == "gpt"
+                   else sum(p.numel() for p in ARCHS[args.arch](model).parameters())),
         "seq_len": seq_len,
         "batch": args.batch,
         "steps": args.steps,
@@ -261,7 +265,8 @@ def main(argv=None) -> int:
     display = Display(enabled=not args.quiet)
     where = cfg["where"] = _where(cfg)
     model = cfg["model"]
-    header = (f"# {PROG}: {cfg['params'] / 1e6:.2f}M-parameter GPT ({model['n_layers']} layers, width "
+    arch = "GPT-2 (transformers)" if cfg.get("arch") == "gpt2" else "GPT"
+    header = (f"# {PROG}: {cfg['params'] / 1e6:.2f}M-parameter {arch} ({model['n_layers']} layers, width "
               f"{model['d_model']}, {model['n_heads']} heads), batch {cfg['batch']} x {cfg['seq_len']} bytes per rank, "
               f"{cfg['steps']} steps (warmup {cfg['freeze_step']}), {where}, {cfg['device']}, "
               f"{cfg['threads']} thread(s) per rank")

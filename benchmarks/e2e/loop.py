@@ -21,7 +21,7 @@ from common import sync
 from .data import Batches, load_corpus
 from .instrument import RECORDER, OurTiming, union_length
 from .methods import METHODS, OURS, build, lr_at
-from .model import ModelConfig, TinyGPT
+from .model import ARCHS, ModelConfig
 
 
 class _WireCounter:
@@ -113,7 +113,7 @@ def train_method(method: dict, cfg: dict, device: torch.device, progress_path: s
     rank, world = dist.get_rank(), dist.get_world_size()
     mcfg = ModelConfig(**cfg["model"])
     torch.manual_seed(cfg["seed"])
-    model = TinyGPT(mcfg).to(device)
+    model = ARCHS[cfg.get("arch", "gpt")](mcfg).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     data = Batches(load_corpus(cfg.get("corpus")), cfg["seq_len"], cfg["batch"], rank, world, cfg["seed"])
     breakdown = cfg["breakdown"]

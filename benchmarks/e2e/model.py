@@ -1,4 +1,5 @@
-"""The benchmark's model: a GPT-style byte-level causal language model, in two presets."""
+"""The benchmark's model: a GPT-style byte-level causal language model, in two presets; or, with
+``--arch gpt2``, transformers' GPT-2 of the same sizes."""
 from __future__ import annotations
 
 import dataclasses
@@ -73,6 +74,29 @@ class TinyGPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln(x))
+
+
+class HFGPT2(nn.Module):
+    """transformers' ``GPT2LMHeadModel`` from a ``GPT2Config`` of the same sizes (byte vocabulary,
+    tied embeddings, its own initialisation), returning the logits as :class:`TinyGPT` does:
+    ``--arch gpt2`` (transformers is imported here only)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        try:
+            from transformers import GPT2Config, GPT2LMHeadModel
+        except ImportError as exc:  # pragma: no cover - the dev extra installs it
+            raise SystemExit("--arch gpt2 needs transformers (pip install -e '.[integrations]')") from exc
+        self.cfg = cfg
+        self.gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=cfg.vocab, n_positions=cfg.context, n_embd=cfg.d_model,
+                                               n_layer=cfg.n_layers, n_head=cfg.n_heads, resid_pdrop=0.0,
+                                               embd_pdrop=0.0, attn_pdrop=0.0))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.gpt2(idx).logits
+
+
+ARCHS = {"gpt": TinyGPT, "gpt2": HFGPT2}
 
 
 def count_params(cfg: ModelConfig) -> int:
