@@ -211,14 +211,8 @@ class LocalShards:
         average went nowhere, and the replicas drifted apart from step 1. (FSDP assigns its
         gradients itself at the end of backward: :meth:`bind_grads`, in ``step()``.)"""
         with torch.no_grad():
-            local = p.to_local()
-            if local.shape != shard.shape or (local.numel() and local.data_ptr() != shard.data_ptr()):
-                return  # (moved: bind_grads refuses it in step())
-            g = p.grad
-            if any(isinstance(pl, Partial) for pl in g.placements):
-                g = g.redistribute(g.device_mesh, [Replicate() if isinstance(pl, Partial) else pl
-                                                   for pl in g.placements])
-            shard.grad = g.to_local()
+            if not _moved(p, shard):  # (moved: bind_grads refuses it in step())
+                shard.grad = _reduced_grad(p).to_local()
 
     def bind_grads(self, scaled: bool = False) -> None:
         """Each shard parameter's ``.grad`` <- its DTensor's gradient's local tensor (its
@@ -237,9 +231,7 @@ class LocalShards:
                 "(torch.autocast(dtype=torch.bfloat16) needs no scaler), or without a GradScaler"
             )
         for p, shard in self.pairs:
-            with torch.no_grad():
-                local = p.to_local()
-            if local.shape != shard.shape or (local.numel() and local.data_ptr() != shard.data_ptr()):
+            if _moved(p, shard):
                 raise RuntimeError(
                     f"{self._owner}: a DTensor parameter's local tensor moved after the optimizer was made (the model "
                     "was moved or re-sharded, e.g. model.to(...) or load_state_dict(assign=True)): the optimizer "
@@ -247,17 +239,11 @@ class LocalShards:
                 )
             if shard.requires_grad != p.requires_grad:
                 shard.requires_grad_(p.requires_grad)
-            g = p.grad
-            if g is None:
+            if p.grad is None:
                 shard.grad = None
                 continue
             with torch.no_grad():
-                if any(isinstance(pl, Partial) for pl in g.placements):
-                    # pending a sum over its mesh (a tensor-parallel plan's replicated norm weights):
-                    # reduced there, as DTensor's own ops reduce it for torch's optimizers
-                    g = g.redistribute(g.device_mesh, [Replicate() if isinstance(pl, Partial) else pl
-                                                       for pl in g.placements])
-                shard.grad = g.to_local()
+                shard.grad = _reduced_grad(p).to_local()
 
     def clear_grads(self, set_to_none: bool) -> None:
         """The DTensor gradients, as ``zero_grad`` leaves the shards'."""
@@ -268,6 +254,26 @@ class LocalShards:
                 p.grad = None
             else:
                 p.grad.zero_()
+
+
+def _moved(p, shard) -> bool:
+    """Whether the DTensor parameter's local tensor is no longer the shard parameter's memory."""
+    with torch.no_grad():
+        local = p.to_local()
+    return local.shape != shard.shape or bool(local.numel() and local.data_ptr() != shard.data_ptr())
+
+
+def _reduced_grad(p):
+    """``p.grad``, where still pending a sum over its mesh (``Partial``: a tensor-parallel plan's
+    replicated norm weights under sequence parallelism) reduced there first, as DTensor's own ops
+    reduce it for torch's optimizers, and kept as ``p.grad``: the shard's gradient is then its local
+    tensor once and for all, the one the replicas' average lands in (reduced again in ``step()``, a
+    new tensor would drop that average, and the replicas drifted apart)."""
+    g = p.grad
+    if any(isinstance(pl, Partial) for pl in g.placements):
+        g = p.grad = g.redistribute(g.device_mesh, [Replicate() if isinstance(pl, Partial) else pl
+                                                    for pl in g.placements])
+    return g
 
 
 def _binder(owner: weakref.ref, shard):

@@ -160,7 +160,7 @@ def _sequence_parallel(rank, world):
         for m, o in ((model, opt), (whole, reference)):
             o.zero_grad()
             m(x).square().mean().backward()
-            if m is model:
+            if m is model:  # (reduced over "tp" as autograd made it: the plan's Partial(sum) is summed)
                 partial.append(str(model[3].weight.grad.placements))
             o.step()
         if full_precision:  # (the norm's: Adam's first steps amplify TP's rounding where a gradient is ~eps)
@@ -171,18 +171,21 @@ def _sequence_parallel(rank, world):
 
 
 def test_partial_gradients_of_a_sequence_parallel_plan_are_reduced_over_their_mesh():
-    """The norm weights' ``Partial(sum)`` gradients are summed over "tp" before the step, as
+    """The norm weights' ``Partial(sum)`` gradients are summed over "tp" (as autograd makes them,
+    so ``p.grad`` after backward holds the sum), as
     DTensor's ops sum them for torch's optimizers: in warmup the norm's weight and bias equal the
     optimizer's on the unsharded model (a tp rank's own part of the sum would step them elsewhere),
     and the tp ranks' copies of the norm weight stay equal, into the compression stage."""
     for rank, r in enumerate(run_ranks(_sequence_parallel, 4, timeout=240)):
-        assert r["partial"] == "(Partial(sum),)", (rank, r)
+        assert r["partial"] == "(Replicate(),)", (rank, r)
         assert r["compressing"] and r["gap"] < 1e-5 and r["norm_copies"], (rank, r)
 
 
-def _plain_beside_tensor_parallel(rank, world):
+def _plain_beside_tensor_parallel(rank, world, sequence_parallel):
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
+                                                   parallelize_module)
 
     import compressed_opt
 
@@ -191,11 +194,16 @@ def _plain_beside_tensor_parallel(rank, world):
     dp = mesh["dp"].get_group()
     torch.manual_seed(0)  # a plain layer (an embedding, a norm: what a tp plan leaves) before the tp ones
     model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 6))
-    parallelize_module(model, mesh["tp"], {"2": ColwiseParallel(), "4": RowwiseParallel()})
+    plan = {"2": ColwiseParallel(), "4": RowwiseParallel()}
+    if sequence_parallel:  # (then a norm whose gradients come out Partial(sum), as torchtitan's plan leaves them)
+        model.append(nn.LayerNorm(6))
+        plan.update({"4": RowwiseParallel(output_layouts=Shard(1)), "5": SequenceParallel()})
+    parallelize_module(model, mesh["tp"], plan)
     opt = compressed_opt.OnebitAdam(model.parameters(), lr=1e-2, freeze_step=3, backend=mesh["dp"])
     averaged, replicas = [], []
     for step in range(1, 7):
-        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(100 * step + mesh.get_coordinate()[0]))
+        shape = (2, 4, 16) if sequence_parallel else (8, 16)
+        x = torch.randn(*shape, generator=torch.Generator().manual_seed(100 * step + mesh.get_coordinate()[0]))
         opt.zero_grad()
         model(x).square().mean().backward()
         if not opt.compressing:  # a full-precision step: every p.grad the replicas' average after backward
@@ -209,12 +217,15 @@ def _plain_beside_tensor_parallel(rank, world):
     return out
 
 
-def test_plain_parameters_beside_tensor_parallel_ones_keep_the_replicas_equal():
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_plain_parameters_beside_tensor_parallel_ones_keep_the_replicas_equal(sequence_parallel):
     """A tp plan leaves some layers plain (embeddings, norms): their gradients are averaged over dp
     at the end of backward (overlap), and the DTensor parameters' buckets with them, so their
     gradients must be the shards' by then (they were bound only in ``step()``: each replica kept
-    its own gradient on the tp layers and the replicas drifted apart from step 1)."""
-    for out in run_ranks(_plain_beside_tensor_parallel, 4, timeout=120):
+    its own gradient on the tp layers and the replicas drifted apart from step 1). With sequence
+    parallelism the norm's ``Partial`` gradient is reduced once, at that binding, and kept reduced
+    (reduced again in ``step()``, a new tensor dropped the average, and the replicas drifted)."""
+    for out in run_ranks(_plain_beside_tensor_parallel, 4, sequence_parallel, timeout=120):
         assert out["compressing"]
         assert out["averaged"] == [True] * 3, out
         assert out["replicas"] == [True] * 6, out
