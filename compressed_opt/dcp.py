@@ -58,6 +58,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
+from .local_shards import local_tensor
+
 try:  # (torch builds without distributed support have no DTensor)
     from torch.distributed.tensor import DTensor
 except ImportError:  # pragma: no cover - every supported torch has it
@@ -188,7 +190,7 @@ class OptimizerState(Stateful):
         theta = sd.pop("theta") if self._diloco else None
         self.optimizer.load_state_dict(sd)
         if theta is not None:
-            restore_theta(self.optimizer, theta)
+            _restore_theta(self.optimizer, theta)
 
     def _state_dict_from(self, state_dict: dict) -> dict:
         """The optimizer's state dict, from DCP's entries (``ValueError`` if they cannot make it)."""
@@ -269,29 +271,25 @@ def _local_inner_state(diloco, sd: dict) -> dict:
     momentum and error buffers).
 
     Mid-round the replicas' parameters differ, and DCP writes a model's state once per shard (one
-    replica's): the entry carries each rank's own, which :func:`restore_theta` puts back."""
+    replica's): the entry carries each rank's own, which :func:`_restore_theta` puts back."""
     inner, named = sd["inner"], []
-    positions = [pid for g in inner["param_groups"] for pid in g["params"]]
+    position = {pid: i for i, pid in enumerate(pid for g in inner["param_groups"] for pid in g["params"])}
     state = {}
     for pid, st in inner["state"].items():
         state[pid] = dict(st)
         for name, value in st.items():
             if DTensor is not None and isinstance(value, DTensor):
                 state[pid][name] = value.to_local()
-                named.append((positions.index(pid), name))
-    theta = [_local(p).detach().clone() for g in diloco.param_groups for p in g["params"]]
+                named.append((position[pid], name))
+    theta = [local_tensor(p).detach().clone() for g in diloco.param_groups for p in g["params"]]
     return dict(sd, inner=dict(inner, state=state), inner_dtensors=named, theta=theta)
 
 
-def _local(p: torch.Tensor) -> torch.Tensor:
-    return p.to_local() if DTensor is not None and isinstance(p, DTensor) else p
-
-
 @torch.no_grad()
-def restore_theta(diloco, theta: list) -> None:
+def _restore_theta(diloco, theta: list) -> None:
     """This rank's parameters as saved, in place (the model's state dict, which DCP fills with one
     replica's, shares their memory: a ``model.load_state_dict`` of it after ``dcp.load`` keeps them)."""
-    params = [_local(p) for g in diloco.param_groups for p in g["params"]]
+    params = [local_tensor(p) for g in diloco.param_groups for p in g["params"]]
     if [tuple(t.shape) for t in theta] != [tuple(p.shape) for p in params]:
         raise ValueError("the parameters here are shaped or sharded otherwise than when this DiLoCo checkpoint was "
                          "saved: resume it on the same ranks and mesh")

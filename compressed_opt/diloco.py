@@ -55,17 +55,12 @@ from compressed_opt.comm import DEFAULT_BLOCK, quantized, resolve_backend
 from .agreement import RankAgreement, hyperparameter_hash
 from .engine import GradientSync
 from .exchange import ErrorFeedback, Request
-from .local_shards import LocalShards
+from .local_shards import LocalShards, local_tensor as _local
 from .validation import check_choice, check_scale_block
 
 COMPRESSIONS = ("fp32", "bf16", "4bit", "1bit")
 #: the state-dict format of :meth:`DiLoCo.state_dict` (``"diloco"`` entry)
 FORMAT = 1
-
-
-def _local(p: torch.Tensor) -> torch.Tensor:
-    """The tensor a rank holds of parameter ``p``: its local shard for a DTensor (FSDP2, TP)."""
-    return p.to_local() if hasattr(p, "to_local") else p
 
 
 @dataclass(eq=False)

@@ -39,6 +39,11 @@ def is_dtensor(p) -> bool:
     return DTensor is not None and isinstance(p, DTensor)
 
 
+def local_tensor(p: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds of ``p``: its local shard for a DTensor (FSDP2, TP), else ``p``."""
+    return p.to_local() if is_dtensor(p) else p
+
+
 class LocalShards:
     """The DTensor parameters an optimizer holds, each with the plain parameter that is its local
     tensor (see the module doc)."""
