@@ -191,11 +191,11 @@ def test_replicas_that_disagree_raise_on_every_rank(what, error):
         assert error in text and ("out of step" in text or "outer hyperparameters" in text)
 
 
-def _defaults(rank, world, steps):
+def _defaults(rank, world, steps, kwargs):
     from compressed_opt.diloco import DiLoCo
 
     model = _model(seed=rank)
-    opt = DiLoCo(model.parameters(), torch.optim.AdamW(model.parameters()))  # (every default: H=30, 1-bit)
+    opt = DiLoCo(model.parameters(), torch.optim.AdamW(model.parameters()), **kwargs)  # ({}: H=30, 1-bit)
     for t in range(1, steps + 1):
         opt.zero_grad()
         _loss(model, t, rank).backward()
@@ -204,13 +204,17 @@ def _defaults(rank, world, steps):
     return _flat(model)
 
 
-def test_the_same_seeded_job_twice_is_bit_for_bit_the_same_with_default_arguments():
-    """Two rounds of DiLoCo with every default (the 1-bit exchange, H=30), run twice in fresh
-    processes: the same parameters, bit for bit, and the replicas equal."""
-    first = run_ranks(_defaults, 2, 60, timeout=90)
-    second = run_ranks(_defaults, 2, 60, timeout=90)
+@pytest.mark.parametrize("kwargs", [{}, dict(compression="4bit", fragments=2, delay=3)],
+                         ids=["defaults", "4bit-streamed"])
+def test_the_same_seeded_job_twice_is_bit_for_bit_the_same_with_default_arguments(kwargs):
+    """Two rounds of DiLoCo with every default (the 1-bit exchange, H=30), and streamed with the
+    4-bit exchange on its thread, run twice in fresh processes: the same parameters, bit for bit
+    (with defaults the replicas equal; streamed they differ by their local steps since the last
+    landing)."""
+    first = run_ranks(_defaults, 2, 60, kwargs, timeout=90)
+    second = run_ranks(_defaults, 2, 60, kwargs, timeout=90)
     assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
-    assert torch.equal(first[0], first[1])
+    assert torch.equal(first[0], first[1]) == (not kwargs)
 
 
 def _hsdp(rank, world, steps):
