@@ -58,7 +58,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
-from .local_shards import local_tensor
+from .local_shards import is_dtensor, local_tensor
 
 try:  # (torch builds without distributed support have no DTensor)
     from torch.distributed.tensor import DTensor
@@ -127,11 +127,9 @@ class OptimizerState(Stateful):
     def _as_saved(self, p, local: torch.Tensor) -> torch.Tensor:
         """``local`` (state of ``p``'s shape) as the checkpoint holds it: a DTensor laid out as the
         model's parameter for the shard of a DTensor parameter, else as it is."""
-        model_param = self.optimizer.engine.local_shards.dtensor_of(p)
-        if model_param is None:
+        if not is_dtensor(p):
             return local
-        return DTensor.from_local(local, model_param.device_mesh, model_param.placements, run_check=False,
-                                  shape=model_param.shape, stride=model_param.stride())
+        return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
 
     def _tensor_names(self) -> tuple[str, ...]:
         return self.optimizer.engine.client.tensor_names()
@@ -163,7 +161,7 @@ class OptimizerState(Stateful):
                 present[i] = names
             for name in self._tensor_names():
                 value = st.get(name)
-                local = value.detach() if value is not None else torch.zeros_like(p, dtype=torch.float32)
+                local = value.detach() if value is not None else torch.zeros_like(local_tensor(p), dtype=torch.float32)
                 if own_values and name in algorithm.rank_state_names and opt.backend.world_size > 1:
                     local = local.clone()
                     opt.backend.broadcast(local, src=0)
@@ -172,7 +170,7 @@ class OptimizerState(Stateful):
                                     if k not in self._tensor_names() or k in algorithm.rank_state_names}
                               for pid, st in sd["state"].items()})
         part = {"state_dict": own, "present": present,
-                "local_shapes": [tuple(p.shape) for p in params]}
+                "local_shapes": [tuple(local_tensor(p).shape) for p in params]}
         return {"world_size": world, f"rank{0 if self.reshard else rank}": _serialize(part), **tensors}
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -221,7 +219,7 @@ class OptimizerState(Stateful):
             raise ValueError(f"the checkpoint's entry {key!r} is a legacy OptimizerState entry (one state dict per "
                              "rank): load it with OptimizerState(optimizer, legacy=True)")
         params = self._params()
-        if not self.reshard and part["local_shapes"] != [tuple(p.shape) for p in params]:
+        if not self.reshard and part["local_shapes"] != [tuple(local_tensor(p).shape) for p in params]:
             raise ValueError("the parameters here are sharded otherwise than when this checkpoint was saved (another "
                              "mesh, or another model): OptimizerState(optimizer) resumes on the same ranks and mesh; "
                              "load it with OptimizerState(optimizer, reshard=True)")

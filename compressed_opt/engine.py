@@ -57,7 +57,6 @@ from . import agreement, ddp
 from .agreement import ENTRY_BACKWARD, ENTRY_STEP, RankAgreement, hyperparameter_hash
 from .buckets import Bucket, build_buckets, exchange_groups
 from .exchange import ErrorFeedback, Exchange, Request
-from .local_shards import is_dtensor
 from .state import SCRATCH, STEP, buffer
 
 logger = logging.getLogger("compressed_opt")
@@ -355,14 +354,9 @@ class GradientSync:
             self.wait()  # what backward launched belongs to the old layout: let it land, then drop it
             self._reset_launch()
         shards = self.local_shards
-        if any(is_dtensor(p) for g in self.param_groups for p in g["params"]):
-            raise TypeError(
-                f"{self.name}: its param groups hold DTensor parameters it was not made with: the model was sharded "
-                "after the optimizer was made and the sharded parameters were put into optimizer.param_groups "
-                "(accelerate's prepare does so under FSDP2). The optimizer steps the local shards of the DTensor "
-                "parameters it is made with: make it from the sharded model's parameters (docs/frameworks.md, "
-                "'accelerate: the FSDP2 plugin with HSDP')"
-            )
+        for g in self.param_groups:  # (views of the groups map the registered DTensors to their shards)
+            for p in g["params"]:
+                shards.check_registered(p)
         buckets = build_buckets(self.param_groups, self.bucket_cap_bytes, shards.numel_for_buckets,
                                 shards.bucket_kind if shards.pairs else None)
         world = self.backend.world_size

@@ -14,15 +14,18 @@ optimizer state and error buffers the size of the shard. Tensor-parallel paramet
 ``Replicate`` on a "tp" mesh) are the same case with the data-parallel group as the backend.
 
 :class:`LocalShards` keeps, for every DTensor parameter, a plain ``nn.Parameter`` that shares its
-local tensor's memory (the optimizer's ``param_groups`` hold these, so ``state`` and checkpoints
-are per shard); before each step it points their ``.grad`` at the DTensor gradients' local
-tensors, and ``zero_grad`` clears the DTensor gradients too (FSDP accumulates into a gradient it
-finds). What it refuses, and why, is in :meth:`LocalShards.check_backend` and
+local tensor's memory. The optimizer's ``param_groups`` and ``state`` hold the model's own DTensor
+parameters, as torch's optimizers do (so torch's ``get_optimizer_state_dict`` maps them to their
+names); the engine and the algorithm see the same groups through :meth:`LocalShards.working` and
+the state through :meth:`LocalShards.state_of`, with each DTensor replaced by its plain shard
+parameter, and step those. Before each step the shards' ``.grad`` point at the DTensor gradients'
+local tensors. What it refuses, and why, is in :meth:`LocalShards.check_backend` and
 :meth:`LocalShards.bind_grads`.
 """
 from __future__ import annotations
 
 import weakref
+from collections.abc import MutableMapping
 
 import torch
 import torch.distributed as dist
@@ -59,12 +62,14 @@ class LocalShards:
         self._group = None  # the process group the split layers are split over
         self._mesh_backend: TorchBackend | None = None  # its collectives (made at the first)
         self._dtensor_of: dict[int, torch.Tensor] = {}  # id of a shard parameter -> its DTensor
+        self._shard_of: dict[int, torch.nn.Parameter] = {}  # id of a DTensor -> its shard parameter
         #: FSDP2's own HSDP: the group its 2-D mesh replicates the parameters over (else ``None``)
         self.replicate_group = None
 
-    def localize_group(self, param_group: dict) -> dict:
-        """A param group (as ``add_param_group`` takes it) with its DTensors localized; anything
-        torch.optim refuses (a set of parameters) is left for it to refuse."""
+    def register_group(self, param_group: dict) -> dict:
+        """A param group (as ``add_param_group`` takes it) with its parameters as a list, each DTensor
+        among them registered (:meth:`register`); anything torch.optim refuses (a set of parameters)
+        is left for it to refuse."""
         params = param_group.get("params")
         if not isinstance(params, (torch.Tensor, list, tuple)) and not hasattr(params, "__next__"):
             return param_group
@@ -72,14 +77,14 @@ class LocalShards:
         if not any(is_dtensor(p) for p in listed):
             consumed = not isinstance(params, (torch.Tensor, list, tuple))  # (a generator: its list)
             return dict(param_group, params=listed) if consumed else param_group
-        return dict(param_group, params=self.localize(listed))
+        self.register(listed)
+        return dict(param_group, params=listed)
 
-    def localize(self, params: list) -> list:
-        """``params`` with each DTensor replaced by a plain parameter sharing its local tensor."""
-        out = []
+    def register(self, params: list) -> None:
+        """Make, for each DTensor of ``params`` not yet registered, the plain parameter that shares its
+        local tensor, and hook its gradient (:meth:`bind_one`)."""
         for p in params:
-            if not is_dtensor(p):
-                out.append(p)
+            if not is_dtensor(p) or id(p) in self._shard_of:
                 continue
             mesh, dim = p.device_mesh, 0
             if mesh.ndim != 1:
@@ -89,6 +94,7 @@ class LocalShards:
             shard = torch.nn.Parameter(local, requires_grad=p.requires_grad)
             self.pairs.append((p, shard))
             self._dtensor_of[id(shard)] = p
+            self._shard_of[id(p)] = shard
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(_binder(weakref.ref(self), shard))
             group = mesh.get_group(dim)
@@ -99,8 +105,40 @@ class LocalShards:
                                      "optimizer takes the parameters of one shard (or tensor-parallel) mesh")
                 self._group = group
                 self._split[id(shard)] = -(-p.numel() // mesh.size(dim))
-            out.append(shard)
-        return out
+
+    def local_of(self, p):
+        """The parameter the engine steps for ``p``: a registered DTensor's plain shard parameter,
+        else ``p`` (a DTensor the optimizer was not made with raises, :meth:`check_registered`)."""
+        shard = self._shard_of.get(id(p))
+        if shard is not None:
+            return shard
+        self.check_registered(p)
+        return p
+
+    def check_registered(self, p) -> None:
+        """``TypeError`` if ``p`` is a DTensor the optimizer was not made with."""
+        if is_dtensor(p) and id(p) not in self._shard_of:
+            raise TypeError(
+                f"{self._owner}: its param groups hold DTensor parameters it was not made with: the model was sharded "
+                "after the optimizer was made and the sharded parameters were put into optimizer.param_groups "
+                "(accelerate's prepare does so under FSDP2). The optimizer steps the local shards of the DTensor "
+                "parameters it is made with: make it from the sharded model's parameters (docs/frameworks.md, "
+                "'accelerate: the FSDP2 plugin with HSDP')"
+            )
+
+    def public_of(self, p):
+        """The optimizer's own parameter (the key of ``optimizer.state``) for an engine's parameter."""
+        return self._dtensor_of.get(id(p), p)
+
+    def working(self, param_groups: list) -> list:
+        """The param groups as the engine and the algorithm step them: ``param_groups`` itself without
+        DTensor parameters, else a view of each group whose ``"params"`` are the plain shard
+        parameters (its hyperparameters are the group's own, as a scheduler leaves them)."""
+        return [_WorkingGroup(g, self) for g in param_groups] if self.pairs else param_groups
+
+    def state_of(self, state):
+        """``optimizer.state`` as the engine and the algorithm key it (by the parameters they step)."""
+        return _WorkingState(state, self) if self.pairs else state
 
     def _replicated_over(self, p) -> int:
         """For a DTensor on a 2-D mesh, FSDP2's own HSDP (placements ``(Replicate(), Shard(0))``):
@@ -251,14 +289,70 @@ class LocalShards:
                 shard.grad = _reduced_grad(p).to_local()
 
     def clear_grads(self, set_to_none: bool) -> None:
-        """The DTensor gradients, as ``zero_grad`` leaves the shards'."""
-        for p, _ in self.pairs:
-            if p.grad is None:
+        """The shards' gradients, as ``zero_grad`` leaves the DTensor parameters'."""
+        for _, shard in self.pairs:
+            if shard.grad is None:
                 continue
             if set_to_none:
-                p.grad = None
+                shard.grad = None
             else:
-                p.grad.zero_()
+                shard.grad.zero_()
+
+
+class _WorkingGroup(MutableMapping):
+    """A param group as the engine steps it (:meth:`LocalShards.working`): its ``"params"`` the shard
+    parameters of its DTensors, every other key the group's own (read and written through)."""
+
+    __slots__ = ("group", "_shards")
+
+    def __init__(self, group: dict, shards: LocalShards):
+        self.group, self._shards = group, shards
+
+    def __getitem__(self, key):
+        value = self.group[key]
+        return [self._shards.local_of(p) for p in value] if key == "params" else value
+
+    def __setitem__(self, key, value):
+        self.group[key] = [self._shards.public_of(p) for p in value] if key == "params" else value
+
+    def __delitem__(self, key):
+        del self.group[key]
+
+    def __iter__(self):
+        return iter(self.group)
+
+    def __len__(self):
+        return len(self.group)
+
+
+class _WorkingState(MutableMapping):
+    """``optimizer.state`` keyed by the parameters the engine steps (:meth:`LocalShards.state_of`)."""
+
+    __slots__ = ("state", "_shards")
+
+    def __init__(self, state, shards: LocalShards):
+        self.state, self._shards = state, shards
+
+    def __getitem__(self, p):
+        return self.state[self._shards.public_of(p)]
+
+    def __setitem__(self, p, value):
+        self.state[self._shards.public_of(p)] = value
+
+    def __delitem__(self, p):
+        del self.state[self._shards.public_of(p)]
+
+    def __contains__(self, p):
+        return self._shards.public_of(p) in self.state
+
+    def get(self, p, default=None):  # (not Mapping's: a defaultdict would make the entry it looks for)
+        return self.state.get(self._shards.public_of(p), default)
+
+    def __iter__(self):
+        return (self._shards.local_of(p) for p in self.state)
+
+    def __len__(self):
+        return len(self.state)
 
 
 def _moved(p, shard) -> bool:

@@ -281,12 +281,12 @@ class CompressedOptimizer(Optimizer):
         path = exchange.resolve_path(path, sharded, backend.world_size)
         #: the gradient-sync engine (compressed_opt.engine): buckets, hooks, agreement, exchange
         self.engine = GradientSync(
-            type(self).__name__, self.param_groups, backend, algorithm, self._local_shards,
+            type(self).__name__, self._local_shards.working(self.param_groups), backend, algorithm, self._local_shards,
             bucket_cap_bytes=max(4, int(cap * 2**20)), overlap=overlap, accumulation_steps=accumulation_steps,
             hierarchy=hierarchy, path=path, scale_block=scale_block, sharded=sharded,
             shard_gradients=algorithm.zero_stage == 2)
         self.engine.path_from_env = path_from_env
-        algorithm.bind(self.param_groups, self.state, self.engine)
+        self._bind_views()
         if replicas is not None:
             found = fsdp_replicas.find([p for p, _ in self._local_shards.pairs], type(self).__name__)
             if found is not None:  # FSDP averages the warmup's gradients across the replicas
@@ -357,11 +357,11 @@ class CompressedOptimizer(Optimizer):
         engine = self.__dict__.get("engine")
         if engine is not None and engine._buckets is not None:
             self._algorithm.check_rebuild()
-        super().add_param_group(self._local_shards.localize_group(param_group))
+        super().add_param_group(self._local_shards.register_group(param_group))
         group = self.param_groups[-1]
         try:
             for p in group["params"]:
-                if type(p) not in (torch.Tensor, torch.nn.Parameter):
+                if type(self._local_shards.local_of(p)) not in (torch.Tensor, torch.nn.Parameter):
                     raise TypeError(
                         f"{type(self).__name__} takes plain parameters or DTensor parameters, got a "
                         f"{type(p).__name__} (a tensor subclass the optimizer cannot step)"
@@ -382,10 +382,20 @@ class CompressedOptimizer(Optimizer):
                           "passes (torch.optim.AdamW's implementation choices mean nothing here)", UserWarning,
                           stacklevel=3)
         if engine is not None:
-            engine.bind(self.param_groups)
-            engine.watch(group["params"])
+            self._bind_views()
+            engine.watch(self._local_shards.local_of(p) for p in group["params"])
             if engine._buckets is not None:
                 engine._ranks_checked = False  # new parameters: check the ranks agree again
+
+    def _bind_views(self) -> None:
+        """Point the engine and the algorithm at ``param_groups`` and ``state`` as they step them: the
+        same objects, or, with DTensor parameters, views keyed by their local shards
+        (:meth:`compressed_opt.local_shards.LocalShards.working`)."""
+        engine = self.engine  # (first: an unpickled optimizer's is made on first use, with its local shards)
+        shards = self._local_shards
+        groups = shards.working(self.param_groups)
+        engine.bind(groups)
+        self._algorithm.bind(groups, shards.state_of(self.state), engine)
 
     # --- a step -----------------------------------------------------------------------------------------------
     # Always eager, also when called from code torch.compile traces (torch's own optimizers do the
@@ -449,7 +459,7 @@ class CompressedOptimizer(Optimizer):
                 f"{type(self).__name__}.consolidate_state_dict between backward() and step(): this step's gradient "
                 "communication has started. Consolidate (and save) between steps"
             )
-        part = checkpoint.rank_part(self.engine, self._algorithm, self.param_groups, self.state)
+        part = checkpoint.rank_part(self.engine, self._algorithm, self.engine.param_groups, self._algorithm.state)
         parts = consolidate.gather_rank_parts(self.engine, part, to)
         self._consolidated = None if parts is None else (self.engine.global_step, parts)
 
@@ -494,7 +504,8 @@ class CompressedOptimizer(Optimizer):
             schema = checkpoint.schema_of(self.engine, self._algorithm)
             plain, extra, own_params = checkpoint.prepare_load(schema, state_dict)
             super().load_state_dict(plain)
-            checkpoint.finish_load(schema, self.state, self.param_groups, plain, extra, own_params)
+            # (through the algorithm's views: keyed by the parameters it steps, torch's load just rebound them)
+            checkpoint.finish_load(schema, self._algorithm.state, self.engine.param_groups, plain, extra, own_params)
         finally:
             self._optimizer_load_state_dict_pre_hooks = pre_hooks
             self._optimizer_load_state_dict_post_hooks = post_hooks
@@ -537,10 +548,8 @@ class CompressedOptimizer(Optimizer):
             super().__setstate__(state)  # torch's own use: load_state_dict sets ``state`` and ``param_groups``
             if not had_differentiable:
                 self.defaults.pop("differentiable", None)  # (torch adds it; we take none)
-            algorithm = self.__dict__.get("_algorithm")
-            if algorithm is not None:
-                algorithm.bind(self.param_groups, self.state, None)
-                self.engine.bind(self.param_groups)
+            if "_algorithm" in self.__dict__:
+                self._bind_views()
             return
         checkpoint.unpickled(self, state)
 
