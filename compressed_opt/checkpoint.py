@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from compressed_opt.comm import Backend, chunk_numel, get_backend, row_bytes
 
-from . import consolidate, state
+from . import consolidate, state, torch_state_dict
 from . import variance_tracking as tracking
 from .exchange import error_sizes_of
 
@@ -95,12 +95,15 @@ def schema_of(engine, algorithm) -> Schema:
                   algorithm.layer_state(), algorithm.rank_state_names, tuple(algorithm.stage_fields()))
 
 
-def validate_state_dict(optimizer: Schema, state_dict) -> None:
+def validate_state_dict(optimizer: Schema, state_dict) -> tuple[Mapping, dict]:
     """Raise :class:`CheckpointError` (a ``ValueError``) if ``state_dict`` cannot be loaded into
     ``optimizer`` (its :class:`Schema`), on *every* rank if it cannot be on some rank (see the
-    module docstring)."""
-    local_error = None
+    module docstring). Returns ``(state_dict, own parameters)``: ``state_dict`` as it came through
+    torch's state_dict API, unpacked (:func:`compressed_opt.torch_state_dict.unpack`)."""
+    local_error, own_params = None, {}
     try:
+        state_dict, own_params = torch_state_dict.unpack(state_dict, optimizer.rank_state_names, optimizer.backend,
+                                                         optimizer.name)
         _check_locally(optimizer, state_dict)
     except Exception as exc:  # noqa: BLE001 - whatever it is, the other ranks must hear of it
         local_error = exc
@@ -108,7 +111,7 @@ def validate_state_dict(optimizer: Schema, state_dict) -> None:
     if backend.world_size == 1:
         if local_error is not None:
             raise local_error
-        return
+        return state_dict, own_params
     # every rank takes part, whatever its own checks said: a rank that raised here alone would
     # leave the others waiting in this all-gather
     mine = _agreement_row(state_dict if local_error is None else None)
@@ -142,6 +145,7 @@ def validate_state_dict(optimizer: Schema, state_dict) -> None:
             f"{name}.load_state_dict: the ranks' checkpoints are at the same step but their stage "
             f"counters differ (some of: {fields}); load the checkpoints of one run, saved at the same step"
         )
+    return state_dict, own_params
 
 
 _STAGE_NAMES = {0: "not frozen (warmup; 0/1 Adam's phase A)", 1: "frozen (compression stage; 0/1 Adam's phase B)"}
@@ -183,8 +187,9 @@ def _check_locally(optimizer, state_dict) -> None:
         _fail(optimizer,
               f"this state dict has no 'compressed_opt' entry: it was not saved by a {name} (to start "
               "from another optimizer's state, load its parameters and let this optimizer warm up), or it "
-              "went through torch.distributed.checkpoint's get_optimizer_state_dict, which keeps only "
-              "'state' and 'param_groups': save and load it with compressed_opt.dcp.OptimizerState")
+              "was saved through torch's get_optimizer_state_dict by an earlier compressed_opt or before the "
+              "optimizer's first step (the entry then travels in the first parameter's state, "
+              "compressed_opt.torch_state_dict): save and load it with compressed_opt.dcp.OptimizerState")
     if not isinstance(extra, Mapping):
         _fail(optimizer, f"state_dict['compressed_opt'] must be a dict, got {type(extra).__name__}")
     if "format" not in extra:
@@ -555,9 +560,10 @@ def prepare_load(schema: Schema, state_dict: dict) -> tuple[dict, dict, dict]:
     """``(torch's part, "compressed_opt", this rank's parameters of a consolidated part)`` of a state
     dict, checked (:func:`validate_state_dict`, on every rank), upgraded from an older format and
     with this rank's part of a consolidated one in place."""
-    validate_state_dict(schema, state_dict)  # strict checks; every rank agrees or raises
+    state_dict, carried = validate_state_dict(schema, state_dict)  # strict checks; every rank agrees or raises
     state_dict = upgrade(schema, state_dict)  # an older format, laid out as this one
     state_dict, own_params = consolidate.own_part(schema.engine, state_dict)
+    own_params = own_params or carried
     extra = state_dict["compressed_opt"]
     return {k: v for k, v in state_dict.items() if k != "compressed_opt"}, extra, own_params
 

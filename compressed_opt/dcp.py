@@ -1,14 +1,14 @@
 """A compressed optimizer's whole state in a ``torch.distributed.checkpoint`` (DCP) checkpoint,
 resumed bit for bit on the same ranks or resharded onto another world size or mesh.
 
-torch's ``get_optimizer_state_dict`` keeps a state dict's ``state`` and ``param_groups`` only, and
-``dcp.load`` fills only the entries its template (a state dict of the resuming optimizer) already
-has. A compressed optimizer's checkpoint holds more, and some of it is each rank's own: the
+torch's ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` take the compressed optimizers
+too, sharded (:mod:`compressed_opt.torch_state_dict`: each rank's own state travels in a record of
+that rank). :class:`OptimizerState` is the library's own entry, which also reshards at another
+world size or on another mesh (``reshard=True``), and carries a :class:`compressed_opt.DiLoCo`.
+A compressed optimizer's checkpoint holds, beside the moments, state that is each rank's own: the
 error-feedback buffers, ZeRO's shards, 0/1 Adam's local momentum, the stage and its counters
-(docs/guarantees.md, "Checkpoints"). Through torch's functions that would be lost, and the
-optimizer refuses the incomplete state on load (:func:`compressed_opt.checkpoint.validate_state_dict`).
-:class:`OptimizerState` carries it instead: a ``Stateful`` that DCP saves and loads beside the
-model's state::
+(docs/guarantees.md, "Checkpoints"). :class:`OptimizerState` is a ``Stateful`` that DCP saves and
+loads beside the model's state::
 
     import torch.distributed.checkpoint as dcp
     from compressed_opt.dcp import OptimizerState
@@ -58,6 +58,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
+from . import torch_state_dict
 from .local_shards import is_dtensor, local_tensor
 
 try:  # (torch builds without distributed support have no DTensor)
@@ -143,7 +144,8 @@ class OptimizerState(Stateful):
         rank, world = _rank_and_world(opt)
         if self._diloco:
             return {"world_size": world, f"rank{rank}": _serialize(_local_inner_state(opt, opt.state_dict()))}
-        sd = opt.state_dict()
+        # (as this rank holds it: no carrier for torch's state_dict API, no DTensors; those are made below)
+        sd, _ = torch_state_dict.unpack(opt.state_dict(), (), opt.backend, type(opt).__name__)
         if self.legacy:
             return {"world_size": world, f"rank{rank}": _serialize(sd)}
         params = self._params()

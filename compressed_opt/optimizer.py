@@ -25,7 +25,7 @@ from torch.optim import Optimizer
 
 from compressed_opt.comm import DEFAULT_BLOCK, TorchBackend, resolve_backend
 
-from . import checkpoint, consolidate, exchange, fsdp_replicas, integrations, traffic
+from . import checkpoint, consolidate, exchange, fsdp_replicas, integrations, torch_state_dict, traffic
 from .engine import COMPRESSION, WARMUP, GradientSync
 from .local_shards import LocalShards
 from .state import LAYER, STATE, names, parts
@@ -466,9 +466,11 @@ class CompressedOptimizer(Optimizer):
     @torch._disable_dynamo
     def state_dict(self) -> dict:
         """torch's state dict (``state``, ``param_groups``) plus ``"compressed_opt"``: the stage,
-        counters and this rank's error-feedback buffers (:mod:`compressed_opt.checkpoint`).
-        State-dict pre hooks run first and post hooks last, on the whole dict (``"compressed_opt"``
-        included), as ``torch.optim.Optimizer.state_dict`` runs them."""
+        counters and this rank's error-feedback buffers (:mod:`compressed_opt.checkpoint`), also
+        carried where torch's ``get_optimizer_state_dict`` keeps it (the moments of DTensor
+        parameters as DTensors, :mod:`compressed_opt.torch_state_dict`). State-dict pre hooks run
+        first and post hooks last, on the whole dict (``"compressed_opt"`` included), as
+        ``torch.optim.Optimizer.state_dict`` runs them."""
         post_hooks = self._optimizer_state_dict_post_hooks
         self._optimizer_state_dict_post_hooks = type(post_hooks)()  # run below, on the whole dict
         try:
@@ -478,6 +480,11 @@ class CompressedOptimizer(Optimizer):
         if self._consolidated is None and self.engine.backend.world_size > 1:
             integrations.check_consolidated(self)  # under a framework that saves from one rank: warns what to add
         sd = checkpoint.with_extra(sd, self.engine, self._algorithm, self._consolidated, self._local_shards)
+        algorithm = self._algorithm  # (what torch's state_dict API keeps of it: compressed_opt.torch_state_dict)
+        own = dict(enumerate(p.detach() for g in self.engine.param_groups for p in g["params"])) \
+            if algorithm.rank_parameters() else {}
+        sd = torch_state_dict.publish(sd, [p for g in self.param_groups for p in g["params"]],
+                                      algorithm.tensor_names(), algorithm.rank_state_names, own, self.engine.backend)
         for hook in list(post_hooks.values()):
             result = hook(self, sd)
             if result is not None:

@@ -19,6 +19,7 @@ import compressed_opt
 from compressed_opt.dcp import OptimizerState
 
 from distributed import run_ranks
+from layouts import legacy
 
 CONFIGS = {
     "OnebitAdam": dict(freeze_step=3),
@@ -48,7 +49,8 @@ def _tensors(model, opt) -> list[torch.Tensor]:
     out = [(p.to_local() if hasattr(p, "to_local") else p).detach().clone() for p in model.parameters()]
     sd = opt.state_dict()
     for i in sorted(sd["state"]):
-        out += [v.clone() for k, v in sorted(sd["state"][i].items()) if torch.is_tensor(v)]
+        out += [(v.to_local() if hasattr(v, "to_local") else v).clone()
+                for k, v in sorted(sd["state"][i].items()) if torch.is_tensor(v)]
     return out
 
 
@@ -131,7 +133,7 @@ def test_a_compression_stage_state_that_lost_fields_is_refused(name):
     ``exchange_factor``) dropped from a state dict: loading it raises and names them, where it
     used to resume with the coefficients made again and factors of 1."""
     model, opt = _compressing(name)
-    sd = opt.state_dict()
+    sd = legacy(opt.state_dict())
     lost = {"scaling_coeff", "exchange_factor"}
     assert lost & set(sd["state"][0]), "the stage should hold the fields this test removes"
     sd["state"] = {i: {k: v for k, v in st.items() if k not in lost} for i, st in sd["state"].items()}
@@ -142,20 +144,31 @@ def test_a_compression_stage_state_that_lost_fields_is_refused(name):
     assert fresh.global_step == 0
 
 
-@pytest.mark.parametrize("flatten", [False, True])
-def test_torch_get_optimizer_state_dict_round_trip_is_refused_not_resumed(flatten):
-    """torch's own functions drop the ``compressed_opt`` entry: the load raises (and says what to
-    use), nothing is resumed with defaults, flattened or not."""
+def test_torch_get_optimizer_state_dict_round_trip_resumes_and_flattened_is_refused_at_the_save():
+    """torch's own functions keep only ``state`` and ``param_groups``: ``"compressed_opt"`` travels
+    in the carrier (compressed_opt.torch_state_dict) and a fresh optimizer resumes from it bit for
+    bit; flattened (``flatten_optimizer_state_dict=True``), torch refuses the carrier at the save,
+    never at the resume."""
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
                                                          set_optimizer_state_dict)
 
-    options = StateDictOptions(flatten_optimizer_state_dict=flatten)
     model, opt = _compressing("OnebitAdam")
-    osd = get_optimizer_state_dict(model, opt, options=options)
-    assert "compressed_opt" not in osd
-    fresh_model, fresh = _make("OnebitAdam", seed=1)
-    with pytest.raises(ValueError, match="no 'compressed_opt' entry.*compressed_opt.dcp.OptimizerState"):
-        set_optimizer_state_dict(fresh_model, fresh, osd, options=options)
+    with pytest.raises(NotImplementedError, match="Flattening optimizer state_dict only supports"):
+        get_optimizer_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    osd = get_optimizer_state_dict(model, opt)
+    assert "compressed_opt" not in osd and set(osd) == {"state", "param_groups"}
+    results = []
+    for through_torch in (False, True):
+        fresh_model, fresh = _make("OnebitAdam", seed=1)
+        fresh_model.load_state_dict(model.state_dict())
+        if through_torch:
+            set_optimizer_state_dict(fresh_model, fresh, osd)
+        else:
+            fresh.load_state_dict(opt.state_dict())
+        assert fresh.global_step == SAVE_AT and fresh.compressing
+        _train(fresh_model, fresh, 0, range(SAVE_AT + 1, STEPS + 1))
+        results.append(_tensors(fresh_model, fresh))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
 def test_torch_set_optimizer_state_dict_of_a_whole_state_dict_of_ours_resumes():

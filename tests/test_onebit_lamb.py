@@ -11,6 +11,7 @@ from allreduce_reference import chunk_of, simulate
 from compressed_opt import VarianceStabilityRule
 from compressed_opt.onebit_lamb import OnebitLamb
 from distributed import run_ranks
+from layouts import legacy
 from optim_tasks import digits, full_loss, fusion, mlp, run_steps, shard_batches, train
 
 HP = dict(lr=0.02, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, max_coeff=0.3, min_coeff=0.01,
@@ -267,7 +268,7 @@ def _make(seed, freeze):
 
 
 def _state_diff(sd, ref_sd):
-    diff = 0.0
+    sd, ref_sd, diff = legacy(sd), legacy(ref_sd), 0.0
     for idx, st in sd["state"].items():
         for key, value in st.items():
             other = ref_sd["state"][idx][key]
@@ -538,7 +539,7 @@ def test_the_warmup_runs_two_native_passes_bit_for_bit(kw, monkeypatch):
             for p in params:
                 p.grad = torch.randn(p.shape, generator=g)
             opt.step()
-        sd = opt.state_dict()  # every bucket's shards (ZeRO), every parameter's state (stage 0), the ratios
+        sd = legacy(opt.state_dict())  # every bucket's shards (ZeRO), every parameter's state (stage 0), the ratios
         state = [v for entry in sd["compressed_opt"]["buckets"] for v in entry.values() if isinstance(v, torch.Tensor)]
         state += [v if isinstance(v, torch.Tensor) else torch.tensor(v) for st in sd["state"].values()
                   for _, v in sorted(st.items())]

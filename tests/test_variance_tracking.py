@@ -7,6 +7,7 @@ from torch import nn
 
 from compressed_opt import OnebitAdam, ZeroOneAdam
 from compressed_opt.comm import SingleProcessBackend
+from layouts import legacy
 from optim_tasks import mlp, run_steps, shard_batches
 
 OPTIMIZERS = {
@@ -78,7 +79,7 @@ def test_format_1_rows_are_extended_on_load(name):
     model = mlp()
     opt = make(model.parameters(), 2, True, lr=1e-3)
     run_steps(model, opt, list(shard_batches(0, 1, 5)))
-    old = opt.state_dict()
+    old = legacy(opt.state_dict())
     old["compressed_opt"]["format"] = 1
     del old["compressed_opt"]["scale_block"]
     old["state"] = {k: {**st, "layer_variance": st["layer_variance"][:5].clone()} for k, st in old["state"].items()}
@@ -99,7 +100,7 @@ def test_format_2_errors_are_carried_to_the_exchange_factors(monkeypatch):
     model = mlp()
     opt = OPTIMIZERS["OnebitAdam"](model.parameters(), 2, True, lr=1e-3)
     run_steps(model, opt, list(shard_batches(0, 1, 6)))
-    saved = opt.state_dict()
+    saved = legacy(opt.state_dict())
     assert saved["compressed_opt"]["format"] == 3
     assert all("exchange_factor" in st for st in saved["state"].values())
     # (as a file of format 2 was: no exchange_factor, and no count of the per-parameter fields)
@@ -146,9 +147,9 @@ def test_a_compression_stage_checkpoint_of_the_other_setting_is_refused(name):
     make(mlp().parameters(), 2, False, lr=1e-3).load_state_dict(saved)
     tracked = make(model.parameters(), 2, True, lr=1e-3)
     run_steps(model, tracked, list(shard_batches(0, 1, 4)))
-    state = tracked.state_dict()["state"][0]
+    state = legacy(tracked.state_dict())["state"][0]
     assert state["layer_variance"].dtype == torch.float64 and state["layer_variance"].shape == (8,)
-    bad = tracked.state_dict()
+    bad = legacy(tracked.state_dict())
     bad["state"][0] = {**bad["state"][0], "layer_variance": torch.zeros(3)}
     with pytest.raises(ValueError, match="layer_variance"):
         make(mlp().parameters(), 2, True, lr=1e-3).load_state_dict(bad)
