@@ -18,9 +18,9 @@ exchange from the freeze on; the DTensor parameters step on their local shards, 
 Clipping: ``gradient_clip_val=1.0`` with ``configure_gradient_clipping`` clipping the model's
 parameters (their DTensor gradients: the norm of the replica's whole model; in the warmup each
 replica's own, the optimizer averaging the replicas in ``step()``). Lightning's default clips the
-optimizer's parameters, which for DTensor parameters are the optimizer's plain views of the local
-shards and get their gradients only inside ``step()``: it would clip nothing. (``clip_grad_norm``
-below: torch's own refuses parameters on several meshes, for AdamW's FSDP + TP run as well.)
+optimizer's parameters with torch's ``clip_grad_norm_``, which refuses parameters on several meshes
+(plain embeddings and norms beside tensor-parallel layers here; FSDP's 1-D and 2-D DTensors in
+AdamW's FSDP + TP run): ``clip_grad_norm`` below makes each gradient's norm whole first.
 ``--save-at``/``--resume``: a ``ModelCheckpoint`` and ``fit(ckpt_path=...)``; the strategy checkpoints
 the optimizer through torch's ``get_optimizer_state_dict`` / ``set_optimizer_state_dict``.
 

@@ -18,8 +18,7 @@ shards (``opt.comm_stats()``, on every rank).
 The save/resume through each framework's own checkpointing (``accelerator.save_state`` /
 ``load_state``; ``ModelCheckpoint`` / ``fit(ckpt_path=...)``) goes through torch's
 ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` under FSDP2 and the model-parallel
-strategy: an expected failure until issue 43 item 3 lands (the optimizer's state through torch's
-distributed state_dict API).
+strategy (sharded, DCP: each framework's default), and must resume bit for bit.
 """
 from __future__ import annotations
 
@@ -44,12 +43,6 @@ TIMEOUT = 240  # seconds per job: 4 ranks importing the frameworks on 2 busy cor
 BYTES_RATIO = 20  # compression stage vs an fp32 all-reduce, counted bytes (1-bit: ~30x here)
 LOSS_GAP = 0.02  # the last step's loss against AdamW's, relative (1-bit noise from step 5 on)
 SCRIPTS = ("accelerate_fsdp2", "lightning_model_parallel")
-ITEM_3 = ("issue 43 item 3: the framework checkpoints the optimizer through torch's get_optimizer_state_dict / "
-          "set_optimizer_state_dict, which do not take the compressed optimizers yet")
-
-
-class PendingItem3(Exception):
-    """The framework's save went through torch's ``get_optimizer_state_dict`` and failed there."""
 
 
 def run_example(script: str, optimizer: str, tmp_path, tag: str, extra: tuple[str, ...] = (),
@@ -60,8 +53,6 @@ def run_example(script: str, optimizer: str, tmp_path, tag: str, extra: tuple[st
     what = f"{script} --optimizer {optimizer}"
     if run["timed_out"]:
         pytest.fail(f"{what} hung (killed after {TIMEOUT} s):\n{run['output'][-6000:]}")
-    if run["returncode"] != 0 and "--save-at" in extra and "in _get_optim_state_dict" in run["output"]:
-        raise PendingItem3(run["output"][-3000:])
     assert run["returncode"] == 0, f"{what} exited {run['returncode']}:\n{run['output'][-6000:]}"
     result = run["result"]
     assert result is not None, f"{what} wrote no results:\n{run['output'][-6000:]}"
@@ -93,7 +84,6 @@ def test_sharded_recipe_onebit_adam_against_the_frameworks_adamw(script, tmp_pat
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(2 * TIMEOUT + 60)
-@pytest.mark.xfail(strict=True, raises=PendingItem3, reason=ITEM_3)
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_sharded_recipe_resumes_from_the_frameworks_checkpoint(script, tmp_path):
     """The framework's own checkpoint after step 6 (the compression stage), resumed in fresh
