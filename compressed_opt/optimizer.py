@@ -477,8 +477,10 @@ class CompressedOptimizer(Optimizer):
             sd = super().state_dict()
         finally:
             self._optimizer_state_dict_post_hooks = post_hooks
-        if self._consolidated is None and self.engine.backend.world_size > 1:
-            integrations.check_consolidated(self)  # under a framework that saves from one rank: warns what to add
+        # under a framework that saves from one rank: warns what to add (with DTensor parameters the
+        # frameworks save through torch's state_dict API, each rank its own record: nothing to add)
+        if self._consolidated is None and self.engine.backend.world_size > 1 and not self._local_shards.pairs:
+            integrations.check_consolidated(self)
         sd = checkpoint.with_extra(sd, self.engine, self._algorithm, self._consolidated, self._local_shards)
         algorithm = self._algorithm  # (what torch's state_dict API keeps of it: compressed_opt.torch_state_dict)
         own = dict(enumerate(p.detach() for g in self.engine.param_groups for p in g["params"])) \

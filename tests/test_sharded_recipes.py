@@ -58,6 +58,8 @@ def run_example(script: str, optimizer: str, tmp_path, tag: str, extra: tuple[st
     assert result is not None, f"{what} wrote no results:\n{run['output'][-6000:]}"
     assert result["world_size"] == 4 and result["steps"] == steps, result
     assert result["losses_finite"], result["loss"]
+    # quiet where nothing is wrong: each rank saves its own record through torch's state_dict API
+    assert "UnconsolidatedCheckpointWarning" not in run["output"], run["output"][-3000:]
     return result
 
 
