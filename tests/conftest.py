@@ -16,9 +16,9 @@ torch.set_num_threads(1)
 # follow in collection order, so that no long file starts last and leaves one worker alone at the end.
 # (xdist's own order, by number of tests, put these few-test files last: ~8% of make test's wall time.)
 LONGEST_FIRST = (
-    "test_sharded_recipes.py", "test_integrations.py", "test_benchmarks_smoke.py", "test_train_bench.py",
+    "test_integrations.py", "test_sharded_recipes_adamw.py", "test_benchmarks_smoke.py", "test_train_bench.py",
     "test_onebit_adam.py", "test_lifecycle.py", "test_zero.py", "test_hierarchy.py", "test_dcp_reshard.py",
-    "test_mpi_backend.py", "test_ddp_hook.py", "test_modes.py",
+    "test_sharded_recipes.py", "test_mpi_backend.py", "test_ddp_hook.py", "test_modes.py",
 )
 
 
