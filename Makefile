@@ -23,7 +23,8 @@ $(STAMP): pyproject.toml Makefile
 # Two pytest workers, each taking whole files: a serial run keeps 2 cores ~30% busy (the ranks
 # mostly start, wait and exchange), two workers about twice as busy. Every multi-rank test has
 # its own file store or port and namespace prefix, so the workers never collide. TEST_WORKERS= runs serially.
-TEST_WORKERS ?= -n 2 --dist loadfile
+# --no-loadscope-reorder: the files in tests/conftest.py's order (the longest first), not xdist's (by number of tests).
+TEST_WORKERS ?= -n 2 --dist loadfile --no-loadscope-reorder
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .

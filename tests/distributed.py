@@ -41,13 +41,18 @@ def _rank_main(rank, world_size, store_path, out_dir, fn, args, pg_timeout=None)
     os.replace(result_path + ".tmp", result_path)
 
 
-_PRELOAD = ["torch", "torch.distributed", "compressed_opt", "compressed_opt.comm"]
+# Besides torch and compressed_opt, what nearly every rank imported on its own, each time: torch._dynamo (torch's
+# optimizers import it at their first construction, ~2 s), scikit-learn (optim_tasks' digits, ~3 s), pytest (the
+# test module the rank's function comes from) and torch.distributed.checkpoint.
+_PRELOAD = ["torch", "torch.distributed", "compressed_opt", "compressed_opt.comm", "torch._dynamo", "sklearn.datasets",
+            "pytest", "torch.distributed.checkpoint"]
 
 
 def _context():
     """Fresh rank processes forked from a server that imported torch and compressed_opt once
-    (``forkserver``): the same isolation as ``spawn`` (a new process per rank, no state of the
-    test process), without paying the imports (~3.5 s a run on 2 cores) for every run."""
+    (``forkserver``, and ``_PRELOAD``'s other modules): the same isolation as ``spawn`` (a new process
+    per rank, no state of the test process), without paying the imports (~3.5 s a run on 2 cores,
+    ~5 s more per rank for the others) for every run."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
     return ctx
