@@ -55,7 +55,6 @@ import io
 import warnings
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
 from . import torch_state_dict
@@ -65,15 +64,6 @@ try:  # (torch builds without distributed support have no DTensor)
     from torch.distributed.tensor import DTensor
 except ImportError:  # pragma: no cover - every supported torch has it
     DTensor = None
-
-
-def _rank_and_world(optimizer) -> tuple[int, int]:
-    """This process's rank and the job's size: the whole job's (DCP writes one checkpoint for
-    every rank, and with HSDP or a pipeline the optimizer's backend is one group of it), or the
-    backend's without a process group."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return optimizer.backend.rank, optimizer.backend.world_size
 
 
 def _serialize(obj) -> bytes:
@@ -141,7 +131,7 @@ class OptimizerState(Stateful):
         own part (``rank<r>``; rank 0's with ``reshard=True``) and the per-parameter tensors
         ``state.<i>.<name>``. Collective (0/1 Adam between synchronisations: a broadcast)."""
         opt = self.optimizer
-        rank, world = _rank_and_world(opt)
+        rank, world = torch_state_dict.job_position(opt.backend)
         if self._diloco:
             return {"world_size": world, f"rank{rank}": _serialize(_local_inner_state(opt, opt.state_dict()))}
         # (as this rank holds it: no carrier for torch's state_dict API, no DTensors; those are made below)
@@ -195,7 +185,7 @@ class OptimizerState(Stateful):
     def _state_dict_from(self, state_dict: dict) -> dict:
         """The optimizer's state dict, from DCP's entries (``ValueError`` if they cannot make it)."""
         opt = self.optimizer
-        rank, world = _rank_and_world(opt)
+        rank, world = torch_state_dict.job_position(opt.backend)
         key = f"rank{0 if self.reshard else rank}"
         saved_world = state_dict.get("world_size")
         if not self.reshard and saved_world != world:
@@ -254,8 +244,9 @@ class OptimizerState(Stateful):
                 stacklevel=3,
             )
         extra.pop("ranks", None)
+        shards = None if extra.get("shards") is None else list(torch_state_dict.job_position(opt.backend))
         extra.update(rank=opt.backend.rank, world_size=opt.backend.world_size, averaging=None, paths={},
-                     buckets=[], shards=None if extra.get("shards") is None else list(_rank_and_world(opt)))
+                     buckets=[], shards=shards)
         return dict(sd, compressed_opt=extra)
 
 

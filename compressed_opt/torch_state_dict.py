@@ -52,9 +52,13 @@ except ImportError:  # pragma: no cover - every supported torch has it
 CARRIER = "compressed_opt"
 
 
-def job_rank(backend) -> int:
-    """This process's rank in the whole job (the backend's where there is no process group)."""
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else backend.rank
+def job_position(backend) -> tuple[int, int]:
+    """This process's rank and the job's size: the whole job's (DCP writes one checkpoint for every
+    rank, and with HSDP or a pipeline the optimizer's backend is one group of it), or the backend's
+    without a process group."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return backend.rank, backend.world_size
 
 
 def publish(sd: dict, params: list, tensor_names: tuple, rank_state_names: tuple, own_params: dict,
@@ -80,7 +84,7 @@ def publish(sd: dict, params: list, tensor_names: tuple, rank_state_names: tuple
     first = next((pid for pid in positions if isinstance(state.get(pid), Mapping)), None)
     if first is not None:  # (before the first step nothing holds state: "compressed_opt" is only at the top)
         record = {"extra": sd[CARRIER], "state": rest, "params": own_params}
-        state[first][CARRIER] = {f"rank{job_rank(backend)}": (record,)}
+        state[first][CARRIER] = {f"rank{job_position(backend)[0]}": (record,)}
     sd["state"] = state
     return sd
 
@@ -109,7 +113,7 @@ def unpack(state_dict: Mapping, rank_state_names: tuple, backend, name: str) -> 
         return state_dict, {}
     if CARRIER in state_dict:  # (as state_dict() made it: its own record holds the other entries)
         return _with_record(state_dict, _records(carried, name), name), {}
-    return _rebuilt(state_dict, _records(carried, name), rank_state_names, job_rank(backend), name)
+    return _rebuilt(state_dict, _records(carried, name), rank_state_names, job_position(backend)[0], name)
 
 
 def _records(carried: Mapping, name: str) -> dict[int, dict]:

@@ -146,8 +146,7 @@ def _whole(opt):
     from torch.distributed.tensor import DTensor
 
     def whole(p, local):
-        dt = opt.engine.local_shards.dtensor_of(p)
-        dt = p if dt is None else dt
+        dt = opt.engine.local_shards.public_of(p)  # (the DTensor whose shard p is, else p)
         return DTensor.from_local(local, dt.device_mesh, dt.placements, run_check=False, shape=dt.shape,
                                   stride=dt.stride()).full_tensor()
     return whole
