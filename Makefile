@@ -37,7 +37,7 @@ test: $(STAMP)
 COMPAT_VENV ?= .venv-compat
 COMPAT_PY := $(COMPAT_VENV)/bin/python
 # torchtitan (compressed_opt.integrations.torchtitan) is tested here too, at the release it was
-# written for: its three 4-rank runs take ~3 minutes and it pulls ~400 MB (pandas, pyarrow,
+# written for: its three 4-rank runs and one 8-rank run take ~7 minutes and it pulls ~400 MB (pandas, pyarrow,
 # datasets, wandb), more than make test's budget; tests/test_torchtitan.py skips where it is absent.
 COMPAT_PINS ?= transformers==5.22.2 accelerate==1.14.0 pytorch-lightning==2.5.6 torchtitan==0.3.0
 COMPAT_TESTS ?= tests/test_integrations.py tests/test_framework_integrations.py tests/test_torchtitan.py

@@ -53,13 +53,19 @@ class FsdpReplicas:
             # optimizer averages the replicas: f / R keeps the same sum over all ranks divided by f
             factor = getattr(group, "gradient_divide_factor", None)
             shard_factor = None if factor is None else factor / native.replicate_mesh_size
-            self._groups.append((group, native, shard_only, factor, shard_factor))
+            # resharding after forward to the same mesh (reshard_after_forward=True) names the same object;
+            # another one there would be a reshard to a smaller mesh, which FSDP refuses for DTensor
+            # parameters (tensor parallelism inside the replicas): it follows the swap
+            follows = getattr(group, "post_forward_mesh_info", None) is native
+            self._groups.append((group, native, shard_only, factor, shard_factor, follows))
 
     def next_step(self, full_precision: bool) -> None:
         """Before the next backward: FSDP's all-reduce across the replicas where the next step is a
         full-precision one, else the reduce-scatter alone."""
-        for group, native, shard_only, factor, shard_factor in self._groups:
+        for group, native, shard_only, factor, shard_factor, follows in self._groups:
             group.mesh_info = native if full_precision else shard_only
+            if follows:
+                group.post_forward_mesh_info = group.mesh_info
             if factor is not None:
                 group.gradient_divide_factor = factor if full_precision else shard_factor
 

@@ -33,9 +33,9 @@ import torch.distributed as dist
 from compressed_opt.comm.torch_backend import TorchBackend
 
 try:  # (torch builds without distributed support have no DTensor)
-    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+    from torch.distributed.tensor import DTensor, Partial, Replicate
 except ImportError:  # pragma: no cover - every supported torch has it
-    DTensor = Partial = Replicate = Shard = None
+    DTensor = Partial = Replicate = None
 
 
 def is_dtensor(p) -> bool:
@@ -56,11 +56,14 @@ class LocalShards:
         #: (the DTensor parameter, the plain parameter that is its local tensor), in order
         self.pairs: list[tuple[torch.Tensor, torch.nn.Parameter]] = []
         self._mesh_ranks: set[int] = set()
-        #: id of a shard parameter whose layer is split over the mesh -> its nominal size there
-        #: (the layer's size over the mesh's ranks, the same on each: buckets are laid out alike)
-        self._split: dict[int, int] = {}
-        self._group = None  # the process group the split layers are split over
-        self._mesh_backend: TorchBackend | None = None  # its collectives (made at the first)
+        #: id of a shard parameter whose layer is split over mesh dimensions -> (its nominal size
+        #: there: the layer's size over their ranks, the same on each, so buckets are laid out alike;
+        #: the indices in :attr:`_groups` of the dimensions' groups)
+        self._split: dict[int, tuple[int, tuple[int, ...]]] = {}
+        #: the process groups layers are split over (FSDP's shard dimension, tensor parallelism's),
+        #: in the order the parameters first name them: the same on every rank
+        self._groups: list = []
+        self._mesh_backends: list[TorchBackend | None] = []  # their collectives (made at the first)
         self._dtensor_of: dict[int, torch.Tensor] = {}  # id of a shard parameter -> its DTensor
         self._shard_of: dict[int, torch.nn.Parameter] = {}  # id of a DTensor -> its shard parameter
         #: FSDP2's own HSDP: the group its 2-D mesh replicates the parameters over (else ``None``)
@@ -86,9 +89,8 @@ class LocalShards:
         for p in params:
             if not is_dtensor(p) or id(p) in self._shard_of:
                 continue
-            mesh, dim = p.device_mesh, 0
-            if mesh.ndim != 1:
-                dim = self._replicated_over(p)
+            mesh = p.device_mesh
+            dims = [0] if mesh.ndim == 1 else self._replicated_over(p)
             with torch.no_grad():
                 local = p.to_local()
             shard = torch.nn.Parameter(local, requires_grad=p.requires_grad)
@@ -97,14 +99,24 @@ class LocalShards:
             self._shard_of[id(p)] = shard
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(_binder(weakref.ref(self), shard))
-            group = mesh.get_group(dim)
-            self._mesh_ranks.update(dist.get_process_group_ranks(group))
-            if isinstance(p.placements[dim], Shard) and mesh.size(dim) > 1:
-                if self._group is not None and self._group is not group:
-                    raise ValueError(f"{self._owner}: DTensor parameters split over two different meshes; one "
-                                     "optimizer takes the parameters of one shard (or tensor-parallel) mesh")
-                self._group = group
-                self._split[id(shard)] = -(-p.numel() // mesh.size(dim))
+            split, parts = [], 1
+            for dim in dims:
+                group = mesh.get_group(dim)
+                self._mesh_ranks.update(dist.get_process_group_ranks(group))
+                if _splits(p.placements[dim]) and mesh.size(dim) > 1:
+                    split.append(self._group_index(group))
+                    parts *= mesh.size(dim)
+            if split:
+                self._split[id(shard)] = (-(-p.numel() // parts), tuple(split))
+
+    def _group_index(self, group) -> int:
+        """The index of ``group`` in :attr:`_groups` (appended where new)."""
+        for i, known in enumerate(self._groups):
+            if known is group:
+                return i
+        self._groups.append(group)
+        self._mesh_backends.append(None)
+        return len(self._groups) - 1
 
     def local_of(self, p):
         """The parameter the engine steps for ``p``: a registered DTensor's plain shard parameter,
@@ -140,59 +152,67 @@ class LocalShards:
         """``optimizer.state`` as the engine and the algorithm key it (by the parameters they step)."""
         return _WorkingState(state, self) if self.pairs else state
 
-    def _replicated_over(self, p) -> int:
-        """For a DTensor on a 2-D mesh, FSDP2's own HSDP (placements ``(Replicate(), Shard(0))``):
-        records the replicate dimension's group (:attr:`replicate_group`, the optimizer's exchange)
-        and returns the shard dimension, the one this rank's replica is split over. Refuses any
-        other layout of several dimensions."""
+    def _replicated_over(self, p) -> list[int]:
+        """For a DTensor on a mesh of several dimensions replicated over the first, FSDP2's own HSDP
+        (placements ``(Replicate(), Shard(0))`` on ``(replicate, shard)``; with tensor parallelism
+        ``(Replicate(), Shard(0), tp's)`` on ``(replicate, shard, tp)``): records the replicate dimension's group
+        (:attr:`replicate_group`, the optimizer's exchange) and returns the other dimensions, those
+        this rank's replica is laid out over. Refuses any other layout of several dimensions."""
         mesh, placements = p.device_mesh, p.placements
-        if mesh.ndim != 2 or not isinstance(placements[0], Replicate) or not isinstance(placements[1], Shard):
+        if not isinstance(placements[0], Replicate) or any(isinstance(pl, Partial) for pl in placements):
             raise ValueError(
                 f"{self._owner}: a DTensor parameter on a {mesh.ndim}-D device mesh {mesh.mesh_dim_names} with "
-                f"placements {placements}: the optimizer takes FSDP2's own HSDP (a 2-D mesh, (Replicate(), "
-                "Shard(0))) or 1-D meshes. For a 3-D mesh with tensor parallelism, shard the model over the shard "
-                "and tp dimensions only and give the optimizer the replicate dimension (backend=mesh['replicate'])"
+                f"placements {placements}: the optimizer takes meshes replicated over their first dimension, as "
+                "FSDP2's own HSDP lays them out ((replicate, shard) or (replicate, shard, tp): (Replicate(), "
+                "Shard(0), ...)), or 1-D meshes. Shard the model over the shard (and tp) dimensions and give the "
+                "optimizer the replicate one (backend=mesh['replicate'])"
             )
         group = mesh.get_group(0)
         if self.replicate_group is not None and self.replicate_group is not group:
             raise ValueError(f"{self._owner}: DTensor parameters replicated over two different meshes; one optimizer "
                              "takes the parameters of one HSDP mesh")
         self.replicate_group = group
-        return 1
+        return list(range(1, mesh.ndim))
 
     def position(self) -> list[int] | None:
         """``[rank, world size]`` of the whole job when the optimizer holds shards (its state is
         this rank's shards'; a checkpoint records it, and another rank's is refused), else ``None``."""
         return [dist.get_rank(), dist.get_world_size()] if self.pairs else None
 
-    def dtensor_of(self, shard) -> torch.Tensor | None:
-        """The DTensor parameter whose local tensor ``shard`` is (``None`` for a plain parameter)."""
-        return self._dtensor_of.get(id(shard))
-
     def numel_for_buckets(self, p) -> int:
         """The size a parameter counts for in the bucket layout: a split layer's nominal share
         (the same on every rank of its mesh, so their buckets hold the same layers)."""
-        return self._split.get(id(p), p.numel())
+        split = self._split.get(id(p))
+        return p.numel() if split is None else split[0]
 
-    def bucket_kind(self, p) -> bool:
-        """Whether ``p`` is a layer split over a mesh: those never share a bucket with layers each
-        rank of the mesh holds whole, whose exchange must come out the same on all of them."""
-        return id(p) in self._split
+    def bucket_kind(self, p) -> tuple[int, ...] | None:
+        """The groups ``p``'s layer is split over (``None``: held whole): layers split otherwise never
+        share a bucket, so that each bucket's statistics take the same collectives on every rank
+        (and a layer every rank of a mesh holds whole, whose exchange must come out the same on
+        all of them, never shares one with a split layer)."""
+        split = self._split.get(id(p))
+        return None if split is None else split[1]
 
     # --- per-layer statistics over whole layers ------------------------------------------------------
-    def _mask(self, params) -> list[bool]:
-        return [id(p) in self._split for p in params]
+    def _masks(self, params) -> list[tuple[int, list[bool]]]:
+        """For each group some of ``params`` are split over (in :attr:`_groups`' order): its index,
+        and which of ``params`` are split over it."""
+        if not self._split:
+            return []
+        kinds = [self._split.get(id(p), (0, ()))[1] for p in params]
+        masks = [(i, [i in kind for kind in kinds]) for i in range(len(self._groups))]
+        return [(i, mask) for i, mask in masks if any(mask)]
 
     def whole_layer_sums(self, params, values: torch.Tensor) -> torch.Tensor:
-        """Per layer, ``values`` (this shard's sums) summed over the mesh for the split layers (one
-        all-reduce of a float per layer); the others as they are."""
-        mask = self._mask(params) if self._split else None
-        if not mask or not any(mask):
-            return values
-        keep = torch.tensor(mask, device=values.device)
-        split = torch.where(keep, values, torch.zeros_like(values))
-        self._backend().all_reduce(split)
-        return torch.where(keep, split, values)
+        """Per layer, ``values`` (this shard's sums) summed over the ranks the layer is split over
+        (one all-reduce of a float per layer and group: FSDP's shard group, then tensor
+        parallelism's on a 3-D mesh, whose product is the layer's ranks); the others as they are."""
+        for i, mask in self._masks(params):
+            keep = torch.tensor(mask, device=values.device)
+            split = torch.where(keep, values, torch.zeros_like(values))
+            self._backend(i).all_reduce(split)
+            values = torch.where(keep, split, values)
+        return values
 
     def whole_layer_norms(self, params, norms: list[torch.Tensor]) -> list[torch.Tensor]:
         """Each of ``norms`` (per-layer L2 norms of this shard) as the norms of the whole layers."""
@@ -201,24 +221,25 @@ class LocalShards:
         return [self.whole_layer_sums(params, n.double().square()).sqrt().to(n.dtype) for n in norms]
 
     def whole_layer_maxima(self, params, values: list[float]) -> list[float]:
-        """Per layer, the maximum over the mesh for the split layers (every rank's values gathered:
-        one float per layer and rank; a maximum is exact in any order)."""
-        mask = self._mask(params) if self._split else None
-        if not mask or not any(mask):
+        """Per layer, the maximum over the ranks the layer is split over (every rank's values
+        gathered, group by group: one float per layer and rank; a maximum is exact in any order)."""
+        masks = self._masks(params)
+        if not masks:
             return values
-        backend = self._backend()
         t = torch.tensor(values, dtype=torch.float64)
-        every = torch.empty(backend.world_size * t.numel(), dtype=t.dtype)
-        backend.all_gather(every, t)
-        found = every.view(backend.world_size, -1).amax(dim=0)
-        return torch.where(torch.tensor(mask), found, t).tolist()
+        for i, mask in masks:
+            backend = self._backend(i)
+            every = torch.empty(backend.world_size * t.numel(), dtype=t.dtype)
+            backend.all_gather(every, t)
+            t = torch.where(torch.tensor(mask), every.view(backend.world_size, -1).amax(dim=0), t)
+        return t.tolist()
 
-    def _backend(self) -> TorchBackend:
-        """The collectives over the split layers' group, through the comm layer (which keeps what
-        it sends until torch lets go of it: ``compressed_opt.comm.torch_backend``)."""
-        if self._mesh_backend is None:
-            self._mesh_backend = TorchBackend(self._group)
-        return self._mesh_backend
+    def _backend(self, i: int) -> TorchBackend:
+        """The collectives over the ``i``-th group layers are split over, through the comm layer
+        (which keeps what it sends until torch lets go of it: ``compressed_opt.comm.torch_backend``)."""
+        if self._mesh_backends[i] is None:
+            self._mesh_backends[i] = TorchBackend(self._groups[i])
+        return self._mesh_backends[i]
 
     def check_backend(self, backend, sharded_state: bool) -> None:
         """The backend's ranks and the DTensors' mesh share only this rank: the exchange must pair
@@ -353,6 +374,12 @@ class _WorkingState(MutableMapping):
 
     def __len__(self):
         return len(self.state)
+
+
+def _splits(placement) -> bool:
+    """Whether a placement splits the tensor over its mesh dimension: ``Shard``, and FSDP's
+    ``_StridedShard`` over a tensor-parallel shard (which is no ``Shard`` to ``isinstance``)."""
+    return not isinstance(placement, (Replicate, Partial))
 
 
 def _moved(p, shard) -> bool:

@@ -237,3 +237,103 @@ def test_a_gradient_divide_factor_set_by_the_user_gives_the_same_steps_in_the_co
     summed = run_ranks(_divide_factor, 4, True, timeout=120)
     for a, b in zip(mean, summed):
         assert all(torch.allclose(x, y, rtol=1e-4, atol=1e-6) for x, y in zip(a, b))
+
+
+NAMES = ("OnebitAdam", "OnebitLamb", "ZeroOneAdam")
+
+
+def _optimizer(name, params, **kw):
+    import compressed_opt
+
+    config = dict(var_freeze_step=4, var_update_scaler=2, local_step_scaler=4) if name == "ZeroOneAdam" \
+        else dict(freeze_step=4)
+    return getattr(compressed_opt, name)(params, lr=1e-2, **config, **kw)
+
+
+def _layers(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 4))
+
+
+def _with_tensor_parallel(mesh, seed=0):
+    """The 3-D layout torchtitan makes with replicas, FSDP and tensor parallelism: a Colwise then a
+    Rowwise layer on "tp", then ``fully_shard`` of every layer on the 2-D (replicate, shard) mesh;
+    the last layer is left to FSDP alone (its parameters on the 2-D mesh)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    model = _layers(seed)
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    dp = mesh["dp_replicate", "dp_shard"]
+    for m in model:
+        if isinstance(m, nn.Linear):
+            fully_shard(m, mesh=dp)
+    fully_shard(model, mesh=dp)
+    return model
+
+
+def _three_d(rank, world):
+    """Each optimizer on (dp_replicate 2, dp_shard 2, tp 2) with no ``backend=``, beside the same
+    optimizer on the whole model over the 4 data-parallel ranks of this rank's tp position, fed the
+    same batches (a data-parallel rank's batch, the same on its tp ranks)."""
+    import warnings
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from compressed_opt.comm import TorchBackend
+
+    warnings.simplefilter("ignore")
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    rep, shard, tp = mesh.get_coordinate()
+    # the data-parallel ranks of each tp position (every rank makes every group)
+    dp_whole, _ = dist.new_subgroups_by_enumeration([[r for r in range(world) if r % 2 == t] for t in range(2)])
+    replicate, tp_group = mesh.get_group("dp_replicate"), mesh.get_group("tp")
+    out = {}
+    for name in NAMES:
+        model = _with_tensor_parallel(mesh)
+        whole = _layers()
+        opt = _optimizer(name, model.parameters())
+        reference = _optimizer(name, whole.parameters(), backend=TorchBackend(group=dp_whole))
+        gap, replicas, tp_copies, steps = 0.0, True, True, 0
+        for step in range(1, 11):
+            x = torch.randn(8, 8, generator=torch.Generator().manual_seed(100 * step + 2 * rep + shard))
+            full_precision = not opt.compressing
+            for m, o in ((model, opt), (whole, reference)):
+                o.zero_grad()
+                (m(x) - x[:, :4].sin()).square().mean().backward()
+                o.step()
+            if full_precision:
+                steps += 1
+                gap = max(gap, max((p.full_tensor() - q.detach()).abs().max().item()
+                                   for p, q in zip(model.parameters(), whole.parameters())))
+            if (opt.schedule.steps_since_sync if name == "ZeroOneAdam" else 0) == 0:
+                replicas &= _replicas_equal(_locals(model), replicate)
+            tp_copies &= _replicas_equal([model[2].bias.to_local().detach()], tp_group)  # (Replicate on tp)
+        stats = opt.comm_stats()
+        out[name] = dict(gap=gap, warmup_steps=steps, replicas=replicas, tp_copies=tp_copies,
+                         compressing=opt.compressing, exchange=sorted(dist.get_process_group_ranks(opt.backend.group)),
+                         replicate=sorted(dist.get_process_group_ranks(replicate)), ratio=stats.compression_ratio)
+        opt.close()
+        reference.close()
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_3d_mesh_with_tensor_parallelism_steps_as_the_whole_model_and_compresses_across_the_replicas():
+    """FSDP2's own HSDP with tensor parallelism, (dp_replicate, dp_shard, tp) = (2, 2, 2) on 8 ranks,
+    as torchtitan lays out replicas x FSDP x TP (parameters on the 3-D mesh, and the layer left to
+    FSDP alone on the 2-D one), no ``backend=``: the optimizer's exchange is the replicate
+    dimension; in the warmup every parameter equals the same optimizer's on the whole model
+    averaged over the 4 data-parallel ranks (float tolerance; 1-bit LAMB's trust ratios from the
+    whole layers' norms, summed over the shard and the tp ranks); from the freeze on the replicas
+    stay bit-identical and so do the tp ranks' copies of the Rowwise bias."""
+    for rank, out in enumerate(run_ranks(_three_d, 8, timeout=240)):
+        for name in NAMES:
+            r = out[name]
+            where = f"{name}, rank {rank}: {r}"
+            assert r["exchange"] == r["replicate"] and len(r["exchange"]) == 2, where
+            assert r["warmup_steps"] >= (2 if name == "ZeroOneAdam" else 4) and r["gap"] < 1e-5, where
+            assert r["compressing"] and r["replicas"] and r["tp_copies"], where
+            assert r["ratio"] > 5, where

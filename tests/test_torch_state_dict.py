@@ -6,8 +6,9 @@ accelerate and Lightning checkpoint (compressed_opt.torch_state_dict).
 Each job trains to step ``SAVE_AT`` (in the compression stage), saves model and optimizer, and
 trains on to ``STEPS``; the resumed job, in new processes with a model made from another seed,
 loads both and trains the same steps. Its final parameters and optimizer state must equal the
-uninterrupted job's bit for bit, on every rank: replicated data parallel (2 ranks) and FSDP2's own
-HSDP (2 replicas x 2 shards), all three optimizers and ZeRO 1, sharded. A full state dict is
+uninterrupted job's bit for bit, on every rank: replicated data parallel (2 ranks), FSDP2's own
+HSDP (2 replicas x 2 shards) and HSDP with tensor parallelism (2 x 2 x 2), all three optimizers
+and ZeRO 1, sharded. A full state dict is
 refused on every rank at the load (torch's full load takes the record apart:
 compressed_opt.torch_state_dict).
 """
@@ -24,13 +25,8 @@ from torch import nn
 
 import compressed_opt
 from distributed import run_ranks
+from test_dcp import CONFIGS  # (the same configurations as through compressed_opt.dcp.OptimizerState)
 
-CONFIGS = {
-    "OnebitAdam": dict(freeze_step=3),
-    "OnebitAdam-zero1": dict(freeze_step=3, zero_stage=1),
-    "OnebitLamb": dict(freeze_step=3),
-    "ZeroOneAdam": dict(var_freeze_step=3, var_update_scaler=2, local_step_scaler=4),
-}
 SAVE_AT, STEPS = 6, 9
 
 
@@ -40,6 +36,11 @@ def _model(seed, mesh):
     if mesh is not None:  # FSDP2's own HSDP: fully_shard on the 2-D mesh, as torchtitan shards
         from torch.distributed.fsdp import fully_shard
 
+        if "tp" in mesh.mesh_dim_names:  # (with tensor parallelism inside the replicas: the 3-D mesh)
+            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+            parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+            mesh = mesh["dp_replicate", "dp_shard"]
         for m in model:
             if isinstance(m, nn.Linear):
                 fully_shard(m, mesh=mesh)
@@ -48,7 +49,7 @@ def _model(seed, mesh):
 
 
 def _train(model, opt, steps):
-    rank = dist.get_rank()
+    rank = dist.get_rank() // (2 if dist.get_world_size() == 8 else 1)  # (tp ranks: the same batch)
     for step in steps:
         g = torch.Generator().manual_seed(1000 * step + rank)
         opt.zero_grad()
@@ -85,7 +86,8 @@ def _job(rank, world, root, hsdp, mode, resume):
     if hsdp:
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard")) if world == 4 else \
+            init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
     full = mode == "full"
     options = StateDictOptions(full_state_dict=full, cpu_offload=full)
     # (a full state dict loads as Lightning and accelerate load it: rank 0's, broadcast)
@@ -166,6 +168,14 @@ def test_hsdp_resume_through_torchs_state_dict_api_is_bit_identical(tmp_path):
     per shard and every rank's own record (error feedback, 0/1 Adam's local state) under its own
     key: every optimizer resumes bit for bit."""
     _compare(tmp_path, 4, True, "sharded")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_hsdp_with_tensor_parallelism_resume_through_torchs_state_dict_api_is_bit_identical(tmp_path):
+    """Eight ranks, FSDP2's own HSDP with tensor parallelism inside each replica (dp_replicate 2 x
+    dp_shard 2 x tp 2, the 3-D mesh torchtitan makes): every optimizer resumes bit for bit."""
+    _compare(tmp_path, 8, True, "sharded")
 
 
 @pytest.mark.multiprocess

@@ -204,6 +204,22 @@ def test_hsdp_2x2_trains_across_the_freeze_near_adamw_with_20x_fewer_bytes_acros
           "bytes ratio", 2 * 0.5 * 4 * results[0]["local"] / results[0]["stats"]["compression_bytes_per_step"])
 
 
+def test_hsdp_with_tensor_parallelism_2x2x2_trains_near_adamw_with_20x_fewer_bytes_across_replicas():
+    """dp_replicate 2 x dp_shard 2 x tp 2 on 8 ranks, the 3-D mesh torchtitan makes for replicas, FSDP
+    and tensor parallelism together: the same checks as HSDP 2x2's."""
+    results = run_ranks(_compare, 8, (2, 2, 2), timeout=600)
+    for r in results:
+        adamw, ours = r["adamw"][STEPS], r["ours"][STEPS]
+        assert abs(ours - adamw) <= 0.03 * adamw, (ours, adamw)
+        assert ours < r["ours"][1] - 2.0
+        assert r["equal"]
+        assert r["stats"]["stage"] == "compression" and r["stats"]["compression_steps"] == STEPS - FREEZE
+        hsdp = 2 * (r["replicas"] - 1) / r["replicas"] * 4 * r["local"]
+        assert hsdp / r["stats"]["compression_bytes_per_step"] >= 20
+    print("3-D step 40: AdamW", results[0]["adamw"][STEPS], "OnebitAdam", results[0]["ours"][STEPS],
+          "bytes ratio", 2 * 0.5 * 4 * results[0]["local"] / results[0]["stats"]["compression_bytes_per_step"])
+
+
 def _tp(rank, world):
     """OnebitAdam on dp_replicate 2 x tp 2 (torchtitan's parallelize_llama then also applies
     fully_shard on ``mesh["dp_replicate", "fsdp"]``, fsdp of size 1: parameters on the 3-D mesh
