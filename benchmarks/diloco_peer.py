@@ -308,6 +308,8 @@ def main(argv=None) -> int:
     own = argparse.ArgumentParser(add_help=False)
     own.add_argument("--ours", default="diloco_fp32,diloco_1bit")
     own.add_argument("--wire", action="store_true")
+    own.add_argument("--out-dir", default="results")  # (this report's; ours' go to a temporary folder)
+    own.add_argument("--name")
     for flag in ("--peer-worker", "--peer-config", "--peer-lighthouse", "--peer-out"):
         own.add_argument(flag, help=argparse.SUPPRESS)
     mine, rest = own.parse_known_args(argv)
@@ -337,7 +339,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"{PROG}: --launch must be at least 2 (replica groups)")
     if mine.wire and os.environ.get(NETNS_ENV) != "1":
         return in_own_netns(argv)
-    out_dir, name = args.out_dir, args.name or f"diloco-peer-{cfg['model_preset']}-seed{cfg['seed']}-r{cfg['launch']}"
+    out_dir, name = mine.out_dir, mine.name or f"diloco-peer-{cfg['model_preset']}-seed{cfg['seed']}-r{cfg['launch']}"
     print(f"# {PROG}: torchft's DiLoCo ({torchft_version()}) against ours: {cfg['params'] / 1e6:.2f}M-parameter "
           f"{cfg.get('arch', 'gpt')}, {cfg['launch']} replicas, {cfg['steps']} steps, H={cfg['sync_every']}, outer "
           f"SGD lr {cfg['outer_lr']} momentum {cfg['outer_momentum']} Nesterov, seed {cfg['seed']}", flush=True)
