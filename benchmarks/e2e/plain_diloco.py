@@ -1,5 +1,6 @@
 """DiLoCo written plainly, as the reference beside ``compressed_opt.DiLoCo`` in the end-to-end
-benchmark (issue 44's "peer, side by side" where torchft's does not run here): every ``H`` inner
+benchmark (issue 44's "peer, side by side" with no dependency; torchft's own DiLoCo is set beside ours
+by ``benchmarks/diloco_peer.py``, in a venv of its own): every ``H`` inner
 steps each parameter's pseudo-gradient ``A - theta`` is averaged with one fp32
 ``torch.distributed.all_reduce``, ``torch.optim.SGD(momentum=0.9, nesterov=True, lr=0.7)`` steps the
 anchor with it, and the parameters are set to the anchor (Douillard et al. 2023, Algorithm 1). No
