@@ -197,8 +197,6 @@ class LocalShards:
     def _masks(self, params) -> list[tuple[int, list[bool]]]:
         """For each group some of ``params`` are split over (in :attr:`_groups`' order): its index,
         and which of ``params`` are split over it."""
-        if not self._split:
-            return []
         kinds = [self._split.get(id(p), (0, ()))[1] for p in params]
         masks = [(i, [i in kind for kind in kinds]) for i in range(len(self._groups))]
         return [(i, mask) for i, mask in masks if any(mask)]
@@ -207,6 +205,8 @@ class LocalShards:
         """Per layer, ``values`` (this shard's sums) summed over the ranks the layer is split over
         (one all-reduce of a float per layer and group: FSDP's shard group, then tensor
         parallelism's on a 3-D mesh, whose product is the layer's ranks); the others as they are."""
+        if not self._split:
+            return values
         for i, mask in self._masks(params):
             keep = torch.tensor(mask, device=values.device)
             split = torch.where(keep, values, torch.zeros_like(values))
@@ -223,7 +223,7 @@ class LocalShards:
     def whole_layer_maxima(self, params, values: list[float]) -> list[float]:
         """Per layer, the maximum over the ranks the layer is split over (every rank's values
         gathered, group by group: one float per layer and rank; a maximum is exact in any order)."""
-        masks = self._masks(params)
+        masks = self._masks(params) if self._split else None
         if not masks:
             return values
         t = torch.tensor(values, dtype=torch.float64)
