@@ -43,31 +43,47 @@ class FsdpReplicas:
     equal_start = False
 
     def __init__(self, groups: list):
-        self._groups = []
-        for group in groups:
-            native = group.mesh_info
-            shard_only = FSDPMeshInfo(native.mesh, shard_mesh_dim=native.shard_mesh_dim)
-            shard_only.reduce_scatter_process_group = getattr(native, "reduce_scatter_process_group", None)
-            # a divide factor set by the user (torchtitan: 1.0, the loss divided by the global token count)
-            # divides HSDP's sum over all ranks; shard-only, FSDP sums over the shard group alone and the
-            # optimizer averages the replicas: f / R keeps the same sum over all ranks divided by f
-            factor = getattr(group, "gradient_divide_factor", None)
-            shard_factor = None if factor is None else factor / native.replicate_mesh_size
-            # resharding after forward to the same mesh (reshard_after_forward=True) names the same object;
-            # another one there would be a reshard to a smaller mesh, which FSDP refuses for DTensor
-            # parameters (tensor parallelism inside the replicas): it follows the swap
-            follows = getattr(group, "post_forward_mesh_info", None) is native
-            self._groups.append((group, native, shard_only, factor, shard_factor, follows))
+        self._groups = [_Swap(group) for group in groups]
 
     def next_step(self, full_precision: bool) -> None:
         """Before the next backward: FSDP's all-reduce across the replicas where the next step is a
         full-precision one, else the reduce-scatter alone."""
-        for group, native, shard_only, factor, shard_factor, follows in self._groups:
-            group.mesh_info = native if full_precision else shard_only
-            if follows:
-                group.post_forward_mesh_info = group.mesh_info
-            if factor is not None:
-                group.gradient_divide_factor = factor if full_precision else shard_factor
+        for swap in self._groups:
+            swap.set(full_precision)
+
+
+class _Swap:
+    """One FSDP parameter group's two mesh informations (and divide factors), swapped in turn."""
+
+    __slots__ = ("group", "native", "shard_only", "follows", "factor", "written")
+
+    def __init__(self, group):
+        self.group = group
+        self.native = native = group.mesh_info
+        self.shard_only = FSDPMeshInfo(native.mesh, shard_mesh_dim=native.shard_mesh_dim)
+        self.shard_only.reduce_scatter_process_group = getattr(native, "reduce_scatter_process_group", None)
+        # resharding after forward to the same mesh (reshard_after_forward=True) names the same object;
+        # another one there would be a reshard to a smaller mesh, which FSDP refuses for DTensor
+        # parameters (tensor parallelism inside the replicas): it follows the swap
+        self.follows = getattr(group, "post_forward_mesh_info", None) is native
+        self.factor = self.written = getattr(group, "gradient_divide_factor", None)
+
+    def set(self, full_precision: bool) -> None:
+        group = self.group
+        group.mesh_info = self.native if full_precision else self.shard_only
+        if self.follows:
+            group.post_forward_mesh_info = group.mesh_info
+        # a divide factor set by the user (torchtitan: 1.0, the loss divided by the global token count),
+        # read again where it is no longer the one last written here (set_gradient_divide_factor after
+        # the optimizer was made), divides HSDP's sum over all ranks; shard-only, FSDP sums over the
+        # shard group alone and the optimizer averages the replicas: f / R keeps the same sum over all
+        # ranks divided by f
+        current = getattr(group, "gradient_divide_factor", None)
+        if current != self.written:
+            self.factor = current
+        if self.factor is not None:
+            self.written = group.gradient_divide_factor = (
+                self.factor if full_precision else self.factor / self.native.replicate_mesh_size)
 
 
 def find(dtensor_params: list, owner: str) -> FsdpReplicas | None:

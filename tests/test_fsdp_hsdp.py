@@ -205,19 +205,25 @@ def test_a_resume_in_the_compression_stage_is_bit_for_bit(tmp_path):
 
 def _divide_factor(rank, world, summed):
     """Default FSDP (the mean over the 4 ranks), or torchtitan's way: ``set_gradient_divide_factor(1.0)``
-    (a sum) with each rank's loss divided by the world size; 3 warmup and 5 compression steps."""
+    (a sum) with each rank's loss divided by the world size, set before the optimizer is made
+    (``summed="before"``) or after (``"after"``); 3 warmup and 5 compression steps."""
     from torch.distributed.device_mesh import init_device_mesh
 
     import compressed_opt
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
-    model = _model(mesh)
-    if summed:
+    def sum_instead():
         for m in model.modules():
             if hasattr(m, "set_gradient_divide_factor"):
                 m.set_gradient_divide_factor(1.0)
                 m.set_force_sum_reduction_for_comms(True)  # (Gloo has no PREMUL_SUM: sums, divided after)
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    model = _model(mesh)
+    if summed == "before":
+        sum_instead()
     opt = compressed_opt.OnebitAdam(model.parameters(), freeze_step=3, **HP)
+    if summed == "after":
+        sum_instead()
     for step in range(1, 9):
         opt.zero_grad()
         loss = _loss(model, step, rank)
@@ -232,11 +238,14 @@ def test_a_gradient_divide_factor_set_by_the_user_gives_the_same_steps_in_the_co
     """torchtitan sets FSDP's divide factor to 1.0 and divides the loss by the global count itself.
     In the compression stage FSDP then sums over its shard group only and the optimizer averages the
     replicas, which made the gradient 1/R of HSDP's; the optimizer now gives FSDP f/R there, so
-    the run is the default run's (within rounding: the divisions happen elsewhere)."""
+    the run is the default run's (within rounding: the divisions happen elsewhere). A factor set
+    after the optimizer was made is read at the next step (it was read at construction only, and
+    the compression steps' gradients were 1/R of HSDP's)."""
     mean = run_ranks(_divide_factor, 4, False, timeout=120)
-    summed = run_ranks(_divide_factor, 4, True, timeout=120)
-    for a, b in zip(mean, summed):
-        assert all(torch.allclose(x, y, rtol=1e-4, atol=1e-6) for x, y in zip(a, b))
+    for when in ("before", "after"):
+        summed = run_ranks(_divide_factor, 4, when, timeout=120)
+        for a, b in zip(mean, summed):
+            assert all(torch.allclose(x, y, rtol=1e-4, atol=1e-6) for x, y in zip(a, b)), when
 
 
 NAMES = ("OnebitAdam", "OnebitLamb", "ZeroOneAdam")
