@@ -17,9 +17,9 @@ torch.set_num_threads(1)
 # (xdist's own order, by number of tests, put these few-test files last.) Measured with the rank preload of
 # tests/distributed.py; remeasure when a file grows.
 LONGEST_FIRST = (
-    "test_benchmarks_smoke.py", "test_train_bench.py", "test_integrations.py", "test_sharded_recipes_adamw.py",
-    "test_mpi_backend.py", "test_sharded_recipes.py", "test_dcp_reshard.py", "test_onebit_adam.py",
-    "test_hierarchy.py", "test_kernel_loading.py", "test_hsdp.py", "test_faults.py",
+    "test_sharded_recipes.py", "test_integrations.py", "test_benchmarks_smoke.py", "test_train_bench.py",
+    "test_mpi_backend.py", "test_dcp_reshard.py", "test_torch_state_dict.py", "test_fsdp_hsdp.py", "test_hierarchy.py",
+    "test_onebit_adam.py", "test_faults.py", "test_kernel_loading.py", "test_hsdp.py",
 )
 
 

@@ -130,7 +130,7 @@ def test_link_in_a_user_namespace(tmp_path):
 def test_modelled_link_is_labelled_and_adds_the_link_time(tmp_path):
     """Where no link can be emulated, the demo's link is modelled: each measured loopback step plus
     its bytes / rate, and the table says MODELLED."""
-    done, rep = _run_link(tmp_path, "model", "ddp_adamw,onebit_adam")
+    done, rep = _run_link(tmp_path, "model", "onebit_adam")  # (one method: the model is the same for each)
     cfg = rep["config"]
     assert cfg["mode"] == "model" and cfg["link_emulation"] == "model"
     for m in rep["methods"]:
