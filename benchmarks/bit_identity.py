@@ -14,7 +14,8 @@ rank. The matrix (docs/benchmarks.md, "The reference matrix"):
 * HSDP 2x2 (FSDP2 on ``mesh["shard"]``, the exchange over ``mesh["replicate"]``) and tensor
   parallelism (``mesh["tp"]`` column/row-wise, the exchange over ``mesh["dp"]``), each optimizer;
 * DCP round trips (``compressed_opt.dcp.OptimizerState``): saved mid-run, loaded in a fresh
-  optimizer, trained on; the resumed run must give the uninterrupted run's bits.
+  optimizer, trained on; the resumed run must give the uninterrupted run's bits;
+* DiLoCo around AdamW, each compression, and streamed (fragments and a delay), on 2 ranks.
 
     python -P benchmarks/bit_identity.py                     # this checkout: the hashes, and how many differ
     python -P benchmarks/bit_identity.py --against 9d13228   # this checkout against an install of that revision
@@ -217,6 +218,35 @@ def _run_meshes(rank, world):
     return out
 
 
+DILOCO = {"fp32": dict(compression="fp32"), "bf16": dict(compression="bf16"), "4bit": dict(compression="4bit"),
+          "1bit": dict(compression="1bit"), "1bit/fragments=2/delay=1": dict(compression="1bit", fragments=2, delay=1)}
+
+
+def _run_diloco(rank, world):
+    """DiLoCo around torch's AdamW, H = 4, each compression (and streamed), on 2 ranks: the
+    parameters after every inner step, and the anchors and outer momenta at the end."""
+    import compressed_opt
+
+    warnings.simplefilter("ignore")
+    out = {}
+    for name, kw in DILOCO.items():
+        model = _model()
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        try:
+            opt = compressed_opt.DiLoCo(model.parameters(), inner, sync_every=4, **kw)
+        except (AttributeError, ValueError) as exc:  # (a revision without DiLoCo, or without this compression)
+            out[f"DiLoCo/{name}"] = (f"unsupported: {type(exc).__name__}", "")
+            continue
+        trajectory = hashlib.sha256()
+        _train(model, opt, rank, range(1, STEPS + 1), {}, trajectory)
+        opt.synchronize()
+        state = hashlib.sha256()
+        _digest(state, [t for f in opt.fragments for t in (f.anchor, f.momentum)])
+        out[f"DiLoCo/{name}"] = (trajectory.hexdigest(), state.hexdigest())
+        opt.close()
+    return out
+
+
 def _rank_main(rank, world, store, fn, args, out_dir, env):
     os.environ.update(env)
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -276,6 +306,9 @@ def run_matrix() -> dict[str, list]:
             for name, value in out.items():
                 results.setdefault(name, []).append(value)
     for out in _spawn(_run_meshes, 4):
+        for name, value in out.items():
+            results.setdefault(name, []).append(value)
+    for out in _spawn(_run_diloco, 2):
         for name, value in out.items():
             results.setdefault(name, []).append(value)
     return results
