@@ -69,8 +69,9 @@ def run_example(script: str, optimizer: str, tmp_path, tag: str, extra: tuple[st
 def test_sharded_recipe_against_the_frameworks_adamw_and_resumed_from_its_checkpoint(script, tmp_path):
     checkpoint = ("--save-at", str(SAVE_AT), "--checkpoint", str(tmp_path / "checkpoint"))
     ours = run_example(script, "onebitadam", tmp_path, "first", extra=checkpoint)
-    # AdamW saves at the same step too: the save moves Lightning's run after it, whatever the optimizer
-    # (AdamW's step-8 loss 4.130 without the save, 4.266 with it; ours 4.162 and 4.299)
+    # AdamW saves at the same step too: with --save-at the Lightning example's epochs are that many steps
+    # (Lightning resumes a plain DataLoader at an epoch's end), so steps 7-8 see the next epoch's shuffle,
+    # whatever the optimizer (AdamW's step-8 loss 4.130 without the save, 4.266 with it; ours 4.162, 4.299)
     adamw = run_example(script, "adamw", tmp_path, "adamw",
                         extra=("--save-at", str(SAVE_AT), "--checkpoint", str(tmp_path / "checkpoint-adamw")))
     assert ours["replicas"] == 2 and ours["replicas_identical"], (
