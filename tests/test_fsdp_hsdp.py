@@ -10,20 +10,14 @@ import torch
 from torch import nn
 
 from distributed import run_ranks
+from sharding import fsdp2_hsdp
 
 HP = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
 
 
 def _model(mesh, seed=0):
-    from torch.distributed.fsdp import fully_shard
-
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
-    for m in model:
-        if isinstance(m, nn.Linear):
-            fully_shard(m, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
+    return fsdp2_hsdp(nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4)), mesh)
 
 
 def _loss(model, step, rank):
@@ -264,23 +258,6 @@ def _layers(seed=0):
     return nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 4))
 
 
-def _with_tensor_parallel(mesh, seed=0):
-    """The 3-D layout torchtitan makes with replicas, FSDP and tensor parallelism: a Colwise then a
-    Rowwise layer on "tp", then ``fully_shard`` of every layer on the 2-D (replicate, shard) mesh;
-    the last layer is left to FSDP alone (its parameters on the 2-D mesh)."""
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    model = _layers(seed)
-    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
-    dp = mesh["dp_replicate", "dp_shard"]
-    for m in model:
-        if isinstance(m, nn.Linear):
-            fully_shard(m, mesh=dp)
-    fully_shard(model, mesh=dp)
-    return model
-
-
 def _three_d(rank, world):
     """Each optimizer on (dp_replicate 2, dp_shard 2, tp 2) with no ``backend=``, beside the same
     optimizer on the whole model over the 4 data-parallel ranks of this rank's tp position, fed the
@@ -300,7 +277,7 @@ def _three_d(rank, world):
     replicate, tp_group = mesh.get_group("dp_replicate"), mesh.get_group("tp")
     out = {}
     for name in NAMES:
-        model = _with_tensor_parallel(mesh)
+        model = fsdp2_hsdp(_layers(), mesh)  # (the last layer left to FSDP alone: on the 2-D mesh)
         whole = _layers()
         opt = _optimizer(name, model.parameters())
         reference = _optimizer(name, whole.parameters(), backend=TorchBackend(group=dp_whole))

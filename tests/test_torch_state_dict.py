@@ -25,6 +25,7 @@ from torch import nn
 
 import compressed_opt
 from distributed import run_ranks
+from sharding import fsdp2_hsdp
 from test_dcp import CONFIGS  # (the same configurations as through compressed_opt.dcp.OptimizerState)
 
 SAVE_AT, STEPS = 6, 9
@@ -33,19 +34,8 @@ SAVE_AT, STEPS = 6, 9
 def _model(seed, mesh):
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(12, 24), nn.Tanh(), nn.Linear(24, 6))
-    if mesh is not None:  # FSDP2's own HSDP: fully_shard on the 2-D mesh, as torchtitan shards
-        from torch.distributed.fsdp import fully_shard
-
-        if "tp" in mesh.mesh_dim_names:  # (with tensor parallelism inside the replicas: the 3-D mesh)
-            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-            parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
-            mesh = mesh["dp_replicate", "dp_shard"]
-        for m in model:
-            if isinstance(m, nn.Linear):
-                fully_shard(m, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-    return model
+    # FSDP2's own HSDP as torchtitan shards (with tensor parallelism inside the replicas: the 3-D mesh)
+    return model if mesh is None else fsdp2_hsdp(model, mesh)
 
 
 def _train(model, opt, steps):
