@@ -7,13 +7,33 @@ on each replica's own data, with no traffic across replicas, reaching ``theta_r`
 fragment of the parameters (docs/design.md 7):
 
 * the pseudo-gradient ``d_r = A - theta_r`` (this rank's parameters; under FSDP2, its shard);
-* the exchange ``D = mean_r C(d_r + e_r)``, ``e_r <- d_r + e_r - C(d_r + e_r)``: ``C`` the identity
-  for ``"fp32"``, a bf16 rounding for ``"bf16"``, for ``"1bit"`` the block-scaled sign of the
-  library's compressed allreduce with its worker and server errors (the engine's exchange, as the
-  1-bit optimizers' momentum: :meth:`compressed_opt.engine.GradientSync.run`), and for ``"4bit"``
-  block-scaled 4-bit codes in the same two stages (:mod:`compressed_opt.comm.quantized`: 8x fewer
-  bytes than fp32 where 1-bit sends 32x fewer, and fp32's loss where 1-bit's is above it,
-  docs/benchmarks.md);
+* the exchange ``D = mean_r C(d_r + beta e_r)``, ``e_r <- d_r + beta e_r - C(d_r + beta e_r)``:
+  ``C`` the identity for ``"fp32"``, a bf16 rounding for ``"bf16"``, for ``"4bit"`` block-scaled
+  4-bit codes in two stages with worker and server errors (:mod:`compressed_opt.comm.quantized`:
+  8x fewer bytes than fp32 where 1-bit sends 32x fewer), and for ``"1bit"`` the block-scaled sign
+  of the library's compressed allreduce in its two stages (the engine's exchange, as the 1-bit
+  optimizers' momentum: :meth:`compressed_opt.engine.GradientSync.run`) applied to a rotation of
+  the pseudo-gradient: ``D = R^T mean_r C(R d_r)`` (errors in the rotated coordinates), with
+  ``R = H S`` on each whole run of :data:`ROTATION_BLOCK` elements of the fragment's flat buffer
+  (``S`` a diagonal of random signs, the same on every replica, drawn from a fixed seed, ``H`` the
+  orthonormal Walsh-Hadamard matrix; the tail past the last whole run is not rotated). Rotated,
+  a block's coordinates are sums over 1024 elements, close to Gaussian whatever the layer, so the
+  sign and its RMS scale lose less of them (DRIVE, Vargaftik et al. 2021: a rotation before a
+  1-bit code); the same bits travel;
+* ``beta = error_feedback``, the share of the last round's compression errors (worker and server:
+  both are multiplied by ``beta`` before the exchange) carried into this one: 0.5 by default for
+  ``"1bit"`` (the errors decayed: ``beta = 0`` drops them, ``D = R^T C_s(mean_r C(R d_r))``, ``C_s``
+  the server's code), 1 for ``"4bit"``. With the outer momentum an error fed back is not
+  taken back at once: the error ``eps`` of one round's ``D`` and its return ``-eps`` in the next
+  move the anchor by
+  ``lr eps (1 + mu)`` and then ``-lr eps (1 + mu (1 - mu))``, and the rest of ``eps`` leaves ``u``
+  only at the rate ``mu`` per round; and the pseudo-gradients of a decaying inner lr shrink
+  round by round, so that the fed-back errors of the early rounds outweigh the later rounds'
+  ``d_r``. On the byte-level GPT of docs/benchmarks.md (4 replicas, ``mu = 0.9``) the 1-bit ``D``
+  with full error feedback had a cosine of 0.3 with the exact mean by the eighth round and
+  2.7-3x its norm; without it (and rotated), 0.76 and 0.9x. Halved each round (SparseLoCo, Sarfi
+  et al. 2025, decays its error accumulator) they are within 1% of fp32 DiLoCo there too, and over
+  24 rounds closer to it than dropped (docs/benchmarks.md);
 * the outer step, Nesterov SGD: ``u <- mu u + D``; ``A <- A - lr (D + mu u)`` (``A <- A - lr u``
   without Nesterov), DiLoCo's defaults ``lr = 0.7``, ``mu = 0.9``;
 * every replica sets ``theta <- A`` and runs the next round; the inner optimizer keeps its state.
@@ -59,6 +79,9 @@ from .local_shards import LocalShards, local_tensor as _local
 from .validation import check_choice, check_scale_block
 
 COMPRESSIONS = ("fp32", "bf16", "4bit", "1bit")
+#: elements per rotation of the ``"1bit"`` exchange (a power of 2)
+ROTATION_BLOCK = 1024
+_ROTATION_SEED = 0x5EED_D1_0C0
 #: the state-dict format of :meth:`DiLoCo.state_dict` (``"diloco"`` entry)
 FORMAT = 1
 
@@ -78,6 +101,7 @@ class Fragment:
     feedback: ErrorFeedback
     pending: Future | None = None
     launched_at: int = -1
+    signs: torch.Tensor | None = None  # the "1bit" exchange's rotation signs, int8 (made at its first exchange)
 
     @property
     def numel(self) -> int:
@@ -96,7 +120,10 @@ class DiLoCo(torch.optim.Optimizer):
         outer_lr, outer_momentum, nesterov: the outer Nesterov SGD (param group keys ``lr``,
             ``momentum``, ``nesterov``: a scheduler on this optimizer schedules the outer lr).
         compression: the pseudo-gradient's exchange, ``"fp32"``, ``"bf16"``, ``"4bit"`` or
-            ``"1bit"`` (4-bit codes or signs, with block scales and error feedback).
+            ``"1bit"`` (4-bit codes or signs, with block scales).
+        error_feedback: ``beta`` in ``[0, 1]``, the share of the compression errors carried into
+            the next exchange (``"4bit"``, ``"1bit"``); ``None``: 0.5 for ``"1bit"`` (each round's
+            errors halved before they are fed back), 1 for ``"4bit"`` (full error feedback).
         fragments: ``K``, fragments synchronised on staggered schedules (at most ``sync_every``).
         delay: ``tau``, inner steps each exchange overlaps before its result lands (less than
             ``sync_every``).
@@ -109,8 +136,8 @@ class DiLoCo(torch.optim.Optimizer):
 
     def __init__(self, params, inner: torch.optim.Optimizer, sync_every: int = 30, outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, nesterov: bool = True, compression: str = "1bit", fragments: int = 1,
-                 delay: int = 0, backend=None, *, mixing: float = 0.5, state_device=None, bucket_cap_mb: float = 25.0,
-                 scale_block: int = DEFAULT_BLOCK):
+                 delay: int = 0, backend=None, *, mixing: float = 0.5, error_feedback: float | None = None,
+                 state_device=None, bucket_cap_mb: float = 25.0, scale_block: int = DEFAULT_BLOCK):
         if not isinstance(inner, torch.optim.Optimizer):
             raise TypeError(f"DiLoCo: inner must be a torch.optim.Optimizer, got {type(inner).__name__}")
         for name, value, low in (("sync_every", sync_every, 1), ("fragments", fragments, 1), ("delay", delay, 0)):
@@ -129,12 +156,18 @@ class DiLoCo(torch.optim.Optimizer):
         if not 0.0 <= outer_momentum < 1.0:
             raise ValueError(f"DiLoCo: outer_momentum must be in [0, 1), got {outer_momentum!r}")
         check_choice("compression", compression, COMPRESSIONS)
+        if error_feedback is None:
+            error_feedback = 0.5 if compression == "1bit" else 1.0
+        if isinstance(error_feedback, bool) or not 0.0 <= error_feedback <= 1.0:
+            raise ValueError(f"DiLoCo: error_feedback must be in [0, 1], got {error_feedback!r}")
         super().__init__(params, dict(lr=outer_lr, momentum=outer_momentum, nesterov=bool(nesterov)))
         if len(self.param_groups) != 1:
             raise ValueError(f"DiLoCo: one param group (the outer lr and momentum apply to every parameter), got "
                              f"{len(self.param_groups)}; give the inner optimizer the groups")
         self.inner, self.sync_every, self.compression = inner, sync_every, compression
         self.delay, self.mixing = delay, float(mixing)
+        #: ``beta``: the share of the compression errors carried into the next exchange
+        self.error_feedback = float(error_feedback)
         ours = [p for g in self.param_groups for p in g["params"]]
         theirs = [p for g in inner.param_groups for p in g["params"]]
         if {id(p) for p in ours} != {id(p) for p in theirs}:
@@ -218,8 +251,8 @@ class DiLoCo(torch.optim.Optimizer):
             torch.sub(anchor, f.delta, out=f.delta)
         f.launched_at = t
         # (the exchange's kind too: replicas with other compressions would send collectives of other sizes)
-        hyper = hyperparameter_hash(self.param_groups, ("lr", "momentum", "nesterov")) ^ COMPRESSIONS.index(
-            self.compression)
+        hyper = hyperparameter_hash(self.param_groups + [{"beta": self.error_feedback}],
+                                    ("lr", "momentum", "nesterov", "beta")) ^ COMPRESSIONS.index(self.compression)
         if self.delay == 0:
             f.pending = Future()
             f.pending.set_result(self._exchange(f, t, hyper))
@@ -234,8 +267,14 @@ class DiLoCo(torch.optim.Optimizer):
         before = stats.total
         self.agreement.round(t, f.index, f.numel, hyper, f.delta.device)
         if self.backend.world_size > 1 and f.numel:
+            fb = f.feedback
+            if self.error_feedback != 1.0 and fb.worker_error is not None:  # (none before the first exchange)
+                for error in (fb.worker_error, fb.server_error):
+                    if self.error_feedback == 0.0:
+                        error.zero_()
+                    else:
+                        error.mul_(self.error_feedback)
             if self.compression == "4bit":
-                fb = f.feedback
                 if fb.worker_error is None:  # (made at the first exchange, kept in checkpoints)
                     sizes = quantized.error_sizes(f.numel, self.backend.world_size, self.scale_block)
                     fb.worker_error, fb.server_error = (f.delta.new_zeros(n) for n in sizes)
@@ -246,9 +285,25 @@ class DiLoCo(torch.optim.Optimizer):
                 self.backend.all_reduce(low)
                 f.delta.copy_(low).div_(self.backend.world_size)
             else:
+                rotated = self._rotation(f) if self.compression == "1bit" else None  # ("fp32": the exact mean)
+                _rotate(f.delta, rotated, forward=True)
                 self.engine.run([Request(f.delta, f.feedback)])
+                _rotate(f.delta, rotated, forward=False)
         self._sent += stats.total - before
         return f.delta
+
+    def _rotation(self, f: Fragment) -> torch.Tensor | None:
+        """The fragment's signs ``S`` (``[runs, ROTATION_BLOCK]``, +-1 in int8: a quarter of an fp32
+        copy), made once from a fixed seed (the same on every replica); ``None`` under one whole run."""
+        runs = f.numel // ROTATION_BLOCK
+        if runs == 0:
+            return None
+        signs = f.signs
+        if signs is None or signs.device != f.delta.device:
+            g = torch.Generator().manual_seed(_ROTATION_SEED + f.index)
+            signs = torch.randint(0, 2, (runs, ROTATION_BLOCK), generator=g, dtype=torch.int8)
+            f.signs = signs = signs.mul_(2).sub_(1).to(f.delta.device)
+        return signs
 
     def _land(self, f: Fragment) -> None:
         """The outer step on the fragment's anchor with the exchanged mean ``D``, and the parameters
@@ -386,7 +441,35 @@ class DiLoCo(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return (f"DiLoCo(sync_every={self.sync_every}, compression={self.compression!r}, "
-                f"fragments={len(self.fragments)}, delay={self.delay}, inner={type(self.inner).__name__})")
+                f"error_feedback={self.error_feedback}, fragments={len(self.fragments)}, delay={self.delay}, "
+                f"inner={type(self.inner).__name__})")
+
+
+def _hadamard_(x: torch.Tensor) -> None:
+    """``x`` (``[rows, n]``, ``n`` a power of 2) <- ``x H`` in place, ``H`` the orthonormal
+    Walsh-Hadamard matrix (symmetric: its own inverse)."""
+    rows, n = x.shape
+    h = 1
+    while h < n:
+        pairs = x.view(rows, n // (2 * h), 2, h)
+        low = pairs[:, :, 0].clone()
+        pairs[:, :, 0].add_(pairs[:, :, 1])
+        pairs[:, :, 1].sub_(low).neg_()  # (low - high)
+        h *= 2
+    x.mul_(n ** -0.5)
+
+
+def _rotate(flat: torch.Tensor, signs: torch.Tensor | None, forward: bool) -> None:
+    """The whole runs of ``flat`` <- ``H S x`` (``forward``) or ``S H x`` (its inverse), in place."""
+    if signs is None:
+        return
+    runs = flat[: signs.numel()].view(signs.shape)
+    if forward:
+        runs.mul_(signs)
+        _hadamard_(runs)
+    else:
+        _hadamard_(runs)
+        runs.mul_(signs)
 
 
 def _copy(t: torch.Tensor | None) -> torch.Tensor | None:

@@ -60,7 +60,8 @@ def test_bad_arguments_are_refused_up_front():
     inner = torch.optim.AdamW(model.parameters())
     for kwargs, match in ((dict(compression="int3"), "compression"), (dict(fragments=7), "fragments"),
                           (dict(delay=6), "delay"), (dict(sync_every=0), "sync_every"), (dict(mixing=2.0), "mixing"),
-                          (dict(outer_momentum=1.0), "outer_momentum")):
+                          (dict(outer_momentum=1.0), "outer_momentum"), (dict(error_feedback=1.5), "error_feedback"),
+                          (dict(error_feedback=-0.1), "error_feedback")):
         with pytest.raises(ValueError, match=match):
             DiLoCo(model.parameters(), inner, **{"sync_every": H, **kwargs})
     with pytest.raises(ValueError, match="one param group"):
@@ -111,6 +112,65 @@ def test_replicas_are_equal_after_each_sync_and_send_far_fewer_bytes(compression
         assert r["stats"]["syncs"] == 5 and r["stats"]["inner_steps"] == 5 * H
         assert r["stats"]["ratio_to_ddp_fp32"] > least * H
         assert sum(r["losses"][-H:]) < 0.8 * sum(r["losses"][:H])
+
+
+def _outer_means(rank, world, runs):
+    """Per run ``(kwargs, seeds)``: each round's exchanged mean ``D`` (outer lr 1, no momentum:
+    ``D = A_old - A_new``) of the pseudo-gradients ``d_r`` (SGD with lr 1 on the gradient ``d_r``:
+    ``theta = A - d_r``, ``d_r`` drawn from the round's seed and the rank), and its ``beta``."""
+    from compressed_opt.diloco import DiLoCo
+
+    out = []
+    for kwargs, seeds in runs:
+        p = torch.nn.Parameter(torch.zeros(3000))
+        opt = DiLoCo([p], torch.optim.SGD([p], lr=1.0), sync_every=1, outer_lr=1.0, outer_momentum=0.0, **kwargs)
+        means = []
+        for seed in seeds:
+            before = p.detach().clone()
+            p.grad = torch.randn(3000, generator=torch.Generator().manual_seed(100 * seed + rank))
+            opt.step()
+            means.append(before - p.detach())
+        opt.close()
+        out.append((means, opt.error_feedback))
+    return out
+
+
+def test_the_1bit_exchange_feeds_back_half_its_errors_by_default():
+    """``error_feedback`` (beta): with ``0.0`` each round's mean is that of its own pseudo-gradients
+    alone, what a fresh exchange gives them (to the rounding of ``A - theta``): the last round's
+    errors are dropped. With ``1.0`` the same second round differs (the errors fed back), and by
+    default (1-bit: 0.5) by less; on both replicas the same mean. 4-bit keeps full error feedback
+    by default."""
+    runs = [(dict(error_feedback=0.0), [1, 2]), (dict(error_feedback=1.0), [1, 2]), ({}, [1, 2]), ({}, [2]),
+            (dict(compression="4bit"), [1])]
+    out = run_ranks(_outer_means, 2, runs, timeout=90)
+    assert all(torch.equal(a, b) for a, b in zip(out[0][2][0], out[1][2][0]))  # (the same mean on both replicas)
+    for (dropped, _), (full, _), (default, beta), (fresh, _), (_, four) in out:
+        assert beta == 0.5 and four == 1.0
+        assert torch.allclose(dropped[1], fresh[0], rtol=0, atol=1e-5)  # (no memory of round 1)
+        assert torch.equal(full[0], default[0]) and torch.equal(dropped[0], default[0])  # (round 1: no errors yet)
+        assert 0.1 < (default[1] - fresh[0]).norm() < (full[1] - fresh[0]).norm()
+
+
+def test_the_1bit_rotation_is_orthonormal_and_leaves_the_tail():
+    """The ``"1bit"`` exchange's rotation ``H S`` of each whole run of 1024 elements: the norm
+    kept, the inverse giving the input back, the elements past the last whole run untouched, and
+    ``H`` the Walsh-Hadamard matrix (its first row constant, rows orthogonal)."""
+    from compressed_opt.diloco import ROTATION_BLOCK, _hadamard_, _rotate
+
+    x = torch.randn(2 * ROTATION_BLOCK + 100, generator=torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(1)
+    signs = torch.randint(0, 2, (2, ROTATION_BLOCK), generator=g, dtype=torch.int8) * 2 - 1  # (int8, as DiLoCo's)
+    y = x.clone()
+    _rotate(y, signs, forward=True)
+    assert torch.equal(y[2 * ROTATION_BLOCK:], x[2 * ROTATION_BLOCK:])
+    assert y.norm().item() == pytest.approx(x.norm().item(), rel=1e-5)
+    _rotate(y, signs, forward=False)
+    assert torch.allclose(y, x, atol=1e-5)
+    h = torch.eye(ROTATION_BLOCK)
+    _hadamard_(h)
+    assert torch.allclose(h @ h.T, torch.eye(ROTATION_BLOCK), atol=1e-5)
+    assert torch.allclose(h[0], torch.full((ROTATION_BLOCK,), ROTATION_BLOCK ** -0.5))
 
 
 def _resume(rank, world, root, phase):

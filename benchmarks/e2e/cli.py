@@ -53,6 +53,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="DiLoCo's delay: inner steps each exchange overlaps before it lands (default 0)")
     p.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer learning rate (default 0.7)")
     p.add_argument("--outer-momentum", type=float, default=0.9, help="DiLoCo's outer Nesterov momentum (default 0.9)")
+    p.add_argument("--error-feedback", type=float, default=None,
+                   help="DiLoCo's error_feedback: the share of the 4-bit or 1-bit compression errors carried into the "
+                        "next exchange (default: DiLoCo's, 1 for 4-bit, 0.5 for 1-bit)")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
     p.add_argument("--lamb-lr", type=float, default=1e-2,
                    help="peak learning rate of onebit_lamb (default 1e-2: LAMB's trust ratio scales each layer's "
@@ -156,6 +159,7 @@ def make_config(args) -> dict:
         "delay": args.delay,
         "outer_lr": args.outer_lr,
         "outer_momentum": args.outer_momentum,
+        "error_feedback": args.error_feedback,
         "lr": args.lr,
         "lamb_lr": args.lamb_lr,
         "lr_warmup": args.lr_warmup if args.lr_warmup is not None else max(1, args.steps // 10),

@@ -23,7 +23,8 @@ METHODS = {
     "local_adamw": "AdamW, no communication (each rank alone: the compute floor, not data parallel)",
     "diloco_fp32": "DiLoCo around fused AdamW, fp32 pseudo-gradients every --sync-every steps",
     "diloco_4bit": "DiLoCo around fused AdamW, 4-bit pseudo-gradients with error feedback every --sync-every steps",
-    "diloco_1bit": "DiLoCo around fused AdamW, 1-bit pseudo-gradients with error feedback every --sync-every steps",
+    "diloco_1bit": ("DiLoCo around fused AdamW, 1-bit pseudo-gradients (rotated, no error feedback: the default) every "
+                    "--sync-every steps"),
     "diloco_reference": "DiLoCo written plainly (fp32 all_reduce, Nesterov SGD; benchmarks/e2e/plain_diloco.py)",
 }
 OURS = ("onebit_adam", "onebit_lamb", "zero_one_adam")
@@ -147,7 +148,8 @@ def build(method: dict, model: nn.Module, cfg: dict, device: torch.device, timin
         inner, fused = adamw(model.parameters(), hp)
         opt = compressed_opt.DiLoCo(model.parameters(), inner, sync_every=cfg["sync_every"],
                                     compression=name.split("_")[1], backend=backend, fragments=cfg["fragments"],
-                                    delay=cfg["delay"], outer_lr=cfg["outer_lr"], outer_momentum=cfg["outer_momentum"])
+                                    delay=cfg["delay"], outer_lr=cfg["outer_lr"], outer_momentum=cfg["outer_momentum"],
+                                    error_feedback=cfg.get("error_feedback"))
         # (opt.backend: with a delay, DiLoCo's duplicate of the backend given, a communicator of its own)
         return model, opt, lambda: "full", lambda: opt.backend.stats.total_bytes, {"ddp": False, "adamw_fused": fused}
     backend = compressed_opt.get_backend("torch")
