@@ -168,6 +168,10 @@ class DiLoCo(torch.optim.Optimizer):
         self.delay, self.mixing = delay, float(mixing)
         #: ``beta``: the share of the compression errors carried into the next exchange
         self.error_feedback = float(error_feedback)
+        # what every replica's exchange must share besides the group's hyperparameters (fixed here): another
+        # compression would send collectives of other sizes, another beta other errors
+        self._settings = hyperparameter_hash([dict(compression=compression, beta=self.error_feedback)],
+                                             ("compression", "beta"))
         ours = [p for g in self.param_groups for p in g["params"]]
         theirs = [p for g in inner.param_groups for p in g["params"]]
         if {id(p) for p in ours} != {id(p) for p in theirs}:
@@ -250,9 +254,7 @@ class DiLoCo(torch.optim.Optimizer):
             anchor = f.anchor if f.anchor.device == f.delta.device else f.anchor.to(f.delta.device)
             torch.sub(anchor, f.delta, out=f.delta)
         f.launched_at = t
-        # (the exchange's kind too: replicas with other compressions would send collectives of other sizes)
-        hyper = hyperparameter_hash(self.param_groups + [{"beta": self.error_feedback}],
-                                    ("lr", "momentum", "nesterov", "beta")) ^ COMPRESSIONS.index(self.compression)
+        hyper = hyperparameter_hash(self.param_groups, ("lr", "momentum", "nesterov")) ^ self._settings
         if self.delay == 0:
             f.pending = Future()
             f.pending.set_result(self._exchange(f, t, hyper))
@@ -459,9 +461,6 @@ def _hadamard_(x: torch.Tensor) -> None:
     x.mul_(n ** -0.5)
 
 
-_FACTOR = {}  # (device, dtype) -> the orthonormal Walsh-Hadamard matrix of order sqrt(ROTATION_BLOCK)
-
-
 def _hadamard_runs_(runs: torch.Tensor) -> None:
     """Each row of ``runs`` (``[rows, ROTATION_BLOCK]``) <- its Walsh-Hadamard transform, as two
     products with the factor ``H_32`` (``H_1024 = H_32 (x) H_32``: a row viewed as a 32 x 32 matrix
@@ -469,12 +468,9 @@ def _hadamard_runs_(runs: torch.Tensor) -> None:
     :func:`_hadamard_` makes ten passes with a copy each (a 3M-element fragment rotated and back in
     24.5 ms against 64.7 ms, one CPU thread)."""
     side = int(round(ROTATION_BLOCK ** 0.5))
-    key = (runs.device, runs.dtype)
-    factor = _FACTOR.get(key)
-    if factor is None:
-        factor = torch.eye(side, dtype=runs.dtype)
-        _hadamard_(factor)
-        _FACTOR[key] = factor = factor.to(runs.device)
+    factor = torch.eye(side, dtype=runs.dtype)  # (32 x 32, once per exchange: no cache to keep)
+    _hadamard_(factor)
+    factor = factor.to(runs.device)
     square = runs.view(-1, side, side)
     square.copy_(torch.matmul(torch.matmul(factor, square), factor))
 

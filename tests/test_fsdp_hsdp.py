@@ -133,29 +133,39 @@ def test_compression_stage_under_fsdps_own_hsdp_is_the_optimizers_exchange(track
             assert all(torch.equal(a, b) for a, b in zip(n["params"], r["params"]))
 
 
-def _default_job(rank, world):
+def _default_job(rank, world, shape):
+    """OnebitAdam with defaults but the freeze on (2, 2), clipping each step, or with tensor
+    parallelism and bf16 autocast on (2, 2, 2)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     import compressed_opt
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
-    model = _model(mesh, seed=rank)  # (seeded per rank: the optimizer starts every replica from rank 0's)
+    three_d = len(shape) == 3
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp_replicate", "dp_shard", "tp")[:len(shape)])
+    # (seeded per rank: the optimizer starts every replica from rank 0's)
+    model = fsdp2_hsdp(_layers(rank), mesh) if three_d else _model(mesh, seed=rank)
     opt = compressed_opt.OnebitAdam(model.parameters(), freeze_step=3)  # (defaults otherwise)
     for step in range(1, 9):
         opt.zero_grad()
-        _loss(model, step, rank).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=three_d):
+            loss = _loss(model, step, rank // 2 if three_d else rank)  # (a tp pair: one batch)
+        loss.backward()
+        if not three_d:  # (torch's clip_grad_norm_ refuses parameters on two meshes, as this model's last layer
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # is; tests/test_torchtitan.py clips on 3-D)
         opt.step()
     out = _locals(model)
     opt.close()
     return out
 
 
-def test_the_same_seeded_job_twice_is_bit_for_bit_the_same():
+@pytest.mark.parametrize("shape", [(2, 2), (2, 2, 2)])
+def test_the_same_seeded_job_twice_is_bit_for_bit_the_same(shape):
     """Defaults (overlap, variance tracking) but the freeze, clipping each step, under FSDP2's own
-    HSDP, run twice in fresh processes: the same shards, bit for bit."""
-    first = run_ranks(_default_job, 4, timeout=120)
-    second = run_ranks(_default_job, 4, timeout=120)
+    HSDP, and with tensor parallelism (the 3-D mesh, bf16 autocast, no clipping), run twice in fresh processes:
+    the same shards, bit for bit."""
+    world = 2 ** len(shape)
+    first = run_ranks(_default_job, world, shape, timeout=180)
+    second = run_ranks(_default_job, world, shape, timeout=180)
     for a, b in zip(first, second):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
 
