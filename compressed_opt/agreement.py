@@ -39,12 +39,16 @@ import hashlib
 import struct
 
 import torch
+import torch.distributed as dist
 
-#: where a rank's step first communicated (compared by :meth:`RankAgreement.entry`)
-ENTRY_BACKWARD, ENTRY_STEP = 1, 2
+#: where a rank's step first communicated (compared by :meth:`RankAgreement.entry`); before the first
+#: step's agreement, a rank may also reach it from ``zero_grad()`` after a backward without ``step()``
+ENTRY_BACKWARD, ENTRY_STEP, ENTRY_SKIPPED = 1, 2, 3
 
-#: int64 values in a per-step comparison's header: what it is, the step, four fields
-HEADER = 6
+#: int64 values in a per-step comparison's header: what it is, the step, four fields, the rank's place
+#: in the whole job (with HSDP the optimizer's ranks are one replica group of it: the error names
+#: the ranks a user launched)
+HEADER = 7
 #: the header's first value: this tag plus what the collective is (a value no field takes by chance)
 _TAG = 0x436F4167 << 16
 ENTRY, FINISHED, STEP, SKIPPED, ROUND = 1, 2, 3, 4, 5
@@ -52,6 +56,15 @@ ENTRY, FINISHED, STEP, SKIPPED, ROUND = 1, 2, 3, 4, 5
 _WHERE = {ENTRY: "started the backward of step {}", FINISHED: "finished the backward of step {}",
           STEP: "called step() for step {}", SKIPPED: "ran the backward of step {} and then zero_grad() without step()",
           ROUND: "ended a round (an outer synchronisation) at inner step {}"}
+
+
+def job_position(backend) -> tuple[int, int]:
+    """This process's rank and the job's size: the whole job's (DCP writes one checkpoint for every
+    rank, and with HSDP or a pipeline the optimizer's backend is one group of it), or the backend's
+    without a process group."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return backend.rank, backend.world_size
 
 
 class RanksOutOfStep(RuntimeError):
@@ -78,6 +91,7 @@ class RankAgreement:
         self.backend, self.name = backend, name
         #: one rank: nothing to compare
         self.alone = backend.world_size == 1
+        self._job_rank = job_position(backend)[0]
 
     def _gather(self, row: torch.Tensor) -> torch.Tensor:
         world = self.backend.world_size
@@ -87,25 +101,28 @@ class RankAgreement:
 
     def _header(self, kind: int, step: int, fields: list[int], device) -> torch.Tensor:
         """Every rank's header (``(world, HEADER)`` int64): one all-gather of this rank's ``kind``,
-        ``step`` and ``fields`` (at most four). Raises :class:`RanksOutOfStep` on every rank alike
-        where the ranks are in comparisons of different kinds (they all hold the same table); a
-        difference of step within one kind is the caller's to name."""
+        ``step``, ``fields`` (at most four) and place in the job. Raises :class:`RanksOutOfStep` on
+        every rank alike where the ranks are in comparisons of different kinds (they all hold the
+        same table); a difference of step within one kind is the caller's to name."""
         row = torch.zeros(HEADER, dtype=torch.int64)
-        row[0], row[1] = _TAG + kind, step
+        row[0], row[1], row[HEADER - 1] = _TAG + kind, step, self._job_rank
         row[2:2 + len(fields)] = torch.tensor(fields, dtype=torch.int64)
         table = self._gather(row.to(device))
         if bool((table[:, 0] == table[0, 0]).all()):
             return table
-        self._out_of_step(table[:, :2].cpu().tolist())
+        self._out_of_step(table.cpu().tolist())
 
     def _out_of_step(self, rows: list) -> None:
+        """Raise, naming where each rank is (``rows``: the gathered headers)."""
         where: dict[str, list[int]] = {}
-        for r, (tag, step) in enumerate(rows):
+        for tag, step, *fields, job_rank in rows:
             kind = tag - _TAG
+            if kind == ENTRY and fields[1] == ENTRY_STEP:  # (no hook saw its backward: FSDP's gradients)
+                kind = STEP
             said = _WHERE[kind].format(step) if kind in _WHERE else "is in another collective (not a comparison)"
-            where.setdefault(said, []).append(r)
+            where.setdefault(said, []).append(job_rank)
         said = "; ".join(f"rank(s) {ranks} {what}" for what, ranks in where.items())
-        kinds = {tag - _TAG for tag, _ in rows}
+        kinds = {row[0] - _TAG for row in rows}
         if SKIPPED in kinds:
             hint = ("every rank must call step() after its backward, or none: a loop that decides per rank "
                     "(`if torch.isfinite(loss): optimizer.step()`, a GradScaler that found inf on one rank "
@@ -121,8 +138,9 @@ class RankAgreement:
         and entered the step the same way."""
         if self.alone:
             return
-        rows = self._gather(torch.tensor(signature + [entry], dtype=torch.int64, device=device)).cpu().tolist()
-        self._check_entries([row[-1] for row in rows], step)
+        rows = self._gather(torch.tensor(signature + [entry, self._job_rank], dtype=torch.int64,
+                                         device=device)).cpu().tolist()
+        self._check_entries([row[-2] for row in rows], [row[-1] for row in rows], step)
         problems = []
         for r, row in enumerate(rows[1:], start=1):
             cap_differs = row[6] != rows[0][6]
@@ -152,11 +170,12 @@ class RankAgreement:
         (``layout_hash``: :func:`layout_hash` of their buckets)."""
         if self.alone:
             return
-        gathered = self._header(ENTRY, step, [layout_hash, entry], device)[:, 2:4]
+        header = self._header(ENTRY, step, [layout_hash, entry], device)
+        gathered = header[:, 2:4]
         if bool((gathered == gathered[0]).all()):
             return  # (as a rule: the rest only says what differs)
         rows = gathered.tolist()
-        self._check_entries([row[1] for row in rows], step)
+        self._check_entries([row[1] for row in rows], header[:, -1].tolist(), step)
         differ = [r for r, row in enumerate(rows) if row[0] != rows[0][0]]
         if differ:
             raise ValueError(
@@ -165,11 +184,14 @@ class RankAgreement:
                 "rank alike, before the same step"
             )
 
-    def _check_entries(self, entries: list[int], step: int) -> None:
+    def _check_entries(self, entries: list[int], job_ranks: list[int], step: int) -> None:
         if len(set(entries)) == 1:
             return
-        backward = [r for r, e in enumerate(entries) if e == ENTRY_BACKWARD]
-        alone = [r for r, e in enumerate(entries) if e != ENTRY_BACKWARD]
+        if ENTRY_SKIPPED in entries:
+            self._out_of_step([[_TAG + (SKIPPED if e == ENTRY_SKIPPED else STEP), step, 0, 0, 0, 0, r]
+                               for e, r in zip(entries, job_ranks)])
+        backward = [r for e, r in zip(entries, job_ranks) if e == ENTRY_BACKWARD]
+        alone = [r for e, r in zip(entries, job_ranks) if e != ENTRY_BACKWARD]
         raise RuntimeError(
             f"{self.name}: at step {step} rank(s) {alone} called step() without a backward since the last step (no "
             f"gradient of this optimizer's parameters reached it), while rank(s) {backward} ran backward: every "

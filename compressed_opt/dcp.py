@@ -58,6 +58,7 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
 from . import torch_state_dict
+from .agreement import job_position
 from .local_shards import is_dtensor, local_tensor
 
 try:  # (torch builds without distributed support have no DTensor)
@@ -131,7 +132,7 @@ class OptimizerState(Stateful):
         own part (``rank<r>``; rank 0's with ``reshard=True``) and the per-parameter tensors
         ``state.<i>.<name>``. Collective (0/1 Adam between synchronisations: a broadcast)."""
         opt = self.optimizer
-        rank, world = torch_state_dict.job_position(opt.backend)
+        rank, world = job_position(opt.backend)
         if self._diloco:
             return {"world_size": world, f"rank{rank}": _serialize(_local_inner_state(opt, opt.state_dict()))}
         # (as this rank holds it: no carrier for torch's state_dict API, no DTensors; those are made below)
@@ -185,7 +186,7 @@ class OptimizerState(Stateful):
     def _state_dict_from(self, state_dict: dict) -> dict:
         """The optimizer's state dict, from DCP's entries (``ValueError`` if they cannot make it)."""
         opt = self.optimizer
-        rank, world = torch_state_dict.job_position(opt.backend)
+        rank, world = job_position(opt.backend)
         key = f"rank{0 if self.reshard else rank}"
         saved_world = state_dict.get("world_size")
         if not self.reshard and saved_world != world:
@@ -244,7 +245,7 @@ class OptimizerState(Stateful):
                 stacklevel=3,
             )
         extra.pop("ranks", None)
-        shards = None if extra.get("shards") is None else list(torch_state_dict.job_position(opt.backend))
+        shards = None if extra.get("shards") is None else list(job_position(opt.backend))
         extra.update(rank=opt.backend.rank, world_size=opt.backend.world_size, averaging=None, paths={},
                      buckets=[], shards=shards)
         return dict(sd, compressed_opt=extra)

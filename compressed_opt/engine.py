@@ -54,7 +54,7 @@ from compressed_opt import cuda as kernels
 from compressed_opt.comm import chunk_numel, observe
 
 from . import agreement, ddp
-from .agreement import ENTRY_BACKWARD, ENTRY_STEP, RankAgreement, hyperparameter_hash
+from .agreement import ENTRY_BACKWARD, ENTRY_SKIPPED, ENTRY_STEP, RankAgreement, hyperparameter_hash
 from .buckets import Bucket, build_buckets, exchange_groups
 from .exchange import ErrorFeedback, Exchange, Request
 from .state import SCRATCH, STEP, buffer
@@ -856,14 +856,21 @@ class GradientSync:
         self.prepare_backward()
         return self.traffic.end_step(stage)
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, unseen_backward: bool = False) -> None:
         """``zero_grad``'s part: what backward launched has landed; the gradients of this step start
-        again (the next backward communicates them anew, as under DDP)."""
+        again (the next backward communicates them anew, as under DDP). ``unseen_backward``: a
+        backward that no hook of ours saw gave gradients since the last step (FSDP assigns them
+        itself: :meth:`compressed_opt.local_shards.LocalShards.backward_since_step`)."""
         self.wait(late_ok=True)
-        if self.finished and not self._synchronized and self._ranks_checked:
+        if (self.finished or unseen_backward) and not self._synchronized:
             # this rank ran the step's backward and no step(): where the others did not skip too,
-            # they are in step() and every rank raises here (agreement.RankAgreement.skipped)
-            self.agreement.skipped(self.global_step + 1, self.device)
+            # they are in step() and every rank raises here (agreement.RankAgreement.skipped); before
+            # the first step's agreement (the others are in it), in that agreement
+            if self._ranks_checked:
+                self.agreement.skipped(self.global_step + 1, self.device)
+            elif unseen_backward:
+                self.ensure_buckets()
+                self._check_ranks(ENTRY_SKIPPED)
         if self._next and not self.full_precision_next() and self._overlap is Overlap.AHEAD:
             self._overlap = Overlap.WATCH  # a 1-bit exchange went out for gradients the loop threw away
         self._reset_launch()

@@ -68,6 +68,9 @@ class LocalShards:
         self._shard_of: dict[int, torch.nn.Parameter] = {}  # id of a DTensor -> its shard parameter
         #: FSDP2's own HSDP: the group its 2-D mesh replicates the parameters over (else ``None``)
         self.replicate_group = None
+        #: per pair, the local tensor of the gradient that the last step() or zero_grad() left (a weak
+        #: reference) and its version: what :meth:`backward_since_step` compares
+        self._left: list[tuple[weakref.ref, int] | None] = []
 
     def register_group(self, param_group: dict) -> dict:
         """A param group (as ``add_param_group`` takes it) with its parameters as a list, each DTensor
@@ -308,6 +311,7 @@ class LocalShards:
                 continue
             with torch.no_grad():
                 shard.grad = _reduced_grad(p).to_local()
+        self._note_gradients()
 
     def clear_grads(self, set_to_none: bool) -> None:
         """The shards' gradients, as ``zero_grad`` leaves the DTensor parameters'."""
@@ -318,6 +322,27 @@ class LocalShards:
                 shard.grad = None
             else:
                 shard.grad.zero_()
+        self._note_gradients()
+
+    @torch.no_grad()
+    def _note_gradients(self) -> None:
+        self._left = [None if p.grad is None else (weakref.ref(g := p.grad.to_local()), g._version)
+                      for p, _ in self.pairs]
+
+    @torch.no_grad()
+    def backward_since_step(self) -> bool:
+        """Whether a backward gave some DTensor parameter a gradient since the last ``step()`` or
+        ``zero_grad()``: its gradient is another tensor, or was changed in place (accumulated).
+        FSDP assigns its gradients after backward, where no hook of the optimizer sees them; this
+        is how ``zero_grad()`` finds a backward that no ``step()`` followed."""
+        left = self._left or [None] * len(self.pairs)
+        for (p, _), seen in zip(self.pairs, left):
+            if p.grad is None:
+                continue
+            g = p.grad.to_local()
+            if seen is None or seen[0]() is not g or g._version != seen[1]:
+                return True
+        return False
 
 
 class _WorkingGroup(MutableMapping):

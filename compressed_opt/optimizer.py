@@ -436,10 +436,11 @@ class CompressedOptimizer(Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch's, after what backward launched has landed; the gradients of this step start
         again (the next backward communicates them anew, as under DDP)."""
-        self.engine.zero_grad()
+        shards = self._local_shards
+        self.engine.zero_grad(unseen_backward=bool(shards.pairs) and shards.backward_since_step())
         super().zero_grad(set_to_none)
-        if self._local_shards.pairs:
-            self._local_shards.clear_grads(set_to_none)
+        if shards.pairs:
+            shards.clear_grads(set_to_none)
 
     # --- checkpoints and copies (compressed_opt.checkpoint) -----------------------------------------------------
     def consolidate_state_dict(self, to: int = 0) -> None:

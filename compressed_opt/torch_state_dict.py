@@ -39,8 +39,8 @@ from __future__ import annotations
 import warnings
 from collections.abc import Mapping
 
-import torch.distributed as dist
 
+from .agreement import job_position
 from .local_shards import is_dtensor, local_tensor
 
 try:  # (torch builds without distributed support have no DTensor)
@@ -51,14 +51,6 @@ except ImportError:  # pragma: no cover - every supported torch has it
 #: the key of the record carrier in a parameter's state (and of the library's entry in a state dict)
 CARRIER = "compressed_opt"
 
-
-def job_position(backend) -> tuple[int, int]:
-    """This process's rank and the job's size: the whole job's (DCP writes one checkpoint for every
-    rank, and with HSDP or a pipeline the optimizer's backend is one group of it), or the backend's
-    without a process group."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return backend.rank, backend.world_size
 
 
 def publish(sd: dict, params: list, tensor_names: tuple, rank_state_names: tuple, own_params: dict,

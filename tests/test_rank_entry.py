@@ -151,3 +151,79 @@ def test_every_rank_skipping_step_together_drops_the_step_and_trains_on(skipped_
     assert a["error"] is None and b["error"] is None, (a, b)
     assert a["taken"] == b["taken"] == skipped_step + 1
     assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"]))
+
+
+def _skip_step_under_hsdp(rank, world, name, skipped_step, who):
+    """:func:`_skip_step` under FSDP2's own HSDP (2 replicas x 2 shards, or x 2 tp with 8 ranks),
+    which assigns the gradients itself after backward: no hook of the optimizer sees it. Returns
+    the error or, with no error, the replica's shards and the steps taken."""
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from sharding import fsdp2_hsdp
+
+    warnings.simplefilter("ignore")
+    shape = (2, 2) if world == 4 else (2, 2, 2)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp_replicate", "dp_shard", "tp")[:len(shape)])
+    torch.manual_seed(0)
+    model = fsdp2_hsdp(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2)), mesh)
+    cls, kwargs = OPTIMIZERS[name]
+    opt = cls(model.parameters(), **kwargs)
+    batch_rank = rank // (world // 4)  # (a tp pair: one batch)
+    start = None
+    for step in range(1, skipped_step + 3):
+        try:
+            if step == skipped_step:
+                start = time.monotonic()
+            opt.zero_grad()
+            g = torch.Generator().manual_seed(100 * step + batch_rank)
+            model(torch.randn(4, 8, generator=g)).square().mean().backward()
+            if not (rank in who and step == skipped_step):
+                opt.step()
+        except Exception as exc:
+            return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - (start or 0.0),
+                    "step": step}
+    shards = [p.to_local().detach().clone() for p in model.parameters()]
+    opt.close()
+    return {"error": None, "params": shards, "taken": opt.global_step}
+
+
+# the first step (before the ranks' first agreement), the warmup, the compression stage; the 3-D mesh
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("world,name,skipped_step", [(4, "adam", 1), (4, "zero_one", 2), (4, "adam", 5),
+                                                     (8, "lamb", 5)])
+def test_a_rank_that_skips_step_under_fsdps_own_hsdp_ends_the_job_in_seconds(world, name, skipped_step):
+    """Rank 1 skips ``step()`` after its backward under FSDP2's own HSDP. It and its replica peer
+    raise the library's error at once, naming the job's ranks (not the replica group's); the
+    other replica group, already in FSDP's next collectives with them, sees them leave (Gloo:
+    connection closed, as torchrun then stops the job). Before, every rank hung."""
+    outcomes = spawn_ranks(_skip_step_under_hsdp, world, name, skipped_step, (1,), timeout=90)
+    assert [status for status, _ in outcomes] == ["ok"] * world, outcomes
+    results = [value for _, value in outcomes]
+    peer = 1 + world // 2  # (rank 1's replica across dp_replicate)
+    for rank, r in enumerate(results):
+        assert r["error"] is not None and r["seconds"] < 30, (rank, r)
+        if rank in (1, peer):
+            assert r["error"].startswith("RanksOutOfStep"), (rank, r)
+            assert f"rank(s) [1] ran the backward of step {skipped_step} and then zero_grad() without step()" in r[
+                "error"], r
+            assert f"rank(s) [{peer}] called step() for step {skipped_step}" in r["error"], r
+        else:
+            assert "RanksOutOfStep" in r["error"] or "Connection closed" in r["error"], (rank, r)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("skipped_step", [1, 5])
+def test_every_rank_skipping_step_together_under_fsdps_own_hsdp_drops_the_step(skipped_step):
+    """Every rank skips ``step()`` at the same step under FSDP2's own HSDP (at the first step too,
+    before the ranks' first agreement): the step is dropped on every rank, training goes on, and
+    the replicas hold the same shards."""
+    results = [value for _, value in spawn_ranks(_skip_step_under_hsdp, 4, "adam", skipped_step, (0, 1, 2, 3),
+                                                 timeout=90)]
+    assert all(r["error"] is None for r in results), results
+    assert [r["taken"] for r in results] == [skipped_step + 1] * 4
+    for shard in (0, 1):  # (rank r and r + 2: the same shard of the two replicas)
+        assert all(torch.equal(x, y) for x, y in zip(results[shard]["params"], results[shard + 2]["params"]))
