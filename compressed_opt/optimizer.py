@@ -436,8 +436,9 @@ class CompressedOptimizer(Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch's, after what backward launched has landed; the gradients of this step start
         again (the next backward communicates them anew, as under DDP)."""
+        engine = self.engine  # (first: an unpickled optimizer's is made here, with its shards)
         shards = self._local_shards
-        self.engine.zero_grad(unseen_backward=bool(shards.pairs) and shards.backward_since_step())
+        engine.zero_grad(unseen_backward=bool(shards.pairs) and shards.backward_since_step())
         super().zero_grad(set_to_none)
         if shards.pairs:
             shards.clear_grads(set_to_none)

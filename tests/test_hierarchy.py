@@ -125,7 +125,10 @@ def test_hierarchical_exchange_trains_like_the_flat_one(name):
         n = hier[0]["params"].numel()
         assert all(0 < r["warmup_inter_per_step"] < 0.4 * r["warmup_bytes_per_step"] for r in hier)
         assert sum(r["warmup_inter_per_step"] for r in hier) == pytest.approx(4 * 2 * n, rel=0.05)
-        assert all(r["warmup_bytes_per_step"] == pytest.approx(6 * n, rel=0.05) for r in flat)  # (+ agreements)
+        # (+ the step's agreements: a few headers of 7 int64 and the statistics, all-gathered over 4 ranks; 432
+        # bytes here, against the fp32 ring's 8088)
+        assert all(6 * n < r["warmup_bytes_per_step"] < 6 * n + 600 for r in flat), [r["warmup_bytes_per_step"]
+                                                                                     for r in flat]
 
 
 def _save_and_resume(rank, folder, make_opt, saved_kwargs, resumed_kwargs, between=None):
