@@ -197,44 +197,44 @@ class LocalShards:
         return None if split is None else split[1]
 
     # --- per-layer statistics over whole layers ------------------------------------------------------
-    def _masks(self, params) -> list[tuple[int, list[bool]]]:
-        """For each group some of ``params`` are split over (in :attr:`_groups`' order): its index,
-        and which of ``params`` are split over it."""
-        kinds = [self._split.get(id(p), (0, ()))[1] for p in params]
-        masks = [(i, [i in kind for kind in kinds]) for i in range(len(self._groups))]
-        return [(i, mask) for i, mask in masks if any(mask)]
+    def _split_over(self, params) -> tuple[int, ...]:
+        """The indices in :attr:`_groups` of the groups the layers of ``params``, one bucket's, are split
+        over: the same for all of them (:meth:`bucket_kind`); none where they are held whole."""
+        split = self._split.get(id(params[0])) if params else None
+        return () if split is None else split[1]
 
     def whole_layer_sums(self, params, values: torch.Tensor) -> torch.Tensor:
-        """Per layer, ``values`` (this shard's sums) summed over the ranks the layer is split over
-        (one all-reduce of a float per layer and group: FSDP's shard group, then tensor
-        parallelism's on a 3-D mesh, whose product is the layer's ranks); the others as they are."""
-        if not self._split:
-            return values
-        for i, mask in self._masks(params):
-            keep = torch.tensor(mask, device=values.device)
-            split = torch.where(keep, values, torch.zeros_like(values))
-            self._backend(i).all_reduce(split)
-            values = torch.where(keep, split, values)
+        """Per layer of ``params`` (one bucket's), ``values`` (this shard's sums) summed over the ranks
+        the layers are split over (one all-reduce of a float per layer and group: FSDP's shard
+        group, then tensor parallelism's on a 3-D mesh, whose product is the layer's ranks); as they
+        are where the layers are held whole. ``values`` is left as it is."""
+        over = self._split_over(params)
+        if over:
+            values = values.clone()
+            for i in over:
+                self._backend(i).all_reduce(values)
         return values
 
     def whole_layer_norms(self, params, norms: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Each of ``norms`` (per-layer L2 norms of this shard) as the norms of the whole layers."""
-        if not self._split:
+        """Each of ``norms`` (per-layer L2 norms of this shard, of ``params``: one bucket's) as the norms
+        of the whole layers."""
+        if not self._split_over(params):
             return norms
         return [self.whole_layer_sums(params, n.double().square()).sqrt().to(n.dtype) for n in norms]
 
     def whole_layer_maxima(self, params, values: list[float]) -> list[float]:
-        """Per layer, the maximum over the ranks the layer is split over (every rank's values
-        gathered, group by group: one float per layer and rank; a maximum is exact in any order)."""
-        masks = self._masks(params) if self._split else None
-        if not masks:
+        """Per layer of ``params`` (one bucket's), the maximum over the ranks the layers are split over
+        (every rank's values gathered, group by group: one float per layer and rank; a maximum is
+        exact in any order)."""
+        over = self._split_over(params)
+        if not over:
             return values
         t = torch.tensor(values, dtype=torch.float64)
-        for i, mask in masks:
+        for i in over:
             backend = self._backend(i)
             every = torch.empty(backend.world_size * t.numel(), dtype=t.dtype)
             backend.all_gather(every, t)
-            t = torch.where(torch.tensor(mask), every.view(backend.world_size, -1).amax(dim=0), t)
+            t = every.view(backend.world_size, -1).amax(dim=0)
         return t.tolist()
 
     def _backend(self, i: int) -> TorchBackend:
