@@ -333,3 +333,45 @@ def test_a_3d_mesh_with_tensor_parallelism_steps_as_the_whole_model_and_compress
             assert r["warmup_steps"] >= (2 if name == "ZeroOneAdam" else 4) and r["gap"] < 1e-5, where
             assert r["compressing"] and r["replicas"] and r["tp_copies"], where
             assert r["ratio"] > 5, where
+
+
+def _accumulating(rank, world):
+    """Each optimizer through the freeze three ways: one batch a step; two half batches (loss / 2),
+    FSDP reducing each; the same with FSDP's ``set_requires_gradient_sync(False)`` on the first.
+    Per optimizer and way: this rank's shards."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import compressed_opt
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    out = {}
+    for name in ("OnebitAdam", "OnebitLamb", "ZeroOneAdam"):
+        kwargs = {"var_freeze_step": 3} if name == "ZeroOneAdam" else {"freeze_step": 3}
+        for way in ("one", "halves", "no_sync"):
+            model = _model(mesh)
+            opt = getattr(compressed_opt, name)(model.parameters(), **kwargs, **HP)
+            for step in range(1, 8):
+                opt.zero_grad()
+                x = torch.randn(8, 8, generator=torch.Generator().manual_seed(100 * step + rank))
+                for i, part in enumerate((x,) if way == "one" else (x[:4], x[4:])):
+                    if way == "no_sync":
+                        model.set_requires_gradient_sync(i == 1)
+                    loss = (model(part) - part[:, :4].sin()).square().mean()
+                    (loss if way == "one" else loss / 2).backward()
+                opt.step()
+            out[name, way] = (_locals(model), opt.compressing)
+            opt.close()
+    return out
+
+
+def test_gradient_accumulation_under_fsdps_own_hsdp_steps_as_one_batch():
+    """Two micro-batches a step, as torchtitan accumulates (FSDP reduce-scattering each, or only
+    the last with ``set_requires_gradient_sync``), through the freeze and four compression steps:
+    every optimizer's shards are the one-batch run's within fp32 rounding."""
+    for out in run_ranks(_accumulating, 4, timeout=180):
+        for name in ("OnebitAdam", "OnebitLamb", "ZeroOneAdam"):
+            one, compressing = out[name, "one"]
+            assert compressing
+            for way in ("halves", "no_sync"):
+                got, _ = out[name, way]
+                assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(one, got)), (name, way)
