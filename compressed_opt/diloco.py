@@ -123,7 +123,8 @@ class DiLoCo(torch.optim.Optimizer):
             ``"1bit"`` (4-bit codes or signs, with block scales).
         error_feedback: ``beta`` in ``[0, 1]``, the share of the compression errors carried into
             the next exchange (``"4bit"``, ``"1bit"``); ``None``: 0.5 for ``"1bit"`` (each round's
-            errors halved before they are fed back), 1 for ``"4bit"`` (full error feedback).
+            errors halved before they are fed back), 1 for ``"4bit"`` (full error feedback). With 0
+            no error buffers are kept between the exchanges.
         fragments: ``K``, fragments synchronised on staggered schedules (at most ``sync_every``).
         delay: ``tau``, inner steps each exchange overlaps before its result lands (less than
             ``sync_every``).
@@ -270,12 +271,9 @@ class DiLoCo(torch.optim.Optimizer):
         self.agreement.round(t, f.index, f.numel, hyper, f.delta.device)
         if self.backend.world_size > 1 and f.numel:
             fb = f.feedback
-            if self.error_feedback != 1.0 and fb.worker_error is not None:  # (none before the first exchange)
-                for error in (fb.worker_error, fb.server_error):
-                    if self.error_feedback == 0.0:
-                        error.zero_()
-                    else:
-                        error.mul_(self.error_feedback)
+            if self.error_feedback != 1.0 and fb.worker_error is not None:  # (none before the first exchange,
+                for error in (fb.worker_error, fb.server_error):  # nor any with error_feedback=0)
+                    error.mul_(self.error_feedback)
             if self.compression == "4bit":
                 if fb.worker_error is None:  # (made at the first exchange, kept in checkpoints)
                     sizes = quantized.error_sizes(f.numel, self.backend.world_size, self.scale_block)
@@ -291,6 +289,8 @@ class DiLoCo(torch.optim.Optimizer):
                 _rotate(f.delta, rotated, forward=True)
                 self.engine.run([Request(f.delta, f.feedback)])
                 _rotate(f.delta, rotated, forward=False)
+            if self.error_feedback == 0.0:  # (zeros at the next exchange: made there, not kept in between)
+                fb.worker_error = fb.server_error = None
         self._sent += stats.total - before
         return f.delta
 

@@ -131,7 +131,7 @@ def _outer_means(rank, world, runs):
             opt.step()
             means.append(before - p.detach())
         opt.close()
-        out.append((means, opt.error_feedback))
+        out.append((means, opt.error_feedback, opt.state_bytes()))
     return out
 
 
@@ -145,8 +145,11 @@ def test_the_1bit_exchange_feeds_back_half_its_errors_by_default():
             (dict(compression="4bit"), [1])]
     out = run_ranks(_outer_means, 2, runs, timeout=90)
     assert all(torch.equal(a, b) for a, b in zip(out[0][2][0], out[1][2][0]))  # (the same mean on both replicas)
-    for (dropped, _), (full, _), (default, beta), (fresh, _), (_, four) in out:
+    for (dropped, _, kept), (full, _, _), (default, beta, kept_default), (fresh, _, _), (_, four, _) in out:
         assert beta == 0.5 and four == 1.0
+        # (A and u, 2 x 4 x 3000 bytes; with error feedback the errors too, about 4 x (3000 + 1500) bytes on 2
+        # replicas, padded to whole chunks; with error_feedback=0 none are kept between the exchanges)
+        assert kept == 24000 and 24000 + 18000 <= kept_default < 24000 + 18100, (kept, kept_default)
         assert torch.allclose(dropped[1], fresh[0], rtol=0, atol=1e-5)  # (no memory of round 1)
         assert torch.equal(full[0], default[0]) and torch.equal(dropped[0], default[0])  # (round 1: no errors yet)
         assert 0.1 < (default[1] - fresh[0]).norm() < (full[1] - fresh[0]).norm()
