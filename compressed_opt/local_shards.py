@@ -311,7 +311,6 @@ class LocalShards:
                 continue
             with torch.no_grad():
                 shard.grad = _reduced_grad(p).to_local()
-        self._note_gradients()
 
     def clear_grads(self, set_to_none: bool) -> None:
         """The shards' gradients, as ``zero_grad`` leaves the DTensor parameters'."""
@@ -322,10 +321,13 @@ class LocalShards:
                 shard.grad = None
             else:
                 shard.grad.zero_()
-        self._note_gradients()
+        if not set_to_none:  # (zeroed in place: not a backward's; set to None, nothing is left to compare)
+            self.note_gradients()
 
     @torch.no_grad()
-    def _note_gradients(self) -> None:
+    def note_gradients(self) -> None:
+        """At the end of ``step()`` (the gradients it took, as the step left them: its averages are
+        written in place) and of ``zero_grad()``: what :meth:`backward_since_step` compares."""
         self._left = [None if p.grad is None else (weakref.ref(g := p.grad.to_local()), g._version)
                       for p, _ in self.pairs]
 

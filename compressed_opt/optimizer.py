@@ -429,6 +429,8 @@ class CompressedOptimizer(Optimizer):
         finally:
             algorithm.end_step(step, took)
             engine.end_step(stage, took)
+            if self._local_shards.pairs:
+                self._local_shards.note_gradients()  # (zero_grad() then tells a backward without step())
         if took and len(self._announced) < 2:
             traffic.announce(self._announced, engine, algorithm, stage)
         return loss

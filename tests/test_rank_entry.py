@@ -171,12 +171,14 @@ def _skip_step_under_hsdp(rank, world, name, skipped_step, who):
     cls, kwargs = OPTIMIZERS[name]
     opt = cls(model.parameters(), **kwargs)
     batch_rank = rank // (world // 4)  # (a tp pair: one batch)
-    start = None
+    start, sent = None, []
     for step in range(1, skipped_step + 3):
         try:
             if step == skipped_step:
                 start = time.monotonic()
+            before = opt.backend.stats.total_bytes
             opt.zero_grad()
+            sent.append(opt.backend.stats.total_bytes - before)  # (bytes zero_grad() sent across the replicas)
             g = torch.Generator().manual_seed(100 * step + batch_rank)
             model(torch.randn(4, 8, generator=g)).square().mean().backward()
             if not (rank in who and step == skipped_step):
@@ -186,7 +188,7 @@ def _skip_step_under_hsdp(rank, world, name, skipped_step, who):
                     "step": step}
     shards = [p.to_local().detach().clone() for p in model.parameters()]
     opt.close()
-    return {"error": None, "params": shards, "taken": opt.global_step}
+    return {"error": None, "params": shards, "taken": opt.global_step, "sent": sent}
 
 
 # the first step (before the ranks' first agreement), the warmup, the compression stage; the 3-D mesh
@@ -220,10 +222,13 @@ def test_a_rank_that_skips_step_under_fsdps_own_hsdp_ends_the_job_in_seconds(wor
 def test_every_rank_skipping_step_together_under_fsdps_own_hsdp_drops_the_step(skipped_step):
     """Every rank skips ``step()`` at the same step under FSDP2's own HSDP (at the first step too,
     before the ranks' first agreement): the step is dropped on every rank, training goes on, and
-    the replicas hold the same shards."""
+    the replicas hold the same shards. Only the ``zero_grad()`` after the skip communicates."""
     results = [value for _, value in spawn_ranks(_skip_step_under_hsdp, 4, "adam", skipped_step, (0, 1, 2, 3),
                                                  timeout=90)]
     assert all(r["error"] is None for r in results), results
     assert [r["taken"] for r in results] == [skipped_step + 1] * 4
+    # zero_grad() communicates only where it tells the skip (after a step taken, it sends nothing)
+    assert all([bool(b) for b in r["sent"]] == [i == skipped_step for i in range(skipped_step + 2)]
+               for r in results), [r["sent"] for r in results]
     for shard in (0, 1):  # (rank r and r + 2: the same shard of the two replicas)
         assert all(torch.equal(x, y) for x, y in zip(results[shard]["params"], results[shard + 2]["params"]))

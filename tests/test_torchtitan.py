@@ -245,12 +245,12 @@ def test_tp_2x2_with_replicas_trains_and_keeps_the_replicas_equal():
     print("tp: meshes", r["meshes"], "loss step 1", r["losses"][1], "step 40", r["losses"][STEPS])
 
 
-def _resume(rank, world, folder, load):
+def _resume(rank, world, folder, load, name):
     _cpu_patches()
     from compressed_opt.integrations.torchtitan import onebit_config
 
-    dims = _dims((2, 2, 1), world)
-    config = onebit_config("OnebitAdam", lr=LR, freeze_step=FREEZE)
+    dims = _dims((2, 2, 1) if world == 4 else (2, 2, 2), world)
+    config = onebit_config(name, lr=LR, freeze_step=FREEZE)
     model, optimizers, losses = _job(dims, config, folder=folder, save_at=None if load else 20,
                                      load_at=20 if load else None, seed=1 if load else 0)
     (opt,) = list(optimizers)
@@ -258,13 +258,24 @@ def _resume(rank, world, folder, load):
     return losses
 
 
-def test_resume_from_a_step_20_checkpoint_reproduces_the_step_40_loss(tmp_path):
-    """HSDP 2x2, OnebitAdam in the compression stage at step 20: torchtitan's CheckpointManager
-    saves at step 20; fresh ranks (another seed for the initial weights, which the checkpoint
-    replaces) load it and train to step 40: every loss from step 21 on is the uninterrupted run's,
-    bit for bit."""
-    whole = run_ranks(_resume, 4, str(tmp_path), False, timeout=240)
-    resumed = run_ranks(_resume, 4, str(tmp_path), True, timeout=240)
+# torchtitan 0.3.0's checkpoint of the 3-D mesh (dp_replicate x dp_shard x tp) on CPU does not give back the
+# trained model: with its own AdamW, a model saved after 1 (2) steps loads 1.5e-3 (4.5e-3) away from the trained
+# one in every parameter, one update per step taken, and the step-21 loss after a step-20 resume is 6.35 against
+# the uninterrupted 4.99 (docs/torchtitan.md). A model saved and loaded through its ModelWrapper without
+# training round-trips. Strict: the day torchtitan gives the model back, this passes and must lose the mark.
+THREE_D_RESUME = pytest.mark.xfail(strict=True, reason="torchtitan's 3-D checkpoint loses the trained model, AdamW's too")
+
+
+@pytest.mark.parametrize("world,name", [(4, "OnebitAdam"), pytest.param(8, "OnebitLamb", marks=THREE_D_RESUME)])
+def test_resume_from_a_step_20_checkpoint_reproduces_the_step_40_loss(tmp_path, world, name):
+    """HSDP 2x2 (OnebitAdam), and with tensor parallelism 2x2x2 (OnebitLamb, whose per-layer
+    statistics are the whole layers'), in the compression stage at step 20: torchtitan's
+    CheckpointManager saves at step 20; fresh ranks (another seed for the initial weights, which
+    the checkpoint replaces) load it and train to step 40: every loss from step 21 on is the
+    uninterrupted run's, bit for bit. (Our own 3-D resume, through torch's state_dict API and DCP,
+    is bit for bit: tests/test_torch_state_dict.py.)"""
+    whole = run_ranks(_resume, world, str(tmp_path), False, name, timeout=400)
+    resumed = run_ranks(_resume, world, str(tmp_path), True, name, timeout=400)
     for w, r in zip(whole, resumed):
         assert sorted(r) == list(range(21, STEPS + 1))
         assert [r[s] for s in r] == [w[s] for s in r]
