@@ -263,7 +263,7 @@ def _resume(rank, world, folder, load, name):
 # one in every parameter, one update per step taken, and the step-21 loss after a step-20 resume is 6.35 against
 # the uninterrupted 4.99 (docs/torchtitan.md). A model saved and loaded through its ModelWrapper without
 # training round-trips. Strict: the day torchtitan gives the model back, this passes and must lose the mark.
-THREE_D_RESUME = pytest.mark.xfail(strict=True, reason="torchtitan's 3-D checkpoint loses the trained model, AdamW's too")
+THREE_D_RESUME = pytest.mark.xfail(strict=True, reason="torchtitan's 3-D checkpoint loses the model, AdamW's too")
 
 
 @pytest.mark.parametrize("world,name", [(4, "OnebitAdam"), pytest.param(8, "OnebitLamb", marks=THREE_D_RESUME)])
