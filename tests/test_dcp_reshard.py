@@ -212,6 +212,71 @@ def test_an_hsdp_checkpoint_reshards_onto_another_mesh(tmp_path):
                 assert torch.equal(moments[key], whole[key]), (name, rank, key)
 
 
+# --- FSDP2's own HSDP with tensor parallelism: (2 x 2 x 2) -> (1 x 4) ---------------------------------
+def _own_mesh(shape):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", shape, mesh_dim_names=("dp_replicate", "dp_shard", "tp")[:len(shape)])
+
+
+def _three_d_save(rank, world, root):
+    from sharding import fsdp2_hsdp
+
+    warnings.simplefilter("ignore")
+    out = {}
+    for name, kw in CONFIGS.items():
+        mesh = _own_mesh((2, 2, 2))
+        model = fsdp2_hsdp(_model(0), mesh)
+        opt = getattr(compressed_opt, name)(model.parameters(), lr=1e-2, **kw)
+        _train(model, opt, rank // 2, range(1, SAVE_AT + 1))  # (a tp pair: one batch)
+        dcp.save({"model": model.state_dict(), "optim": OptimizerState(opt)}, checkpoint_id=os.path.join(root, name))
+        replicas = mesh["dp_replicate"].get_group()
+        whole = {}
+        for (i, buffer), value in _moments(opt).items():
+            p = [q for g in opt.param_groups for q in g["params"]][i]
+            mine = value if mesh.get_coordinate()[0] == 0 else torch.zeros_like(value)
+            dist.broadcast(mine, src=dist.get_global_rank(replicas, 0), group=replicas)
+            whole[i, buffer] = _whole(opt)(p, mine)
+        out[name] = (whole, opt.global_step)
+    return out
+
+
+def _three_d_load(rank, world, root):
+    from sharding import fsdp2_hsdp
+
+    warnings.simplefilter("ignore")
+    out = {}
+    for name, kw in CONFIGS.items():
+        model = fsdp2_hsdp(_model(1), _own_mesh((1, 4)))
+        opt = getattr(compressed_opt, name)(model.parameters(), lr=1e-2, **kw)
+        state = {"model": model.state_dict(), "optim": OptimizerState(opt, reshard=True)}
+        dcp.load(state, checkpoint_id=os.path.join(root, name))
+        model.load_state_dict(state["model"])
+        loaded = _moments(opt, _whole(opt))
+        _train(model, opt, rank, range(SAVE_AT + 1, SAVE_AT + MORE + 1))
+        finite = all(torch.isfinite(p.to_local()).all() for p in model.parameters())
+        out[name] = (loaded, opt.global_step, opt.compressing, finite)
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_a_3d_checkpoint_of_fsdps_own_hsdp_reshards_onto_a_2d_mesh(tmp_path):
+    """Saved under FSDP2's own HSDP with tensor parallelism, (dp_replicate 2, dp_shard 2, tp 2) on 8
+    ranks (FSDP's _StridedShard over tp's Shard), loaded on (1, 4) with no tp: each parameter's
+    moments, made whole, are replica 0's; every optimizer trains on in the compression stage."""
+    root = str(tmp_path)
+    saved = run_ranks(_three_d_save, 8, root, timeout=300)
+    loaded = run_ranks(_three_d_load, 4, root, timeout=300)
+    for name in CONFIGS:
+        whole, step = saved[0][name]
+        for rank in range(4):
+            moments, at, compressing, finite = loaded[rank][name]
+            assert (at, compressing, finite) == (step + MORE, True, True), (name, rank)
+            assert moments.keys() == whole.keys(), (name, rank)
+            assert all(torch.equal(moments[key], whole[key]) for key in whole), (name, rank)
+
+
 # --- tensor parallel: (dp 2 x tp 2) -> (dp 4 x tp 1) ----------------------------------------------
 def _tp(shape, seed):
     from torch.distributed.device_mesh import init_device_mesh
