@@ -471,14 +471,19 @@ class AdamAlgorithm(Algorithm):
     def _auto_decision(self, step: int) -> bool:
         """The auto rule's decision at ``step``, rank 0's on every rank: it watches the mean of
         ``v_hat`` over every element (each rank sums the variance it holds, ZeRO: its chunks; one
-        all-gather of two floats adds them up in rank order)."""
+        all-gather of two floats adds them up in rank order; a layer split over a mesh, FSDP's or
+        tensor parallelism's: summed over its ranks, so every shard of the model decides alike)."""
         total = numel = 0.0
+        shards = self.engine.local_shards
         for b in self.engine.buckets:
             group = self.param_groups[b.group_index]
             _, bc2 = bias_corrections(*group["betas"], step, group["bias_correction"])
             v = b.state.buffers.exp_avg_sq if self.zero is None else self.zero.variance(b)
-            total += float(v.sum()) / (bc2 * bc2)
-            numel += v.numel()
+            part = float(v.sum()) / (bc2 * bc2), float(v.numel())
+            if shards.pairs:  # (layers split over a mesh: the whole layers' sums, alike on every shard)
+                part = shards.whole_layer_sums(b.params, torch.tensor(part, dtype=torch.float64, device=v.device))
+                part = part.tolist()
+            total, numel = total + part[0], numel + part[1]
         if self.zero is not None:
             total, numel = self.zero.sum_over_ranks(self.engine, [total, numel])
         wants = self.schedule_.rule.observe(step, total / max(numel, 1.0))

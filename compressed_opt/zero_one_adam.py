@@ -619,12 +619,18 @@ class ZeroOneAlgorithm(Algorithm):
     # --- phase A -> phase B -------------------------------------------------------------------------------------
     def _auto_decision(self, step) -> bool:
         """Rank 0's decision, on every rank, from the mean over all elements of the bias-corrected
-        variance (what the auto rule watches)."""
+        variance (what the auto rule watches; a layer split over a mesh summed over its ranks, so
+        every shard of the model decides alike)."""
         total = numel = 0.0
+        shards = self.engine.local_shards
         for b in self.engine.buckets:
             beta2 = self.param_groups[b.group_index]["betas"][1]
-            total += float(b.state.buffers.exp_avg_sq.sum()) / (1.0 - beta2**self.schedule_.var_refreshes)
-            numel += b.numel
+            v = b.state.buffers.exp_avg_sq
+            part = float(v.sum()) / (1.0 - beta2**self.schedule_.var_refreshes), float(b.numel)
+            if shards.pairs:  # (layers split over a mesh: the whole layers' sums, alike on every shard)
+                part = shards.whole_layer_sums(b.params, torch.tensor(part, dtype=torch.float64, device=v.device))
+                part = part.tolist()
+            total, numel = total + part[0], numel + part[1]
         wants = self.schedule_.rule.observe(step, total / max(numel, 1.0))
         return self.engine.agreement.rank0_decides(wants, self.engine.device)
 

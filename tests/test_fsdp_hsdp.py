@@ -375,3 +375,81 @@ def test_gradient_accumulation_under_fsdps_own_hsdp_steps_as_one_batch():
             for way in ("halves", "no_sync"):
                 got, _ = out[name, way]
                 assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(one, got)), (name, way)
+
+
+def _inf_in_one_shard(rank, world, name, bad_step):
+    """Rank 1's gradient gets an inf in one element of its shard of the first layer at ``bad_step``
+    (an overflow there): after FSDP's reduce-scatter no other shard holds it, and in the warmup
+    only rank 1's replica peer, through FSDP's all-reduce."""
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import compressed_opt
+
+    warnings.simplefilter("ignore")
+    shape = (2, 2) if world == 4 else (2, 2, 2)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp_replicate", "dp_shard", "tp")[:len(shape)])
+    model = _model(mesh)
+    kwargs = {"var_freeze_step": 3} if name == "ZeroOneAdam" else {"freeze_step": 3}
+    opt = getattr(compressed_opt, name)(model.parameters(), **kwargs, **HP)
+    for step in range(1, 9):
+        opt.zero_grad()
+        _loss(model, step, rank // (world // 4)).backward()
+        if step == bad_step and rank == 1:
+            with torch.no_grad():
+                next(model.parameters()).grad.to_local().view(-1)[0] = float("inf")
+        opt.step()
+    out = dict(taken=opt.global_step, shards=_locals(model))
+    opt.close()
+    return out
+
+
+@pytest.mark.parametrize("world,name,bad_step", [(4, "OnebitAdam", 2), (4, "OnebitLamb", 5), (4, "ZeroOneAdam", 5),
+                                                 (8, "OnebitAdam", 5)])
+def test_an_inf_in_one_shard_skips_the_step_on_every_shard_and_replica(world, name, bad_step):
+    """An inf in one element of one rank's gradient shard under FSDP2's own HSDP (and with tensor
+    parallelism): every rank skips that step, not only the replicas of that shard, so every shard
+    of the model takes the same steps and the replicas stay equal. Before, the other shard group
+    stepped (7 steps against 8, silently), or Gloo aborted (1-bit LAMB)."""
+    results = run_ranks(_inf_in_one_shard, world, name, bad_step, timeout=180)
+    assert [r["taken"] for r in results] == [7] * world
+    half = world // 2  # (rank r and r + half: the same shard of the two replicas)
+    for r in range(half):
+        assert all(torch.equal(a, b) and torch.isfinite(a).all()
+                   for a, b in zip(results[r]["shards"], results[r + half]["shards"]))
+
+
+def _auto_freeze(rank, world):
+    """``freeze_step="auto"`` on one Linear layer whose two shards (FSDP splits its 64 rows) see
+    gradients that settle at different paces: the first half's loss weight grows each step, the
+    second half's target moves. Each rank's first compressing step."""
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import compressed_opt
+
+    warnings.simplefilter("ignore")
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    torch.manual_seed(0)
+    model = fsdp2_hsdp(nn.Sequential(nn.Linear(12, 64)), mesh)
+    opt = compressed_opt.OnebitAdam(model.parameters(), lr=1e-3, freeze_step="auto")
+    for step in range(1, 141):
+        opt.zero_grad()
+        y = model(torch.randn(8, 12, generator=torch.Generator().manual_seed(100 * step + rank)))
+        w = 1.0 + 0.2 * step
+        (y[:, :32].square().mean() * w * w + (y[:, 32:] - step % 7).square().mean()).backward()
+        opt.step()
+        if opt.compressing:
+            break
+    opt.close()
+    return step if opt.compressing else None
+
+
+def test_the_automatic_freeze_is_one_decision_for_every_shard_of_the_model():
+    """``freeze_step="auto"`` under FSDP2's own HSDP watches the whole model's variance (each layer's
+    shards summed over FSDP's shard group), so every rank freezes at the same step. Before, each
+    replica group decided from its own shard: here the two froze at steps 129 and 96."""
+    steps = run_ranks(_auto_freeze, 4, timeout=180)
+    assert steps[0] is not None and steps == [steps[0]] * 4, steps
