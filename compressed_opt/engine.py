@@ -803,8 +803,9 @@ class GradientSync:
         verdict = self.agreement.step(step, client.stage, hyperparameter_hash(self.param_groups),
                                       touched and not full, nonfinite, client.statistics(step, buckets), self.device)
         self.statistics = verdict.statistics
-        # (the replicas agreed; a model split over other groups skips on all of its shards, or on none)
-        nonfinite = self.local_shards.any_rank(verdict.nonfinite, self.device)
+        nonfinite = verdict.nonfinite  # (the replicas agreed; a model split over other groups too skips
+        if self.local_shards.pairs:  # on all of its shards, or on none)
+            nonfinite = self.local_shards.any_rank(nonfinite, self.device)
         self._synchronized, self._took = True, not nonfinite
         if nonfinite:  # every rank skips, state untouched
             self.nonfinite_steps += 1

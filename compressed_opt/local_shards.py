@@ -208,7 +208,7 @@ class LocalShards:
         the layers are split over (one all-reduce of a float per layer and group: FSDP's shard
         group, then tensor parallelism's on a 3-D mesh, whose product is the layer's ranks); as they
         are where the layers are held whole. ``values`` is left as it is."""
-        over = self._split_over(params)
+        over = self._split_over(params) if self._split else ()
         if over:
             values = values.clone()
             for i in over:
@@ -218,7 +218,7 @@ class LocalShards:
     def whole_layer_norms(self, params, norms: list[torch.Tensor]) -> list[torch.Tensor]:
         """Each of ``norms`` (per-layer L2 norms of this shard, of ``params``: one bucket's) as the norms
         of the whole layers."""
-        if not self._split_over(params):
+        if not self._split or not self._split_over(params):
             return norms
         return [self.whole_layer_sums(params, n.double().square()).sqrt().to(n.dtype) for n in norms]
 
@@ -226,7 +226,7 @@ class LocalShards:
         """Per layer of ``params`` (one bucket's), the maximum over the ranks the layers are split over
         (every rank's values gathered, group by group: one float per layer and rank; a maximum is
         exact in any order)."""
-        over = self._split_over(params)
+        over = self._split_over(params) if self._split else ()
         if not over:
             return values
         t = torch.tensor(values, dtype=torch.float64)

@@ -152,6 +152,32 @@ def _whole(opt):
     return whole
 
 
+def _replica0_whole(opt, replicas) -> dict:
+    """Replica 0's moments, made whole (``replicas``: the mesh dimension of the replicas): what
+    every rank of a resharded run must hold its part of."""
+    params = [q for g in opt.param_groups for q in g["params"]]
+    out = {}
+    for (i, buffer), value in _moments(opt).items():
+        mine = value if replicas.get_local_rank() == 0 else torch.zeros_like(value)
+        dist.broadcast(mine, src=dist.get_global_rank(replicas.get_group(), 0), group=replicas.get_group())
+        out[i, buffer] = _whole(opt)(params[i], mine)
+    return out
+
+
+def _resharded(model, opt, path, rank):
+    """Load ``path`` resharded onto ``model`` and ``opt`` and train on: the moments as loaded, made
+    whole, the step, the stage, and whether the parameters stayed finite."""
+    state = {"model": model.state_dict(), "optim": OptimizerState(opt, reshard=True)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(state, checkpoint_id=path)
+        model.load_state_dict(state["model"])
+        loaded = _moments(opt, _whole(opt))
+        _train(model, opt, rank, range(SAVE_AT + 1, SAVE_AT + MORE + 1))
+    finite = all(torch.isfinite(p.to_local()).all() for p in model.parameters())
+    return loaded, opt.global_step, opt.compressing, finite
+
+
 def _hsdp_save(rank, world, root):
     warnings.simplefilter("ignore")
     mesh, out = None, {}
@@ -161,15 +187,7 @@ def _hsdp_save(rank, world, root):
         opt = getattr(compressed_opt, name)(model.parameters(), lr=1e-2, backend=mesh["replicate"], **kw)
         _train(model, opt, 10 * r_rep + r_shard, range(1, SAVE_AT + 1))
         dcp.save({"model": model.state_dict(), "optim": OptimizerState(opt)}, checkpoint_id=os.path.join(root, name))
-        # replica 0's whole moments: what every rank of the resharded run must hold its part of
-        whole = {}
-        for key, value in _moments(opt).items():
-            i, _ = key
-            p = [q for g in opt.param_groups for q in g["params"]][i]
-            mine = value if r_rep == 0 else torch.zeros_like(value)
-            dist.broadcast(mine, src=int(mesh["replicate"].mesh[0]), group=mesh["replicate"].get_group())
-            whole[key] = _whole(opt)(p, mine)
-        out[name] = (whole, opt.global_step)
+        out[name] = (_replica0_whole(opt, mesh["replicate"]), opt.global_step)
     return out
 
 
@@ -182,15 +200,7 @@ def _hsdp_load(rank, world, root):
         with pytest.raises(ValueError, match="sharded otherwise|another rank could not"):
             dcp.load({"optim": OptimizerState(opt)}, checkpoint_id=path)  # same world size, another mesh
         assert opt.global_step == 0
-        state = {"model": model.state_dict(), "optim": OptimizerState(opt, reshard=True)}
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            dcp.load(state, checkpoint_id=path)
-            model.load_state_dict(state["model"])
-            loaded = _moments(opt, _whole(opt))
-            _train(model, opt, rank, range(SAVE_AT + 1, SAVE_AT + MORE + 1))
-        finite = all(torch.isfinite(p.to_local()).all() for p in model.parameters())
-        out[name] = (loaded, opt.global_step, opt.compressing, finite)
+        out[name] = _resharded(model, opt, path, rank)
     return out
 
 
@@ -230,14 +240,7 @@ def _three_d_save(rank, world, root):
         opt = getattr(compressed_opt, name)(model.parameters(), lr=1e-2, **kw)
         _train(model, opt, rank // 2, range(1, SAVE_AT + 1))  # (a tp pair: one batch)
         dcp.save({"model": model.state_dict(), "optim": OptimizerState(opt)}, checkpoint_id=os.path.join(root, name))
-        replicas = mesh["dp_replicate"].get_group()
-        whole = {}
-        for (i, buffer), value in _moments(opt).items():
-            p = [q for g in opt.param_groups for q in g["params"]][i]
-            mine = value if mesh.get_coordinate()[0] == 0 else torch.zeros_like(value)
-            dist.broadcast(mine, src=dist.get_global_rank(replicas, 0), group=replicas)
-            whole[i, buffer] = _whole(opt)(p, mine)
-        out[name] = (whole, opt.global_step)
+        out[name] = (_replica0_whole(opt, mesh["dp_replicate"]), opt.global_step)
     return out
 
 
@@ -249,13 +252,7 @@ def _three_d_load(rank, world, root):
     for name, kw in CONFIGS.items():
         model = fsdp2_hsdp(_model(1), _own_mesh((1, 4)))
         opt = getattr(compressed_opt, name)(model.parameters(), lr=1e-2, **kw)
-        state = {"model": model.state_dict(), "optim": OptimizerState(opt, reshard=True)}
-        dcp.load(state, checkpoint_id=os.path.join(root, name))
-        model.load_state_dict(state["model"])
-        loaded = _moments(opt, _whole(opt))
-        _train(model, opt, rank, range(SAVE_AT + 1, SAVE_AT + MORE + 1))
-        finite = all(torch.isfinite(p.to_local()).all() for p in model.parameters())
-        out[name] = (loaded, opt.global_step, opt.compressing, finite)
+        out[name] = _resharded(model, opt, os.path.join(root, name), rank)
     return out
 
 
