@@ -255,13 +255,14 @@ class RankAgreement:
                  else torch.zeros(len(header), 0, dtype=torch.float64, device=device))
         if bool((ints == ints[0]).all()):  # (as a rule: the rest only says what differs)
             return StepVerdict(touched_any, nonfinite_any, stats)
-        rows, problems = ints.tolist(), []
-        for r, row in enumerate(rows[1:], start=1):
+        rows, ranks, problems = ints.tolist(), header[:, -1].tolist(), []  # (named by their ranks in the job)
+        first = ranks[0]
+        for r, row in zip(ranks[1:], rows[1:]):
             if row[:2] != rows[0][:2]:
-                problems.append(f"rank {r} is at step {row[0]} (stage {row[1]}), rank 0 at step {rows[0][0]} "
+                problems.append(f"rank {r} is at step {row[0]} (stage {row[1]}), rank {first} at step {rows[0][0]} "
                                 f"(stage {rows[0][1]})")
             elif row[2] != rows[0][2]:
-                problems.append(f"rank {r}'s learning rate, betas, eps or weight decay differ from rank 0's")
+                problems.append(f"rank {r}'s learning rate, betas, eps or weight decay differ from rank {first}'s")
         if problems:
             raise ValueError(
                 f"{self.name}: the ranks disagree at step {step}: " + "; ".join(problems)

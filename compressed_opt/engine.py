@@ -66,6 +66,7 @@ WARMUP, COMPRESSION = "warmup", "compression"
 _requires_grad = operator.attrgetter("requires_grad")
 _checked = operator.attrgetter("sync.checked")  # (a bucket's gradients' sums, this step's)
 _NO_SPAN = contextlib.nullcontext()  # (observe.span where nobody observes)
+_NO_STATISTICS = torch.zeros(0, dtype=torch.float64)  # (the shards' agreement: the replicas' carried them)
 _grad = operator.attrgetter("grad")
 
 #: which open engine holds each parameter (by id; the engine holds the parameter)
@@ -249,6 +250,7 @@ class GradientSync:
         self._inline = False  # synchronize() gathers a compression step's buckets, whose exchanges run next here
         self._backward_norms: torch.Tensor | None = None  # a compression step's gradients' norms after backward
         self._synchronized = False  # this step's synchronize() ran (exchanged)
+        self._shard_agreements: list[RankAgreement] | None = None  # over the groups layers are split over
         self._skip_sync = 0
         self.statistics = torch.zeros(1, 0, dtype=torch.float64)  # the last step's statistics, one row per rank
         self._start_runtime()
@@ -803,9 +805,9 @@ class GradientSync:
         verdict = self.agreement.step(step, client.stage, hyperparameter_hash(self.param_groups),
                                       touched and not full, nonfinite, client.statistics(step, buckets), self.device)
         self.statistics = verdict.statistics
-        nonfinite = verdict.nonfinite  # (the replicas agreed; a model split over other groups too skips
-        if self.local_shards.pairs:  # on all of its shards, or on none)
-            nonfinite = self.local_shards.any_rank(nonfinite, self.device)
+        nonfinite = verdict.nonfinite
+        if self.local_shards.pairs:  # the replicas agreed; a model split over other groups agrees over them too
+            nonfinite = self._shards_agree(step, client.stage, nonfinite)
         self._synchronized, self._took = True, not nonfinite
         if nonfinite:  # every rank skips, state untouched
             self.nonfinite_steps += 1
@@ -829,6 +831,18 @@ class GradientSync:
                 for b in buckets:  # averaged here, from the gradients as they were gathered
                     client.observe_average(b, b.sync.padded[: b.numel], True)
         return True
+
+    def _shards_agree(self, step: int, stage: int, nonfinite: bool) -> bool:
+        """Over each group the layers are split over (FSDP's shard group, tensor parallelism's), what
+        the replicas agreed on (the step, the stage, the hyperparameters; one header all-gather per
+        group): every shard of the model takes the step, or skips it, alike. Returns whether some
+        rank's gradients held inf/NaN."""
+        if self._shard_agreements is None:
+            self._shard_agreements = [RankAgreement(b, self.name) for b in self.local_shards.split_backends()]
+        for shards in self._shard_agreements:
+            nonfinite = shards.step(step, stage, hyperparameter_hash(self.param_groups), False, nonfinite,
+                                    _NO_STATISTICS, self.device).nonfinite
+        return nonfinite
 
     @contextlib.contextmanager
     def skip_synchronize(self):

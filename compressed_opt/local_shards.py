@@ -237,17 +237,11 @@ class LocalShards:
             t = every.view(backend.world_size, -1).amax(dim=0)
         return t.tolist()
 
-    def any_rank(self, flag: bool, device) -> bool:
-        """Whether ``flag`` (one the optimizer's ranks agreed on: a replica group's) is set on some rank
-        of the groups layers are split over too (one all-reduce of a float per group): the shards of
-        one model take the same decisions (FSDP's shard group, tensor parallelism's), as the
-        replicas do. Without split layers, ``flag``."""
-        if not self._groups:
-            return flag
-        t = torch.tensor([float(flag)], device=device)
-        for i in range(len(self._groups)):
-            self._backend(i).all_reduce(t)
-        return bool(t.item() > 0)
+    def split_backends(self) -> list[TorchBackend]:
+        """The collectives over each group layers are split over (FSDP's shard group, tensor
+        parallelism's), in the same order on every rank: over them the shards of one model agree on
+        each step as its replicas do (:meth:`compressed_opt.engine.GradientSync.synchronize`)."""
+        return [self._backend(i) for i in range(len(self._groups))]
 
     def _backend(self, i: int) -> TorchBackend:
         """The collectives over the ``i``-th group layers are split over, through the comm layer

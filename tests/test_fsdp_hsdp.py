@@ -5,6 +5,8 @@ are AdamW's; in the compression stage FSDP leaves each replica its own shard ave
 optimizer's 1-bit exchange crosses the replicas (compressed_opt.fsdp_replicas)."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -453,3 +455,39 @@ def test_the_automatic_freeze_is_one_decision_for_every_shard_of_the_model():
     replica group decided from its own shard: here the two froze at steps 129 and 96."""
     steps = run_ranks(_auto_freeze, 4, timeout=180)
     assert steps[0] is not None and steps == [steps[0]] * 4, steps
+
+
+def _lr_by_parity(rank, world):
+    """The odd ranks give the optimizer another learning rate: alike within each replica group
+    ((0, 2) and (1, 3)), different between the shard groups."""
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import compressed_opt
+
+    warnings.simplefilter("ignore")
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    model = _model(mesh)
+    opt = compressed_opt.OnebitAdam(model.parameters(), freeze_step=3, **dict(HP, lr=2e-2 if rank % 2 else 1e-2))
+    try:
+        opt.zero_grad()
+        _loss(model, 1, rank).backward()
+        opt.step()
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        opt.close()
+    return None
+
+
+def test_shards_with_other_hyperparameters_raise_on_every_rank():
+    """Hyperparameters that differ between the shards of the model but not between the replicas
+    the optimizer exchanges over: the shards compare the step, stage and hyperparameters as the
+    replicas do, so every rank raises at step 1, naming the ranks. Before, each shard stepped with
+    its own learning rate, silently."""
+    said = run_ranks(_lr_by_parity, 4, timeout=120)
+    for rank, message in enumerate(said):
+        assert message is not None and "the ranks disagree at step 1" in message, (rank, message)
+        assert re.search(r"rank [13]'s learning rate, betas, eps or weight decay differ from rank [02]'s", message), (
+            rank, message)
