@@ -210,16 +210,20 @@ def test_an_hsdp_checkpoint_reshards_onto_another_mesh(tmp_path):
     """Saved on a (2, 2) HSDP mesh, loaded on (1, 4): each parameter's moments, made whole again,
     are replica 0's (DCP read each rank's new shard out of the old ones); training goes on."""
     root = str(tmp_path)
-    saved = run_ranks(_hsdp_save, 4, root, timeout=300)
-    loaded = run_ranks(_hsdp_load, 4, root, timeout=300)
+    _every_rank_holds_replica0s(run_ranks(_hsdp_save, 4, root, timeout=300),
+                                run_ranks(_hsdp_load, 4, root, timeout=300))
+
+
+def _every_rank_holds_replica0s(saved, loaded) -> None:
+    """Every loading rank's moments, made whole, are the saving replica 0's, and it trained on in
+    the compression stage."""
     for name in CONFIGS:
         whole, step = saved[0][name]
-        for rank in range(4):
-            moments, at, compressing, finite = loaded[rank][name]
+        for rank, out in enumerate(loaded):
+            moments, at, compressing, finite = out[name]
             assert (at, compressing, finite) == (step + MORE, True, True), (name, rank)
             assert moments.keys() == whole.keys(), (name, rank)
-            for key in whole:
-                assert torch.equal(moments[key], whole[key]), (name, rank, key)
+            assert all(torch.equal(moments[key], whole[key]) for key in whole), (name, rank)
 
 
 # --- FSDP2's own HSDP with tensor parallelism: (2 x 2 x 2) -> (1 x 4) ---------------------------------
@@ -263,15 +267,8 @@ def test_a_3d_checkpoint_of_fsdps_own_hsdp_reshards_onto_a_2d_mesh(tmp_path):
     ranks (FSDP's _StridedShard over tp's Shard), loaded on (1, 4) with no tp: each parameter's
     moments, made whole, are replica 0's; every optimizer trains on in the compression stage."""
     root = str(tmp_path)
-    saved = run_ranks(_three_d_save, 8, root, timeout=300)
-    loaded = run_ranks(_three_d_load, 4, root, timeout=300)
-    for name in CONFIGS:
-        whole, step = saved[0][name]
-        for rank in range(4):
-            moments, at, compressing, finite = loaded[rank][name]
-            assert (at, compressing, finite) == (step + MORE, True, True), (name, rank)
-            assert moments.keys() == whole.keys(), (name, rank)
-            assert all(torch.equal(moments[key], whole[key]) for key in whole), (name, rank)
+    _every_rank_holds_replica0s(run_ranks(_three_d_save, 8, root, timeout=300),
+                                run_ranks(_three_d_load, 4, root, timeout=300))
 
 
 # --- tensor parallel: (dp 2 x tp 2) -> (dp 4 x tp 1) ----------------------------------------------

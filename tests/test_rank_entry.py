@@ -95,27 +95,37 @@ def test_gradients_set_by_hand_on_every_rank_still_step():
     assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-def _skip_step(rank, world, name, mode, skipped_step, who):
-    """Every rank runs backward; the ranks in ``who`` skip ``step()`` at ``skipped_step`` (a per-rank
-    ``if torch.isfinite(loss): optimizer.step()``), then the loop goes on."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
-    cls, kwargs = OPTIMIZERS[name]
-    opt = cls(model.parameters(), overlap=mode != "sync", **kwargs)
-    g = torch.Generator().manual_seed(rank)
-    start = None
+def _skipping(model, opt, rank, batch, skipped_step, who):
+    """Every rank runs backward (on its ``batch``'s data); the ranks in ``who`` skip ``step()`` at
+    ``skipped_step`` (a per-rank ``if torch.isfinite(loss): optimizer.step()``), then the loop goes
+    on. The error where one was raised, else the steps taken and the bytes each ``zero_grad()``
+    sent (across the replicas)."""
+    start, sent = None, []
     for step in range(1, skipped_step + 3):
         try:
             if step == skipped_step:
                 start = time.monotonic()
+            before = opt.backend.stats.total_bytes
             opt.zero_grad()
+            sent.append(opt.backend.stats.total_bytes - before)
+            g = torch.Generator().manual_seed(100 * step + batch)
             model(torch.randn(4, 8, generator=g)).square().mean().backward()
             if not (rank in who and step == skipped_step):
                 opt.step()
         except Exception as exc:
             return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - (start or 0.0),
                     "step": step}
-    return {"error": None, "params": [p.detach().clone() for p in model.parameters()], "taken": opt.global_step}
+    return {"error": None, "taken": opt.global_step, "sent": sent}
+
+
+def _skip_step(rank, world, name, mode, skipped_step, who):
+    """:func:`_skipping` on a plain model; with no error, the parameters too."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    cls, kwargs = OPTIMIZERS[name]
+    opt = cls(model.parameters(), overlap=mode != "sync", **kwargs)
+    out = _skipping(model, opt, rank, rank, skipped_step, who)
+    return out if out["error"] else dict(out, params=[p.detach().clone() for p in model.parameters()])
 
 
 # warmup (averaged in backward, or in step()), the freeze step, the compression stage (launched from
@@ -154,9 +164,9 @@ def test_every_rank_skipping_step_together_drops_the_step_and_trains_on(skipped_
 
 
 def _skip_step_under_hsdp(rank, world, name, skipped_step, who):
-    """:func:`_skip_step` under FSDP2's own HSDP (2 replicas x 2 shards, or x 2 tp with 8 ranks),
-    which assigns the gradients itself after backward: no hook of the optimizer sees it. Returns
-    the error or, with no error, the replica's shards and the steps taken."""
+    """:func:`_skipping` under FSDP2's own HSDP (2 replicas x 2 shards, or x 2 tp with 8 ranks),
+    which assigns the gradients itself after backward: no hook of the optimizer sees it. With no
+    error, this rank's shards too."""
     import warnings
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -170,25 +180,11 @@ def _skip_step_under_hsdp(rank, world, name, skipped_step, who):
     model = fsdp2_hsdp(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2)), mesh)
     cls, kwargs = OPTIMIZERS[name]
     opt = cls(model.parameters(), **kwargs)
-    batch_rank = rank // (world // 4)  # (a tp pair: one batch)
-    start, sent = None, []
-    for step in range(1, skipped_step + 3):
-        try:
-            if step == skipped_step:
-                start = time.monotonic()
-            before = opt.backend.stats.total_bytes
-            opt.zero_grad()
-            sent.append(opt.backend.stats.total_bytes - before)  # (bytes zero_grad() sent across the replicas)
-            g = torch.Generator().manual_seed(100 * step + batch_rank)
-            model(torch.randn(4, 8, generator=g)).square().mean().backward()
-            if not (rank in who and step == skipped_step):
-                opt.step()
-        except Exception as exc:
-            return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - (start or 0.0),
-                    "step": step}
-    shards = [p.to_local().detach().clone() for p in model.parameters()]
-    opt.close()
-    return {"error": None, "params": shards, "taken": opt.global_step, "sent": sent}
+    out = _skipping(model, opt, rank, rank // (world // 4), skipped_step, who)  # (a tp pair: one batch)
+    if not out["error"]:
+        out["params"] = [p.to_local().detach().clone() for p in model.parameters()]
+        opt.close()
+    return out
 
 
 # the first step (before the ranks' first agreement), the warmup, the compression stage; the 3-D mesh
