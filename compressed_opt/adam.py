@@ -479,11 +479,8 @@ class AdamAlgorithm(Algorithm):
             group = self.param_groups[b.group_index]
             _, bc2 = bias_corrections(*group["betas"], step, group["bias_correction"])
             v = b.state.buffers.exp_avg_sq if self.zero is None else self.zero.variance(b)
-            part = float(v.sum()) / (bc2 * bc2), float(v.numel())
-            if shards.pairs:  # (layers split over a mesh: the whole layers' sums, alike on every shard)
-                part = shards.whole_layer_sums(b.params, torch.tensor(part, dtype=torch.float64, device=v.device))
-                part = part.tolist()
-            total, numel = total + part[0], numel + part[1]
+            part, count = shards.whole_sums(b.params, [float(v.sum()) / (bc2 * bc2), float(v.numel())], v.device)
+            total, numel = total + part, numel + count
         if self.zero is not None:
             total, numel = self.zero.sum_over_ranks(self.engine, [total, numel])
         wants = self.schedule_.rule.observe(step, total / max(numel, 1.0))

@@ -802,12 +802,13 @@ class GradientSync:
         # (float64 sums of fp32 squares are finite exactly when every element is: no extra pass)
         sums = list(map(_checked, buckets[done:]))
         nonfinite = self._launched_nonfinite or (bool(sums) and not bool(torch.cat(sums).sum().isfinite()))
-        verdict = self.agreement.step(step, client.stage, hyperparameter_hash(self.param_groups),
-                                      touched and not full, nonfinite, client.statistics(step, buckets), self.device)
+        hyperparameters = hyperparameter_hash(self.param_groups)
+        verdict = self.agreement.step(step, client.stage, hyperparameters, touched and not full, nonfinite,
+                                      client.statistics(step, buckets), self.device)
         self.statistics = verdict.statistics
         nonfinite = verdict.nonfinite
         if self.local_shards.pairs:  # the replicas agreed; a model split over other groups agrees over them too
-            nonfinite = self._shards_agree(step, client.stage, nonfinite)
+            nonfinite = self._shards_agree(step, client.stage, hyperparameters, nonfinite)
         self._synchronized, self._took = True, not nonfinite
         if nonfinite:  # every rank skips, state untouched
             self.nonfinite_steps += 1
@@ -832,7 +833,7 @@ class GradientSync:
                     client.observe_average(b, b.sync.padded[: b.numel], True)
         return True
 
-    def _shards_agree(self, step: int, stage: int, nonfinite: bool) -> bool:
+    def _shards_agree(self, step: int, stage: int, hyperparameters: int, nonfinite: bool) -> bool:
         """Over each group the layers are split over (FSDP's shard group, tensor parallelism's), what
         the replicas agreed on (the step, the stage, the hyperparameters; one header all-gather per
         group): every shard of the model takes the step, or skips it, alike. Returns whether some
@@ -840,8 +841,8 @@ class GradientSync:
         if self._shard_agreements is None:
             self._shard_agreements = [RankAgreement(b, self.name) for b in self.local_shards.split_backends()]
         for shards in self._shard_agreements:
-            nonfinite = shards.step(step, stage, hyperparameter_hash(self.param_groups), False, nonfinite,
-                                    _NO_STATISTICS, self.device).nonfinite
+            verdict = shards.step(step, stage, hyperparameters, False, nonfinite, _NO_STATISTICS, self.device)
+            nonfinite = verdict.nonfinite
         return nonfinite
 
     @contextlib.contextmanager

@@ -215,6 +215,14 @@ class LocalShards:
                 self._backend(i).all_reduce(values)
         return values
 
+    def whole_sums(self, params, values: list[float], device) -> list[float]:
+        """``values`` (sums over this rank's part of ``params``' layers, one bucket's) summed over the
+        ranks the layers are split over: the same on every shard of the model. As they are where
+        the layers are held whole."""
+        if not self._split or not self._split_over(params):
+            return values
+        return self.whole_layer_sums(params, torch.tensor(values, dtype=torch.float64, device=device)).tolist()
+
     def whole_layer_norms(self, params, norms: list[torch.Tensor]) -> list[torch.Tensor]:
         """Each of ``norms`` (per-layer L2 norms of this shard, of ``params``: one bucket's) as the norms
         of the whole layers."""

@@ -626,11 +626,9 @@ class ZeroOneAlgorithm(Algorithm):
         for b in self.engine.buckets:
             beta2 = self.param_groups[b.group_index]["betas"][1]
             v = b.state.buffers.exp_avg_sq
-            part = float(v.sum()) / (1.0 - beta2**self.schedule_.var_refreshes), float(b.numel)
-            if shards.pairs:  # (layers split over a mesh: the whole layers' sums, alike on every shard)
-                part = shards.whole_layer_sums(b.params, torch.tensor(part, dtype=torch.float64, device=v.device))
-                part = part.tolist()
-            total, numel = total + part[0], numel + part[1]
+            part, count = shards.whole_sums(
+                b.params, [float(v.sum()) / (1.0 - beta2**self.schedule_.var_refreshes), float(b.numel)], v.device)
+            total, numel = total + part, numel + count
         wants = self.schedule_.rule.observe(step, total / max(numel, 1.0))
         return self.engine.agreement.rank0_decides(wants, self.engine.device)
 
