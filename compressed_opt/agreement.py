@@ -231,7 +231,8 @@ class RankAgreement:
                 "must call step() the same number of times (a step skipped on one replica only, e.g. by a "
                 "GradScaler that found inf there, shifts its rounds): skip on every replica alike, or not at all")
         differ = [r for r, row in enumerate(rows) if row[3] != rows[0][3]]
-        raise ValueError(f"{self.name}: at inner step {step} the outer hyperparameters (lr, momentum, nesterov) "
+        raise ValueError(f"{self.name}: at inner step {step} the outer hyperparameters (lr, momentum, nesterov, "
+                         f"compression, error_feedback, warmup_steps) "
                          f"of rank(s) {differ} differ from rank 0's: change them on every rank alike")
 
     def step(self, step: int, stage: int, hyperparameters: int, touched: bool, nonfinite: bool,

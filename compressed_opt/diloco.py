@@ -38,6 +38,13 @@ fragment of the parameters (docs/design.md 7):
   without Nesterov), DiLoCo's defaults ``lr = 0.7``, ``mu = 0.9``;
 * every replica sets ``theta <- A`` and runs the next round; the inner optimizer keeps its state.
 
+*Warmup* (``warmup_steps = W``): the first ``W`` inner steps average the gradients over the
+replicas before the inner step (the inner optimizer on the replicas' mean gradient, every replica
+alike: data parallel training), then ``A <- theta`` and the rounds start, their schedule counted
+from ``W``. DiLoCo (Douillard et al. 2023) ran its main experiments from a checkpoint trained
+synchronously first; this is that start inside one run, as the 1-bit optimizers' full-precision
+warmup before their compression stage.
+
 *Streaming* (Douillard et al. 2025). ``fragments = K`` splits the parameters into ``K`` fragments
 (parameter ``i`` in fragment ``i mod K``: strided over the layers) synchronised on staggered
 schedules: fragment ``k`` at the inner steps ``t`` with ``t mod H = floor(k H / K)`` (``t > 0``),
@@ -129,6 +136,11 @@ class DiLoCo(torch.optim.Optimizer):
         delay: ``tau``, inner steps each exchange overlaps before its result lands (less than
             ``sync_every``).
         mixing: ``alpha``, the share of the local parameters kept where a delayed result lands.
+        warmup_steps: ``W``, inner steps first taken as data parallel training does: each on the
+            gradients averaged over the replicas (fp32, one all-reduce per fragment and step), so
+            every replica takes the same step; the rounds start from the parameters at step ``W``
+            (fragment ``k`` synchronised where ``(t - W) mod H`` is its offset). 0 (the default):
+            DiLoCo from the first step.
         backend: the replicas' group: a ``compressed_opt.comm`` backend, one dimension of a
             ``DeviceMesh`` (e.g. ``mesh["replicate"]``), or ``None`` (every rank of the job).
         state_device: where ``A`` and ``u`` live (``None``: with the parameters; ``"cpu"``).
@@ -138,10 +150,12 @@ class DiLoCo(torch.optim.Optimizer):
     def __init__(self, params, inner: torch.optim.Optimizer, sync_every: int = 30, outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, nesterov: bool = True, compression: str = "1bit", fragments: int = 1,
                  delay: int = 0, backend=None, *, mixing: float = 0.5, error_feedback: float | None = None,
-                 state_device=None, bucket_cap_mb: float = 25.0, scale_block: int = DEFAULT_BLOCK):
+                 warmup_steps: int = 0, state_device=None, bucket_cap_mb: float = 25.0,
+                 scale_block: int = DEFAULT_BLOCK):
         if not isinstance(inner, torch.optim.Optimizer):
             raise TypeError(f"DiLoCo: inner must be a torch.optim.Optimizer, got {type(inner).__name__}")
-        for name, value, low in (("sync_every", sync_every, 1), ("fragments", fragments, 1), ("delay", delay, 0)):
+        for name, value, low in (("sync_every", sync_every, 1), ("fragments", fragments, 1), ("delay", delay, 0),
+                                 ("warmup_steps", warmup_steps, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"DiLoCo: {name} must be an int >= {low}, got {value!r}")
         if fragments > sync_every:
@@ -166,13 +180,14 @@ class DiLoCo(torch.optim.Optimizer):
             raise ValueError(f"DiLoCo: one param group (the outer lr and momentum apply to every parameter), got "
                              f"{len(self.param_groups)}; give the inner optimizer the groups")
         self.inner, self.sync_every, self.compression = inner, sync_every, compression
-        self.delay, self.mixing = delay, float(mixing)
+        self.delay, self.mixing, self.warmup_steps = delay, float(mixing), warmup_steps
         #: ``beta``: the share of the compression errors carried into the next exchange
         self.error_feedback = float(error_feedback)
         # what every replica's exchange must share besides the group's hyperparameters (fixed here): another
-        # compression would send collectives of other sizes, another beta other errors
-        self._settings = hyperparameter_hash([dict(compression=compression, beta=self.error_feedback)],
-                                             ("compression", "beta"))
+        # compression would send collectives of other sizes, another beta other errors, another warmup
+        # an all-reduce where the others start a round
+        settings = dict(compression=compression, beta=self.error_feedback, warmup=warmup_steps)
+        self._settings = hyperparameter_hash([settings], ("compression", "beta", "warmup"))
         ours = [p for g in self.param_groups for p in g["params"]]
         theirs = [p for g in inner.param_groups for p in g["params"]]
         if {id(p) for p in ours} != {id(p) for p in theirs}:
@@ -230,21 +245,72 @@ class DiLoCo(torch.optim.Optimizer):
     def step(self, closure=None):
         """One inner step, then the synchronisations this step ends: the delayed results that land
         now, and the fragment whose round ends here (launched; with no delay, landed at once)."""
+        t = self.inner_step + 1
+        if t <= self.warmup_steps:
+            return self._warmup_step(t, closure)
         if closure is not None:
             with torch.enable_grad():
                 loss = self.inner.step(closure)
         else:
             loss = self.inner.step()
-        self.inner_step = t = self.inner_step + 1
+        self.inner_step = t
         for f in self.fragments:
             if f.pending is not None and t == f.launched_at + self.delay:
                 self._land(f)
         for f in self.fragments:
-            if t % self.sync_every == f.offset:
+            if t > self.warmup_steps and (t - self.warmup_steps) % self.sync_every == f.offset:
                 self._launch(f, t)
                 if self.delay == 0:
                     self._land(f)
         return loss
+
+    def _warmup_step(self, t: int, closure):
+        """Inner step ``t <= warmup_steps``: the gradients averaged over the replicas first, at
+        full precision (each fragment's flat buffer carries its gradients through one all-reduce:
+        a gradient that is ``None`` on this rank counts as zero there and stays ``None``), so that
+        every replica takes the same inner step, as data parallel training does; after the last,
+        the anchors are the parameters, and the rounds start."""
+        def averaged():
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            self._average_gradients(t)
+            return loss
+        if closure is not None:
+            loss = self.inner.step(averaged)
+        else:
+            averaged()
+            loss = self.inner.step()
+        self.inner_step = t
+        if t == self.warmup_steps:
+            for f in self.fragments:
+                local = [_local(p).detach() for p in f.params]
+                if local:
+                    torch._foreach_copy_(self._views(f.delta, local), local)
+                    f.anchor.copy_(f.delta)
+        return loss
+
+    def _average_gradients(self, t: int) -> None:
+        """The gradients <- their mean over the replicas (one fp32 all-reduce per fragment)."""
+        stats = self.backend.stats
+        before = stats.total
+        if t == 1:  # (every replica warms up alike: another warmup_steps would pair this with a round's header)
+            self.agreement.round(t, -1, 0, self._settings, self.fragments[0].delta.device)
+        if self.backend.world_size > 1:
+            for f in self.fragments:
+                if not f.numel:
+                    continue
+                grads = [None if p.grad is None else _local(p.grad) for p in f.params]
+                views = self._views(f.delta, [_local(p) for p in f.params])
+                for view, g in zip(views, grads):
+                    view.zero_() if g is None else view.copy_(g)
+                self.backend.all_reduce(f.delta)
+                f.delta.div_(self.backend.world_size)
+                for view, g in zip(views, grads):
+                    if g is not None:
+                        g.copy_(view)
+        self._sent += stats.total - before
 
     # --- a synchronisation ------------------------------------------------------------------------------
     def _launch(self, f: Fragment, t: int) -> None:
@@ -349,6 +415,7 @@ class DiLoCo(torch.optim.Optimizer):
         per_step = self._sent / self.inner_step if self.inner_step else None
         return {"optimizer": "DiLoCo", "world_size": world, "compression": self.compression,
                 "sync_every": self.sync_every, "fragments": len(self.fragments), "delay": self.delay,
+                "warmup_steps": self.warmup_steps,
                 "inner_steps": self.inner_step, "syncs": self.syncs, "bytes_sent": self._sent,
                 "bytes_per_inner_step": per_step, "fp32_allreduce_bytes_per_step": fp32,
                 "ratio_to_ddp_fp32": fp32 / per_step if per_step else None}
@@ -378,6 +445,7 @@ class DiLoCo(torch.optim.Optimizer):
         sd["inner"] = self.inner.state_dict()
         sd["diloco"] = {"format": FORMAT, "inner_step": self.inner_step, "syncs": self.syncs, "sent": self._sent,
                         "sync_every": self.sync_every, "delay": self.delay, "compression": self.compression,
+                        "warmup_steps": self.warmup_steps,
                         "world_size": self.backend.world_size, "fragments": fragments}
         return sd
 
@@ -391,8 +459,10 @@ class DiLoCo(torch.optim.Optimizer):
                              "saved by DiLoCo.state_dict()")
         if extra.get("format") != FORMAT:
             raise ValueError(f"DiLoCo.load_state_dict: format {extra.get('format')!r}, this version reads {FORMAT}")
-        mine = {"sync_every": self.sync_every, "delay": self.delay, "compression": self.compression}
-        differ = {k: (extra.get(k), v) for k, v in mine.items() if extra.get(k) != v}
+        mine = {"sync_every": self.sync_every, "delay": self.delay, "compression": self.compression,
+                "warmup_steps": self.warmup_steps}
+        saved_options = {"warmup_steps": 0, **extra}  # (checkpoints from before warmup_steps: none)
+        differ = {k: (saved_options.get(k), v) for k, v in mine.items() if saved_options.get(k) != v}
         if differ:
             raise ValueError(f"DiLoCo.load_state_dict: the checkpoint's (saved, this) {differ} differ: resume with "
                              "the same options")

@@ -61,7 +61,8 @@ def test_bad_arguments_are_refused_up_front():
     for kwargs, match in ((dict(compression="int3"), "compression"), (dict(fragments=7), "fragments"),
                           (dict(delay=6), "delay"), (dict(sync_every=0), "sync_every"), (dict(mixing=2.0), "mixing"),
                           (dict(outer_momentum=1.0), "outer_momentum"), (dict(error_feedback=1.5), "error_feedback"),
-                          (dict(error_feedback=-0.1), "error_feedback")):
+                          (dict(error_feedback=-0.1), "error_feedback"), (dict(warmup_steps=-1), "warmup_steps"),
+                          (dict(warmup_steps=2.0), "warmup_steps")):
         with pytest.raises(ValueError, match=match):
             DiLoCo(model.parameters(), inner, **{"sync_every": H, **kwargs})
     with pytest.raises(ValueError, match="one param group"):
@@ -112,6 +113,52 @@ def test_replicas_are_equal_after_each_sync_and_send_far_fewer_bytes(compression
         assert r["stats"]["syncs"] == 5 and r["stats"]["inner_steps"] == 5 * H
         assert r["stats"]["ratio_to_ddp_fp32"] > least * H
         assert sum(r["losses"][-H:]) < 0.8 * sum(r["losses"][:H])
+
+
+def _warmup(rank, world, warmup, steps):
+    """``warmup`` steps of DiLoCo (1-bit, ``H``) beside a twin that runs AdamW on the mean of both
+    ranks' losses (what data parallel training steps on): each step's parameters, both replicas'
+    and the twin's, and the syncs taken."""
+    import torch.distributed as dist
+
+    from compressed_opt.diloco import DiLoCo
+
+    model, twin = _model(seed=rank), _model()
+    opt = DiLoCo(model.parameters(), torch.optim.AdamW(model.parameters(), lr=1e-2), sync_every=H,
+                 warmup_steps=warmup)
+    twin_opt = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    rows = []
+    for t in range(1, steps + 1):
+        opt.zero_grad()
+        _loss(model, t, rank).backward()
+        opt.step()
+        twin_opt.zero_grad()
+        (sum(_loss(twin, t, r) for r in range(world)) / world).backward()
+        twin_opt.step()
+        flat = _flat(model)
+        gathered = [torch.empty_like(flat) for _ in range(world)]
+        dist.all_gather(gathered, flat)
+        rows.append(dict(equal=all(torch.equal(gathered[0], g) for g in gathered),
+                         off=float((flat - _flat(twin)).abs().max()), syncs=opt.syncs))
+    stats = opt.comm_stats()
+    opt.close()
+    return rows, stats
+
+
+def test_warmup_steps_step_as_data_parallel_then_the_rounds_start_from_there():
+    """``warmup_steps=W``: steps 1..W are the data-parallel AdamW step on the replicas' mean
+    gradient (the twin's, within fp32 rounding; the replicas bit for bit equal), then local steps
+    (the replicas part) and the first synchronisation at ``W + H``, not at ``H``; the warmup's
+    bytes are fp32 all-reduces of every parameter."""
+    W = 4
+    out = run_ranks(_warmup, 2, W, W + 2 * H, timeout=90)
+    for rows, stats in out:
+        assert all(r["equal"] and r["off"] < 1e-5 for r in rows[:W]), rows[:W]
+        assert not rows[W]["equal"] and rows[W]["off"] > 1e-4  # (local steps: each replica on its own data)
+        assert [r["syncs"] for r in rows] == [0] * (W + H - 1) + [1] * H + [2]
+        assert rows[W + H - 1]["equal"] and rows[-1]["equal"]
+        assert stats["inner_steps"] == W + 2 * H and stats["warmup_steps"] == W
+        assert stats["bytes_sent"] >= W * 321 * 4  # (4 warmup all-reduces of the 321 fp32 gradients, at least)
 
 
 def _outer_means(rank, world, runs):
@@ -181,16 +228,17 @@ def test_the_1bit_rotation_is_orthonormal_and_leaves_the_tail():
     assert torch.allclose(fast, x @ h, atol=1e-5)
 
 
-def _resume(rank, world, root, phase):
-    """Fragments 3, delay 2, 1-bit: save at step 13 (fragment 0's exchange of step 12 in flight,
-    landing at 14) and run to 24; or, fresh, load the step-13 checkpoint and run to 24."""
+def _resume(rank, world, root, phase, warmup):
+    """Fragments 3, delay 2, 1-bit: save at step 13 (with no warmup, fragment 0's exchange of step
+    12 in flight, landing at 14; with a warmup of 16 steps, mid-warmup) and run to 24; or, fresh,
+    load the step-13 checkpoint and run to 24."""
     import os
 
     from compressed_opt.diloco import DiLoCo
 
     model = _model(seed=0 if phase == "through" else 5)
     opt = DiLoCo(model.parameters(), torch.optim.AdamW(model.parameters(), lr=1e-2), sync_every=H,
-                 compression="1bit", fragments=3, delay=2)
+                 compression="1bit", fragments=3, delay=2, warmup_steps=warmup)
     path = os.path.join(root, f"rank{rank}.pt")
     start = 1
     if phase == "resumed":
@@ -203,7 +251,7 @@ def _resume(rank, world, root, phase):
         _loss(model, t, rank).backward()
         opt.step()
         if t == 13 and phase == "through":
-            assert opt.fragments[0].pending is not None  # (mid-round, an exchange in flight)
+            assert (opt.fragments[0].pending is not None) == (warmup == 0)  # (mid-round, an exchange in flight)
             torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, path)
     opt.synchronize()
     errors = [f.feedback.worker_error.clone() for f in opt.fragments]
@@ -211,9 +259,10 @@ def _resume(rank, world, root, phase):
     return _flat(model), errors
 
 
-def test_a_checkpoint_mid_round_with_an_exchange_in_flight_resumes_bit_for_bit(tmp_path):
-    through = run_ranks(_resume, 2, str(tmp_path), "through", timeout=90)
-    resumed = run_ranks(_resume, 2, str(tmp_path), "resumed", timeout=90)
+@pytest.mark.parametrize("warmup", [0, 16], ids=["mid-round", "mid-warmup"])
+def test_a_checkpoint_mid_round_with_an_exchange_in_flight_resumes_bit_for_bit(tmp_path, warmup):
+    through = run_ranks(_resume, 2, str(tmp_path), "through", warmup, timeout=90)
+    resumed = run_ranks(_resume, 2, str(tmp_path), "resumed", warmup, timeout=90)
     for (p1, e1), (p2, e2) in zip(through, resumed):
         assert torch.equal(p1, p2)
         assert all(torch.equal(a, b) for a, b in zip(e1, e2))
@@ -230,6 +279,10 @@ def test_a_checkpoint_of_other_options_is_refused():
     b = DiLoCo(model.parameters(), torch.optim.AdamW(model.parameters()), sync_every=H + 1)
     with pytest.raises(ValueError, match="sync_every"):
         b.load_state_dict(sd)
+    c = DiLoCo(model.parameters(), torch.optim.AdamW(model.parameters()), sync_every=H, warmup_steps=10)
+    with pytest.raises(ValueError, match="warmup_steps"):
+        c.load_state_dict(sd)
+    c.close()
     with pytest.raises(ValueError, match="'diloco'"):
         b.load_state_dict(torch.optim.AdamW(model.parameters()).state_dict())
     b.close()
@@ -239,9 +292,11 @@ def _disagree(rank, world, what):
     from compressed_opt.diloco import DiLoCo
 
     model = _model()
-    kwargs = dict(sync_every=H)
+    kwargs = dict(sync_every=H, warmup_steps=2 if what == "warmup_steps" else 0)
     if rank == 1:
-        kwargs = dict(sync_every=H - 1) if what == "sync_every" else dict(sync_every=H, outer_lr=0.5)
+        kwargs = {"sync_every": dict(sync_every=H - 1), "outer_lr": dict(sync_every=H, outer_lr=0.5),
+                  "warmup_steps": dict(sync_every=H, warmup_steps=3), "no warmup": dict(sync_every=H, warmup_steps=2)
+                  }[what]
     opt = DiLoCo(model.parameters(), torch.optim.AdamW(model.parameters()), **kwargs)
     for t in range(1, H + 1):
         opt.zero_grad()
@@ -249,10 +304,13 @@ def _disagree(rank, world, what):
         opt.step()
 
 
-@pytest.mark.parametrize("what, error", [("sync_every", "RanksOutOfStep"), ("outer_lr", "ValueError")])
+@pytest.mark.parametrize("what, error", [("sync_every", "RanksOutOfStep"), ("outer_lr", "ValueError"),
+                                         ("warmup_steps", "ValueError"), ("no warmup", "RanksOutOfStep")])
 def test_replicas_that_disagree_raise_on_every_rank(what, error):
     """One replica with another ``sync_every`` reaches its round at another inner step; one with
-    another outer lr: every rank raises at the synchronisation, naming it, instead of hanging."""
+    another outer lr: every rank raises at the synchronisation, naming it, instead of hanging.
+    Another ``warmup_steps`` is met at the first step, where a warming replica checks with the
+    others (one warming up against one that does not: the other's first round meets it)."""
     out = spawn_ranks(_disagree, 2, what, timeout=60, pg_timeout=30)
     assert [status for status, _ in out] == ["error", "error"], out
     for _, text in out:
@@ -285,9 +343,9 @@ def test_the_same_seeded_job_twice_is_bit_for_bit_the_same_with_default_argument
     assert torch.equal(first[0], first[1]) == (not kwargs)
 
 
-def _hsdp(rank, world, steps):
+def _hsdp(rank, world, steps, warmup):
     """FSDP2 inside each replica (a 2 x 2 mesh: 2 replicas of 2 shards), DiLoCo's exchange over
-    the replicate group."""
+    the replicate group, after ``warmup`` steps on gradients averaged over it."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -301,43 +359,49 @@ def _hsdp(rank, world, steps):
             fully_shard(m, mesh=mesh["shard"])
     fully_shard(model, mesh=mesh["shard"])
     opt = DiLoCo(model.parameters(), torch.optim.AdamW(model.parameters(), lr=1e-2), sync_every=H,
-                 backend=mesh["replicate"])
+                 backend=mesh["replicate"], warmup_steps=warmup)
     replicate = mesh.get_group("replicate")
-    equal_at_sync, equal_mid_round, losses = [], [], []
+    equal_at_sync, equal_mid_round, equal_in_warmup, losses = [], [], [], []
     for t in range(1, steps + 1):
         opt.zero_grad()
         loss = _loss(model, t, rank)
         loss.backward()
         opt.step()
         losses.append(loss.item())
-        if t % H in (0, H // 2):
+        if t <= warmup or (t - warmup) % H in (0, H // 2):
             flat = torch.cat([p.to_local().detach().reshape(-1) for p in model.parameters()])
             gathered = [torch.empty_like(flat) for _ in range(2)]
             dist.all_gather(gathered, flat, group=replicate)
-            (equal_at_sync if t % H == 0 else equal_mid_round).append(torch.equal(*gathered))
+            where = (equal_in_warmup if t <= warmup else equal_at_sync if (t - warmup) % H == 0
+                     else equal_mid_round)
+            where.append(torch.equal(*gathered))
     shard_numel = sum(p.to_local().numel() for p in model.parameters())
     outer = dict(anchor=sum(f.anchor.numel() for f in opt.fragments),
                  momentum=sum(f.momentum.numel() for f in opt.fragments))
     stats = opt.comm_stats()
     opt.close()
-    return dict(equal_at_sync=equal_at_sync, equal_mid_round=equal_mid_round, losses=losses, stats=stats,
+    return dict(equal_at_sync=equal_at_sync, equal_mid_round=equal_mid_round, equal_in_warmup=equal_in_warmup,
+                losses=losses, stats=stats,
                 shard_numel=shard_numel, whole_numel=sum(p.numel() for p in model.parameters()), outer=outer)
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(180)
-def test_fsdp2_inside_each_replica_trains_and_the_replicas_meet_at_each_sync():
+@pytest.mark.parametrize("warmup", [0, 3], ids=["no-warmup", "warmup"])
+def test_fsdp2_inside_each_replica_trains_and_the_replicas_meet_at_each_sync(warmup):
     """HSDP 2 x 2 (FSDP2 over the shard group inside each replica, DiLoCo's 1-bit exchange over the
     replicate group): the replicas' shards differ mid-round and are equal after every
-    synchronisation, the outer state is the size of the shard, and the loss falls."""
-    out = run_ranks(_hsdp, 4, 4 * H, timeout=150)
+    synchronisation (and at every warmup step: HSDP's data parallel step), the outer state is the
+    size of the shard, and the loss falls."""
+    out = run_ranks(_hsdp, 4, warmup + 4 * H, warmup, timeout=150)
     for r in out:
+        assert r["equal_in_warmup"] == [True] * warmup
         assert r["equal_at_sync"] == [True] * 4
         assert r["equal_mid_round"] == [False] * 4
         assert r["outer"] == dict(anchor=r["shard_numel"], momentum=r["shard_numel"])
         assert r["shard_numel"] < r["whole_numel"]
         assert r["stats"]["syncs"] == 4 and r["stats"]["world_size"] == 2
-        assert sum(r["losses"][-H:]) < 0.8 * sum(r["losses"][:H])
+        assert sum(r["losses"][-H:]) < 0.8 * sum(r["losses"][warmup:warmup + H])
 
 
 def _dcp_resume(rank, world, root, phase):

@@ -56,6 +56,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--error-feedback", type=float, default=None,
                    help="DiLoCo's error_feedback: the share of the 4-bit or 1-bit compression errors carried into the "
                         "next exchange (default: DiLoCo's, 1 for 4-bit, 0.5 for 1-bit)")
+    p.add_argument("--diloco-warmup", type=int, default=0,
+                   help="DiLoCo's warmup_steps: inner steps on gradients averaged over the replicas every step, as "
+                        "data parallel training, before the rounds start (default 0)")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
     p.add_argument("--lamb-lr", type=float, default=1e-2,
                    help="peak learning rate of onebit_lamb (default 1e-2: LAMB's trust ratio scales each layer's "
@@ -160,6 +163,7 @@ def make_config(args) -> dict:
         "outer_lr": args.outer_lr,
         "outer_momentum": args.outer_momentum,
         "error_feedback": args.error_feedback,
+        "diloco_warmup": args.diloco_warmup,
         "lr": args.lr,
         "lamb_lr": args.lamb_lr,
         "lr_warmup": args.lr_warmup if args.lr_warmup is not None else max(1, args.steps // 10),

@@ -149,9 +149,10 @@ def build(method: dict, model: nn.Module, cfg: dict, device: torch.device, timin
         opt = compressed_opt.DiLoCo(model.parameters(), inner, sync_every=cfg["sync_every"],
                                     compression=name.split("_")[1], backend=backend, fragments=cfg["fragments"],
                                     delay=cfg["delay"], outer_lr=cfg["outer_lr"], outer_momentum=cfg["outer_momentum"],
-                                    error_feedback=cfg.get("error_feedback"))
+                                    error_feedback=cfg.get("error_feedback"), warmup_steps=cfg.get("diloco_warmup", 0))
         # (opt.backend: with a delay, DiLoCo's duplicate of the backend given, a communicator of its own)
-        return model, opt, lambda: "full", lambda: opt.backend.stats.total_bytes, {"ddp": False, "adamw_fused": fused}
+        stage = lambda: "warmup" if opt.inner_step < opt.warmup_steps else "full"  # noqa: E731 (before the step)
+        return model, opt, stage, lambda: opt.backend.stats.total_bytes, {"ddp": False, "adamw_fused": fused}
     backend = compressed_opt.get_backend("torch")
     if timing is not None:
         backend = timing.wrap(backend)  # counts bytes in the wrapped backend's stats
