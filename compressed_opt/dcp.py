@@ -134,7 +134,8 @@ class OptimizerState(Stateful):
         opt = self.optimizer
         rank, world = job_position(opt.backend)
         if self._diloco:
-            return {"world_size": world, f"rank{rank}": _serialize(_local_inner_state(opt, opt.state_dict()))}
+            from .diloco import rank_record
+            return {"world_size": world, f"rank{rank}": _serialize(rank_record(opt))}
         # (as this rank holds it: no carrier for torch's state_dict API, no DTensors; those are made below)
         sd, _ = torch_state_dict.unpack(opt.state_dict(), (), opt.backend, type(opt).__name__)
         if self.legacy:
@@ -178,10 +179,7 @@ class OptimizerState(Stateful):
             problem = ValueError(f"this rank's entry of the checkpoint could not be read ({type(exc).__name__}: {exc})")
             problem.__cause__ = exc
         _agree(self.optimizer, problem)
-        theta = sd.pop("theta") if self._diloco else None
         self.optimizer.load_state_dict(sd)
-        if theta is not None:
-            _restore_theta(self.optimizer, theta)
 
     def _state_dict_from(self, state_dict: dict) -> dict:
         """The optimizer's state dict, from DCP's entries (``ValueError`` if they cannot make it)."""
@@ -202,7 +200,7 @@ class OptimizerState(Stateful):
         if self._diloco:
             if not isinstance(part, dict) or "diloco" not in part:
                 raise ValueError(f"the checkpoint's entry {key!r} is not a DiLoCo state saved by OptimizerState")
-            return _dtensor_inner_state(opt, part)
+            return part  # (a record, which DiLoCo.load_state_dict reads: compressed_opt.diloco.rank_record)
         if self.legacy:
             if not isinstance(part, dict) or "compressed_opt" not in part:
                 raise ValueError(f"the checkpoint's entry {key!r} is not a legacy OptimizerState entry (one state "
@@ -249,62 +247,6 @@ class OptimizerState(Stateful):
         extra.update(rank=opt.backend.rank, world_size=opt.backend.world_size, averaging=None, paths={},
                      buckets=[], shards=shards)
         return dict(sd, compressed_opt=extra)
-
-
-# --- DiLoCo: each rank's whole state dict, as one entry ----------------------------------------------
-def _inner_params(diloco) -> list[torch.Tensor]:
-    return [p for g in diloco.inner.param_groups for p in g["params"]]
-
-
-def _local_inner_state(diloco, sd: dict) -> dict:
-    """DiLoCo's state dict with the inner optimizer's DTensor state (FSDP2 inside a replica: AdamW's
-    moments of a sharded parameter) as this rank's local tensors, named in ``"inner_dtensors"``,
-    and this rank's parameters (``"theta"``). The outer state is already local (one rank's anchor,
-    momentum and error buffers).
-
-    Mid-round the replicas' parameters differ, and DCP writes a model's state once per shard (one
-    replica's): the entry carries each rank's own, which :func:`_restore_theta` puts back."""
-    inner, named = sd["inner"], []
-    position = {pid: i for i, pid in enumerate(pid for g in inner["param_groups"] for pid in g["params"])}
-    state = {}
-    for pid, st in inner["state"].items():
-        state[pid] = dict(st)
-        for name, value in st.items():
-            if DTensor is not None and isinstance(value, DTensor):
-                state[pid][name] = value.to_local()
-                named.append((position[pid], name))
-    theta = [local_tensor(p).detach().clone() for g in diloco.param_groups for p in g["params"]]
-    return dict(sd, inner=dict(inner, state=state), inner_dtensors=named, theta=theta)
-
-
-@torch.no_grad()
-def _restore_theta(diloco, theta: list) -> None:
-    """This rank's parameters as saved, in place (the model's state dict, which DCP fills with one
-    replica's, shares their memory: a ``model.load_state_dict`` of it after ``dcp.load`` keeps them)."""
-    params = [local_tensor(p) for g in diloco.param_groups for p in g["params"]]
-    if [tuple(t.shape) for t in theta] != [tuple(p.shape) for p in params]:
-        raise ValueError("the parameters here are shaped or sharded otherwise than when this DiLoCo checkpoint was "
-                         "saved: resume it on the same ranks and mesh")
-    torch._foreach_copy_(params, [t.to(p.device) for t, p in zip(theta, params)])
-
-
-def _dtensor_inner_state(diloco, part: dict) -> dict:
-    """The inverse of :func:`_local_inner_state` on this rank's parameters."""
-    inner = part["inner"]
-    positions = [pid for g in inner["param_groups"] for pid in g["params"]]
-    params = _inner_params(diloco)
-    if len(positions) != len(params):
-        raise ValueError(f"this checkpoint's inner optimizer had {len(positions)} parameters, this one has "
-                         f"{len(params)}")
-    state = {pid: dict(st) for pid, st in inner["state"].items()}
-    for i, name in part.pop("inner_dtensors"):
-        p, value = params[i], state[positions[i]][name]
-        if not isinstance(p, DTensor) or tuple(value.shape) != tuple(p.to_local().shape):
-            raise ValueError("the parameters here are sharded otherwise than when this DiLoCo checkpoint was saved: "
-                             "resume it on the same ranks and mesh")
-        state[positions[i]][name] = DTensor.from_local(value.to(p.device), p.device_mesh, p.placements,
-                                                       run_check=False, shape=p.shape, stride=p.stride())
-    return dict(part, inner=dict(inner, state=state))
 
 
 def _agree(optimizer, problem: ValueError | None) -> None:

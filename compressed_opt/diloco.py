@@ -79,10 +79,10 @@ import torch
 
 from compressed_opt.comm import DEFAULT_BLOCK, quantized, resolve_backend
 
-from .agreement import RankAgreement, hyperparameter_hash
+from .agreement import RankAgreement, hyperparameter_hash, job_position
 from .engine import GradientSync
 from .exchange import ErrorFeedback, Request
-from .local_shards import LocalShards, local_tensor as _local
+from .local_shards import LocalShards, is_dtensor, local_tensor as _local
 from .validation import check_choice, check_scale_block
 
 COMPRESSIONS = ("fp32", "bf16", "4bit", "1bit")
@@ -91,6 +91,9 @@ ROTATION_BLOCK = 1024
 _ROTATION_SEED = 0x5EED_D1_0C0
 #: the state-dict format of :meth:`DiLoCo.state_dict` (``"diloco"`` entry)
 FORMAT = 1
+#: the key, in the first parameter's state, of the rank's record (torch's state_dict API keeps
+#: only ``state`` and ``param_groups``: :meth:`DiLoCo.state_dict`)
+CARRIER = "compressed_opt"
 
 
 @dataclass(eq=False)
@@ -215,6 +218,16 @@ class DiLoCo(torch.optim.Optimizer):
             self.agreement.broadcast_parameters([_local(p) for p in ours])  # every replica starts from rank 0's
         self.fragments = [self._fragment(k, ours[k::fragments], (k * sync_every) // fragments, state_device)
                           for k in range(fragments)]
+        self._hold_carrier()
+
+    def _hold_carrier(self) -> None:
+        """``state[first parameter]["compressed_opt"]``: where :meth:`state_dict` puts this rank's
+        record. Held empty in ``optimizer.state``, so that the state is never empty: torch's
+        ``get/set_optimizer_state_dict`` take a step (at lr 0, on zero gradients) of an optimizer
+        whose state is empty, which for DiLoCo would be an inner step at the inner lr."""
+        first = self.param_groups[0]["params"][0]
+        self.state.clear()
+        self.state[first] = {CARRIER: {}}
 
     def _fragment(self, index: int, params: list, offset: int, state_device) -> Fragment:
         local = [_local(p).detach() for p in params]
@@ -433,8 +446,25 @@ class DiLoCo(torch.optim.Optimizer):
         """``param_groups`` (the outer hyperparameters), ``"inner"`` (the inner optimizer's state
         dict) and ``"diloco"``: the inner step, and per fragment ``A``, ``u``, this rank's error
         buffers and a delayed result not landed yet (waited for, landed at its step after a
-        resume). Every rank saves its own (the error buffers are its own)."""
+        resume). Every rank saves its own (the error buffers are its own).
+
+        For torch's ``get/set_optimizer_state_dict`` (which keep ``state`` and ``param_groups``
+        only), ``state`` holds this rank's record, :func:`rank_record`, as
+        ``state[0]["compressed_opt"] = {"rank<R>": (record,)}`` (``R`` its rank in the job: no other
+        rank writes the key, and DCP saves the tuple whole; the other parameters' states are empty),
+        the same objects as above plus this
+        rank's parameters (a copy: mid-round the replicas' parameters differ, and a DCP checkpoint
+        holds the model's once per shard)."""
+        sd = self._plain_state_dict()
+        record = _local_inner_state(self, sd)
+        # (every parameter has a state, if an empty one: torch's loading refuses a parameter without)
+        sd["state"] = {pid: {} for g in sd["param_groups"] for pid in g["params"]}
+        sd["state"][0][CARRIER] = {f"rank{job_position(self.backend)[0]}": (record,)}
+        return sd
+
+    def _plain_state_dict(self) -> dict:
         sd = super().state_dict()
+        sd["state"] = {}
         fragments = []
         for f in self.fragments:
             pending = None if f.pending is None else f.pending.result().clone()
@@ -453,7 +483,13 @@ class DiLoCo(torch.optim.Optimizer):
         """Load :meth:`state_dict`'s output of a DiLoCo with the same parameters, ``sync_every``,
         ``fragments``, ``delay`` and ``compression``; raises, loading nothing, where they differ.
         The error buffers of another number of replicas start again from zero (with a warning)."""
-        extra = state_dict.get("diloco")
+        theta = None
+        if isinstance(state_dict, dict) and "diloco" not in state_dict:  # (through torch's state_dict API)
+            state_dict = _own_record(state_dict, job_position(self.backend)[0]) or state_dict
+        if isinstance(state_dict, dict) and "inner_dtensors" in state_dict:  # (a record: rank_record)
+            state_dict = _dtensor_inner_state(self, dict(state_dict))
+            theta = state_dict.pop("theta")
+        extra = state_dict.get("diloco") if isinstance(state_dict, dict) else None
         if not isinstance(extra, dict) or "inner" not in state_dict:
             raise ValueError("DiLoCo.load_state_dict: this state dict has no 'diloco' or 'inner' entry: it was not "
                              "saved by DiLoCo.state_dict()")
@@ -472,8 +508,12 @@ class DiLoCo(torch.optim.Optimizer):
             raise ValueError(f"DiLoCo.load_state_dict: the checkpoint's fragments "
                              f"({[s['anchor'].numel() for s in saved]} elements) do not match this optimizer's "
                              f"({[f.numel for f in self.fragments]}): resume with the same parameters and fragments")
+        if theta is not None:
+            _check_theta(self, theta)
         self._drop_pending()
-        super().load_state_dict({k: v for k, v in state_dict.items() if k not in ("inner", "diloco")})
+        super().load_state_dict({k: v for k, v in state_dict.items() if k not in ("inner", "diloco", "inner_dtensors")}
+                                | {"state": {}})
+        self._hold_carrier()
         self.inner.load_state_dict(state_dict["inner"])
         same_world = extra["world_size"] == self.backend.world_size
         if not same_world and self.compression in ("1bit", "4bit"):
@@ -493,6 +533,8 @@ class DiLoCo(torch.optim.Optimizer):
                 f.pending, f.launched_at = Future(), int(s["launched_at"])
                 f.pending.set_result(f.delta)
         self.inner_step, self.syncs, self._sent = int(extra["inner_step"]), int(extra["syncs"]), int(extra["sent"])
+        if theta is not None:
+            _restore_theta(self, theta)
 
     def _drop_pending(self) -> None:
         """Drop what is in flight (waited for, not landed): a load replaces it."""
@@ -560,3 +602,97 @@ def _rotate(flat: torch.Tensor, signs: torch.Tensor | None, forward: bool) -> No
 
 def _copy(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.clone()
+
+
+# --- a rank's whole state, as one record (DCP through compressed_opt.dcp.OptimizerState, and torch's
+# state_dict API through the carrier) ---------------------------------------------------------------
+def rank_record(diloco: DiLoCo) -> dict:
+    """This rank's whole state: :meth:`DiLoCo.state_dict` with the inner optimizer's DTensor state
+    as local tensors and this rank's parameters (see :func:`_local_inner_state`)."""
+    return _local_inner_state(diloco, diloco._plain_state_dict())
+
+
+def _own_record(state_dict: dict, rank: int) -> dict | None:
+    """The record of rank ``rank`` in a state dict that went through torch's state_dict API, or
+    ``None`` where it holds no carrier; raises where it holds one without this rank's record."""
+    state = state_dict.get("state")
+    carriers = [st[CARRIER] for st in state.values() if isinstance(st, dict) and CARRIER in st] if isinstance(
+        state, dict) else []
+    if not carriers:
+        return None
+    records = carriers[0] if isinstance(carriers[0], dict) else {}
+    value = records.get(f"rank{rank}")
+    if isinstance(value, tuple) and len(value) == 1 and isinstance(value[0], dict):
+        return value[0]
+    if isinstance(value, list) or any(isinstance(v, list) for v in records.values()):
+        raise ValueError("DiLoCo.load_state_dict: this state dict went through torch's full state dict "
+                         "(full_state_dict=True), which keeps rank 0's values only: DiLoCo's state is each rank's "
+                         "own (its parameters mid-round, its error buffers). Save it sharded (through DCP), or "
+                         "each rank's DiLoCo.state_dict()")
+    raise ValueError(f"DiLoCo.load_state_dict: this state dict holds the records of {sorted(records)} and not rank "
+                     f"{rank}'s: a DiLoCo checkpoint resumes on the same ranks")
+
+
+def _check_theta(diloco: DiLoCo, theta: list) -> None:
+    """Raise where the saved parameters ``theta`` are not shaped as this rank's."""
+    params = [_local(p) for g in diloco.param_groups for p in g["params"]]
+    if [tuple(t.shape) for t in theta] != [tuple(p.shape) for p in params]:
+        raise ValueError("DiLoCo.load_state_dict: the parameters here are shaped or sharded otherwise than when this "
+                         "checkpoint was saved: resume it on the same ranks and mesh")
+
+
+def _inner_params(diloco: DiLoCo) -> list[torch.Tensor]:
+    return [p for g in diloco.inner.param_groups for p in g["params"]]
+
+
+def _local_inner_state(diloco, sd: dict) -> dict:
+    """DiLoCo's state dict with the inner optimizer's DTensor state (FSDP2 inside a replica: AdamW's
+    moments of a sharded parameter) as this rank's local tensors, named in ``"inner_dtensors"``,
+    and this rank's parameters (``"theta"``). The outer state is already local (one rank's anchor,
+    momentum and error buffers).
+
+    Mid-round the replicas' parameters differ, and DCP writes a model's state once per shard (one
+    replica's): the entry carries each rank's own, which :func:`_restore_theta` puts back."""
+    inner, named = sd["inner"], []
+    position = {pid: i for i, pid in enumerate(pid for g in inner["param_groups"] for pid in g["params"])}
+    state = {}
+    for pid, st in inner["state"].items():
+        state[pid] = dict(st)
+        for name, value in st.items():
+            if is_dtensor(value):
+                state[pid][name] = value.to_local()
+                named.append((position[pid], name))
+    theta = [_local(p).detach().clone() for g in diloco.param_groups for p in g["params"]]
+    return dict(sd, inner=dict(inner, state=state), inner_dtensors=named, theta=theta)
+
+
+@torch.no_grad()
+def _restore_theta(diloco, theta: list) -> None:
+    """This rank's parameters as saved, in place (the model's state dict, which DCP fills with one
+    replica's, shares their memory: a ``model.load_state_dict`` of it after ``dcp.load`` keeps them)."""
+    params = [_local(p) for g in diloco.param_groups for p in g["params"]]  # (shapes: _check_theta)
+    torch._foreach_copy_(params, [t.to(p.device) for t, p in zip(theta, params)])
+
+
+def _dtensor_inner_state(diloco, part: dict) -> dict:
+    """The inverse of :func:`_local_inner_state` on this rank's parameters."""
+    inner = part["inner"]
+    positions = [pid for g in inner["param_groups"] for pid in g["params"]]
+    params = _inner_params(diloco)
+    if len(positions) != len(params):
+        raise ValueError(f"this checkpoint's inner optimizer had {len(positions)} parameters, this one has "
+                         f"{len(params)}")
+    state = {pid: dict(st) for pid, st in inner["state"].items()}
+    for i, name in part.pop("inner_dtensors"):
+        p, value = params[i], state[positions[i]][name]
+        if not is_dtensor(p) or tuple(value.shape) != tuple(p.to_local().shape):
+            raise ValueError("the parameters here are sharded otherwise than when this DiLoCo checkpoint was saved: "
+                             "resume it on the same ranks and mesh")
+        from torch.distributed.tensor import DTensor  # (here p is one: torch has distributed)
+
+        state[positions[i]][name] = DTensor.from_local(value.to(p.device), p.device_mesh, p.placements,
+                                                       run_check=False, shape=p.shape, stride=p.stride())
+    return dict(part, inner=dict(inner, state=state))
+
+
+

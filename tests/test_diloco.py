@@ -404,11 +404,13 @@ def test_fsdp2_inside_each_replica_trains_and_the_replicas_meet_at_each_sync(war
         assert sum(r["losses"][-H:]) < 0.8 * sum(r["losses"][warmup:warmup + H])
 
 
-def _dcp_resume(rank, world, root, phase):
+def _dcp_resume(rank, world, root, phase, api):
     """HSDP 2 x 2 (4 ranks; 2 ranks: plain replicas) with fragments 2 and delay 1: a DCP checkpoint
     at step 9 (fragment 1's exchange of step 9 in flight, landing at 10), or, fresh, that checkpoint
-    loaded and run on to step 16."""
+    loaded and run on to step 16; through ``OptimizerState`` or torch's ``get/set_*_state_dict``."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -423,11 +425,21 @@ def _dcp_resume(rank, world, root, phase):
         backend = mesh["replicate"]
     opt = DiLoCo(model.parameters(), torch.optim.AdamW(model.parameters(), lr=1e-2), sync_every=H,
                  fragments=2, delay=1, backend=backend)
+    def states():
+        if api == "torch":
+            return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+        return {"model": model.state_dict(), "optim": OptimizerState(opt)}
+
     start = 1
     if phase == "resumed":
-        state = {"model": model.state_dict(), "optim": OptimizerState(opt)}
+        state = states()
         dcp.load(state, checkpoint_id=root)
-        model.load_state_dict(state["model"])
+        if api == "torch":
+            set_model_state_dict(model, state["model"])
+            set_optimizer_state_dict(model, opt, state["optim"])
+        else:
+            model.load_state_dict(state["model"])
+        assert opt.inner_step == 9
         start = 10
     for t in range(start, 17):
         opt.zero_grad()
@@ -435,7 +447,9 @@ def _dcp_resume(rank, world, root, phase):
         opt.step()
         if t == 9 and phase == "through":
             assert opt.fragments[1].pending is not None  # (mid-round, an exchange in flight)
-            dcp.save({"model": model.state_dict(), "optim": OptimizerState(opt)}, checkpoint_id=root)
+            before = _flat_local(model)
+            dcp.save(states(), checkpoint_id=root)
+            assert opt.inner_step == 9 and torch.equal(_flat_local(model), before)  # (torch's API took no step)
     opt.synchronize()
     local = [(v.to_local() if hasattr(v, "to_local") else v) for st in opt.inner.state.values() for v in st.values()]
     inner = [v.clone() for v in local if v.dim() > 0]
@@ -445,21 +459,53 @@ def _dcp_resume(rank, world, root, phase):
     return out, inner
 
 
+def _flat_local(model):
+    return torch.cat([(p.to_local() if hasattr(p, "to_local") else p).detach().reshape(-1)
+                      for p in model.parameters()]).clone()
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("api", ["OptimizerState", "torch"])
 @pytest.mark.parametrize("world", [4, 2], ids=["hsdp-2x2", "replicas"])
-def test_a_dcp_checkpoint_mid_round_resumes_bit_for_bit(tmp_path, world):
-    """A ``dcp.save`` of the model and ``OptimizerState(diloco)`` taken mid-round with an exchange
-    in flight, loaded in fresh processes (FSDP2 inside each replica, or plain replicas): the
-    parameters, the inner AdamW's moments, the error buffers and the outer momenta equal the
-    uninterrupted run's, bit for bit. Mid-round the replicas' parameters differ and DCP writes the
-    model's once per shard: the optimizer's entry puts each rank's own back."""
-    through = run_ranks(_dcp_resume, world, str(tmp_path), "through", timeout=100)
-    resumed = run_ranks(_dcp_resume, world, str(tmp_path), "resumed", timeout=100)
+def test_a_dcp_checkpoint_mid_round_resumes_bit_for_bit(tmp_path, world, api):
+    """A ``dcp.save`` of the model and the optimizer, ``OptimizerState(diloco)`` or torch's
+    ``get_optimizer_state_dict`` (as accelerate, Lightning and torchtitan save), taken mid-round
+    with an exchange in flight, loaded in fresh processes (FSDP2 inside each replica, or plain
+    replicas): the parameters, the inner AdamW's moments, the error buffers and the outer momenta
+    equal the uninterrupted run's, bit for bit. Mid-round the replicas' parameters differ and DCP
+    writes the model's once per shard: the optimizer's entry puts each rank's own back. torch's
+    functions take no step (they step an optimizer whose state is empty)."""
+    through = run_ranks(_dcp_resume, world, str(tmp_path), "through", api, timeout=100)
+    resumed = run_ranks(_dcp_resume, world, str(tmp_path), "resumed", api, timeout=100)
     for (a, inner_a), (b, inner_b) in zip(through, resumed):
         assert len(a) == len(b) and len(inner_a) == len(inner_b) > 0
         assert all(torch.equal(x, y) for x, y in zip(a, b))
         assert all(torch.equal(x, y) for x, y in zip(inner_a, inner_b))
+
+
+def _full_state_dict(rank, world):
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+
+    from compressed_opt.diloco import DiLoCo
+
+    model = _model()
+    opt = DiLoCo(model.parameters(), torch.optim.AdamW(model.parameters()), sync_every=H)
+    for t in range(1, H + 3):
+        opt.zero_grad()
+        _loss(model, t, rank).backward()
+        opt.step()
+    options = StateDictOptions(full_state_dict=True)
+    set_optimizer_state_dict(model, opt, get_optimizer_state_dict(model, opt, options=options), options=options)
+
+
+def test_a_full_state_dict_through_torchs_api_is_refused_on_every_rank():
+    """torch's full state dict keeps rank 0's values: DiLoCo's state is each rank's own (its
+    parameters mid-round, its error buffers), so loading one raises on every rank, saying so."""
+    out = spawn_ranks(_full_state_dict, 2, timeout=60, pg_timeout=30)
+    assert [status for status, _ in out] == ["error", "error"], out
+    assert all("full state dict" in text for _, text in out)
 
 
 def _loop_collectives(rank, world):
