@@ -77,7 +77,9 @@ from dataclasses import dataclass
 
 import torch
 
-from compressed_opt.comm import DEFAULT_BLOCK, quantized, resolve_backend
+from compressed_opt.comm import DEFAULT_BLOCK, TorchBackend, quantized, resolve_backend
+
+from . import fsdp_replicas
 
 from .agreement import RankAgreement, hyperparameter_hash, job_position
 from .engine import GradientSync
@@ -198,6 +200,17 @@ class DiLoCo(torch.optim.Optimizer):
                              "inner optimizer steps but DiLoCo does not synchronise would drift apart on the replicas)")
         if any(p.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64) for p in ours):
             raise TypeError("DiLoCo: parameters must be floating point")
+        #: FSDP2's own HSDP (a 2-D or 3-D mesh replicated over its first dimension): FSDP's all-reduce
+        #: across the replicas is switched off but in the warmup (compressed_opt.fsdp_replicas)
+        self._fsdp = self._fsdp_replicas(ours)
+        if self._fsdp is not None:
+            group = self._fsdp.replicate_group
+            if backend is None:
+                backend = TorchBackend(group=group)
+            elif resolve_backend(backend).world_size != group.size():
+                raise ValueError(f"DiLoCo: backend spans {resolve_backend(backend).world_size} ranks, and FSDP2's own "
+                                 f"HSDP replicates the parameters over {group.size()}: leave backend=None (the "
+                                 "replicate dimension of the parameters' mesh)")
         self.backend = resolve_backend(backend)
         if delay > 0:  # the exchange runs on a thread: a communicator of its own, so that the loop's
             self.backend = self.backend.duplicate()  # collectives on the same ranks never interleave with it
@@ -219,6 +232,27 @@ class DiLoCo(torch.optim.Optimizer):
         self.fragments = [self._fragment(k, ours[k::fragments], (k * sync_every) // fragments, state_device)
                           for k in range(fragments)]
         self._hold_carrier()
+        self._tell_fsdp()
+
+    @staticmethod
+    def _fsdp_replicas(params: list):
+        """FSDP2's HSDP groups holding ``params`` on a mesh replicated over its first dimension, or
+        ``None`` (plain parameters, FSDP on a 1-D mesh inside each replica, or DTensors of another
+        making, which DiLoCo steps on their local tensors)."""
+        dtensors = [p for p in params if is_dtensor(p) and p.device_mesh.ndim > 1]
+        if not dtensors:
+            return None
+        from torch.distributed.tensor import Replicate  # (DTensors are there: torch has distributed)
+
+        replicated = [p for p in dtensors if isinstance(p.placements[0], Replicate)]
+        return fsdp_replicas.find(replicated, "DiLoCo") if replicated else None
+
+    def _tell_fsdp(self) -> None:
+        """Before the next backward (inner step ``inner_step + 1``): FSDP's own HSDP all-reduces the
+        gradients across the replicas in a warmup step (the data parallel average), and only
+        reduce-scatters over the shard group in a local step, each replica on its own gradients."""
+        if self._fsdp is not None:
+            self._fsdp.next_step(full_precision=self.inner_step + 1 <= self.warmup_steps)
 
     def _hold_carrier(self) -> None:
         """``state[first parameter]["compressed_opt"]``: where :meth:`state_dict` puts this rank's
@@ -275,6 +309,7 @@ class DiLoCo(torch.optim.Optimizer):
                 self._launch(f, t)
                 if self.delay == 0:
                     self._land(f)
+        self._tell_fsdp()
         return loss
 
     def _warmup_step(self, t: int, closure):
@@ -296,6 +331,7 @@ class DiLoCo(torch.optim.Optimizer):
             averaged()
             loss = self.inner.step()
         self.inner_step = t
+        self._tell_fsdp()
         if t == self.warmup_steps:
             for f in self.fragments:
                 local = [_local(p).detach() for p in f.params]
@@ -310,7 +346,7 @@ class DiLoCo(torch.optim.Optimizer):
         before = stats.total
         if t == 1:  # (every replica warms up alike: another warmup_steps would pair this with a round's header)
             self.agreement.round(t, -1, 0, self._settings, self.fragments[0].delta.device)
-        if self.backend.world_size > 1:
+        if self.backend.world_size > 1 and self._fsdp is None:  # (FSDP's own HSDP averaged them in backward)
             for f in self.fragments:
                 if not f.numel:
                     continue
@@ -535,6 +571,7 @@ class DiLoCo(torch.optim.Optimizer):
         self.inner_step, self.syncs, self._sent = int(extra["inner_step"]), int(extra["syncs"]), int(extra["sent"])
         if theta is not None:
             _restore_theta(self, theta)
+        self._tell_fsdp()
 
     def _drop_pending(self) -> None:
         """Drop what is in flight (waited for, not landed): a load replaces it."""

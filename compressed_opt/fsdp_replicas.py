@@ -20,6 +20,9 @@ one of the same mesh and shard dimension for a compression step: FSDP then reduc
 (averaging over the shard group, its divisor the shard group's size) and writes ``p.grad``
 without the all-reduce. Where the attribute is not there (another torch), the optimizer refuses
 FSDP's own HSDP with the shard-only recipe to use instead.
+
+:class:`compressed_opt.DiLoCo` swaps the same way: the native HSDP information in its warmup steps
+(data parallel), the shard-only one in its local steps (no traffic across the replicas).
 """
 from __future__ import annotations
 
@@ -44,6 +47,11 @@ class FsdpReplicas:
 
     def __init__(self, groups: list):
         self._groups = [_Swap(group) for group in groups]
+
+    @property
+    def replicate_group(self):
+        """The process group FSDP all-reduces over: across the replicas."""
+        return self._groups[0].native.replicate_process_group
 
     def next_step(self, full_precision: bool) -> None:
         """Before the next backward: FSDP's all-reduce across the replicas where the next step is a

@@ -343,9 +343,11 @@ def test_the_same_seeded_job_twice_is_bit_for_bit_the_same_with_default_argument
     assert torch.equal(first[0], first[1]) == (not kwargs)
 
 
-def _hsdp(rank, world, steps, warmup):
+def _hsdp(rank, world, steps, warmup, own_hsdp):
     """FSDP2 inside each replica (a 2 x 2 mesh: 2 replicas of 2 shards), DiLoCo's exchange over
-    the replicate group, after ``warmup`` steps on gradients averaged over it."""
+    the replicate group, after ``warmup`` steps on gradients averaged over it. ``own_hsdp``: FSDP2's
+    own HSDP on the 2-D mesh (as torchtitan shards), DiLoCo given no backend; else FSDP2 on the
+    shard dimension and ``backend=mesh["replicate"]``."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -354,12 +356,13 @@ def _hsdp(rank, world, steps, warmup):
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     model = _model(seed=rank)
+    shard_mesh = mesh if own_hsdp else mesh["shard"]
     for m in model:
         if isinstance(m, torch.nn.Linear):
-            fully_shard(m, mesh=mesh["shard"])
-    fully_shard(model, mesh=mesh["shard"])
+            fully_shard(m, mesh=shard_mesh)
+    fully_shard(model, mesh=shard_mesh)
     opt = DiLoCo(model.parameters(), torch.optim.AdamW(model.parameters(), lr=1e-2), sync_every=H,
-                 backend=mesh["replicate"], warmup_steps=warmup)
+                 backend=None if own_hsdp else mesh["replicate"], warmup_steps=warmup)
     replicate = mesh.get_group("replicate")
     equal_at_sync, equal_mid_round, equal_in_warmup, losses = [], [], [], []
     for t in range(1, steps + 1):
@@ -387,13 +390,16 @@ def _hsdp(rank, world, steps, warmup):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("warmup", [0, 3], ids=["no-warmup", "warmup"])
-def test_fsdp2_inside_each_replica_trains_and_the_replicas_meet_at_each_sync(warmup):
+@pytest.mark.parametrize("warmup, own_hsdp", [(0, False), (3, False), (3, True)],
+                         ids=["no-warmup", "warmup", "fsdps-own-hsdp"])
+def test_fsdp2_inside_each_replica_trains_and_the_replicas_meet_at_each_sync(warmup, own_hsdp):
     """HSDP 2 x 2 (FSDP2 over the shard group inside each replica, DiLoCo's 1-bit exchange over the
     replicate group): the replicas' shards differ mid-round and are equal after every
     synchronisation (and at every warmup step: HSDP's data parallel step), the outer state is the
-    size of the shard, and the loss falls."""
-    out = run_ranks(_hsdp, 4, warmup + 4 * H, warmup, timeout=150)
+    size of the shard, and the loss falls. Under FSDP2's own HSDP (torchtitan's layout) the same:
+    FSDP all-reduces across the replicas in the warmup only (before, it did at every step, and the
+    replicas never took a local step)."""
+    out = run_ranks(_hsdp, 4, warmup + 4 * H, warmup, own_hsdp, timeout=150)
     for r in out:
         assert r["equal_in_warmup"] == [True] * warmup
         assert r["equal_at_sync"] == [True] * 4
@@ -419,10 +425,10 @@ def _dcp_resume(rank, world, root, phase, api):
 
     model = _model(seed=0 if phase == "through" else 7)
     backend = None
-    if world == 4:
+    if world == 4:  # (FSDP2 on the shard dimension; with api "torch", FSDP2's own HSDP on the 2-D mesh)
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-        fully_shard(model, mesh=mesh["shard"])
-        backend = mesh["replicate"]
+        fully_shard(model, mesh=mesh if api == "torch" else mesh["shard"])
+        backend = None if api == "torch" else mesh["replicate"]
     opt = DiLoCo(model.parameters(), torch.optim.AdamW(model.parameters(), lr=1e-2), sync_every=H,
                  fragments=2, delay=1, backend=backend)
     def states():
@@ -475,7 +481,9 @@ def test_a_dcp_checkpoint_mid_round_resumes_bit_for_bit(tmp_path, world, api):
     replicas): the parameters, the inner AdamW's moments, the error buffers and the outer momenta
     equal the uninterrupted run's, bit for bit. Mid-round the replicas' parameters differ and DCP
     writes the model's once per shard: the optimizer's entry puts each rank's own back. torch's
-    functions take no step (they step an optimizer whose state is empty)."""
+    functions take no step (they step an optimizer whose state is empty). On 4 ranks, torch's
+    functions are tried under FSDP2's own HSDP (torchtitan's layout), the other under FSDP2 on the
+    shard dimension."""
     through = run_ranks(_dcp_resume, world, str(tmp_path), "through", api, timeout=100)
     resumed = run_ranks(_dcp_resume, world, str(tmp_path), "resumed", api, timeout=100)
     for (a, inner_a), (b, inner_b) in zip(through, resumed):
