@@ -164,6 +164,21 @@ def test_auto_link_falls_back_to_the_model_and_says_why(monkeypatch, capsys):
     assert "MODELLED instead" in capsys.readouterr().err
 
 
+def test_the_stdlib_corpus_is_the_standard_librarys_sources_and_is_recorded_by_name():
+    """``--corpus stdlib``: every ``.py`` of the standard library but its tests, sorted, so that
+    two runs (and the docs' long DiLoCo runs) train on the same bytes; the config records the
+    name, not a path."""
+    sys.path.insert(0, BENCH)
+    try:
+        from e2e import cli, data
+    finally:
+        sys.path.remove(BENCH)
+    corpus = data.load_corpus("stdlib")
+    assert len(corpus) > 5_000_000 and corpus == data.load_corpus("stdlib")
+    assert b"def " in corpus[:200_000]
+    assert cli.make_config(cli.parse_args(["--corpus", "stdlib"]))["corpus"] == "stdlib"
+
+
 @pytest.mark.multiprocess
 def test_diloco_methods_beside_the_plain_reference(tmp_path):
     """The benchmark's DiLoCo methods: ours at fp32 trains as DiLoCo written plainly (fp32

@@ -4,7 +4,8 @@ would pick instead, on the same model, data and seeds (docs/design.md section 4)
 A small GPT-style causal language model (byte-level, vocabulary 256; presets ``tiny`` ~1M and
 ``small`` ~9M parameters, or any ``--layers/--width/--heads/--context``) is trained on a corpus
 that ships with Python: the help texts of ``pydoc_data.topics`` (~0.5 MB of English prose and
-code; ``--corpus PATH`` takes any text file instead). Nothing is downloaded.
+code; ``--corpus PATH`` takes any text file instead, ``--corpus stdlib`` the standard library's
+``.py`` sources, 12.6 MB, for runs longer than one pass over the help texts). Nothing is downloaded.
 
 Methods (``--methods``, comma-separated):
 

@@ -4,8 +4,23 @@ from __future__ import annotations
 import torch
 
 
+#: ``--corpus stdlib``: the Python standard library's own sources
+STDLIB = "stdlib"
+
+
 def load_corpus(path: str | None = None) -> bytes:
-    """The training text: ``path``'s bytes, or Python's own help texts (``pydoc_data.topics``)."""
+    """The training text: ``path``'s bytes; ``"stdlib"``, the ``.py`` files of the running Python's
+    standard library (tests and site-packages left out) in sorted path order, joined by newlines
+    (12.6 MB on Python 3.11: long runs that do not repeat it); else Python's own help texts
+    (``pydoc_data.topics``, 466 kB: one pass in 240 steps of 4 x 8 x 64 bytes)."""
+    if path == STDLIB:
+        import pathlib
+        import sysconfig
+
+        root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+        files = sorted(p for p in root.rglob("*.py")
+                       if not {"site-packages", "test", "tests"} & set(p.parts))
+        return b"\n".join(p.read_bytes() for p in files)
     if path:
         with open(path, "rb") as f:
             return f.read()
