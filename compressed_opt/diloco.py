@@ -79,7 +79,7 @@ import torch
 
 from compressed_opt.comm import DEFAULT_BLOCK, TorchBackend, quantized, resolve_backend
 
-from . import fsdp_replicas
+from . import fsdp_replicas, rotation
 
 from .agreement import RankAgreement, hyperparameter_hash, job_position
 from .engine import GradientSync
@@ -89,7 +89,7 @@ from .validation import check_choice, check_scale_block
 
 COMPRESSIONS = ("fp32", "bf16", "4bit", "1bit")
 #: elements per rotation of the ``"1bit"`` exchange (a power of 2)
-ROTATION_BLOCK = 1024
+ROTATION_BLOCK = rotation.BLOCK
 _ROTATION_SEED = 0x5EED_D1_0C0
 #: the state-dict format of :meth:`DiLoCo.state_dict` (``"diloco"`` entry)
 FORMAT = 1
@@ -401,9 +401,9 @@ class DiLoCo(torch.optim.Optimizer):
                 f.delta.copy_(low).div_(self.backend.world_size)
             else:
                 rotated = self._rotation(f) if self.compression == "1bit" else None  # ("fp32": the exact mean)
-                _rotate(f.delta, rotated, forward=True)
+                rotation.rotate_(f.delta, rotated, forward=True)
                 self.engine.run([Request(f.delta, f.feedback)])
-                _rotate(f.delta, rotated, forward=False)
+                rotation.rotate_(f.delta, rotated, forward=False)
             if self.error_feedback == 0.0:  # (zeros at the next exchange: made there, not kept in between)
                 fb.worker_error = fb.server_error = None
         self._sent += stats.total - before
@@ -594,47 +594,6 @@ class DiLoCo(torch.optim.Optimizer):
         return (f"DiLoCo(sync_every={self.sync_every}, compression={self.compression!r}, "
                 f"error_feedback={self.error_feedback}, fragments={len(self.fragments)}, delay={self.delay}, "
                 f"inner={type(self.inner).__name__})")
-
-
-def _hadamard_(x: torch.Tensor) -> None:
-    """``x`` (``[rows, n]``, ``n`` a power of 2) <- ``x H`` in place, ``H`` the orthonormal
-    Walsh-Hadamard matrix (symmetric: its own inverse)."""
-    rows, n = x.shape
-    h = 1
-    while h < n:
-        pairs = x.view(rows, n // (2 * h), 2, h)
-        low = pairs[:, :, 0].clone()
-        pairs[:, :, 0].add_(pairs[:, :, 1])
-        pairs[:, :, 1].sub_(low).neg_()  # (low - high)
-        h *= 2
-    x.mul_(n ** -0.5)
-
-
-def _hadamard_runs_(runs: torch.Tensor) -> None:
-    """Each row of ``runs`` (``[rows, ROTATION_BLOCK]``) <- its Walsh-Hadamard transform, as two
-    products with the factor ``H_32`` (``H_1024 = H_32 (x) H_32``: a row viewed as a 32 x 32 matrix
-    ``X`` becomes ``H_32 X H_32``): two batched matrix products where the butterfly of
-    :func:`_hadamard_` makes ten passes with a copy each (a 3M-element fragment rotated and back in
-    24.5 ms against 64.7 ms, one CPU thread)."""
-    side = int(round(ROTATION_BLOCK ** 0.5))
-    factor = torch.eye(side, dtype=runs.dtype)  # (32 x 32, once per exchange: no cache to keep)
-    _hadamard_(factor)
-    factor = factor.to(runs.device)
-    square = runs.view(-1, side, side)
-    square.copy_(torch.matmul(torch.matmul(factor, square), factor))
-
-
-def _rotate(flat: torch.Tensor, signs: torch.Tensor | None, forward: bool) -> None:
-    """The whole runs of ``flat`` <- ``H S x`` (``forward``) or ``S H x`` (its inverse), in place."""
-    if signs is None:
-        return
-    runs = flat[: signs.numel()].view(signs.shape)
-    if forward:
-        runs.mul_(signs)
-        _hadamard_runs_(runs)
-    else:
-        _hadamard_runs_(runs)
-        runs.mul_(signs)
 
 
 def _copy(t: torch.Tensor | None) -> torch.Tensor | None:

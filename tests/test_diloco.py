@@ -206,7 +206,8 @@ def test_the_1bit_rotation_is_orthonormal_and_leaves_the_tail():
     """The ``"1bit"`` exchange's rotation ``H S`` of each whole run of 1024 elements: the norm
     kept, the inverse giving the input back, the elements past the last whole run untouched, and
     ``H`` the Walsh-Hadamard matrix (its first row constant, rows orthogonal)."""
-    from compressed_opt.diloco import ROTATION_BLOCK, _hadamard_, _hadamard_runs_, _rotate
+    from compressed_opt.diloco import ROTATION_BLOCK
+    from compressed_opt.rotation import hadamard_ as _hadamard_, hadamard_runs_ as _hadamard_runs_, rotate_ as _rotate
 
     x = torch.randn(2 * ROTATION_BLOCK + 100, generator=torch.Generator().manual_seed(0))
     g = torch.Generator().manual_seed(1)

@@ -42,6 +42,7 @@ LONG_MODULES = {
     "compressed_opt.optimizer": "the one base class: torch.optim's contract over the engine",
     "compressed_opt.zero": "ZeRO's shards for 1-bit Adam: layout, momentum and updates of one shard",
     "compressed_opt.cuda.cpu": "the C implementation of the passes: one ctypes library and its checks",
+    "compressed_opt.diloco": "DiLoCo: one optimizer, its warmup, rounds, exchange and each rank's checkpoint record",
 }
 #: the names an optimizer goes by in the package's modules
 OPTIMIZER_NAMES = {"opt", "optimizer", "owner"}
