@@ -350,15 +350,16 @@ class DiLoCo(torch.optim.Optimizer):
             for f in self.fragments:
                 if not f.numel:
                     continue
-                grads = [None if p.grad is None else _local(p.grad) for p in f.params]
                 views = self._views(f.delta, [_local(p) for p in f.params])
-                for view, g in zip(views, grads):
-                    view.zero_() if g is None else view.copy_(g)
+                held = [(v, _local(p.grad)) for v, p in zip(views, f.params) if p.grad is not None]
+                if len(held) < len(views):
+                    f.delta.zero_()
+                if held:
+                    torch._foreach_copy_([v for v, _ in held], [g for _, g in held])
                 self.backend.all_reduce(f.delta)
                 f.delta.div_(self.backend.world_size)
-                for view, g in zip(views, grads):
-                    if g is not None:
-                        g.copy_(view)
+                if held:
+                    torch._foreach_copy_([g for _, g in held], [v for v, _ in held])
         self._sent += stats.total - before
 
     # --- a synchronisation ------------------------------------------------------------------------------
@@ -612,11 +613,12 @@ def _own_record(state_dict: dict, rank: int) -> dict | None:
     """The record of rank ``rank`` in a state dict that went through torch's state_dict API, or
     ``None`` where it holds no carrier; raises where it holds one without this rank's record."""
     state = state_dict.get("state")
-    carriers = [st[CARRIER] for st in state.values() if isinstance(st, dict) and CARRIER in st] if isinstance(
-        state, dict) else []
-    if not carriers:
+    if not isinstance(state, dict):
         return None
-    records = carriers[0] if isinstance(carriers[0], dict) else {}
+    carrier = next((st[CARRIER] for st in state.values() if isinstance(st, dict) and CARRIER in st), None)
+    if carrier is None:
+        return None
+    records = carrier if isinstance(carrier, dict) else {}
     value = records.get(f"rank{rank}")
     if isinstance(value, tuple) and len(value) == 1 and isinstance(value[0], dict):
         return value[0]
