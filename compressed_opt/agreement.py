@@ -18,6 +18,8 @@ naming what differs and what to change (docs/design.md 3.2):
   algorithm's per-step statistics;
 * :meth:`RankAgreement.round`: a local-step outer optimizer's synchronisation (:mod:`compressed_opt.diloco`):
   the inner step, the fragment, its size and the outer hyperparameters;
+* :meth:`RankAgreement.warmup`: each of its data parallel warmup steps: the inner step, its
+  settings, and whether some rank's GradScaler found inf/NaN (every replica then skips);
 * :meth:`RankAgreement.rank0_decides` and :meth:`RankAgreement.broadcast_parameters`: rank 0's
   decision or parameters on every rank.
 
@@ -51,11 +53,11 @@ ENTRY_BACKWARD, ENTRY_STEP, ENTRY_SKIPPED = 1, 2, 3
 HEADER = 7
 #: the header's first value: this tag plus what the collective is (a value no field takes by chance)
 _TAG = 0x436F4167 << 16
-ENTRY, FINISHED, STEP, SKIPPED, ROUND = 1, 2, 3, 4, 5
+ENTRY, FINISHED, STEP, SKIPPED, ROUND, WARMUP = 1, 2, 3, 4, 5, 6
 #: where a rank is, for each kind of comparison (the error names it)
 _WHERE = {ENTRY: "started the backward of step {}", FINISHED: "finished the backward of step {}",
           STEP: "called step() for step {}", SKIPPED: "ran the backward of step {} and then zero_grad() without step()",
-          ROUND: "ended a round (an outer synchronisation) at inner step {}"}
+          ROUND: "ended a round (an outer synchronisation) at inner step {}", WARMUP: "took warmup step {}"}
 
 
 def job_position(backend) -> tuple[int, int]:
@@ -123,7 +125,11 @@ class RankAgreement:
             where.setdefault(said, []).append(job_rank)
         said = "; ".join(f"rank(s) {ranks} {what}" for what, ranks in where.items())
         kinds = {row[0] - _TAG for row in rows}
-        if SKIPPED in kinds:
+        if kinds & {ROUND, WARMUP}:  # (a local-step outer optimizer: its loop has no collective between rounds)
+            hint = ("Every replica must call step() on every iteration, as many times as the others: a loop that skips "
+                    "it on one replica only (`if torch.isfinite(loss): optimizer.step()`) shifts that replica's "
+                    "rounds. A GradScaler's skip is no such skip: step() is still called and counts it")
+        elif SKIPPED in kinds:
             hint = ("every rank must call step() after its backward, or none: a loop that decides per rank "
                     "(`if torch.isfinite(loss): optimizer.step()`, a GradScaler that found inf on one rank "
                     "only) skips on one rank only. Let every rank decide alike (all-reduce the decision), or "
@@ -234,6 +240,23 @@ class RankAgreement:
         raise ValueError(f"{self.name}: at inner step {step} the outer hyperparameters (lr, momentum, nesterov, "
                          f"compression, error_feedback, warmup_steps) "
                          f"of rank(s) {differ} differ from rank 0's: change them on every rank alike")
+
+    def warmup(self, step: int, hyperparameters: int, flag: bool, device) -> bool:
+        """Before a local-step outer optimizer's data parallel warmup step ``step``: raise on every
+        rank unless every rank is at that step with the same ``hyperparameters``; else whether
+        ``flag`` (a GradScaler's inf/NaN) is set on some rank (one all-gather of a header)."""
+        if self.alone:
+            return flag
+        header = self._header(WARMUP, step, [hyperparameters, int(flag)], device)
+        rows = header[:, 1:3].cpu().tolist()
+        if all(row == rows[0] for row in rows):
+            return bool(header[:, 3].any())
+        if any(row[0] != rows[0][0] for row in rows):
+            self._out_of_step(header.cpu().tolist())
+        differ = [r for r, row in enumerate(rows) if row[1] != rows[0][1]]
+        raise ValueError(f"{self.name}: at warmup step {step} the outer hyperparameters (compression, "
+                         f"error_feedback, warmup_steps) of rank(s) {differ} differ from rank 0's: change them on "
+                         "every rank alike")
 
     def step(self, step: int, stage: int, hyperparameters: int, touched: bool, nonfinite: bool,
              statistics: torch.Tensor, device) -> StepVerdict:

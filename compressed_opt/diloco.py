@@ -66,7 +66,16 @@ parameter-sized fp32 copies per rank (the shard's size under FSDP2); ``state_dev
 Every rank must call :meth:`DiLoCo.step` the same number of times: each synchronisation starts
 with one small all-gather (:meth:`compressed_opt.agreement.RankAgreement.round`) that raises on
 every rank where the replicas are at different inner steps or fragments, or where their outer
-hyperparameters differ.
+hyperparameters differ, and so does each warmup step
+(:meth:`compressed_opt.agreement.RankAgreement.warmup`). A replica whose loop runs a backward and
+then ``zero_grad()`` without ``step()`` says so there (a gradient that is another tensor than
+the last ``step()`` left, or changed in place since): every replica raises at its next collective,
+instead of one running its rounds a step behind the others until the last round, which it would
+never reach. A ``torch.amp.GradScaler`` calls ``step()`` on every step (``_step_supports_amp_scaling``)
+and leaves its verdict in ``found_inf``: a step with inf/NaN gradients on this rank is counted and
+not taken, in a round by this replica alone (the others' steps are their own), in the warmup by
+every replica together (the verdict travels in the warmup step's header); gradients the scaler has
+not unscaled are unscaled here first (``grad_scale``).
 """
 from __future__ import annotations
 
@@ -84,7 +93,7 @@ from . import fsdp_replicas, rotation
 from .agreement import RankAgreement, hyperparameter_hash, job_position
 from .engine import GradientSync
 from .exchange import ErrorFeedback, Request
-from .local_shards import LocalShards, is_dtensor, local_tensor as _local
+from .local_shards import LocalShards, backward_since, gradients_seen, is_dtensor, local_tensor as _local
 from .validation import check_choice, check_scale_block
 
 COMPRESSIONS = ("fp32", "bf16", "4bit", "1bit")
@@ -151,6 +160,10 @@ class DiLoCo(torch.optim.Optimizer):
         state_device: where ``A`` and ``u`` live (``None``: with the parameters; ``"cpu"``).
         bucket_cap_mb, scale_block: the 1-bit exchange's buckets and scale blocks.
     """
+
+    #: ``GradScaler.step`` calls ``step()`` on every step, with ``found_inf`` and ``grad_scale`` set,
+    #: so that a step it skips still counts and every replica's rounds keep their schedule
+    _step_supports_amp_scaling = True
 
     def __init__(self, params, inner: torch.optim.Optimizer, sync_every: int = 30, outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, nesterov: bool = True, compression: str = "1bit", fragments: int = 1,
@@ -227,6 +240,10 @@ class DiLoCo(torch.optim.Optimizer):
         self.syncs = 0
         self._sent = 0  # bytes this rank sent in the exchanges (the backend's count)
         self._thread: ThreadPoolExecutor | None = None
+        self._params = ours
+        #: the gradients as the last step() or zero_grad() left them (a backward since, then zero_grad()
+        #: without step(): a skipped step, told to the other replicas)
+        self._seen = gradients_seen(ours)
         with torch.no_grad():
             self.agreement.broadcast_parameters([_local(p) for p in ours])  # every replica starts from rank 0's
         self.fragments = [self._fragment(k, ours[k::fragments], (k * sync_every) // fragments, state_device)
@@ -286,20 +303,33 @@ class DiLoCo(torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """As the inner optimizer's; after a backward that no ``step()`` followed, first tells the
+        other replicas (collective: every replica raises unless all skipped it alike)."""
+        if backward_since(self._params, self._seen):
+            for f in self.fragments:  # (the exchange thread's collectives first: one communicator)
+                if f.pending is not None:
+                    f.pending.exception()
+            self.agreement.skipped(self.inner_step + 1, self.fragments[0].delta.device)
         self.inner.zero_grad(set_to_none=set_to_none)
+        self._seen = gradients_seen(self._params)
 
     @torch.no_grad()
     def step(self, closure=None):
         """One inner step, then the synchronisations this step ends: the delayed results that land
         now, and the fragment whose round ends here (launched; with no delay, landed at once)."""
         t = self.inner_step + 1
+        found_inf = self.__dict__.get("found_inf")  # (GradScaler's verdict on this rank's gradients)
+        skip = found_inf is not None and bool(found_inf.item())
         if t <= self.warmup_steps:
-            return self._warmup_step(t, closure)
-        if closure is not None:
-            with torch.enable_grad():
-                loss = self.inner.step(closure)
-        else:
-            loss = self.inner.step()
+            return self._warmup_step(t, closure, skip)
+        loss = None
+        if not skip:  # (a skip is this replica's alone: in a round the others' steps are their own)
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = self.inner.step(closure)
+            else:
+                self._unscale()
+                loss = self.inner.step()
         self.inner_step = t
         for f in self.fragments:
             if f.pending is not None and t == f.launched_at + self.delay:
@@ -310,28 +340,38 @@ class DiLoCo(torch.optim.Optimizer):
                 if self.delay == 0:
                     self._land(f)
         self._tell_fsdp()
+        self._seen = gradients_seen(self._params)
         return loss
 
-    def _warmup_step(self, t: int, closure):
-        """Inner step ``t <= warmup_steps``: the gradients averaged over the replicas first, at
-        full precision (each fragment's flat buffer carries its gradients through one all-reduce:
-        a gradient that is ``None`` on this rank counts as zero there and stays ``None``), so that
-        every replica takes the same inner step, as data parallel training does; after the last,
-        the anchors are the parameters, and the rounds start."""
+    def _warmup_step(self, t: int, closure, skip: bool):
+        """Inner step ``t <= warmup_steps``: the replicas check they are all at ``t`` and whether
+        a GradScaler found inf/NaN on some rank (then every replica skips the step); else the
+        gradients averaged over the replicas, at full precision (each fragment's flat buffer carries
+        its gradients through one all-reduce: a gradient that is ``None`` on this rank counts as zero
+        there and stays ``None``), so that every replica takes the same inner step, as data parallel
+        training does; after the last, the anchors are the parameters, and the rounds start."""
+        stats = self.backend.stats
+        before = stats.total
+        skip = self.agreement.warmup(t, self._settings, skip, self.fragments[0].delta.device)
+        self._sent += stats.total - before
         def averaged():
             loss = None
             if closure is not None:
                 with torch.enable_grad():
                     loss = closure()
-            self._average_gradients(t)
+            self._unscale()
+            self._average_gradients()
             return loss
-        if closure is not None:
-            loss = self.inner.step(averaged)
-        else:
-            averaged()
-            loss = self.inner.step()
+        loss = None
+        if not skip:
+            if closure is not None:
+                loss = self.inner.step(averaged)
+            else:
+                averaged()
+                loss = self.inner.step()
         self.inner_step = t
         self._tell_fsdp()
+        self._seen = gradients_seen(self._params)
         if t == self.warmup_steps:
             for f in self.fragments:
                 local = [_local(p).detach() for p in f.params]
@@ -340,12 +380,20 @@ class DiLoCo(torch.optim.Optimizer):
                     f.anchor.copy_(f.delta)
         return loss
 
-    def _average_gradients(self, t: int) -> None:
+    def _unscale(self) -> None:
+        """The gradients <- gradients / ``grad_scale``, where a GradScaler left them scaled (its
+        ``step()`` without ``unscale_()`` first)."""
+        scale = self.__dict__.get("grad_scale")
+        if scale is None:
+            return
+        grads = [_local(p.grad) for p in self.param_groups[0]["params"] if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, scale.double().reciprocal().float().to(grads[0].device))
+
+    def _average_gradients(self) -> None:
         """The gradients <- their mean over the replicas (one fp32 all-reduce per fragment)."""
         stats = self.backend.stats
         before = stats.total
-        if t == 1:  # (every replica warms up alike: another warmup_steps would pair this with a round's header)
-            self.agreement.round(t, -1, 0, self._settings, self.fragments[0].delta.device)
         if self.backend.world_size > 1 and self._fsdp is None:  # (FSDP's own HSDP averaged them in backward)
             for f in self.fragments:
                 if not f.numel:

@@ -338,27 +338,37 @@ class LocalShards:
         if not set_to_none:  # (zeroed in place: not a backward's; set to None, nothing is left to compare)
             self.note_gradients()
 
-    @torch.no_grad()
     def note_gradients(self) -> None:
         """At the end of ``step()`` (the gradients it took, as the step left them: its averages are
         written in place) and of ``zero_grad()``: what :meth:`backward_since_step` compares."""
-        self._left = [None if p.grad is None else (weakref.ref(g := p.grad.to_local()), g._version)
-                      for p, _ in self.pairs]
+        self._left = gradients_seen([p for p, _ in self.pairs])
 
-    @torch.no_grad()
     def backward_since_step(self) -> bool:
         """Whether a backward gave some DTensor parameter a gradient since the last ``step()`` or
-        ``zero_grad()``: its gradient is another tensor, or was changed in place (accumulated).
-        FSDP assigns its gradients after backward, where no hook of the optimizer sees them; this
-        is how ``zero_grad()`` finds a backward that no ``step()`` followed."""
-        left = self._left or [None] * len(self.pairs)
-        for (p, _), seen in zip(self.pairs, left):
-            if p.grad is None:
-                continue
-            g = p.grad.to_local()
-            if seen is None or seen[0]() is not g or g._version != seen[1]:
-                return True
-        return False
+        ``zero_grad()`` (:func:`backward_since`). FSDP assigns its gradients after backward, where no
+        hook of the optimizer sees them; this is how ``zero_grad()`` finds a backward that no
+        ``step()`` followed."""
+        return backward_since([p for p, _ in self.pairs], self._left)
+
+
+@torch.no_grad()
+def gradients_seen(params: list) -> list[tuple[weakref.ref, int] | None]:
+    """What :func:`backward_since` compares: each parameter's gradient (its local tensor, held
+    weakly) and that tensor's version counter."""
+    return [None if p.grad is None else (weakref.ref(g := local_tensor(p.grad)), g._version) for p in params]
+
+
+@torch.no_grad()
+def backward_since(params: list, seen: list) -> bool:
+    """Whether some parameter's gradient is another tensor than in ``seen`` (:func:`gradients_seen`),
+    or the same one changed in place (accumulated): a backward ran since ``seen`` was taken."""
+    for p, was in zip(params, seen or [None] * len(params)):
+        if p.grad is None:
+            continue
+        g = local_tensor(p.grad)
+        if was is None or was[0]() is not g or g._version != was[1]:
+            return True
+    return False
 
 
 class _WorkingGroup(MutableMapping):

@@ -318,6 +318,100 @@ def test_replicas_that_disagree_raise_on_every_rank(what, error):
         assert error in text and ("out of step" in text or "outer hyperparameters" in text)
 
 
+def _skipping(rank, world, warmup, who):
+    """A loop that skips ``step()`` after its backward at inner step 3 on rank 1 (``who="one"``) or
+    on both ranks (``"all"``)."""
+    import warnings
+
+    from compressed_opt.diloco import DiLoCo
+
+    warnings.simplefilter("ignore")
+    model = _model()
+    opt = DiLoCo(model.parameters(), torch.optim.AdamW(model.parameters(), lr=1e-2), sync_every=H,
+                 warmup_steps=warmup)
+    for t in range(1, warmup + 2 * H + 2):
+        opt.zero_grad()
+        _loss(model, t, rank).backward()
+        if t != 3 or (who == "one" and rank == 0):
+            opt.step()
+    opt.close()
+    return opt.inner_step, opt.syncs, _flat(model)
+
+
+@pytest.mark.parametrize("warmup", [0, 4], ids=["in-a-round", "in-the-warmup"])
+def test_a_replica_that_skips_step_makes_every_replica_raise_at_the_next_collective(warmup):
+    """One replica's loop skips ``step()`` after a backward (``if torch.isfinite(loss): step()``).
+    Before, in a round it ran a step behind the others, silently, until the others' last round
+    waited for it (a Gloo "connection reset" or a hang at the end), and in the warmup its
+    all-reduces paired with the others' of the next step without a word. Now it says so at its
+    ``zero_grad()`` and every replica raises at the next collective, naming both. Where every
+    replica skips the same step, they all drop it and train on in step."""
+    out = spawn_ranks(_skipping, 2, warmup, "one", timeout=60, pg_timeout=30)
+    assert [status for status, _ in out] == ["error", "error"], out
+    for _, text in out:
+        assert "RanksOutOfStep" in text and "zero_grad() without step()" in text, text
+    both = run_ranks(_skipping, 2, warmup, "all", timeout=60)
+    assert [(t, syncs) for t, syncs, _ in both] == [(warmup + 2 * H, 2)] * 2
+    assert torch.equal(both[0][2], both[1][2])
+
+
+def _scaled(rank, world, scaler_mode, inf_at, warmup, steps):
+    """DiLoCo (1-bit) under a CPU ``torch.amp.GradScaler`` (``scaler_mode``: ``None``, ``"step"``:
+    ``scaler.step`` on scaled gradients, ``"unscale"``: ``unscale_`` first), the loss of rank 1 made
+    inf at the steps ``inf_at``: per step the parameters, whether the replicas are equal, and the
+    scale."""
+    import torch.distributed as dist
+
+    from compressed_opt.diloco import DiLoCo
+
+    model = _model(seed=rank)
+    opt = DiLoCo(model.parameters(), torch.optim.AdamW(model.parameters(), lr=1e-2), sync_every=H,
+                 warmup_steps=warmup)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, enabled=scaler_mode is not None)
+    rows = []
+    for t in range(1, steps + 1):
+        opt.zero_grad()
+        loss = _loss(model, t, rank) * (float("inf") if rank == 1 and t in inf_at else 1.0)
+        scaler.scale(loss).backward()
+        if scaler_mode == "unscale":
+            scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+        flat = _flat(model)
+        gathered = [torch.empty_like(flat) for _ in range(world)]
+        dist.all_gather(gathered, flat)
+        rows.append(dict(flat=flat, equal=torch.equal(gathered[0], gathered[1]), scale=scaler.get_scale()))
+    opt.close()
+    return rows, opt.inner_step, opt.syncs
+
+
+def test_a_gradscaler_skip_counts_as_a_step_alone_in_a_round_and_on_every_replica_in_the_warmup():
+    """``GradScaler.step`` calls ``DiLoCo.step()`` on every step (``_step_supports_amp_scaling``).
+    Without inf it trains bit for bit as without a scaler, whether the scaler unscaled the gradients
+    (``unscale_``) or DiLoCo did (``grad_scale``). With inf on one replica: in a round that replica
+    alone skips its inner step and the step still counts, so the rounds stay on one schedule and the
+    replicas meet at each sync; in the warmup every replica skips alike and stays equal. Before,
+    the scaler skipped ``step()`` on that replica, shifting its rounds (a Gloo error at the end)."""
+    W, steps = 4, 4 + 3 * H
+    plain, stepped, unscaled = (run_ranks(_scaled, 2, mode, (), W, steps, timeout=90)
+                                for mode in (None, "step", "unscale"))
+    for rank in range(2):
+        assert torch.equal(plain[rank][0][-1]["flat"], stepped[rank][0][-1]["flat"])
+        assert torch.equal(plain[rank][0][-1]["flat"], unscaled[rank][0][-1]["flat"])
+    inf_at = (2, W + H + 2)  # (a warmup step, a local step of the second round)
+    out = run_ranks(_scaled, 2, "step", inf_at, W, steps, timeout=90)
+    (rows0, t0, syncs0), (rows1, t1, syncs1) = out
+    assert t0 == t1 == steps and syncs0 == syncs1 == 3
+    assert all(r["equal"] for r in rows0[:W])  # (the warmup: data parallel, the skip taken together)
+    for rows in (rows0, rows1):
+        assert torch.equal(rows[0]["flat"], rows[1]["flat"])  # (step 2 skipped on both)
+    local = W + H + 2 - 1  # (the row of the local step with inf on rank 1)
+    assert torch.equal(rows1[local - 1]["flat"], rows1[local]["flat"])
+    assert not torch.equal(rows0[local - 1]["flat"], rows0[local]["flat"])
+    assert [i + 1 for i, r in enumerate(rows0) if r["equal"] and i >= W] == [W + H, W + 2 * H, W + 3 * H]
+    assert rows1[-1]["scale"] < rows0[-1]["scale"]  # (each replica's scaler backs off on its own inf)
+
+
 def _defaults(rank, world, steps, kwargs):
     from compressed_opt.diloco import DiLoCo
 
@@ -344,11 +438,12 @@ def test_the_same_seeded_job_twice_is_bit_for_bit_the_same_with_default_argument
     assert torch.equal(first[0], first[1]) == (not kwargs)
 
 
-def _hsdp(rank, world, steps, warmup, own_hsdp):
+def _hsdp(rank, world, steps, warmup, own_hsdp, skipping_rank=None):
     """FSDP2 inside each replica (a 2 x 2 mesh: 2 replicas of 2 shards), DiLoCo's exchange over
     the replicate group, after ``warmup`` steps on gradients averaged over it. ``own_hsdp``: FSDP2's
     own HSDP on the 2-D mesh (as torchtitan shards), DiLoCo given no backend; else FSDP2 on the
-    shard dimension and ``backend=mesh["replicate"]``."""
+    shard dimension and ``backend=mesh["replicate"]``. ``skipping_rank``'s loop skips ``step()`` at
+    inner step 3."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -370,7 +465,8 @@ def _hsdp(rank, world, steps, warmup, own_hsdp):
         opt.zero_grad()
         loss = _loss(model, t, rank)
         loss.backward()
-        opt.step()
+        if not (rank == skipping_rank and t == 3):
+            opt.step()
         losses.append(loss.item())
         if t <= warmup or (t - warmup) % H in (0, H // 2):
             flat = torch.cat([p.to_local().detach().reshape(-1) for p in model.parameters()])
@@ -409,6 +505,20 @@ def test_fsdp2_inside_each_replica_trains_and_the_replicas_meet_at_each_sync(war
         assert r["shard_numel"] < r["whole_numel"]
         assert r["stats"]["syncs"] == 4 and r["stats"]["world_size"] == 2
         assert sum(r["losses"][-H:]) < 0.8 * sum(r["losses"][warmup:warmup + H])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_under_fsdp2_a_replica_that_skips_step_makes_its_replica_group_raise():
+    """FSDP2 assigns the gradients itself, where no hook sees them: ``zero_grad()`` finds the
+    backward that no ``step()`` followed by the gradients (other tensors than the last step left),
+    and rank 2 and its replica partner, rank 0, raise at rank 0's next synchronisation, naming it;
+    the other replica group's ranks see them leave (Gloo: connection closed), as under the 1-bit
+    optimizers' HSDP."""
+    out = spawn_ranks(_hsdp, 4, 3 * H, 0, True, 2, timeout=90, pg_timeout=30)
+    assert [status for status, _ in out] == ["error"] * 4, out
+    for rank in (0, 2):
+        assert "RanksOutOfStep" in out[rank][1] and "zero_grad() without step()" in out[rank][1], out[rank][1]
 
 
 def _dcp_resume(rank, world, root, phase, api):
