@@ -20,6 +20,8 @@ naming what differs and what to change (docs/design.md 3.2):
   the inner step, the fragment, its size and the outer hyperparameters;
 * :meth:`RankAgreement.warmup`: each of its data parallel warmup steps: the inner step, its
   settings, and whether some rank's GradScaler found inf/NaN (every replica then skips);
+* :meth:`RankAgreement.identical`: whether a value (a checksum of the gradients) is the same, bit
+  for bit, on every rank;
 * :meth:`RankAgreement.rank0_decides` and :meth:`RankAgreement.broadcast_parameters`: rank 0's
   decision or parameters on every rank.
 
@@ -53,11 +55,12 @@ ENTRY_BACKWARD, ENTRY_STEP, ENTRY_SKIPPED = 1, 2, 3
 HEADER = 7
 #: the header's first value: this tag plus what the collective is (a value no field takes by chance)
 _TAG = 0x436F4167 << 16
-ENTRY, FINISHED, STEP, SKIPPED, ROUND, WARMUP = 1, 2, 3, 4, 5, 6
+ENTRY, FINISHED, STEP, SKIPPED, ROUND, WARMUP, COMPARED = 1, 2, 3, 4, 5, 6, 7
 #: where a rank is, for each kind of comparison (the error names it)
 _WHERE = {ENTRY: "started the backward of step {}", FINISHED: "finished the backward of step {}",
           STEP: "called step() for step {}", SKIPPED: "ran the backward of step {} and then zero_grad() without step()",
-          ROUND: "ended a round (an outer synchronisation) at inner step {}", WARMUP: "took warmup step {}"}
+          ROUND: "ended a round (an outer synchronisation) at inner step {}", WARMUP: "took warmup step {}",
+          COMPARED: "compared its gradients at inner step {}"}
 
 
 def job_position(backend) -> tuple[int, int]:
@@ -238,7 +241,8 @@ class RankAgreement:
                 "GradScaler that found inf there, shifts its rounds): skip on every replica alike, or not at all")
         differ = [r for r, row in enumerate(rows) if row[3] != rows[0][3]]
         raise ValueError(f"{self.name}: at inner step {step} the outer hyperparameters (lr, momentum, nesterov, "
-                         f"compression, error_feedback, warmup_steps) "
+                         f"compression, error_feedback, warmup_steps) or the inner optimizer's (lr, betas, eps, "
+                         f"weight_decay) "
                          f"of rank(s) {differ} differ from rank 0's: change them on every rank alike")
 
     def warmup(self, step: int, hyperparameters: int, flag: bool, device) -> bool:
@@ -255,8 +259,16 @@ class RankAgreement:
             self._out_of_step(header.cpu().tolist())
         differ = [r for r, row in enumerate(rows) if row[1] != rows[0][1]]
         raise ValueError(f"{self.name}: at warmup step {step} the outer hyperparameters (compression, "
-                         f"error_feedback, warmup_steps) of rank(s) {differ} differ from rank 0's: change them on "
-                         "every rank alike")
+                         f"error_feedback, warmup_steps) or the inner optimizer's (lr, betas, eps, weight_decay) of "
+                         f"rank(s) {differ} differ from rank 0's: change them on every rank alike")
+
+    def identical(self, value: float, step: int, device) -> bool:
+        """Whether the float ``value`` is bit for bit the same on every rank, at ``step`` (one
+        all-gather of a header)."""
+        if self.alone:
+            return True
+        bits = struct.unpack("<q", struct.pack("<d", value))[0]
+        return bool((self._header(COMPARED, step, [bits], device)[:, 2] == bits).all())
 
     def step(self, step: int, stage: int, hyperparameters: int, touched: bool, nonfinite: bool,
              statistics: torch.Tensor, device) -> StepVerdict:

@@ -322,6 +322,8 @@ class DiLoCo(torch.optim.Optimizer):
         skip = found_inf is not None and bool(found_inf.item())
         if t <= self.warmup_steps:
             return self._warmup_step(t, closure, skip)
+        if t == self.warmup_steps + 1 and not self.agreement.alone:
+            self._check_local_gradients(t)
         loss = None
         if not skip:  # (a skip is this replica's alone: in a round the others' steps are their own)
             if closure is not None:
@@ -352,7 +354,7 @@ class DiLoCo(torch.optim.Optimizer):
         training does; after the last, the anchors are the parameters, and the rounds start."""
         stats = self.backend.stats
         before = stats.total
-        skip = self.agreement.warmup(t, self._settings, skip, self.fragments[0].delta.device)
+        skip = self.agreement.warmup(t, self._settings ^ self._inner_hash(), skip, self.fragments[0].delta.device)
         self._sent += stats.total - before
         def averaged():
             loss = None
@@ -379,6 +381,30 @@ class DiLoCo(torch.optim.Optimizer):
                     torch._foreach_copy_(self._views(f.delta, local), local)
                     f.anchor.copy_(f.delta)
         return loss
+
+    def _inner_hash(self) -> int:
+        """The inner optimizer's lr, betas, eps and weight decay (every group's), which every replica
+        shares: in the warmup its steps are data parallel ones, and in a round a replica with another
+        lr (a scheduler stepped twice, a wrong checkpoint) would be a bug that nothing else shows."""
+        return hyperparameter_hash(self.inner.param_groups)
+
+    def _check_local_gradients(self, t: int) -> None:
+        """At the first local step: warn where the gradients are bit for bit the same on every
+        replica (a checksum compared in one header all-gather): something averages them across the
+        replicas every step, so no step is local, and those bytes are not DiLoCo's to count."""
+        grads = [_local(p.grad) for p in self._params if p.grad is not None]
+        checksum = float(torch.stack(torch._foreach_norm(grads)).double().sum()) if grads else 0.0
+        before = self.backend.stats.total
+        identical = self.agreement.identical(checksum, t, self.fragments[0].delta.device)
+        self._sent += self.backend.stats.total - before
+        if grads and identical:
+            warnings.warn(
+                f"DiLoCo: at inner step {t}, the first local step, the gradients are the same on every replica, bit "
+                "for bit: something averages them across the replicas every step (DDP over the same ranks, as "
+                "accelerate, Lightning's 'ddp' strategy or a DDP-wrapped model do), so no step is local and "
+                "comm_stats() does not count those bytes. Give DiLoCo the bare model, with DDP or FSDP inside each "
+                "replica only (backend= the replicas' group). (Or every replica was given the same batch.)",
+                RuntimeWarning, stacklevel=3)
 
     def _unscale(self) -> None:
         """The gradients <- gradients / ``grad_scale``, where a GradScaler left them scaled (its
@@ -419,7 +445,8 @@ class DiLoCo(torch.optim.Optimizer):
             anchor = f.anchor if f.anchor.device == f.delta.device else f.anchor.to(f.delta.device)
             torch.sub(anchor, f.delta, out=f.delta)
         f.launched_at = t
-        hyper = hyperparameter_hash(self.param_groups, ("lr", "momentum", "nesterov")) ^ self._settings
+        hyper = (hyperparameter_hash(self.param_groups, ("lr", "momentum", "nesterov")) ^ self._settings
+                 ^ self._inner_hash())
         if self.delay == 0:
             f.pending = Future()
             f.pending.set_result(self._exchange(f, t, hyper))

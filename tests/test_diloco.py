@@ -293,12 +293,13 @@ def _disagree(rank, world, what):
     from compressed_opt.diloco import DiLoCo
 
     model = _model()
-    kwargs = dict(sync_every=H, warmup_steps=2 if what == "warmup_steps" else 0)
-    if rank == 1:
+    kwargs = dict(sync_every=H, warmup_steps=2 if what in ("warmup_steps", "inner lr in the warmup") else 0)
+    if rank == 1 and not what.startswith("inner lr"):
         kwargs = {"sync_every": dict(sync_every=H - 1), "outer_lr": dict(sync_every=H, outer_lr=0.5),
                   "warmup_steps": dict(sync_every=H, warmup_steps=3), "no warmup": dict(sync_every=H, warmup_steps=2)
                   }[what]
-    opt = DiLoCo(model.parameters(), torch.optim.AdamW(model.parameters()), **kwargs)
+    inner_lr = 2e-3 if rank == 1 and what.startswith("inner lr") else 1e-3
+    opt = DiLoCo(model.parameters(), torch.optim.AdamW(model.parameters(), lr=inner_lr), **kwargs)
     for t in range(1, H + 1):
         opt.zero_grad()
         _loss(model, t, rank).backward()
@@ -306,10 +307,12 @@ def _disagree(rank, world, what):
 
 
 @pytest.mark.parametrize("what, error", [("sync_every", "RanksOutOfStep"), ("outer_lr", "ValueError"),
-                                         ("warmup_steps", "ValueError"), ("no warmup", "RanksOutOfStep")])
+                                         ("warmup_steps", "ValueError"), ("no warmup", "RanksOutOfStep"),
+                                         ("inner lr", "ValueError"), ("inner lr in the warmup", "ValueError")])
 def test_replicas_that_disagree_raise_on_every_rank(what, error):
     """One replica with another ``sync_every`` reaches its round at another inner step; one with
-    another outer lr: every rank raises at the synchronisation, naming it, instead of hanging.
+    another outer lr, or another inner lr: every rank raises at the synchronisation (or at the
+    first warmup step), naming it, instead of hanging or training on apart.
     Another ``warmup_steps`` is met at the first step, where a warming replica checks with the
     others (one warming up against one that does not: the other's first round meets it)."""
     out = spawn_ranks(_disagree, 2, what, timeout=60, pg_timeout=30)
@@ -410,6 +413,37 @@ def test_a_gradscaler_skip_counts_as_a_step_alone_in_a_round_and_on_every_replic
     assert not torch.equal(rows0[local - 1]["flat"], rows0[local]["flat"])
     assert [i + 1 for i, r in enumerate(rows0) if r["equal"] and i >= W] == [W + H, W + 2 * H, W + 3 * H]
     assert rows1[-1]["scale"] < rows0[-1]["scale"]  # (each replica's scaler backs off on its own inf)
+
+
+def _under_ddp(rank, world, wrapped):
+    """DiLoCo around a model that DDP wraps over the same ranks (``wrapped``; as accelerate and
+    Lightning's DDP strategy do) or around the bare model: the warnings of ``H + 1`` steps."""
+    import warnings
+
+    from compressed_opt.diloco import DiLoCo
+
+    model = _model()
+    net = torch.nn.parallel.DistributedDataParallel(model) if wrapped else model
+    opt = DiLoCo(net.parameters(), torch.optim.AdamW(net.parameters(), lr=1e-2), sync_every=H)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for t in range(1, H + 2):
+            opt.zero_grad()
+            x = torch.randn(16, 8, generator=torch.Generator().manual_seed(1000 * t + rank))
+            (net(x) - x[:, :1].sin()).square().mean().backward()
+            opt.step()
+    opt.close()
+    return [str(w.message) for w in caught if "first local step" in str(w.message)]
+
+
+def test_gradients_averaged_across_the_replicas_by_ddp_are_warned_about_at_the_first_local_step():
+    """DDP over the replicas' own ranks averages every gradient across them: no step is local and
+    ``comm_stats()`` would count DiLoCo's bytes only. The first local step compares a checksum of
+    the gradients and warns, on every rank, where they are the same bit for bit; the bare model's
+    differ, and nothing is said."""
+    wrapped = run_ranks(_under_ddp, 2, True, timeout=90)
+    assert all(len(w) == 1 and "DDP over the same ranks" in w[0] for w in wrapped), wrapped
+    assert run_ranks(_under_ddp, 2, False, timeout=90) == [[], []]
 
 
 def _defaults(rank, world, steps, kwargs):

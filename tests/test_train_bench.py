@@ -202,7 +202,9 @@ def test_diloco_methods_beside_the_plain_reference(tmp_path):
     assert ours["curve"]["loss"] == pytest.approx(ref["curve"]["loss"], rel=1e-5)
     assert ours["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-5)
     synced = [i for i, b in enumerate(ref["curve"]["bytes"]) if b > 0]
-    assert synced == [3, 7] and [i for i, b in enumerate(ours["curve"]["bytes"]) if b > 0] == synced
+    # (and the first local step's one header, which compares the gradients' checksums: a few bytes)
+    assert synced == [3, 7] and [i for i, b in enumerate(ours["curve"]["bytes"]) if b > 0] == [0] + synced
+    assert ours["curve"]["bytes"][0] < 1000
     assert sum(ours["curve"]["bytes"]) == pytest.approx(sum(ref["curve"]["bytes"]), rel=0.01)
     assert 0 < sum(onebit["curve"]["bytes"]) < sum(ours["curve"]["bytes"]) / 10
     # (and transformers' GPT-2 of the same sizes in place of the benchmark's GPT: --arch gpt2). Ours alone: the
