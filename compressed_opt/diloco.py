@@ -66,7 +66,8 @@ parameter-sized fp32 copies per rank (the shard's size under FSDP2); ``state_dev
 Every rank must call :meth:`DiLoCo.step` the same number of times: each synchronisation starts
 with one small all-gather (:meth:`compressed_opt.agreement.RankAgreement.round`) that raises on
 every rank where the replicas are at different inner steps or fragments, or where their outer
-hyperparameters differ, and so does each warmup step
+hyperparameters or their inner optimizer's (lr, betas, eps, weight decay) differ, and so does
+each warmup step
 (:meth:`compressed_opt.agreement.RankAgreement.warmup`). A replica whose loop runs a backward and
 then ``zero_grad()`` without ``step()`` says so there (a gradient that is another tensor than
 the last ``step()`` left, or changed in place since): every replica raises at its next collective,
