@@ -394,7 +394,7 @@ class DiLoCo(torch.optim.Optimizer):
         replica (a checksum compared in one header all-gather): something averages them across the
         replicas every step, so no step is local, and those bytes are not DiLoCo's to count."""
         grads = [_local(p.grad) for p in self._params if p.grad is not None]
-        checksum = float(torch.stack(torch._foreach_norm(grads)).double().sum()) if grads else 0.0
+        checksum = float(sum(n.double() for n in torch._foreach_norm(grads))) if grads else 0.0
         before = self.backend.stats.total
         identical = self.agreement.identical(checksum, t, self.fragments[0].delta.device)
         self._sent += self.backend.stats.total - before
@@ -413,7 +413,7 @@ class DiLoCo(torch.optim.Optimizer):
         scale = self.__dict__.get("grad_scale")
         if scale is None:
             return
-        grads = [_local(p.grad) for p in self.param_groups[0]["params"] if p.grad is not None]
+        grads = [_local(p.grad) for p in self._params if p.grad is not None]
         if grads:
             torch._foreach_mul_(grads, scale.double().reciprocal().float().to(grads[0].device))
 
