@@ -588,14 +588,16 @@ class DiLoCo(torch.optim.Optimizer):
         sd["inner"] = self.inner.state_dict()
         sd["diloco"] = {"format": FORMAT, "inner_step": self.inner_step, "syncs": self.syncs, "sent": self._sent,
                         "sync_every": self.sync_every, "delay": self.delay, "compression": self.compression,
-                        "warmup_steps": self.warmup_steps,
+                        "warmup_steps": self.warmup_steps, "rank": job_position(self.backend)[0],
                         "world_size": self.backend.world_size, "fragments": fragments}
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load :meth:`state_dict`'s output of a DiLoCo with the same parameters, ``sync_every``,
         ``fragments``, ``delay`` and ``compression``; raises, loading nothing, where they differ.
-        The error buffers of another number of replicas start again from zero (with a warning)."""
+        The error buffers of another number of replicas, or of another rank (one file loaded on
+        every rank), start again from zero (with a warning); another rank's state dict is refused
+        where the parameters are sharded (each rank's state is its shard's)."""
         theta = None
         if isinstance(state_dict, dict) and "diloco" not in state_dict:  # (through torch's state_dict API)
             state_dict = _own_record(state_dict, job_position(self.backend)[0]) or state_dict
@@ -615,6 +617,14 @@ class DiLoCo(torch.optim.Optimizer):
         if differ:
             raise ValueError(f"DiLoCo.load_state_dict: the checkpoint's (saved, this) {differ} differ: resume with "
                              "the same options")
+        here, saved_rank = job_position(self.backend)[0], extra.get("rank")  # (None: an earlier version's)
+        foreign = saved_rank is not None and saved_rank != here
+        if foreign and any(is_dtensor(p) for p in self._params):
+            raise ValueError(f"DiLoCo.load_state_dict: this state dict is rank {saved_rank}'s and this is rank {here}: "
+                             "with the parameters sharded (DTensors: FSDP2, tensor parallel) each rank's anchor, "
+                             "momentum and errors are of its own shard. Load each rank's own: state_dict() saved on "
+                             "every rank, or DCP (compressed_opt.dcp.OptimizerState, or torch's "
+                             "get/set_optimizer_state_dict)")
         saved = extra["fragments"]
         if len(saved) != len(self.fragments) or any(s["anchor"].numel() != f.numel for s, f in
                                                      zip(saved, self.fragments)):
@@ -633,11 +643,18 @@ class DiLoCo(torch.optim.Optimizer):
             warnings.warn(f"DiLoCo: the checkpoint was saved by {extra['world_size']} replicas, this run has "
                           f"{self.backend.world_size}: the error-feedback buffers start again from zero",
                           RuntimeWarning, stacklevel=2)
+        elif foreign and self.compression in ("1bit", "4bit"):
+            warnings.warn(f"DiLoCo: this state dict is rank {saved_rank}'s, loaded on rank {here} (one file for every "
+                          "rank: a framework that saves rank 0's optimizer state): its error-feedback buffers are "
+                          f"rank {saved_rank}'s own and start again from zero here; the anchor, the outer momentum "
+                          "and a result in flight are every replica's alike, the inner optimizer's state is that "
+                          "replica's. Save each rank's own state dict, or use DCP, to resume exactly",
+                          RuntimeWarning, stacklevel=2)
         for s, f in zip(saved, self.fragments):
             f.anchor.copy_(s["anchor"])
             f.momentum.copy_(s["momentum"])
             errors = (s["worker_error"], s["server_error"])
-            if same_world and errors[0] is not None:
+            if same_world and not foreign and errors[0] is not None:
                 f.feedback.worker_error, f.feedback.server_error = (e.to(f.delta.device, copy=True) for e in errors)
             else:
                 f.feedback.worker_error = f.feedback.server_error = None

@@ -446,6 +446,78 @@ def test_gradients_averaged_across_the_replicas_by_ddp_are_warned_about_at_the_f
     assert run_ranks(_under_ddp, 2, False, timeout=90) == [[], []]
 
 
+def _one_file(rank, world, root, sharded):
+    """Every rank loads rank 0's ``state_dict()`` (one file, as a framework that saves rank 0's
+    optimizer state writes it), taken mid-round; ``sharded``: FSDP2 inside a single replica
+    (DTensor parameters, each rank's state its shard's). The warnings, the error buffers before and
+    after, and whether the replicas meet at the next sync."""
+    import os
+    import warnings
+
+    import torch.distributed as dist
+
+    from compressed_opt.diloco import DiLoCo
+
+    model, backend = _model(), None
+    if sharded:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard"))
+        fully_shard(model, mesh=mesh["shard"])
+        backend = mesh["replicate"]
+    make = lambda: DiLoCo(model.parameters(), torch.optim.AdamW(model.parameters(), lr=1e-2),  # noqa: E731
+                          sync_every=H, backend=backend)
+    opt = make()
+    for t in range(1, H + 3):
+        opt.zero_grad()
+        _loss(model, t, rank).backward()
+        opt.step()
+    path = os.path.join(root, "optim.pt")
+    if rank == 0:
+        torch.save(opt.state_dict(), path)
+    dist.barrier()
+    mine = opt.fragments[0].feedback.worker_error  # (None on one replica: nothing to feed back)
+    mine = None if mine is None else mine.clone()
+    opt.close()
+    fresh = make()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            fresh.load_state_dict(torch.load(path, weights_only=False))
+        except ValueError as exc:
+            return "refused", str(exc)
+    if sharded:  # (rank 1 refused it: no more steps of the shard group)
+        return "loaded", ""
+    said = [str(w.message) for w in caught if "rank 0's, loaded on" in str(w.message)]
+    error = fresh.fragments[0].feedback.worker_error
+    kept = error is not None and torch.equal(error, mine)
+    for t in range(H + 3, 2 * H + 1):
+        fresh.zero_grad()
+        _loss(model, t, rank).backward()
+        fresh.step()
+    flat = _flat(model)
+    gathered = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(gathered, flat)
+    fresh.close()
+    return said, kept, error is None, torch.equal(gathered[0], gathered[1])
+
+
+def test_one_file_of_rank_0_loaded_on_every_rank_drops_the_other_ranks_errors_or_is_refused_if_sharded(tmp_path):
+    """A framework that saves rank 0's optimizer state and loads it on every rank gave rank 1 rank
+    0's error-feedback buffers without a word (its own lost, rank 0's counted twice). Now the state
+    dict names its rank: on plain replicas rank 1 warns and starts its errors from zero (rank 0
+    keeps its own), and the replicas still meet at the next sync; with sharded parameters, where
+    every rank's anchor is its shard's, rank 1 refuses it."""
+    plain = run_ranks(_one_file, 2, str(tmp_path), False, timeout=90)
+    assert plain[0] == ([], True, False, True)
+    said, kept, zero, met = plain[1]
+    assert len(said) == 1 and "start again from zero" in said[0] and not kept and zero and met
+    sharded = run_ranks(_one_file, 2, str(tmp_path), True, timeout=90)
+    assert sharded[0][0] != "refused"
+    assert sharded[1][0] == "refused" and "rank 0's and this is rank 1" in sharded[1][1]
+
+
 def _defaults(rank, world, steps, kwargs):
     from compressed_opt.diloco import DiLoCo
 
