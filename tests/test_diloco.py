@@ -321,9 +321,9 @@ def test_replicas_that_disagree_raise_on_every_rank(what, error):
         assert error in text and ("out of step" in text or "outer hyperparameters" in text)
 
 
-def _skipping(rank, world, warmup, who):
+def _skipping(rank, world, warmup, who, streamed=False):
     """A loop that skips ``step()`` after its backward at inner step 3 on rank 1 (``who="one"``) or
-    on both ranks (``"all"``)."""
+    on both ranks (``"all"``); ``streamed``: 2 fragments, each exchange on the thread for 2 steps."""
     import warnings
 
     from compressed_opt.diloco import DiLoCo
@@ -331,7 +331,7 @@ def _skipping(rank, world, warmup, who):
     warnings.simplefilter("ignore")
     model = _model()
     opt = DiLoCo(model.parameters(), torch.optim.AdamW(model.parameters(), lr=1e-2), sync_every=H,
-                 warmup_steps=warmup)
+                 warmup_steps=warmup, **(dict(fragments=2, delay=2) if streamed else {}))
     for t in range(1, warmup + 2 * H + 2):
         opt.zero_grad()
         _loss(model, t, rank).backward()
@@ -341,21 +341,23 @@ def _skipping(rank, world, warmup, who):
     return opt.inner_step, opt.syncs, _flat(model)
 
 
-@pytest.mark.parametrize("warmup", [0, 4], ids=["in-a-round", "in-the-warmup"])
-def test_a_replica_that_skips_step_makes_every_replica_raise_at_the_next_collective(warmup):
+@pytest.mark.parametrize("warmup, streamed", [(0, False), (4, False), (0, True)],
+                         ids=["in-a-round", "in-the-warmup", "streamed"])
+def test_a_replica_that_skips_step_makes_every_replica_raise_at_the_next_collective(warmup, streamed):
     """One replica's loop skips ``step()`` after a backward (``if torch.isfinite(loss): step()``).
     Before, in a round it ran a step behind the others, silently, until the others' last round
     waited for it (a Gloo "connection reset" or a hang at the end), and in the warmup its
     all-reduces paired with the others' of the next step without a word. Now it says so at its
-    ``zero_grad()`` and every replica raises at the next collective, naming both. Where every
-    replica skips the same step, they all drop it and train on in step."""
-    out = spawn_ranks(_skipping, 2, warmup, "one", timeout=60, pg_timeout=30)
+    ``zero_grad()`` and every replica raises at the next collective, naming both (streamed: after
+    the exchange on the thread, which holds the same communicator). Where every replica skips the
+    same step, they all drop it and train on in step."""
+    out = spawn_ranks(_skipping, 2, warmup, "one", streamed, timeout=60, pg_timeout=30)
     assert [status for status, _ in out] == ["error", "error"], out
     for _, text in out:
         assert "RanksOutOfStep" in text and "zero_grad() without step()" in text, text
-    both = run_ranks(_skipping, 2, warmup, "all", timeout=60)
-    assert [(t, syncs) for t, syncs, _ in both] == [(warmup + 2 * H, 2)] * 2
-    assert torch.equal(both[0][2], both[1][2])
+    both = run_ranks(_skipping, 2, warmup, "all", streamed, timeout=60)
+    assert [t for t, _, _ in both] == [warmup + 2 * H] * 2 and both[0][1] == both[1][1] == (3 if streamed else 2)
+    assert torch.equal(both[0][2], both[1][2]) or streamed  # (streamed: the replicas differ between landings)
 
 
 def _scaled(rank, world, scaler_mode, inf_at, warmup, steps):
