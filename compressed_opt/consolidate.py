@@ -18,6 +18,9 @@ a state dict, :func:`own_part` puts the loading rank's part in place of the save
 rank resumes with exactly the state it had (same world size; with another world size the error
 feedback restarts from zero, with a warning, as for any checkpoint of another rank).
 
+DiLoCo's :meth:`compressed_opt.DiLoCo.consolidate_state_dict` gathers its ranks' records the same
+way (:func:`gather_objects`).
+
 A rank's part is ``{"rank", "buckets", "state", "params"}``: its entries of
 ``state_dict()["compressed_opt"]["buckets"]``, the per-parameter state the algorithm declares
 per rank (``rank_state_names``), and, where the algorithm says the rank's parameters are its own
@@ -37,11 +40,16 @@ def gather_rank_parts(engine, mine: dict, to: int) -> list[dict] | None:
     (``None`` on the others). Each part is serialised (``torch.save``), its length all-gathered,
     and each rank's bytes broadcast from it in turn: one small all-gather and ``N - 1`` broadcasts,
     run only when a checkpoint is taken."""
-    backend = engine.backend
+    return gather_objects(engine.backend, engine.device, mine, to)
+
+
+def gather_objects(backend, device, mine, to: int) -> list | None:
+    """Collective over ``backend``: every rank's ``mine`` (nested dicts, lists and tuples of
+    tensors and plain values) on rank ``to``, on the CPU (``None`` on the others); see
+    :func:`gather_rank_parts`."""
     world, rank = backend.world_size, backend.rank
     if world == 1:
         return [mine]
-    device = engine.device
     payload = _serialise(mine)
     lengths = torch.empty(world, dtype=torch.int64, device=device)
     backend.all_gather(lengths, torch.tensor([payload.numel()], dtype=torch.int64, device=device))
@@ -58,17 +66,22 @@ def gather_rank_parts(engine, mine: dict, to: int) -> list[dict] | None:
     return parts if rank == to else None
 
 
-def _serialise(part: dict) -> torch.Tensor:
+def _serialise(part) -> torch.Tensor:
     """``part`` as one uint8 tensor (``torch.save`` of its CPU copy)."""
-    cpu = {
-        "rank": part["rank"],
-        "buckets": [{k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in e.items()} for e in part["buckets"]],
-        "state": {i: {k: v.cpu() for k, v in s.items()} for i, s in part["state"].items()},
-        "params": {i: v.cpu() for i, v in part["params"].items()},
-    }
     out = io.BytesIO()
-    torch.save(cpu, out)
+    torch.save(_on_cpu(part), out)
     return torch.frombuffer(bytearray(out.getvalue()), dtype=torch.uint8)
+
+
+def _on_cpu(obj):
+    """``obj`` with every tensor copied to the CPU (dicts, lists and tuples followed)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.cpu()
+    if isinstance(obj, dict):
+        return {k: _on_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_on_cpu(v) for v in obj)
+    return obj
 
 
 def own_part(engine, state_dict):

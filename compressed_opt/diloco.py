@@ -92,6 +92,7 @@ from compressed_opt.comm import DEFAULT_BLOCK, TorchBackend, quantized, resolve_
 from . import fsdp_replicas, rotation
 
 from .agreement import RankAgreement, hyperparameter_hash, job_position
+from .consolidate import gather_objects
 from .engine import GradientSync
 from .exchange import ErrorFeedback, Request
 from .local_shards import LocalShards, backward_since, gradients_seen, is_dtensor, local_tensor as _local
@@ -241,6 +242,7 @@ class DiLoCo(torch.optim.Optimizer):
         self.syncs = 0
         self._sent = 0  # bytes this rank sent in the exchanges (the backend's count)
         self._thread: ThreadPoolExecutor | None = None
+        self._consolidated: tuple[int, list] | None = None  # (inner step, every rank's record): on rank `to`
         self._params = ours
         #: the gradients as the last step() or zero_grad() left them (a backward since, then zero_grad()
         #: without step(): a skipped step, told to the other replicas)
@@ -570,10 +572,32 @@ class DiLoCo(torch.optim.Optimizer):
         holds the model's once per shard)."""
         sd = self._plain_state_dict()
         record = _local_inner_state(self, sd)
+        consolidated = self._consolidated
+        if consolidated is not None and consolidated[0] == self.inner_step:  # (of this step: not a later one)
+            sd["diloco"] = dict(sd["diloco"], ranks={r["diloco"]["rank"]: r for r in consolidated[1]})
         # (every parameter has a state, if an empty one: torch's loading refuses a parameter without)
         sd["state"] = {pid: {} for g in sd["param_groups"] for pid in g["params"]}
         sd["state"][0][CARRIER] = {f"rank{job_position(self.backend)[0]}": (record,)}
         return sd
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Collective over the replicas, between steps: every rank's record (:func:`rank_record`:
+        its whole state and its parameters, which differ mid-round) onto replica rank ``to``, whose
+        ``state_dict()`` carries them all (``"diloco"``'s ``"ranks"``) until the next step, so that
+        one file resumes every replica exactly: each rank that loads it takes its own record, its
+        parameters included (load the model first). As the 1-bit optimizers' (accelerate's
+        ``save_state`` through :func:`compressed_opt.integrations.consolidate_before_save_state`,
+        Lightning). Rank ``to`` holds every rank's record in host memory meanwhile. Refused with
+        sharded (DTensor) parameters, whose shards are saved by DCP."""
+        world = self.backend.world_size
+        if isinstance(to, bool) or not isinstance(to, int) or not 0 <= to < world:
+            raise ValueError(f"DiLoCo.consolidate_state_dict: to must be a rank in [0, {world}), got {to!r}")
+        if any(is_dtensor(p) for p in self._params):
+            raise ValueError("DiLoCo.consolidate_state_dict: the parameters are sharded (DTensors): each rank's "
+                             "state is its shard's, which one file of one rank cannot hold. Save with DCP "
+                             "(compressed_opt.dcp.OptimizerState, or torch's get/set_optimizer_state_dict)")
+        records = gather_objects(self.backend, self.fragments[0].delta.device, rank_record(self), to)
+        self._consolidated = None if records is None else (self.inner_step, records)
 
     def _plain_state_dict(self) -> dict:
         sd = super().state_dict()
@@ -601,6 +625,9 @@ class DiLoCo(torch.optim.Optimizer):
         theta = None
         if isinstance(state_dict, dict) and "diloco" not in state_dict:  # (through torch's state_dict API)
             state_dict = _own_record(state_dict, job_position(self.backend)[0]) or state_dict
+        ranks = state_dict.get("diloco", {}).get("ranks") if isinstance(state_dict, dict) else None
+        if isinstance(ranks, dict) and job_position(self.backend)[0] in ranks:  # (consolidate_state_dict's)
+            state_dict = ranks[job_position(self.backend)[0]]
         if isinstance(state_dict, dict) and "inner_dtensors" in state_dict:  # (a record: rank_record)
             state_dict = _dtensor_inner_state(self, dict(state_dict))
             theta = state_dict.pop("theta")
