@@ -61,6 +61,11 @@ _WHERE = {ENTRY: "started the backward of step {}", FINISHED: "finished the back
           STEP: "called step() for step {}", SKIPPED: "ran the backward of step {} and then zero_grad() without step()",
           ROUND: "ended a round (an outer synchronisation) at inner step {}", WARMUP: "took warmup step {}",
           COMPARED: "compared its gradients at inner step {}"}
+#: what a local-step outer optimizer's replicas out of step are told (its loop has no collective
+#: between rounds, so a skipped step() shows at the next exchange)
+_LOCAL_STEPS_HINT = ("Every replica must call step() on every iteration, as many times as the others: a loop that "
+                     "skips it on one replica only (`if torch.isfinite(loss): optimizer.step()`) shifts that "
+                     "replica's rounds. A GradScaler's skip is no such skip: step() is still called and counts it")
 
 
 def job_position(backend) -> tuple[int, int]:
@@ -128,10 +133,8 @@ class RankAgreement:
             where.setdefault(said, []).append(job_rank)
         said = "; ".join(f"rank(s) {ranks} {what}" for what, ranks in where.items())
         kinds = {row[0] - _TAG for row in rows}
-        if kinds & {ROUND, WARMUP}:  # (a local-step outer optimizer: its loop has no collective between rounds)
-            hint = ("Every replica must call step() on every iteration, as many times as the others: a loop that skips "
-                    "it on one replica only (`if torch.isfinite(loss): optimizer.step()`) shifts that replica's "
-                    "rounds. A GradScaler's skip is no such skip: step() is still called and counts it")
+        if kinds & {ROUND, WARMUP}:
+            hint = _LOCAL_STEPS_HINT
         elif SKIPPED in kinds:
             hint = ("every rank must call step() after its backward, or none: a loop that decides per rank "
                     "(`if torch.isfinite(loss): optimizer.step()`, a GradScaler that found inf on one rank "
@@ -236,9 +239,7 @@ class RankAgreement:
             said = "; ".join(f"rank {r} at inner step {row[0]} (fragment {row[1]} of {row[2]} elements)"
                              for r, row in enumerate(rows))
             raise RanksOutOfStep(
-                f"{self.name}: the replicas are out of step at an outer synchronisation: {said}. Every replica "
-                "must call step() the same number of times (a step skipped on one replica only, e.g. by a "
-                "GradScaler that found inf there, shifts its rounds): skip on every replica alike, or not at all")
+                f"{self.name}: the replicas are out of step at an outer synchronisation: {said}. {_LOCAL_STEPS_HINT}")
         differ = [r for r, row in enumerate(rows) if row[3] != rows[0][3]]
         raise ValueError(f"{self.name}: at inner step {step} the outer hyperparameters (lr, momentum, nesterov, "
                          f"compression, error_feedback, warmup_steps) or the inner optimizer's (lr, betas, eps, "

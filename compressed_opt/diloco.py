@@ -80,6 +80,7 @@ not unscaled are unscaled here first (``grad_scale``).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -355,10 +356,8 @@ class DiLoCo(torch.optim.Optimizer):
         its gradients through one all-reduce: a gradient that is ``None`` on this rank counts as zero
         there and stays ``None``), so that every replica takes the same inner step, as data parallel
         training does; after the last, the anchors are the parameters, and the rounds start."""
-        stats = self.backend.stats
-        before = stats.total
-        skip = self.agreement.warmup(t, self._settings ^ self._inner_hash(), skip, self.fragments[0].delta.device)
-        self._sent += stats.total - before
+        with self._counted():
+            skip = self.agreement.warmup(t, self._settings ^ self._inner_hash(), skip, self.fragments[0].delta.device)
         def averaged():
             loss = None
             if closure is not None:
@@ -397,9 +396,8 @@ class DiLoCo(torch.optim.Optimizer):
         replicas every step, so no step is local, and those bytes are not DiLoCo's to count."""
         grads = [_local(p.grad) for p in self._params if p.grad is not None]
         checksum = float(sum(n.double() for n in torch._foreach_norm(grads))) if grads else 0.0
-        before = self.backend.stats.total
-        identical = self.agreement.identical(checksum, t, self.fragments[0].delta.device)
-        self._sent += self.backend.stats.total - before
+        with self._counted():
+            identical = self.agreement.identical(checksum, t, self.fragments[0].delta.device)
         if grads and identical:
             warnings.warn(
                 f"DiLoCo: at inner step {t}, the first local step, the gradients are the same on every replica, bit "
@@ -408,6 +406,15 @@ class DiLoCo(torch.optim.Optimizer):
                 "comm_stats() does not count those bytes. Give DiLoCo the bare model, with DDP or FSDP inside each "
                 "replica only (backend= the replicas' group). (Or every replica was given the same batch.)",
                 RuntimeWarning, stacklevel=3)
+
+    @contextlib.contextmanager
+    def _counted(self):
+        """Adds the bytes the backend counts meanwhile to this rank's ``comm_stats()``."""
+        before = self.backend.stats.total
+        try:
+            yield
+        finally:
+            self._sent += self.backend.stats.total - before
 
     def _unscale(self) -> None:
         """The gradients <- gradients / ``grad_scale``, where a GradScaler left them scaled (its
@@ -421,23 +428,21 @@ class DiLoCo(torch.optim.Optimizer):
 
     def _average_gradients(self) -> None:
         """The gradients <- their mean over the replicas (one fp32 all-reduce per fragment)."""
-        stats = self.backend.stats
-        before = stats.total
-        if self.backend.world_size > 1 and self._fsdp is None:  # (FSDP's own HSDP averaged them in backward)
-            for f in self.fragments:
-                if not f.numel:
-                    continue
-                views = self._views(f.delta, [_local(p) for p in f.params])
-                held = [(v, _local(p.grad)) for v, p in zip(views, f.params) if p.grad is not None]
-                if len(held) < len(views):
-                    f.delta.zero_()
-                if held:
-                    torch._foreach_copy_([v for v, _ in held], [g for _, g in held])
-                self.backend.all_reduce(f.delta)
-                f.delta.div_(self.backend.world_size)
-                if held:
-                    torch._foreach_copy_([g for _, g in held], [v for v, _ in held])
-        self._sent += stats.total - before
+        with self._counted():
+            if self.backend.world_size > 1 and self._fsdp is None:  # (FSDP's own HSDP averaged them in backward)
+                for f in self.fragments:
+                    if not f.numel:
+                        continue
+                    views = self._views(f.delta, [_local(p) for p in f.params])
+                    held = [(v, _local(p.grad)) for v, p in zip(views, f.params) if p.grad is not None]
+                    if len(held) < len(views):
+                        f.delta.zero_()
+                    if held:
+                        torch._foreach_copy_([v for v, _ in held], [g for _, g in held])
+                    self.backend.all_reduce(f.delta)
+                    f.delta.div_(self.backend.world_size)
+                    if held:
+                        torch._foreach_copy_([g for _, g in held], [v for v, _ in held])
 
     # --- a synchronisation ------------------------------------------------------------------------------
     def _launch(self, f: Fragment, t: int) -> None:
@@ -460,32 +465,30 @@ class DiLoCo(torch.optim.Optimizer):
 
     def _exchange(self, f: Fragment, t: int, hyper: int) -> torch.Tensor:
         """The replicas' mean of ``f.delta``, in place (collective; on the thread with a delay)."""
-        stats = self.backend.stats
-        before = stats.total
-        self.agreement.round(t, f.index, f.numel, hyper, f.delta.device)
-        if self.backend.world_size > 1 and f.numel:
-            fb = f.feedback
-            if self.error_feedback != 1.0 and fb.worker_error is not None:  # (none before the first exchange,
-                for error in (fb.worker_error, fb.server_error):  # nor any with error_feedback=0)
-                    error.mul_(self.error_feedback)
-            if self.compression == "4bit":
-                if fb.worker_error is None:  # (made at the first exchange, kept in checkpoints)
-                    sizes = quantized.error_sizes(f.numel, self.backend.world_size, self.scale_block)
-                    fb.worker_error, fb.server_error = (f.delta.new_zeros(n) for n in sizes)
-                quantized.quantized_allreduce(f.delta, fb.worker_error, fb.server_error, self.backend,
-                                              self.scale_block)
-            elif self.compression == "bf16":
-                low = f.delta.to(torch.bfloat16)
-                self.backend.all_reduce(low)
-                f.delta.copy_(low).div_(self.backend.world_size)
-            else:
-                rotated = self._rotation(f) if self.compression == "1bit" else None  # ("fp32": the exact mean)
-                rotation.rotate_(f.delta, rotated, forward=True)
-                self.engine.run([Request(f.delta, f.feedback)])
-                rotation.rotate_(f.delta, rotated, forward=False)
-            if self.error_feedback == 0.0:  # (zeros at the next exchange: made there, not kept in between)
-                fb.worker_error = fb.server_error = None
-        self._sent += stats.total - before
+        with self._counted():
+            self.agreement.round(t, f.index, f.numel, hyper, f.delta.device)
+            if self.backend.world_size > 1 and f.numel:
+                fb = f.feedback
+                if self.error_feedback != 1.0 and fb.worker_error is not None:  # (none before the first exchange,
+                    for error in (fb.worker_error, fb.server_error):  # nor any with error_feedback=0)
+                        error.mul_(self.error_feedback)
+                if self.compression == "4bit":
+                    if fb.worker_error is None:  # (made at the first exchange, kept in checkpoints)
+                        sizes = quantized.error_sizes(f.numel, self.backend.world_size, self.scale_block)
+                        fb.worker_error, fb.server_error = (f.delta.new_zeros(n) for n in sizes)
+                    quantized.quantized_allreduce(f.delta, fb.worker_error, fb.server_error, self.backend,
+                                                  self.scale_block)
+                elif self.compression == "bf16":
+                    low = f.delta.to(torch.bfloat16)
+                    self.backend.all_reduce(low)
+                    f.delta.copy_(low).div_(self.backend.world_size)
+                else:
+                    rotated = self._rotation(f) if self.compression == "1bit" else None  # ("fp32": the exact mean)
+                    rotation.rotate_(f.delta, rotated, forward=True)
+                    self.engine.run([Request(f.delta, f.feedback)])
+                    rotation.rotate_(f.delta, rotated, forward=False)
+                if self.error_feedback == 0.0:  # (zeros at the next exchange: made there, not kept in between)
+                    fb.worker_error = fb.server_error = None
         return f.delta
 
     def _rotation(self, f: Fragment) -> torch.Tensor | None:
