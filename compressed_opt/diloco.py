@@ -97,6 +97,7 @@ from .consolidate import gather_objects
 from .engine import GradientSync
 from .exchange import ErrorFeedback, Request
 from .local_shards import LocalShards, backward_since, gradients_seen, is_dtensor, local_tensor as _local
+from .torch_state_dict import RankRecord, record_in
 from .validation import check_choice, check_scale_block
 
 COMPRESSIONS = ("fp32", "bf16", "4bit", "1bit")
@@ -568,8 +569,9 @@ class DiLoCo(torch.optim.Optimizer):
 
         For torch's ``get/set_optimizer_state_dict`` (which keep ``state`` and ``param_groups``
         only), ``state`` holds this rank's record, :func:`rank_record`, as
-        ``state[0]["compressed_opt"] = {"rank<R>": (record,)}`` (``R`` its rank in the job: no other
-        rank writes the key, and DCP saves the tuple whole; the other parameters' states are empty),
+        ``state[0]["compressed_opt"] = {"rank<R>": RankRecord(R, record)}`` (``R`` its rank in the job: no
+        other rank writes the key, and DCP saves it whole, also flattened:
+        :class:`compressed_opt.torch_state_dict.RankRecord`; the other parameters' states are empty),
         the same objects as above plus this
         rank's parameters (a copy: mid-round the replicas' parameters differ, and a DCP checkpoint
         holds the model's once per shard)."""
@@ -580,7 +582,10 @@ class DiLoCo(torch.optim.Optimizer):
             sd["diloco"] = dict(sd["diloco"], ranks={r["diloco"]["rank"]: r for r in consolidated[1]})
         # (every parameter has a state, if an empty one: torch's loading refuses a parameter without)
         sd["state"] = {pid: {} for g in sd["param_groups"] for pid in g["params"]}
-        sd["state"][0][CARRIER] = {f"rank{job_position(self.backend)[0]}": (record,)}
+        # (groups of their own: torch's flattening pops "params" from the groups it is given)
+        sd["param_groups"] = [dict(g) for g in sd["param_groups"]]
+        rank = job_position(self.backend)[0]
+        sd["state"][0][CARRIER] = {f"rank{rank}": RankRecord(rank, record)}
         return sd
 
     def consolidate_state_dict(self, to: int = 0) -> None:
@@ -741,17 +746,26 @@ def _own_record(state_dict: dict, rank: int) -> dict | None:
     carrier = next((st[CARRIER] for st in state.values() if isinstance(st, dict) and CARRIER in st), None)
     if carrier is None:
         return None
-    records = carrier if isinstance(carrier, dict) else {}
-    value = records.get(f"rank{rank}")
-    if isinstance(value, tuple) and len(value) == 1 and isinstance(value[0], dict):
-        return value[0]
-    if isinstance(value, list) or any(isinstance(v, list) for v in records.values()):
-        raise ValueError("DiLoCo.load_state_dict: this state dict went through torch's full state dict "
-                         "(full_state_dict=True), which keeps rank 0's values only: DiLoCo's state is each rank's "
-                         "own (its parameters mid-round, its error buffers). Save it sharded (through DCP), or "
-                         "each rank's DiLoCo.state_dict()")
-    raise ValueError(f"DiLoCo.load_state_dict: this state dict holds the records of {sorted(records)} and not rank "
-                     f"{rank}'s: a DiLoCo checkpoint resumes on the same ranks")
+    carrier = carrier if isinstance(carrier, dict) else {}
+    records = {k: record_in(v) for k, v in carrier.items()}
+    if any(isinstance(v, list) for v in carrier.values()):
+        raise ValueError("DiLoCo.load_state_dict: this state dict was saved by an earlier compressed_opt through "
+                         "torch's full state dict (full_state_dict=True), which took its record apart. Save it "
+                         "sharded (through DCP), or each rank's DiLoCo.state_dict()")
+    if any(not isinstance(v, dict) for v in records.values()):
+        raise ValueError(f"DiLoCo.load_state_dict: the state dict's carrier holds {sorted(carrier)}, not records "
+                         "DiLoCo wrote")
+    key = f"rank{rank}"
+    mine = records.get(key)
+    # (torch's load of a full state dict merges it into the loading optimizer's own: where one rank
+    # saved it, this rank's record there is the loading optimizer's, of another step)
+    steps = {r.get("diloco", {}).get("inner_step") for k, r in records.items() if k != key}
+    if mine is not None and (not steps or mine.get("diloco", {}).get("inner_step") in steps):
+        return mine
+    raise ValueError(f"DiLoCo.load_state_dict: this state dict holds the records of "
+                     f"{sorted(k for k in records if k != key)} and not rank {rank}'s: a DiLoCo checkpoint through "
+                     "torch's state_dict API resumes on the same ranks, each its own record (a sharded one, or a "
+                     "full one that every rank saved through DCP)")
 
 
 def _check_theta(diloco: DiLoCo, theta: list) -> None:

@@ -183,6 +183,8 @@ class Algorithm:
                         if old is not None:
                             row.copy_(old)
                         self.state[p][name] = row
+        # (torch's and torchtitan's loads of a flattened state dict keep the entries the live state names)
+        torch_state_dict.hold_carrier(self.state, self.param_groups)
 
     def new_state(self, param, name: str, view: torch.Tensor) -> None:
         """A parameter's state ``name`` was just made (zeros), as ``view``: set its first value
@@ -481,6 +483,7 @@ class CompressedOptimizer(Optimizer):
             sd = super().state_dict()
         finally:
             self._optimizer_state_dict_post_hooks = post_hooks
+        sd["state"] = torch_state_dict.without_carrier(sd["state"])
         # under a framework that saves from one rank: warns what to add (with DTensor parameters the
         # frameworks save through torch's state_dict API, each rank its own record: nothing to add)
         if self._consolidated is None and self.engine.backend.world_size > 1 and not self._local_shards.pairs:
@@ -523,6 +526,7 @@ class CompressedOptimizer(Optimizer):
             self._optimizer_load_state_dict_pre_hooks = pre_hooks
             self._optimizer_load_state_dict_post_hooks = post_hooks
         self._consolidated = None
+        torch_state_dict.hold_carrier(self.state, self.param_groups)
         self.engine.prepare_backward()  # (the loaded stage decides the next backward's averaging)
         for hook in list(post_hooks.values()):
             hook(self)

@@ -13,11 +13,16 @@ So ``state_dict()`` (:func:`publish`):
   DTensors laid out as the parameter, as torch's AdamW under FSDP2 does;
 * puts what is not a ``STATE`` buffer or is each rank's own in a *record* of this rank,
   ``{"extra": state_dict["compressed_opt"], "state": {position: those entries}, "params": {...}}``
-  (the very objects: ``torch.save`` writes them once), carried in the first parameter's state as
-  ``state[first]["compressed_opt"] = {"rank<R>": (record,)}`` with ``R`` the job's rank: no two
-  ranks write the same key, so DCP never keeps one rank's copy for all, and a tuple is one object
-  to DCP, saved and loaded whole (its size need not match a fresh optimizer's, whose state dict is
-  DCP's template on load).
+  (the very objects), carried in the first parameter's state as
+  ``state[first]["compressed_opt"] = {"rank<R>": RankRecord(R, record)}`` with ``R`` the job's
+  rank: no two ranks write the same key, so DCP never keeps one rank's copy for all. A
+  :class:`RankRecord` is an ``int`` to torch's flattening (``flatten_optimizer_state_dict=True``
+  takes tensors, ints, floats and dicts) and one object to DCP, saved and loaded whole (its size
+  need not match a fresh optimizer's, whose state dict is DCP's template on load).
+
+The optimizer's live state names the carrier: ``optimizer.state[first]["compressed_opt"]`` is
+held empty (:func:`hold_carrier`), because torch's load of a flattened state dict (and
+torchtitan's own) rebuilds a parameter's state from the names its live state holds.
 
 :func:`unpack` (in ``load_state_dict``, under its checks, so that a rank that cannot load makes
 every rank raise) rebuilds the state dict from this rank's record, or, where it is not there, from
@@ -25,20 +30,24 @@ a consolidated one (``consolidate_state_dict`` before the save: each rank takes 
 from the lowest rank's: the error feedback then restarts from zero (a warning); ZeRO's shards, 0/1
 Adam's local state and DTensor parameters' per-shard state of another rank are refused.
 
-**Sharded only.** A full state dict (``full_state_dict=True``) is refused at the load: torch's
-load of one keeps only the keys (leaves) that the loading optimizer's own state dict holds, taking
-the record apart into them (a fresh optimizer holds neither the compression stage's entries nor
-error feedback), and gives every rank rank 0's values. That cannot resume the ranks' own state; it
-would silently mix two states. Save sharded (DCP: the default of accelerate's FSDP2 plugin,
-Lightning's ``ModelParallelStrategy`` and torchtitan), or use the optimizer's own ``state_dict()``.
-``flatten_optimizer_state_dict=True`` is refused by torch at the save (its flattening takes
-tensors, ints and floats only: ``NotImplementedError``), never at the resume.
+**Full state dicts** (``full_state_dict=True``): torch gathers the DTensor moments and keeps the
+rest as each rank has it, so every rank's full state dict holds its own record. Saved through DCP
+by every rank, each rank loads its own. Saved by rank 0 alone (``torch.save``), it holds rank 0's
+record, which carries every rank's part after ``consolidate_state_dict()``; torch's load merges
+it into the loading optimizer's own state dict, whose record of this rank, of another step, is
+left out (:func:`_without_template`). torch's load of a full state dict needs a tensor in the
+optimizer's own state dict to take the device from, which ZeRO's (moments in its record) has
+not: torch raises there (``AssertionError: Expected device to be set``). Flattened and full
+together fail in torch 2.13 for its own AdamW too (``KeyError``).
 """
 from __future__ import annotations
 
+import copy
+import io
 import warnings
 from collections.abc import Mapping
 
+import torch
 
 from .agreement import job_position
 from .local_shards import is_dtensor, local_tensor
@@ -51,6 +60,73 @@ except ImportError:  # pragma: no cover - every supported torch has it
 #: the key of the record carrier in a parameter's state (and of the library's entry in a state dict)
 CARRIER = "compressed_opt"
 
+
+class RankRecord(int):
+    """One rank's record as a value of a state dict: an ``int`` (the job rank ``R``) that holds
+    the record (a dict: tensors, strings, lists, ...) in its ``record`` attribute.
+
+    Why an ``int``: torch's flattened optimizer state dicts
+    (``flatten_optimizer_state_dict=True``, torchtitan's) take tensors, ints, floats and dicts
+    only, and check the type with ``isinstance``; DCP saves any value that is not a tensor whole
+    (pickled) and loads it whole, whatever the loading state dict holds at that key; a tensor
+    would have to match the template's size, which a fresh optimizer cannot know.
+
+    Pickled (DCP, ``torch.save``, ``copy.deepcopy``) it is the record serialized by ``torch.save``
+    into a uint8 tensor (:func:`record_in` reads it back): a tensor, so that torch's full state
+    dict load and ``torch.load(weights_only=True)`` take it as they take a tensor, with nothing of
+    compressed_opt imported (a framework may load a checkpoint before it makes the optimizer).
+    Pickling copies the record once more (host memory, for the time of the save)."""
+
+    def __new__(cls, rank: int, record: dict):
+        obj = super().__new__(cls, rank)
+        obj.record = record
+        return obj
+
+    def __reduce__(self):
+        buffer = io.BytesIO()
+        torch.save(self.record, buffer)
+        return torch.frombuffer(buffer.getbuffer(), dtype=torch.uint8).__reduce_ex__(2)
+
+    def __copy__(self):
+        return RankRecord(int(self), self.record)
+
+    def __deepcopy__(self, memo):
+        return RankRecord(int(self), copy.deepcopy(self.record, memo))
+
+    def __repr__(self) -> str:
+        return f"RankRecord(rank={int(self)})"
+
+    __str__ = __repr__
+
+
+def record_in(value):
+    """The record a carrier value holds: a :class:`RankRecord`'s, a pickled one's (its uint8
+    tensor), or the one-tuple of checkpoints written before (compressed_opt through stop 54);
+    ``None`` for anything else."""
+    if isinstance(value, RankRecord):
+        return getattr(value, "record", None)
+    if isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and value.dim() == 1:
+        return torch.load(io.BytesIO(value.cpu().numpy().tobytes()), weights_only=True)
+    if isinstance(value, tuple) and len(value) == 1:
+        return value[0]
+    return None
+
+
+def hold_carrier(state, param_groups: list) -> None:
+    """``state[first]["compressed_opt"] = {}`` in the optimizer's live ``state``, ``first`` the first
+    parameter of ``param_groups`` that holds state: the key under which :func:`publish` carries this rank's record.
+    torch's load of a flattened state dict (``flatten_optimizer_state_dict=True``) rebuilds a
+    parameter's state from the names its live state holds, and would drop the record otherwise
+    (torch's LBFGS likewise keeps its own state in its first parameter's)."""
+    first = next((p for g in param_groups for p in g["params"] if p in state), None)
+    if first is not None and CARRIER not in state[first]:
+        state[first][CARRIER] = {}
+
+
+def without_carrier(state: Mapping) -> dict:
+    """A packed ``state`` (by position) without :func:`hold_carrier`'s entry, which only names a key."""
+    return {pid: {k: v for k, v in st.items() if k != CARRIER} if isinstance(st, Mapping) and CARRIER in st else st
+            for pid, st in state.items()}
 
 
 def publish(sd: dict, params: list, tensor_names: tuple, rank_state_names: tuple, own_params: dict,
@@ -76,7 +152,8 @@ def publish(sd: dict, params: list, tensor_names: tuple, rank_state_names: tuple
     first = next((pid for pid in positions if isinstance(state.get(pid), Mapping)), None)
     if first is not None:  # (before the first step nothing holds state: "compressed_opt" is only at the top)
         record = {"extra": sd[CARRIER], "state": rest, "params": own_params}
-        state[first][CARRIER] = {f"rank{job_position(backend)[0]}": (record,)}
+        rank = job_position(backend)[0]
+        state[first][CARRIER] = {f"rank{rank}": RankRecord(rank, record)}
     sd["state"] = state
     return sd
 
@@ -105,27 +182,42 @@ def unpack(state_dict: Mapping, rank_state_names: tuple, backend, name: str) -> 
         return state_dict, {}
     if CARRIER in state_dict:  # (as state_dict() made it: its own record holds the other entries)
         return _with_record(state_dict, _records(carried, name), name), {}
-    return _rebuilt(state_dict, _records(carried, name), rank_state_names, job_position(backend)[0], name)
+    here = job_position(backend)[0]
+    return _rebuilt(state_dict, _without_template(_records(carried, name), here), rank_state_names, here, name)
 
 
 def _records(carried: Mapping, name: str) -> dict[int, dict]:
     """The carrier's records by rank."""
     out = {}
     for key, value in carried.items():
-        if isinstance(value, list):  # (torch's full state dict takes everything apart, tuples into lists)
+        if isinstance(value, list):  # (torch's full state dict took a record of before RankRecord apart)
             raise ValueError(
-                f"{name}.load_state_dict: this state dict went through torch's full state dict "
-                "(get/set_optimizer_state_dict with full_state_dict=True), which keeps of compressed_opt's record "
-                "only what a fresh optimizer's state dict holds, and rank 0's values on every rank: it cannot "
-                "resume the compression stage. Save and load it sharded (full_state_dict=False, through DCP), or "
-                "with the optimizer's own state_dict() and load_state_dict()")
-        if not (isinstance(key, str) and key.startswith("rank") and key[4:].isdigit() and isinstance(value, tuple)
-                and len(value) == 1 and isinstance(value[0], Mapping)
-                and {"extra", "state", "params"} <= set(value[0]) and isinstance(value[0]["extra"], Mapping)):
+                f"{name}.load_state_dict: this state dict was saved by an earlier compressed_opt through torch's "
+                "full state dict (full_state_dict=True), which took its record apart: it cannot resume the "
+                "compression stage. Load it sharded (full_state_dict=False, through DCP), or save it again")
+        record = carried_record = None
+        if isinstance(key, str) and key.startswith("rank") and key[4:].isdigit():
+            carried_record = record_in(value)
+        if isinstance(carried_record, Mapping) and {"extra", "state", "params"} <= set(carried_record) \
+                and isinstance(carried_record["extra"], Mapping):
+            record = carried_record
+        if record is None:
             raise ValueError(f"{name}.load_state_dict: the state dict's carrier of compressed_opt's entry holds "
                              f"{key!r}: a {type(value).__name__}, not a record compressed_opt wrote")
-        out[int(key[4:])] = value[0]
+        out[int(key[4:])] = record
     return out
+
+
+def _without_template(records: dict[int, dict], here: int) -> dict[int, dict]:
+    """``records`` less this rank's where it is the loading optimizer's own. torch's load of a full
+    state dict (``full_state_dict=True``) merges it into the loading optimizer's own state dict:
+    where the full one lacks this rank's record (one rank saved it), the merge holds this rank's
+    record of the loading optimizer, of another step than the saved ones."""
+    mine = records.get(here)
+    steps = {r["extra"].get("global_step") for rank, r in records.items() if rank != here}
+    if mine is None or not steps or mine["extra"].get("global_step") in steps:
+        return records
+    return {rank: r for rank, r in records.items() if rank != here}
 
 
 def _with_record(state_dict: dict, records: dict[int, dict], name: str) -> dict:
@@ -166,9 +258,9 @@ def _rebuilt(state_dict: dict, records: dict[int, dict], rank_state_names: tuple
     if not mine and extra.get("shards") is not None:
         raise ValueError(
             f"{name}.load_state_dict: this state dict holds the record of rank {chosen} and not of rank {here}, "
-            "and the optimizer holds DTensor parameters, whose per-rank state is per shard: a full state dict "
-            "(full_state_dict=True) cannot resume them. Save and load it sharded (full_state_dict=False, "
-            "through DCP), each rank its own")
+            "and the optimizer holds DTensor parameters, whose per-rank state is per shard: one rank's state dict "
+            "cannot resume the others. Save it through DCP on every rank (sharded, flattened or full: each rank "
+            "writes its own record)")
     for i, entries in record["state"].items():
         state.setdefault(i, {}).update(entries if mine else {k: v for k, v in entries.items() if k not in per_rank})
     if not mine and "ranks" not in extra:
@@ -177,12 +269,12 @@ def _rebuilt(state_dict: dict, records: dict[int, dict], rank_state_names: tuple
         if lost or any(set(e) - {"numel", "worker_error", "server_error"} for e in entries):
             what = f"0/1 Adam's local state ({', '.join(sorted(lost))})" if lost else "ZeRO's shards"
             raise ValueError(
-                f"{name}.load_state_dict: this state dict holds rank {chosen}'s {what} and not rank {here}'s. A full "
-                "state dict carries every rank's own state after consolidate_state_dict() on every rank before "
-                "get_optimizer_state_dict; or save it sharded (full_state_dict=False), each rank its own")
+                f"{name}.load_state_dict: this state dict holds rank {chosen}'s {what} and not rank {here}'s. One "
+                "rank's state dict carries every rank's own state after consolidate_state_dict() on every rank "
+                "before get_optimizer_state_dict; or save it through DCP on every rank, each its own record")
         if any("worker_error" in e for e in entries):
-            warnings.warn(f"{name}: the state dict holds rank {chosen}'s error feedback and not rank {here}'s (a full "
-                          "state dict without consolidate_state_dict): this rank's restarts from zero; moments, "
+            warnings.warn(f"{name}: the state dict holds rank {chosen}'s error feedback and not rank {here}'s (one "
+                          "rank's state dict without consolidate_state_dict): this rank's restarts from zero; moments, "
                           "variance and stage were kept", RuntimeWarning, stacklevel=5)
         extra["buckets"] = [{"numel": e["numel"]} for e in entries]
     own_params = dict(record["params"]) if mine else {}

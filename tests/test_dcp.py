@@ -144,31 +144,59 @@ def test_a_compression_stage_state_that_lost_fields_is_refused(name):
     assert fresh.global_step == 0
 
 
-def test_torch_get_optimizer_state_dict_round_trip_resumes_and_flattened_is_refused_at_the_save():
+@pytest.mark.parametrize("name", ["OnebitAdam", "OnebitLamb", "ZeroOneAdam"])
+def test_torch_get_optimizer_state_dict_round_trip_resumes_nested_flattened_and_full(name):
     """torch's own functions keep only ``state`` and ``param_groups``: ``"compressed_opt"`` travels
-    in the carrier (compressed_opt.torch_state_dict) and a fresh optimizer resumes from it bit for
-    bit; flattened (``flatten_optimizer_state_dict=True``), torch refuses the carrier at the save,
-    never at the resume."""
+    in the carrier (compressed_opt.torch_state_dict), a ``RankRecord`` that torch's flattening
+    takes as an int and the optimizer's live state names (torch's unflattening keeps only what it
+    names); a fresh optimizer resumes from it bit for bit, nested, flattened
+    (``flatten_optimizer_state_dict=True``, torchtitan's) and full, as from its own state dict."""
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
                                                          set_optimizer_state_dict)
 
-    model, opt = _compressing("OnebitAdam")
-    with pytest.raises(NotImplementedError, match="Flattening optimizer state_dict only supports"):
-        get_optimizer_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
-    osd = get_optimizer_state_dict(model, opt)
-    assert "compressed_opt" not in osd and set(osd) == {"state", "param_groups"}
+    model, opt = _compressing(name)
     results = []
-    for through_torch in (False, True):
-        fresh_model, fresh = _make("OnebitAdam", seed=1)
+    for options in (None, StateDictOptions(), StateDictOptions(flatten_optimizer_state_dict=True),
+                    StateDictOptions(full_state_dict=True)):
+        osd = None if options is None else get_optimizer_state_dict(model, opt, options=options)
+        if options is not None and options.flatten_optimizer_state_dict:
+            assert all(k.startswith(("state.", "param_groups.")) for k in osd), sorted(osd)[:4]
+            assert [k for k in osd if ".compressed_opt." in k] == ["state.0.weight.compressed_opt.rank0"]
+        elif options is not None:
+            assert "compressed_opt" not in osd and set(osd) == {"state", "param_groups"}
+        fresh_model, fresh = _make(name, seed=1)
         fresh_model.load_state_dict(model.state_dict())
-        if through_torch:
-            set_optimizer_state_dict(fresh_model, fresh, osd)
-        else:
+        if options is None:
             fresh.load_state_dict(opt.state_dict())
+        else:
+            set_optimizer_state_dict(fresh_model, fresh, osd, options=options)
         assert fresh.global_step == SAVE_AT and fresh.compressing
         _train(fresh_model, fresh, 0, range(SAVE_AT + 1, STEPS + 1))
         results.append(_tensors(fresh_model, fresh))
-    assert all(torch.equal(a, b) for a, b in zip(*results))
+    assert all(torch.equal(a, b) for other in results[1:] for a, b in zip(results[0], other))
+
+
+def test_flattened_and_full_together_fail_in_torch_as_for_its_own_adamw():
+    """``flatten_optimizer_state_dict=True`` with ``full_state_dict=True``: torch 2.13's load raises
+    the same ``KeyError`` for its own AdamW (it flattens the loading optimizer's state dict one way
+    and the given one another); a canary, so that the day torch takes it we test ours there."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+
+    options = StateDictOptions(flatten_optimizer_state_dict=True, full_state_dict=True)
+    errors = []
+    for torchs in (True, False):
+        if torchs:
+            model = _make("OnebitAdam")[0]
+            opt = torch.optim.AdamW(model.parameters())
+            _train(model, opt, 0, range(1, 3))
+        else:
+            model, opt = _compressing("OnebitAdam")
+        osd = get_optimizer_state_dict(model, opt, options=options)
+        with pytest.raises(KeyError) as caught:
+            set_optimizer_state_dict(model, opt, osd, options=options)
+        errors.append(str(caught.value))
+    assert errors[0] == errors[1] == "'param_groups.0.params.0'", errors
 
 
 def test_torch_set_optimizer_state_dict_of_a_whole_state_dict_of_ours_resumes():
@@ -277,3 +305,28 @@ def test_a_legacy_checkpoint_resumes_with_legacy_true_and_is_refused_without(tmp
     assert all(torch.equal(a, b) for a, b in zip(*results))
     with pytest.raises(ValueError, match="legacy checkpoint holds no tensors"):
         OptimizerState(opt, reshard=True, legacy=True)
+
+
+def test_a_saved_state_dict_loads_with_weights_only_and_nothing_of_compressed_opt_imported(tmp_path):
+    """Lightning loads a checkpoint before it makes the optimizer: ``torch.load`` (``weights_only``
+    by default) in a process that never imported compressed_opt reads the state dict, the record
+    carrier a uint8 tensor (a pickled ``RankRecord``), which ``load_state_dict`` then resumes from."""
+    import subprocess
+    import sys
+
+    model, opt = _compressing("OnebitAdam")
+    path = tmp_path / "opt.pt"
+    torch.save(opt.state_dict(), path)
+    script = ("import sys, torch; sd = torch.load(sys.argv[1]); carrier = sd['state'][0]['compressed_opt']['rank0']; "
+              "print(type(carrier).__name__, carrier.dtype, 'compressed_opt' in sys.modules)")
+    out = subprocess.run([sys.executable, "-P", "-c", script, str(path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["Tensor", "torch.uint8", "False"], out.stdout
+    results = []
+    for sd in (opt.state_dict(), torch.load(path)):
+        fresh_model, fresh = _make("OnebitAdam", seed=1)
+        fresh_model.load_state_dict(model.state_dict())
+        fresh.load_state_dict(sd)
+        _train(fresh_model, fresh, 0, range(SAVE_AT + 1, STEPS + 1))
+        results.append(_tensors(fresh_model, fresh))
+    assert all(torch.equal(a, b) for a, b in zip(*results))

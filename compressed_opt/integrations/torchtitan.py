@@ -21,21 +21,15 @@ does beyond torchtitan's, and why:
 * **the group keys** ``fused`` / ``foreach`` that torchtitan adds to every group from
   ``implementation`` are left out of ours (they select torch kernels our optimizers do not have);
   a value set in ``optimizer_kwargs`` is passed on.
-* **checkpoints**: torchtitan's container flattens each optimizer's ``state`` and ``param_groups``
-  and drops the rest, which for ours is the stage, counters and each rank's error feedback; and
-  it makes missing state with a zero-learning-rate step, which for ours would be a step of the
-  job. Our optimizers' state goes instead through :class:`compressed_opt.dcp.OptimizerState` under
-  the keys ``compressed_opt.<k>.*`` (``k`` the optimizer's place in the container): the moments
-  as DTensors DCP can reshard, each rank's own part under its own key. The other optimizers'
-  state is torchtitan's, as before. A resume is on the same ranks and mesh (as
-  ``OptimizerState``'s default); pipeline parallelism is not supported here (every stage would
-  write ``compressed_opt.0``).
+* **checkpoints**: torchtitan's own. Its container flattens each optimizer's state dict and
+  keeps the entries the live optimizer state names; ours carry each rank's own state (stage,
+  counters, error feedback) in a record under the first parameter's ``compressed_opt`` entry,
+  which their live state names (:mod:`compressed_opt.torch_state_dict`), each rank under its own
+  key, and DTensor moments DCP saves per shard. A resume is on the same ranks and mesh.
 
 torchtitan is imported when the container is first named, never by ``import compressed_opt``.
 """
 from __future__ import annotations
-
-from typing import Any
 
 # (and CompressedOptimizersContainer, made when first named: see __getattr__; not in ``import *``,
 # which would import torchtitan)
@@ -45,8 +39,6 @@ __all__ = ["NAMES", "onebit_config"]
 NAMES = ("OnebitAdam", "OnebitLamb", "ZeroOneAdam")
 #: the group keys torchtitan derives from ``implementation`` for torch's optimizers
 IMPLEMENTATION_KEYS = ("fused", "foreach")
-#: the prefix of our optimizers' entries in the container's state dict
-PREFIX = "compressed_opt"
 
 
 def _factories() -> dict:
@@ -88,13 +80,6 @@ def _container_class():
     from dataclasses import dataclass
 
     from torchtitan.components.optimizer import OptimizersContainer
-    from torchtitan.components.optimizer.utils import (
-        get_flat_optim_state_dict,
-        init_optim_state,
-        load_flat_optim_state_dict,
-    )
-
-    from compressed_opt.dcp import OptimizerState
 
     class CompressedOptimizersContainer(OptimizersContainer):
         """torchtitan's ``OptimizersContainer`` that also knows ``OnebitAdam``, ``OnebitLamb`` and
@@ -129,33 +114,6 @@ def _container_class():
                         if key in impl_kwargs and key not in pg.optimizer_kwargs:
                             group.pop(key, None)
             return groups, patterns
-
-        def _ours(self) -> list:
-            ours = tuple(_factories().values())
-            return [(k, o) for k, o in enumerate(self.optimizers) if isinstance(o, ours)]
-
-        def state_dict(self) -> dict[str, Any]:
-            ours = dict(self._ours())
-            result: dict[str, Any] = {}
-            for k, optim in enumerate(self.optimizers):
-                if k in ours:
-                    sd = OptimizerState(optim).state_dict()
-                    result.update({f"{PREFIX}.{k}.{key}": value for key, value in sd.items()})
-                else:
-                    init_optim_state(optim)
-                    result.update(get_flat_optim_state_dict(optim))
-            return result
-
-        def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-            ours = dict(self._ours())
-            for k, optim in enumerate(self.optimizers):
-                if k in ours:
-                    prefix = f"{PREFIX}.{k}."
-                    OptimizerState(optim).load_state_dict(
-                        {key[len(prefix):]: value for key, value in state_dict.items() if key.startswith(prefix)})
-                else:
-                    init_optim_state(optim)
-                    load_flat_optim_state_dict(optim, state_dict)
 
     CompressedOptimizersContainer.__module__ = __name__
     CompressedOptimizersContainer.__qualname__ = "CompressedOptimizersContainer"
