@@ -114,11 +114,12 @@ def record_in(value):
 
 def hold_carrier(state, param_groups: list) -> None:
     """``state[first]["compressed_opt"] = {}`` in the optimizer's live ``state``, ``first`` the first
-    parameter of ``param_groups`` that holds state: the key under which :func:`publish` carries this rank's record.
-    torch's load of a flattened state dict (``flatten_optimizer_state_dict=True``) rebuilds a
-    parameter's state from the names its live state holds, and would drop the record otherwise
-    (torch's LBFGS likewise keeps its own state in its first parameter's)."""
-    first = next((p for g in param_groups for p in g["params"] if p in state), None)
+    trainable parameter of ``param_groups`` that holds state: the key under which :func:`publish`
+    carries this rank's record. torch's load of a flattened state dict
+    (``flatten_optimizer_state_dict=True``) rebuilds a parameter's state from the names its live
+    state holds, and would drop the record otherwise; it skips a frozen parameter's state. (torch's
+    LBFGS likewise keeps its own state in its first parameter's.)"""
+    first = next((p for g in param_groups for p in g["params"] if p.requires_grad and p in state), None)
     if first is not None and CARRIER not in state[first]:
         state[first][CARRIER] = {}
 
@@ -149,7 +150,9 @@ def publish(sd: dict, params: list, tensor_names: tuple, rank_state_names: tuple
         state[pid] = {k: v if not is_dtensor(p) else DTensor.from_local(
                           v, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
                       for k, v in st.items() if k in tensor_names}
-    first = next((pid for pid in positions if isinstance(state.get(pid), Mapping)), None)
+    # (the first trainable parameter with state, as hold_carrier's: torch's loads skip a frozen one's)
+    first = next((pid for pid in positions if isinstance(state.get(pid), Mapping) and param_of[pid].requires_grad),
+                 None)
     if first is not None:  # (before the first step nothing holds state: "compressed_opt" is only at the top)
         record = {"extra": sd[CARRIER], "state": rest, "params": own_params}
         rank = job_position(backend)[0]

@@ -330,3 +330,34 @@ def test_a_saved_state_dict_loads_with_weights_only_and_nothing_of_compressed_op
         _train(fresh_model, fresh, 0, range(SAVE_AT + 1, STEPS + 1))
         results.append(_tensors(fresh_model, fresh))
     assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_a_flattened_state_dict_carries_the_record_past_a_frozen_first_parameter():
+    """The first parameter frozen (``requires_grad=False``) and its state entry made by a look-up
+    (``optimizer.state`` is a defaultdict): torch's loads skip a frozen parameter's state, so the
+    record rides with the first trainable one, and a flattened state dict resumes bit for bit."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    results = []
+    for through_torch in (False, True):
+        model, opt = _make("OnebitAdam")
+        model[0].weight.requires_grad_(False)
+        opt.state[model[0].weight]  # noqa: B018  (a look-up: an empty entry, as user code makes one)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            _train(model, opt, 0, range(1, SAVE_AT + 1))
+        fresh_model, fresh = _make("OnebitAdam", seed=1)
+        fresh_model.load_state_dict(model.state_dict())
+        fresh_model[0].weight.requires_grad_(False)
+        if through_torch:
+            osd = get_optimizer_state_dict(model, opt, options=options)
+            assert [k for k in osd if ".compressed_opt." in k] == ["state.0.bias.compressed_opt.rank0"]
+            set_optimizer_state_dict(fresh_model, fresh, osd, options=options)
+        else:
+            fresh.load_state_dict(opt.state_dict())
+        assert fresh.global_step == SAVE_AT and fresh.compressing
+        _train(fresh_model, fresh, 0, range(SAVE_AT + 1, STEPS + 1))
+        results.append(_tensors(fresh_model, fresh))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
