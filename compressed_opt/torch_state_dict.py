@@ -42,8 +42,6 @@ together fail in torch 2.13 for its own AdamW too (``KeyError``).
 """
 from __future__ import annotations
 
-import copy
-import io
 import warnings
 from collections.abc import Mapping
 
@@ -71,11 +69,12 @@ class RankRecord(int):
     (pickled) and loads it whole, whatever the loading state dict holds at that key; a tensor
     would have to match the template's size, which a fresh optimizer cannot know.
 
-    Pickled (DCP, ``torch.save``, ``copy.deepcopy``) it is the record serialized by ``torch.save``
-    into a uint8 tensor (:func:`record_in` reads it back): a tensor, so that torch's full state
-    dict load and ``torch.load(weights_only=True)`` take it as they take a tensor, with nothing of
-    compressed_opt imported (a framework may load a checkpoint before it makes the optimizer).
-    Pickling copies the record once more (host memory, for the time of the save)."""
+    Pickled (DCP, ``torch.save``), it is :func:`rank_record` of its rank and record: the record's
+    tensors are written as tensors, once with the state dict's other references to them. The
+    function is registered with ``torch.serialization.add_safe_globals`` when compressed_opt is
+    imported, so ``torch.load(weights_only=True)`` reads a checkpoint holding one in a process that
+    imported compressed_opt; elsewhere torch's error names it (``import compressed_opt`` first:
+    Lightning loads a checkpoint before ``configure_optimizers``)."""
 
     def __new__(cls, rank: int, record: dict):
         obj = super().__new__(cls, rank)
@@ -83,15 +82,7 @@ class RankRecord(int):
         return obj
 
     def __reduce__(self):
-        buffer = io.BytesIO()
-        torch.save(self.record, buffer)
-        return torch.frombuffer(buffer.getbuffer(), dtype=torch.uint8).__reduce_ex__(2)
-
-    def __copy__(self):
-        return RankRecord(int(self), self.record)
-
-    def __deepcopy__(self, memo):
-        return RankRecord(int(self), copy.deepcopy(self.record, memo))
+        return rank_record, (int(self), self.record)
 
     def __repr__(self) -> str:
         return f"RankRecord(rank={int(self)})"
@@ -99,14 +90,19 @@ class RankRecord(int):
     __str__ = __repr__
 
 
+def rank_record(rank: int, record: dict) -> RankRecord:
+    """:class:`RankRecord` ``rank``'s ``record`` (what a pickled one is made again by)."""
+    return RankRecord(rank, record)
+
+
+torch.serialization.add_safe_globals([rank_record])
+
+
 def record_in(value):
-    """The record a carrier value holds: a :class:`RankRecord`'s, a pickled one's (its uint8
-    tensor), or the one-tuple of checkpoints written before (compressed_opt through stop 54);
-    ``None`` for anything else."""
+    """The record a carrier value holds: a :class:`RankRecord`'s, or the one-tuple of checkpoints
+    written before it (compressed_opt through stop 54); ``None`` for anything else."""
     if isinstance(value, RankRecord):
         return getattr(value, "record", None)
-    if isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and value.dim() == 1:
-        return torch.load(io.BytesIO(value.cpu().numpy().tobytes()), weights_only=True)
     if isinstance(value, tuple) and len(value) == 1:
         return value[0]
     return None

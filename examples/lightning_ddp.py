@@ -22,6 +22,9 @@ from pytorch_lightning.callbacks import ModelCheckpoint  # noqa: E402
 import torch  # noqa: E402
 from transformers import GPT2LMHeadModel  # noqa: E402
 
+# (imported before Lightning loads a checkpoint, which it does before configure_optimizers:
+# torch.load(weights_only=True) reads the optimizer's record once compressed_opt is imported)
+import compressed_opt  # noqa: E402,F401
 import harness  # noqa: E402
 
 

@@ -43,6 +43,9 @@ from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module  # noqa: E402
 
+# (imported before Lightning loads a checkpoint, which it does before configure_optimizers:
+# torch.load(weights_only=True) reads the optimizer's record once compressed_opt is imported)
+import compressed_opt  # noqa: E402,F401
 import harness  # noqa: E402
 
 DIM, HEADS, LAYERS = 64, 2, 2

@@ -395,3 +395,18 @@ def test_exchange_groups_reports_every_mode(tmp_path):
     assert rows["one group"]["buckets"] == 1 and rows["a group each"]["buckets"] == 6
     assert rows["one group"]["per_extra_bucket_s"] is None
     assert all(r["step_s"] > 0 for r in rows.values()) and "per extra bucket" in done.stdout
+
+
+def test_checkpoint_cost_measures_every_way_of_saving(tmp_path):
+    """``benchmarks/checkpoint_cost.py`` on small layers, this checkout only: each way of saving
+    (``torch.save``, DCP, DCP flattened) saved, loaded and measured, bytes written counted."""
+    out = tmp_path / "cost.json"
+    proc = _run_script(tmp_path, "checkpoint_cost.py", "--width", "64", "--repeats", "1", "--json", str(out),
+                       timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = json.loads(out.read_text())["runs"]["this"]
+    assert sorted(runs) == ["dcp", "dcp-flat", "torch.save"]
+    for mode, (run,) in runs.items():
+        assert "refused" not in run, (mode, run)
+        assert run["params"] == 6 * (64 * 64 + 64) and run["bytes"] > 8 * run["params"], (mode, run)
+        assert run["save_s"] > 0 and run["load_s"] > 0 and "save_peak" in run and "load_peak" in run, (mode, run)

@@ -307,29 +307,53 @@ def test_a_legacy_checkpoint_resumes_with_legacy_true_and_is_refused_without(tmp
         OptimizerState(opt, reshard=True, legacy=True)
 
 
-def test_a_saved_state_dict_loads_with_weights_only_and_nothing_of_compressed_opt_imported(tmp_path):
-    """Lightning loads a checkpoint before it makes the optimizer: ``torch.load`` (``weights_only``
-    by default) in a process that never imported compressed_opt reads the state dict, the record
-    carrier a uint8 tensor (a pickled ``RankRecord``), which ``load_state_dict`` then resumes from."""
+def test_a_saved_state_dict_loads_with_weights_only_once_compressed_opt_is_imported(tmp_path):
+    """``torch.load`` (``weights_only`` by default) reads a saved state dict in a process that
+    imported compressed_opt (which registers its record's type as safe), and ``load_state_dict``
+    resumes from it bit for bit; without the import torch's error names what to import. The
+    record's tensors are written once with the state dict's other references to them: one storage
+    written per storage held."""
     import subprocess
     import sys
 
     model, opt = _compressing("OnebitAdam")
     path = tmp_path / "opt.pt"
     torch.save(opt.state_dict(), path)
-    script = ("import sys, torch; sd = torch.load(sys.argv[1]); carrier = sd['state'][0]['compressed_opt']['rank0']; "
-              "print(type(carrier).__name__, carrier.dtype, 'compressed_opt' in sys.modules)")
-    out = subprocess.run([sys.executable, "-P", "-c", script, str(path)], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["Tensor", "torch.uint8", "False"], out.stdout
+    script = ("import sys, torch\nif sys.argv[2] == 'import': import compressed_opt\nsd = torch.load(sys.argv[1])\n"
+              "print(type(sd['state'][0]['compressed_opt']['rank0']).__name__)")
+    runs = [subprocess.run([sys.executable, "-P", "-c", script, str(path), how], capture_output=True, text=True,
+                           timeout=120) for how in ("import", "no import")]
+    assert runs[0].returncode == 0 and runs[0].stdout.split() == ["RankRecord"], runs[0].stderr[-2000:]
+    assert runs[1].returncode != 0 and "compressed_opt.torch_state_dict.rank_record" in runs[1].stderr
+    sd = opt.state_dict()
+    held = {t.untyped_storage().data_ptr() for t in _tensors_in(sd)}
+    import zipfile
+
+    written = [n for n in zipfile.ZipFile(path).namelist() if "/data/" in n]  # (one entry per storage)
+    assert len(written) == len(held), (written, len(held))
     results = []
-    for sd in (opt.state_dict(), torch.load(path)):
+    for state_dict in (sd, torch.load(path)):
         fresh_model, fresh = _make("OnebitAdam", seed=1)
         fresh_model.load_state_dict(model.state_dict())
-        fresh.load_state_dict(sd)
+        fresh.load_state_dict(state_dict)
         _train(fresh_model, fresh, 0, range(SAVE_AT + 1, STEPS + 1))
         results.append(_tensors(fresh_model, fresh))
     assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def _tensors_in(value):
+    from compressed_opt.torch_state_dict import record_in
+
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif record_in(value) is not None:
+        yield from _tensors_in(record_in(value))
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors_in(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors_in(v)
 
 
 def test_a_flattened_state_dict_carries_the_record_past_a_frozen_first_parameter():
