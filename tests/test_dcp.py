@@ -385,3 +385,19 @@ def test_a_flattened_state_dict_carries_the_record_past_a_frozen_first_parameter
         _train(fresh_model, fresh, 0, range(SAVE_AT + 1, STEPS + 1))
         results.append(_tensors(fresh_model, fresh))
     assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_a_flattened_state_dict_of_another_optimizer_is_refused_and_nothing_is_loaded():
+    """A flattened state dict (torchtitan's) of 1-bit LAMB loaded into 1-bit Adam over the same
+    model: the record says whose it is, and loading raises, naming both, the optimizer untouched."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    model, lamb = _compressing("OnebitLamb")
+    osd = get_optimizer_state_dict(model, lamb, options=options)
+    fresh_model, fresh = _make("OnebitAdam", seed=1)
+    with pytest.raises(ValueError, match="OnebitLamb") as caught:
+        set_optimizer_state_dict(fresh_model, fresh, osd, options=options)
+    assert "OnebitAdam" in str(caught.value)
+    assert fresh.global_step == 1 and not fresh.compressing  # (torch's own step at lr 0 only)
