@@ -278,12 +278,14 @@ class DiLoCo(torch.optim.Optimizer):
 
     def _hold_carrier(self) -> None:
         """``state[first parameter]["compressed_opt"]``: where :meth:`state_dict` puts this rank's
-        record. Held empty in ``optimizer.state``, so that the state is never empty: torch's
-        ``get/set_optimizer_state_dict`` take a step (at lr 0, on zero gradients) of an optimizer
-        whose state is empty, which for DiLoCo would be an inner step at the inner lr."""
+        record. Held in ``optimizer.state`` (the job rank, a number, as the 1-bit optimizers'
+        :func:`compressed_opt.torch_state_dict.hold_carrier`), so that the state is never empty:
+        torch's ``get/set_optimizer_state_dict`` take a step (at lr 0, on zero gradients) of an
+        optimizer whose state is empty, which for DiLoCo would be an inner step at the inner lr; and
+        their loads of a flattened state dict keep only the entries the live state names."""
         first = self.param_groups[0]["params"][0]
         self.state.clear()
-        self.state[first] = {CARRIER: {}}
+        self.state[first] = {CARRIER: job_position(self.backend)[0]}
 
     def _fragment(self, index: int, params: list, offset: int, state_device) -> Fragment:
         local = [_local(p).detach() for p in params]

@@ -184,7 +184,7 @@ class Algorithm:
                             row.copy_(old)
                         self.state[p][name] = row
         # (torch's and torchtitan's loads of a flattened state dict keep the entries the live state names)
-        torch_state_dict.hold_carrier(self.state, self.param_groups)
+        torch_state_dict.hold_carrier(self.state, self.param_groups, self.engine.backend)
 
     def new_state(self, param, name: str, view: torch.Tensor) -> None:
         """A parameter's state ``name`` was just made (zeros), as ``view``: set its first value
@@ -526,7 +526,7 @@ class CompressedOptimizer(Optimizer):
             self._optimizer_load_state_dict_pre_hooks = pre_hooks
             self._optimizer_load_state_dict_post_hooks = post_hooks
         self._consolidated = None
-        torch_state_dict.hold_carrier(self.state, self.param_groups)
+        torch_state_dict.hold_carrier(self.state, self.param_groups, self.engine.backend)
         self.engine.prepare_backward()  # (the loaded stage decides the next backward's averaging)
         for hook in list(post_hooks.values()):
             hook(self)

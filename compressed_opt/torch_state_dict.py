@@ -21,7 +21,7 @@ So ``state_dict()`` (:func:`publish`):
   need not match a fresh optimizer's, whose state dict is DCP's template on load).
 
 The optimizer's live state names the carrier: ``optimizer.state[first]["compressed_opt"]`` is
-held empty (:func:`hold_carrier`), because torch's load of a flattened state dict (and
+holds the job rank (:func:`hold_carrier`), because torch's load of a flattened state dict (and
 torchtitan's own) rebuilds a parameter's state from the names its live state holds.
 
 :func:`unpack` (in ``load_state_dict``, under its checks, so that a rank that cannot load makes
@@ -108,16 +108,19 @@ def record_in(value):
     return None
 
 
-def hold_carrier(state, param_groups: list) -> None:
-    """``state[first]["compressed_opt"] = {}`` in the optimizer's live ``state``, ``first`` the first
+def hold_carrier(state, param_groups: list, backend) -> None:
+    """``state[first]["compressed_opt"] = R`` (the job rank) in the optimizer's live ``state``,
+    ``first`` the first
     trainable parameter of ``param_groups`` that holds state: the key under which :func:`publish`
     carries this rank's record. torch's load of a flattened state dict
     (``flatten_optimizer_state_dict=True``) rebuilds a parameter's state from the names its live
     state holds, and would drop the record otherwise; it skips a frozen parameter's state. (torch's
-    LBFGS likewise keeps its own state in its first parameter's.)"""
+    LBFGS likewise keeps its own state in its first parameter's.) A number, as the state's other
+    entries are tensors and numbers: code that walks ``optimizer.state`` converting values to
+    tensors keeps working."""
     first = next((p for g in param_groups for p in g["params"] if p.requires_grad and p in state), None)
     if first is not None and CARRIER not in state[first]:
-        state[first][CARRIER] = {}
+        state[first][CARRIER] = job_position(backend)[0]
 
 
 def without_carrier(state: Mapping) -> dict:
@@ -169,7 +172,8 @@ def unpack(state_dict: Mapping, rank_state_names: tuple, backend, name: str) -> 
     for pid, st in state.items():
         if isinstance(st, Mapping) and (CARRIER in st or any(is_dtensor(v) for v in st.values())):
             st = dict(st)
-            carried.update(st.pop(CARRIER, None) or {})
+            value = st.pop(CARRIER, None)
+            carried.update(value if isinstance(value, Mapping) else {})  # (a live state's: the rank only)
             for k, v in st.items():
                 if is_dtensor(v):
                     st[k], converted = local_tensor(v), True
