@@ -134,12 +134,16 @@ def main() -> int:
     p.add_argument("--against", metavar="REV", help="also measure an install of git revision REV")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--width", type=int, default=WIDTH, help="of the 6 square layers (default %(default)s)")
+    p.add_argument("--modes", default=",".join(MODES), help="of %(default)s")
     p.add_argument("--json", metavar="FILE", help="write every measurement here")
     p.add_argument("--child", nargs=2, metavar=("MODE", "OUT"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         _child(*args.child, args.width)
         return 0
+    modes = args.modes.split(",")
+    if set(modes) - set(MODES):
+        p.error(f"--modes: {sorted(set(modes) - set(MODES))} are not among {MODES}")
     sys.path.insert(0, HERE)
     from bit_identity import _install
 
@@ -147,14 +151,14 @@ def main() -> int:
         trees = {"this": None}
         if args.against:
             trees[args.against] = _install(args.against, tmp)
-        runs = {tree: {mode: [] for mode in MODES} for tree in trees}
+        runs = {tree: {mode: [] for mode in modes} for tree in trees}
         for _ in range(args.repeats):
-            for mode in MODES:
+            for mode in modes:
                 for tree, site in trees.items():  # (alternated: the machine's drift falls on both alike)
                     runs[tree][mode].append(_run(site, mode, args.width))
     print(f"{'mode':<11} {'tree':<9} {'save s':>7} {'save peak MB':>13} {'load s':>7} {'load peak MB':>13} "
           f"{'MB written':>11}")
-    for mode in MODES:
+    for mode in modes:
         for tree in trees:
             done = [r for r in runs[tree][mode] if "refused" not in r]
             if not done:

@@ -397,15 +397,16 @@ def test_exchange_groups_reports_every_mode(tmp_path):
     assert all(r["step_s"] > 0 for r in rows.values()) and "per extra bucket" in done.stdout
 
 
-def test_checkpoint_cost_measures_every_way_of_saving(tmp_path):
-    """``benchmarks/checkpoint_cost.py`` on small layers, this checkout only: each way of saving
-    (``torch.save``, DCP, DCP flattened) saved, loaded and measured, bytes written counted."""
+def test_checkpoint_cost_measures_a_way_of_saving(tmp_path):
+    """``benchmarks/checkpoint_cost.py`` on small layers, this checkout only, DCP flattened (the
+    other ways run the same code with another save and load): saved, loaded and measured, the
+    bytes written counted."""
     out = tmp_path / "cost.json"
-    proc = _run_script(tmp_path, "checkpoint_cost.py", "--width", "64", "--repeats", "1", "--json", str(out),
-                       timeout=300)
+    proc = _run_script(tmp_path, "checkpoint_cost.py", "--width", "64", "--repeats", "1", "--modes", "dcp-flat",
+                       "--json", str(out), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = json.loads(out.read_text())["runs"]["this"]
-    assert sorted(runs) == ["dcp", "dcp-flat", "torch.save"]
+    assert sorted(runs) == ["dcp-flat"]
     for mode, (run,) in runs.items():
         assert "refused" not in run, (mode, run)
         assert run["params"] == 6 * (64 * 64 + 64) and run["bytes"] > 8 * run["params"], (mode, run)
