@@ -102,10 +102,13 @@ def _digest(h, tensors) -> None:
 
 
 def _state_digest(opt) -> str:
+    """The per-parameter state's tensors and numbers, but for the entry that names where
+    ``state_dict()`` carries the record for torch's state_dict API (the job rank:
+    ``compressed_opt.torch_state_dict.hold_carrier``), bookkeeping, not what the optimizer computed."""
     h = hashlib.sha256()
     for p in (p for g in opt.param_groups for p in g["params"]):
         st = opt.state.get(p, {})
-        for k in sorted(st):
+        for k in sorted(k for k in st if k != "compressed_opt"):
             v = st[k]
             if torch.is_tensor(v):
                 h.update(k.encode())
