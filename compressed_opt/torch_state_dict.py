@@ -20,8 +20,8 @@ So ``state_dict()`` (:func:`publish`):
   takes tensors, ints, floats and dicts) and one object to DCP, saved and loaded whole (its size
   need not match a fresh optimizer's, whose state dict is DCP's template on load).
 
-The optimizer's live state names the carrier: ``optimizer.state[first]["compressed_opt"]`` is
-holds the job rank (:func:`hold_carrier`), because torch's load of a flattened state dict (and
+The optimizer's live state names the carrier: ``optimizer.state[first]["compressed_opt"]`` holds
+the job rank (:func:`hold_carrier`), because torch's load of a flattened state dict (and
 torchtitan's own) rebuilds a parameter's state from the names its live state holds.
 
 :func:`unpack` (in ``load_state_dict``, under its checks, so that a rank that cannot load makes
@@ -110,9 +110,8 @@ def record_in(value):
 
 def hold_carrier(state, param_groups: list, backend) -> None:
     """``state[first]["compressed_opt"] = R`` (the job rank) in the optimizer's live ``state``,
-    ``first`` the first
-    trainable parameter of ``param_groups`` that holds state: the key under which :func:`publish`
-    carries this rank's record. torch's load of a flattened state dict
+    ``first`` the first trainable parameter of ``param_groups`` that holds state: the key under
+    which :func:`publish` carries this rank's record. torch's load of a flattened state dict
     (``flatten_optimizer_state_dict=True``) rebuilds a parameter's state from the names its live
     state holds, and would drop the record otherwise; it skips a frozen parameter's state. (torch's
     LBFGS likewise keeps its own state in its first parameter's.) A number, as the state's other
