@@ -258,6 +258,16 @@ def _resume(rank, world, folder, load, name):
     return losses
 
 
+def _checkpoint_keys(root) -> list[str]:
+    """The keys of the one DCP checkpoint under ``root``."""
+    import os
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    (folder,) = [d for d, _, names in os.walk(root) if ".metadata" in names]
+    return list(FileSystemReader(folder).read_metadata().state_dict_metadata)
+
+
 # torchtitan 0.3.0's checkpoint of the 3-D mesh (dp_replicate x dp_shard x tp) on CPU does not give back the
 # trained model: with its own AdamW, a model saved after 1 (2) steps loads 1.5e-3 (4.5e-3) away from the trained
 # one in every parameter, one update per step taken, and the step-21 loss after a step-20 resume is 6.35 against
@@ -275,6 +285,11 @@ def test_resume_from_a_step_20_checkpoint_reproduces_the_step_40_loss(tmp_path, 
     uninterrupted run's, bit for bit. (Our own 3-D resume, through torch's state_dict API and DCP,
     is bit for bit: tests/test_torch_state_dict.py.)"""
     whole = run_ranks(_resume, world, str(tmp_path), False, name, timeout=400)
+    # torchtitan's own checkpoint (the container does not override it): its flat optimizer state,
+    # every rank's record under its own key beside the moments
+    keys = _checkpoint_keys(tmp_path)
+    assert {k.rsplit(".rank", 1)[1] for k in keys if ".compressed_opt.rank" in k} == {str(r) for r in range(world)}
+    assert any(k.endswith(".exp_avg") for k in keys) and not any(".compressed_opt.0." in k for k in keys)
     resumed = run_ranks(_resume, world, str(tmp_path), True, name, timeout=400)
     for w, r in zip(whole, resumed):
         assert sorted(r) == list(range(21, STEPS + 1))
