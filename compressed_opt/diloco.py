@@ -632,12 +632,12 @@ class DiLoCo(torch.optim.Optimizer):
         The error buffers of another number of replicas, or of another rank (one file loaded on
         every rank), start again from zero (with a warning); another rank's state dict is refused
         where the parameters are sharded (each rank's state is its shard's)."""
-        theta = None
+        theta, here = None, job_position(self.backend)[0]
         if isinstance(state_dict, dict) and "diloco" not in state_dict:  # (through torch's state_dict API)
-            state_dict = _own_record(state_dict, job_position(self.backend)[0]) or state_dict
+            state_dict = _own_record(state_dict, here) or state_dict
         ranks = state_dict.get("diloco", {}).get("ranks") if isinstance(state_dict, dict) else None
-        if isinstance(ranks, dict) and job_position(self.backend)[0] in ranks:  # (consolidate_state_dict's)
-            state_dict = ranks[job_position(self.backend)[0]]
+        if isinstance(ranks, dict) and here in ranks:  # (consolidate_state_dict's)
+            state_dict = ranks[here]
         if isinstance(state_dict, dict) and "inner_dtensors" in state_dict:  # (a record: rank_record)
             state_dict = _dtensor_inner_state(self, dict(state_dict))
             theta = state_dict.pop("theta")
@@ -654,7 +654,7 @@ class DiLoCo(torch.optim.Optimizer):
         if differ:
             raise ValueError(f"DiLoCo.load_state_dict: the checkpoint's (saved, this) {differ} differ: resume with "
                              "the same options")
-        here, saved_rank = job_position(self.backend)[0], extra.get("rank")  # (None: an earlier version's)
+        saved_rank = extra.get("rank")  # (None: an earlier version's)
         foreign = saved_rank is not None and saved_rank != here
         if foreign and any(is_dtensor(p) for p in self._params):
             raise ValueError(f"DiLoCo.load_state_dict: this state dict is rank {saved_rank}'s and this is rank {here}: "
@@ -748,26 +748,16 @@ def _own_record(state_dict: dict, rank: int) -> dict | None:
     carrier = next((st[CARRIER] for st in state.values() if isinstance(st, dict) and CARRIER in st), None)
     if carrier is None:
         return None
-    carrier = carrier if isinstance(carrier, dict) else {}
-    records = {k: record_in(v) for k, v in carrier.items()}
-    if any(isinstance(v, list) for v in carrier.values()):
-        raise ValueError("DiLoCo.load_state_dict: this state dict was saved by an earlier compressed_opt through "
-                         "torch's full state dict (full_state_dict=True), which took its record apart. Save it "
-                         "sharded (through DCP), or each rank's DiLoCo.state_dict()")
+    records = {k: record_in(v) for k, v in carrier.items()} if isinstance(carrier, dict) else {}
     if any(not isinstance(v, dict) for v in records.values()):
-        raise ValueError(f"DiLoCo.load_state_dict: the state dict's carrier holds {sorted(carrier)}, not records "
+        raise ValueError(f"DiLoCo.load_state_dict: the state dict's carrier holds {sorted(records)}, not records "
                          "DiLoCo wrote")
-    key = f"rank{rank}"
-    mine = records.get(key)
-    # (torch's load of a full state dict merges it into the loading optimizer's own: where one rank
-    # saved it, this rank's record there is the loading optimizer's, of another step)
-    steps = {r.get("diloco", {}).get("inner_step") for k, r in records.items() if k != key}
-    if mine is not None and (not steps or mine.get("diloco", {}).get("inner_step") in steps):
-        return mine
-    raise ValueError(f"DiLoCo.load_state_dict: this state dict holds the records of "
-                     f"{sorted(k for k in records if k != key)} and not rank {rank}'s: a DiLoCo checkpoint through "
-                     "torch's state_dict API resumes on the same ranks, each its own record (a sharded one, or a "
-                     "full one that every rank saved through DCP)")
+    mine = records.get(f"rank{rank}")
+    if mine is None:
+        raise ValueError(f"DiLoCo.load_state_dict: this state dict holds the records of {sorted(records)} and not "
+                         f"rank {rank}'s: a DiLoCo checkpoint through torch's state_dict API resumes on the same "
+                         "ranks, each its own record")
+    return mine
 
 
 def _check_theta(diloco: DiLoCo, theta: list) -> None:

@@ -197,13 +197,10 @@ def _records(carried: Mapping, name: str) -> dict[int, dict]:
                 f"{name}.load_state_dict: this state dict was saved by an earlier compressed_opt through torch's "
                 "full state dict (full_state_dict=True), which took its record apart: it cannot resume the "
                 "compression stage. Load it sharded (full_state_dict=False, through DCP), or save it again")
-        record = carried_record = None
-        if isinstance(key, str) and key.startswith("rank") and key[4:].isdigit():
-            carried_record = record_in(value)
-        if isinstance(carried_record, Mapping) and {"extra", "state", "params"} <= set(carried_record) \
-                and isinstance(carried_record["extra"], Mapping):
-            record = carried_record
-        if record is None:
+        ranked = isinstance(key, str) and key.startswith("rank") and key[4:].isdigit()
+        record = record_in(value) if ranked else None
+        if not (isinstance(record, Mapping) and {"extra", "state", "params"} <= set(record)
+                and isinstance(record["extra"], Mapping)):
             raise ValueError(f"{name}.load_state_dict: the state dict's carrier of compressed_opt's entry holds "
                              f"{key!r}: a {type(value).__name__}, not a record compressed_opt wrote")
         out[int(key[4:])] = record

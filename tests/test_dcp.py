@@ -20,6 +20,7 @@ from compressed_opt.dcp import OptimizerState
 
 from distributed import run_ranks
 from layouts import legacy
+from test_optim_contract import tensors_in
 
 CONFIGS = {
     "OnebitAdam": dict(freeze_step=3),
@@ -326,7 +327,7 @@ def test_a_saved_state_dict_loads_with_weights_only_once_compressed_opt_is_impor
     assert runs[0].returncode == 0 and runs[0].stdout.split() == ["RankRecord"], runs[0].stderr[-2000:]
     assert runs[1].returncode != 0 and "compressed_opt.torch_state_dict.rank_record" in runs[1].stderr
     sd = opt.state_dict()
-    held = {t.untyped_storage().data_ptr() for t in _tensors_in(sd)}
+    held = {t.untyped_storage().data_ptr() for t in tensors_in(sd)}
     import zipfile
 
     written = [n for n in zipfile.ZipFile(path).namelist() if "/data/" in n]  # (one entry per storage)
@@ -339,21 +340,6 @@ def test_a_saved_state_dict_loads_with_weights_only_once_compressed_opt_is_impor
         _train(fresh_model, fresh, 0, range(SAVE_AT + 1, STEPS + 1))
         results.append(_tensors(fresh_model, fresh))
     assert all(torch.equal(a, b) for a, b in zip(*results))
-
-
-def _tensors_in(value):
-    from compressed_opt.torch_state_dict import record_in
-
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif record_in(value) is not None:
-        yield from _tensors_in(record_in(value))
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _tensors_in(v)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _tensors_in(v)
 
 
 def test_a_flattened_state_dict_carries_the_record_past_a_frozen_first_parameter():

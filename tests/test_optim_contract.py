@@ -124,8 +124,14 @@ def assert_same(a, b, what=""):
 
 
 def tensors_in(obj):
+    """Every tensor of a state dict, those of the records it carries for torch's state_dict API
+    (``compressed_opt.torch_state_dict.RankRecord``: an int to a walker of containers) included."""
+    from compressed_opt.torch_state_dict import record_in
+
     if isinstance(obj, torch.Tensor):
         yield obj
+    elif record_in(obj) is not None:
+        yield from tensors_in(record_in(obj))
     elif isinstance(obj, dict):
         for v in obj.values():
             yield from tensors_in(v)
